@@ -1,0 +1,170 @@
+"""Point-to-point transport between stages, and the rank layout of pipeline × data parallelism.
+
+Every message is a fixed-size int64 *header* followed by the tensors it describes, so shapes and
+dtypes travel with the data on every step (nothing is cached from the first step). Sends are
+asynchronous (``isend``) and their waits are deferred to :meth:`P2P.flush`, so a stage computes
+micro-batch ``i+1`` while micro-batch ``i`` travels. Transport is ``torch.distributed`` on the
+default group with global ranks: Gloo on CPU, NCCL on CUDA.
+
+Rank layout (W = P × D processes, P stages, D data-parallel replicas): replica ``d`` holds global
+ranks ``d·P … d·P+P-1`` and stage ``s`` of it sits on rank ``d·P + (P-1-s)``. The *last* stage is
+on each pipeline's lowest rank, so global rank 0 holds the real loss and metrics, and Lightning's
+rank-zero logging, progress bar and checkpoint decisions see true values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+HEADER_SLOTS = 64
+_DTYPES: list[torch.dtype] = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+_CODE = {dt: k for k, dt in enumerate(_DTYPES)}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each (replica, stage) runs: ``rank = replica·P + (P-1-stage)``.
+
+    Args:
+        world_size: W, all processes.
+        pipeline_parallel_size: P, stages per pipeline; ``W % P == 0``.
+    """
+
+    world_size: int
+    pipeline_parallel_size: int
+
+    def __post_init__(self) -> None:
+        p, w = self.pipeline_parallel_size, self.world_size
+        if p < 1 or w % p:
+            raise ValueError(
+                f"the world size must be a multiple of pipeline_parallel_size (world size: {w}, "
+                f"pipeline_parallel_size: {p}); set devices × num_nodes to a multiple of it"
+            )
+
+    @property
+    def stages(self) -> int:
+        return self.pipeline_parallel_size
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.pipeline_parallel_size
+
+    def rank(self, replica: int, stage: int) -> int:
+        return replica * self.stages + (self.stages - 1 - stage)
+
+    def stage_of(self, rank: int) -> int:
+        return self.stages - 1 - rank % self.stages
+
+    def replica_of(self, rank: int) -> int:
+        return rank // self.stages
+
+    def data_ranks(self, stage: int) -> list[int]:
+        """Global ranks holding ``stage`` in every replica (its data-parallel group)."""
+        return [self.rank(d, stage) for d in range(self.replicas)]
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """Global ranks of ``replica``'s stages, in stage order."""
+        return [self.rank(replica, s) for s in range(self.stages)]
+
+
+def encode_header(tensors: Sequence[Tensor], is_tuple: bool, count: int, device: torch.device) -> Tensor:
+    """Pack ``[count, is_tuple, n, (dtype, requires_grad, ndim, *shape) × n]`` into int64 slots.
+
+    Raises:
+        ValueError: the description does not fit in :data:`HEADER_SLOTS` slots.
+    """
+    fields = [count, int(is_tuple), len(tensors)]
+    for t in tensors:
+        if t.dtype not in _CODE:
+            raise ValueError(f"cannot send a tensor of dtype {t.dtype} between stages")
+        fields += [_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
+    if len(fields) > HEADER_SLOTS:
+        raise ValueError(
+            f"a stage boundary carries {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dims in all, "
+            f"more than a {HEADER_SLOTS}-slot header can describe; pass fewer tensors between stages"
+        )
+    header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
+    header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
+    return header.to(device)
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What a header says: micro-batch count, tuple-ness and each tensor's (shape, dtype, requires_grad)."""
+
+    count: int
+    is_tuple: bool
+    specs: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
+
+
+def decode_header(header: Tensor) -> Meta:
+    h = header.tolist()
+    count, is_tuple, n = h[0], bool(h[1]), h[2]
+    specs, k = [], 3
+    for _ in range(n):
+        code, rg, ndim = h[k], bool(h[k + 1]), h[k + 2]
+        shape = tuple(h[k + 3 : k + 3 + ndim])
+        specs.append((shape, _DTYPES[code], rg))
+        k += 3 + ndim
+    return Meta(count, is_tuple, tuple(specs))
+
+
+class P2P:
+    """Send and receive tuples of tensors between global ranks, with deferred send waits.
+
+    Args:
+        device: where received tensors are allocated (the stage's device).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: list[tuple[dist.Work, object]] = []
+
+    def send(self, tensors: Sequence[Tensor], dst: int, *, is_tuple: bool = True, count: int = 0) -> None:
+        """Post an asynchronous send of a header and ``tensors`` to ``dst``; waits happen in :meth:`flush`."""
+        header = encode_header(tensors, is_tuple, count, self.device)
+        payload = [header] + [t.detach().contiguous() for t in tensors]
+        for t in payload:
+            work = dist.isend(t, dst)
+            assert work is not None
+            self._pending.append((work, t))  # keep the buffer alive until the send completes
+
+    def recv(self, src: int) -> tuple[Meta, list[Tensor]]:
+        """Receive one message from ``src``: its header, then its tensors (allocated from the header)."""
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        _wait(dist.irecv(header, src))
+        meta = decode_header(header)
+        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
+        works = [dist.irecv(t, src) for t in tensors]
+        for w in works:
+            _wait(w)
+        return meta, tensors
+
+    def flush(self) -> None:
+        """Wait for every posted send."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            work.wait()
+
+
+def _wait(work: dist.Work | None) -> None:
+    assert work is not None
+    work.wait()

@@ -1,0 +1,140 @@
+"""Find the user's pipelined ``nn.Sequential`` and cut it into stages from a balance list."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+
+class PartitionError(ValueError):
+    """The module cannot be cut into the requested stages."""
+
+
+def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential]:
+    """Find the ``nn.Sequential`` to pipeline inside ``module``.
+
+    Args:
+        module: the LightningModule (or any module).
+        module_name: dotted attribute path of the Sequential (e.g. ``"model.layers"``); ``None``
+            picks the only ``nn.Sequential`` that holds every parameter of ``module``.
+
+    Returns:
+        ``(name, sequential)``.
+
+    Raises:
+        PartitionError: the name does not lead to an ``nn.Sequential``; no or several candidates
+            (the message lists them and says to pass ``module_name``); parameters live outside it.
+    """
+    if module_name is not None:
+        try:
+            found = module.get_submodule(module_name)
+        except AttributeError as err:
+            raise PartitionError(
+                f"module_name={module_name!r} does not name a submodule of {type(module).__name__}; "
+                f"its nn.Sequential submodules are: {_sequential_names(module) or 'none'}"
+            ) from err
+        if not isinstance(found, nn.Sequential):
+            raise PartitionError(
+                f"module_name={module_name!r} names a {type(found).__name__}, not an nn.Sequential; "
+                "the pipeline cuts an nn.Sequential into stages"
+            )
+        check_all_parameters_inside(module, module_name, found)
+        return module_name, found
+
+    everything = {id(p) for p in module.parameters()}
+    candidates = [
+        (name, m)
+        for name, m in module.named_modules()
+        if isinstance(m, nn.Sequential) and name and {id(p) for p in m.parameters()} == everything
+    ]
+    if len(candidates) == 1:
+        return candidates[0]
+    if not candidates:
+        raise PartitionError(
+            f"{type(module).__name__} has no nn.Sequential holding all of its parameters "
+            f"(nn.Sequential submodules: {_sequential_names(module) or 'none'}); put the layers to pipeline in one "
+            "nn.Sequential and keep every parameter inside it, or pass GPipeStrategy(module_name=...)"
+        )
+    names = ", ".join(name for name, _ in candidates)
+    raise PartitionError(
+        f"several nn.Sequential submodules of {type(module).__name__} hold all parameters ({names}); "
+        "pass GPipeStrategy(module_name=...) to choose the one to pipeline"
+    )
+
+
+def check_all_parameters_inside(module: nn.Module, name: str, sequential: nn.Sequential) -> None:
+    """Raise :class:`PartitionError` naming parameters of ``module`` outside ``sequential``."""
+    inside = {id(p) for p in sequential.parameters()}
+    outside = [n for n, p in module.named_parameters() if id(p) not in inside]
+    if outside:
+        shown = ", ".join(outside[:5]) + (", ..." if len(outside) > 5 else "")
+        raise PartitionError(
+            f"parameters outside the pipelined nn.Sequential {name!r}: {shown}; "
+            "every parameter must live inside it (move those layers into the Sequential)"
+        )
+
+
+def _sequential_names(module: nn.Module) -> str:
+    return ", ".join(repr(n) for n, m in module.named_modules() if isinstance(m, nn.Sequential) and n)
+
+
+def uniform_balance(num_layers: int, stages: int) -> list[int]:
+    """Split ``num_layers`` into ``stages`` counts as even as possible, larger stages first.
+
+    Raises:
+        PartitionError: ``stages`` is below 1 or above ``num_layers``.
+    """
+    check_stages(num_layers, stages)
+    q, r = divmod(num_layers, stages)
+    return [q + 1 if j < r else q for j in range(stages)]
+
+
+def check_stages(num_layers: int, stages: int) -> None:
+    if stages < 1:
+        raise PartitionError(f"the number of stages must be >= 1, got {stages}")
+    if stages > num_layers:
+        raise PartitionError(
+            f"more pipeline stages than layers (stages: {stages}, layers: {num_layers}); "
+            "use fewer processes (devices × num_nodes / data-parallel size) or a deeper nn.Sequential"
+        )
+
+
+def check_balance(balance: Sequence[int], num_layers: int, stages: int | None = None) -> list[int]:
+    """Validate a balance list (layers per stage).
+
+    Raises:
+        PartitionError: an entry is not a positive integer, the sum differs from ``num_layers``,
+            or the length differs from ``stages``.
+    """
+    balance = list(balance)
+    bad = [b for b in balance if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if bad:
+        raise PartitionError(
+            f"balance entries must be positive integers (balance: {balance}); every stage needs a layer"
+        )
+    if sum(balance) != num_layers:
+        raise PartitionError(
+            f"module and sum of balance have different length (module: {num_layers}, sum of balance: {sum(balance)})"
+        )
+    if stages is not None and len(balance) != stages:
+        raise PartitionError(
+            f"balance has {len(balance)} stages but the pipeline has {stages} (balance: {balance}); "
+            "give one entry per pipeline stage"
+        )
+    return balance
+
+
+def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
+    """``[start, stop)`` layer indices of every stage."""
+    bounds, start = [], 0
+    for n in balance:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+def cut(sequential: nn.Sequential, balance: Sequence[int], stage: int) -> list[tuple[str, nn.Module]]:
+    """The ``(name, layer)`` pairs of stage ``stage``, names as in ``sequential``."""
+    start, stop = stage_bounds(balance)[stage]
+    return list(sequential.named_children())[start:stop]

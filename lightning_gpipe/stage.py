@@ -1,0 +1,267 @@
+"""One pipeline stage: the module that replaces the user's ``nn.Sequential`` on each rank.
+
+:class:`PipelineStage` holds only this rank's layers, under their original names (so its
+``state_dict`` keys are the user's), and runs this stage's column of the fill-drain schedule
+(:mod:`lightning_gpipe.schedule`):
+
+- forward (inside the user's step): split or receive micro-batches, compute each one
+  (recomputable under ``torch.utils.checkpoint``), send it on. The last stage returns the whole
+  mini-batch's output, micro-batches concatenated, as leaves detached from the pipeline's graph
+  so that the user's loss backpropagates only to them; the other stages raise :class:`StageDone`
+  to leave the user's step.
+- backward (when Lightning calls ``backward``): in reverse micro-batch order, receive the output
+  gradient from the next stage (on the last stage: split the leaves' gradients), backpropagate,
+  send the input gradient to the previous stage.
+
+Recompute (GPipe section 2.3, "re-materialization") uses non-reentrant
+``torch.utils.checkpoint`` with the RNG state preserved, so dropout masks in the recompute equal
+those of the forward; BatchNorm layers do not update their running statistics a second time
+during the recompute.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from lightning_gpipe.comm import P2P, Meta
+from lightning_gpipe.microbatch import Batch, as_tensors, from_tensors, join, split
+
+CheckpointMode = Literal["always", "except_last", "never"]
+CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+
+
+class StageDone(BaseException):  # noqa: N818 - a control-flow signal, not an error
+    """Leaves the user's step on a non-last stage once its forward is done.
+
+    A ``BaseException`` so that a user's ``except Exception`` cannot swallow it; the strategy
+    catches it around the step.
+    """
+
+
+class PipelineUsageError(RuntimeError):
+    """The pipelined module was used in a way the pipeline cannot run (e.g. called twice in a step)."""
+
+
+@dataclass
+class StageTopology:
+    """Where a stage sits: its index, the stage count and the global ranks of its neighbours."""
+
+    stage: int
+    stages: int
+    prev_rank: int | None
+    next_rank: int | None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+@dataclass
+class _Step:
+    """What one step's forward keeps for its backward."""
+
+    inputs: list[tuple[Tensor, ...]] = field(default_factory=list)
+    outputs: list[tuple[Tensor, ...]] = field(default_factory=list)
+    leaves: tuple[Tensor, ...] = ()  # last stage: the detached, joined outputs given to the user
+
+
+@contextmanager
+def _no_running_stats_update(module: nn.Module) -> Iterator[None]:
+    """During recompute, BatchNorm layers normalise with batch statistics but leave running stats alone."""
+    bns = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats and m.training]
+    for m in bns:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m in bns:
+            m.track_running_stats = True
+
+
+class PipelineStage(nn.Sequential):
+    """This rank's partition of the pipelined ``nn.Sequential``, executing its schedule column.
+
+    Args:
+        layers: ``(name, layer)`` pairs of this stage, names as in the user's Sequential.
+        topology: stage index, stage count and neighbour ranks.
+        chunks: number of micro-batches M (≥ 1).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        p2p: the transport.
+
+    Shapes: the first stage takes ``(N, *)`` (or a tuple of such) and splits it into
+    ``min(M, N) × (≈N/M, *)``; the last stage returns ``(N, *)`` outputs.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, nn.Module]],
+        topology: StageTopology,
+        chunks: int,
+        checkpoint: str,
+        p2p: P2P,
+    ) -> None:
+        super().__init__(OrderedDict(layers))
+        self.topology = topology
+        self.chunks = chunks
+        self.checkpoint_mode = checkpoint
+        self.p2p = p2p
+        self.expect_backward = False  # set by the strategy around training_step
+        self.active = False  # set by the strategy around every step
+        self.calls = 0
+        self._step: _Step | None = None
+
+    # -- the forward fill -------------------------------------------------------------------
+
+    def begin_step(self, expect_backward: bool) -> None:
+        """Called by the strategy before a user step; ``expect_backward`` for training steps."""
+        self.active = True
+        self.calls = 0
+        self.expect_backward = expect_backward
+        self._step = None
+
+    def end_step(self) -> None:
+        self.active = False
+
+    @property
+    def ran_forward(self) -> bool:
+        return self.calls > 0
+
+    @property
+    def has_pending_backward(self) -> bool:
+        return self._step is not None
+
+    def local_forward(self, input: Batch) -> Any:
+        """This stage's layers applied in order, as ``nn.Sequential`` would."""
+        for layer in self:
+            input = layer(input)
+        return input
+
+    def forward(self, input: Batch) -> Any:  # noqa: A002 - nn.Sequential's own argument name
+        if not self.active:
+            raise PipelineUsageError(
+                "the pipelined nn.Sequential was called outside training/validation/test/predict_step; "
+                "under the gpipe strategy it runs only inside the LightningModule's step methods"
+            )
+        if self.calls:
+            raise PipelineUsageError(
+                "the pipelined nn.Sequential was called twice in one step; the gpipe strategy runs one "
+                "forward per step (concatenate the inputs and call it once)"
+            )
+        self.calls += 1
+        top = self.topology
+        train = self.expect_backward and torch.is_grad_enabled()
+        step = _Step() if train else None
+
+        if top.is_first:
+            tensors, in_tuple = as_tensors(input, "input of the pipelined nn.Sequential")
+            micro_batches = split(tensors, self.chunks)
+        count: int | None = len(micro_batches) if top.is_first else None
+        outputs: list[tuple[Tensor, ...]] = []
+        out_tuple = False
+        i = 0
+        while count is None or i < count:
+            if top.is_first:
+                x, x_tuple = micro_batches[i], in_tuple
+            else:
+                assert top.prev_rank is not None
+                meta, received = self.p2p.recv(top.prev_rank)
+                count = meta.count
+                x, x_tuple = _as_inputs(meta, received, train), meta.is_tuple
+            assert count is not None
+            y = self._compute(i, count, from_tensors(x, x_tuple), train)
+            y_tensors, out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
+            if step is not None:
+                step.inputs.append(x)
+                step.outputs.append(y_tensors)
+            if top.is_last:
+                outputs.append(y_tensors)
+            else:
+                assert top.next_rank is not None
+                self.p2p.send(y_tensors, top.next_rank, is_tuple=out_tuple, count=count)
+            i += 1
+
+        self._step = step
+        if not top.is_last:
+            self.p2p.flush()
+            raise StageDone
+        joined = join(outputs)
+        if step is not None:
+            joined = tuple(t.detach().requires_grad_(t.requires_grad) for t in joined)
+            step.leaves = joined
+        return from_tensors(joined, out_tuple)
+
+    def _compute(self, i: int, count: int, x: Batch, train: bool) -> Any:
+        recompute = train and (
+            self.checkpoint_mode == "always" or (self.checkpoint_mode == "except_last" and i < count - 1)
+        )
+        if not recompute:
+            return self.local_forward(x)
+        return torch_checkpoint(
+            self.local_forward,
+            x,
+            use_reentrant=False,
+            preserve_rng_state=True,
+            context_fn=lambda: (nullcontext(), _no_running_stats_update(self)),
+        )
+
+    # -- the backward drain -----------------------------------------------------------------
+
+    def backward_skipped(self) -> None:
+        """The step has no loss (the user's step returned ``None``): drop what the forward kept."""
+        self._step = None
+
+    def backward(self) -> None:
+        """Run this stage's backwards in reverse micro-batch order; a no-op if no forward needs one."""
+        step, self._step = self._step, None
+        if step is None:
+            return
+        top = self.topology
+        count = len(step.outputs)
+        if top.is_last:
+            sizes = [o[0].shape[0] for o in step.outputs]
+            grads = [
+                (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).split(sizes)
+                for leaf in step.leaves
+                if leaf.requires_grad
+            ]
+        for i in reversed(range(count)):
+            y = step.outputs[i]
+            y_grad = [t for t in y if t.requires_grad]
+            if top.is_last:
+                dy = [g[i] for g in grads]
+            elif y_grad:
+                assert top.next_rank is not None
+                _, dy = self.p2p.recv(top.next_rank)
+            else:
+                dy = []
+            if y_grad:
+                torch.autograd.backward(y_grad, dy)
+            if not top.is_first:
+                x_grad = [t for t in step.inputs[i] if t.requires_grad]
+                if x_grad:
+                    assert top.prev_rank is not None
+                    dx = [t.grad if t.grad is not None else torch.zeros_like(t) for t in x_grad]
+                    self.p2p.send(dx, top.prev_rank, count=count)
+            step.inputs[i] = step.outputs[i] = ()  # free this micro-batch
+        self.p2p.flush()
+
+
+def _as_inputs(meta: Meta, received: list[Tensor], train: bool) -> tuple[Tensor, ...]:
+    """Received activations: floating tensors the sender tracks gradients for get ``requires_grad``."""
+    return tuple(
+        t.requires_grad_(train and rg and t.is_floating_point())
+        for t, (_, _, rg) in zip(received, meta.specs)
+    )

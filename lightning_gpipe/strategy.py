@@ -1,0 +1,510 @@
+"""``GPipeStrategy``: the Lightning glue. The pipeline itself lives in :mod:`lightning_gpipe.stage`.
+
+Hook order (Lightning's automatic optimization): ``training_step`` runs the user's step, whose
+call of the pipelined Sequential is the forward fill; ``backward`` runs the user's loss backward
+on the last stage and then the backward drain on every stage; ``optimizer_step`` steps each
+stage's own optimizer on its own parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_fabric.strategies import _StrategyRegistry
+from lightning_fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
+from lightning_fabric.utilities.seed import reset_seed
+from lightning_fabric.utilities.types import ReduceOp
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from pytorch_lightning.plugins.precision import Precision
+from pytorch_lightning.strategies.parallel import ParallelStrategy
+from pytorch_lightning.trainer.states import TrainerFn
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from pytorch_lightning.utilities.types import STEP_OUTPUT
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gpipe.comm import P2P, Layout
+from lightning_gpipe.launcher import GPipeLauncher
+from lightning_gpipe.partition import (
+    PartitionError,
+    check_balance,
+    check_stages,
+    cut,
+    find_sequential,
+    uniform_balance,
+)
+from lightning_gpipe.stage import CHECKPOINT_MODES, PipelineStage, StageDone, StageTopology
+
+log = logging.getLogger(__name__)
+
+
+class GPipeStrategy(ParallelStrategy):
+    """GPipe pipeline parallelism (Huang et al. 2019, arXiv 1811.06965) as a Lightning strategy.
+
+    The LightningModule's ``nn.Sequential`` is cut into P consecutive stages, one per process;
+    each mini-batch ``(N, *)`` is split into ``chunks × (≈N/chunks, *)`` micro-batches that
+    stream through the stages (fill-drain); gradients accumulate over the micro-batches and one
+    synchronous optimizer step follows. The result equals training the unpartitioned module on
+    the whole mini-batch, up to float reassociation.
+
+    Args:
+        chunks: number of micro-batches M per mini-batch (≥ 1).
+        balance: layers per stage, e.g. ``[3, 2]``; ``None`` splits as evenly as possible by
+            layer count, earlier stages taking the extra layers.
+        checkpoint: re-materialization per micro-batch: ``"always"``, ``"except_last"`` (the
+            last micro-batch's backward comes first, so it keeps its activations) or ``"never"``.
+        module_name: attribute path of the ``nn.Sequential`` to pipeline (e.g. ``"layers"``);
+            ``None`` finds the only ``nn.Sequential`` holding every parameter.
+        pipeline_parallel_size: stages per pipeline P; the world (``devices × num_nodes``) holds
+            ``W / P`` data-parallel replicas. ``None``: P = W.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
+            as for any Lightning ``ParallelStrategy``; the Trainer fills them in.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
+        timeout: ``torch.distributed`` timeout for collectives and point-to-point.
+
+    Raises:
+        ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
+            ``pipeline_parallel_size``; at ``Trainer`` construction, when the world size is not a
+            multiple of ``pipeline_parallel_size``.
+        PartitionError: before processes start, when the module cannot be cut as asked.
+    """
+
+    strategy_name = "gpipe"
+
+    def __init__(
+        self,
+        chunks: int = 1,
+        balance: list[int] | None = None,
+        checkpoint: str = "except_last",
+        module_name: str | None = None,
+        pipeline_parallel_size: int | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(
+                f"chunks must be an integer >= 1 (chunks: {chunks!r}); it is the number of micro-batches"
+            )
+        if checkpoint not in CHECKPOINT_MODES:
+            raise ValueError(
+                f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)} (checkpoint: {checkpoint!r})"
+            )
+        if balance is not None:
+            if isinstance(balance, (str, bytes)) or not hasattr(balance, "__iter__"):
+                raise ValueError(f"balance must be a list of layers per stage or None (balance: {balance!r})")
+            bad = [b for b in balance if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+            if bad or not list(balance):
+                raise ValueError(
+                    f"balance entries must be positive integers (balance: {list(balance)!r}); every stage needs a layer"
+                )
+            balance = list(balance)
+        if pipeline_parallel_size is not None and (
+            isinstance(pipeline_parallel_size, bool)
+            or not isinstance(pipeline_parallel_size, int)
+            or pipeline_parallel_size < 1
+        ):
+            raise ValueError(
+                f"pipeline_parallel_size must be an integer >= 1 or None (got {pipeline_parallel_size!r})"
+            )
+        if (
+            balance is not None
+            and pipeline_parallel_size is not None
+            and len(balance) != pipeline_parallel_size
+        ):
+            raise ValueError(
+                f"balance has {len(balance)} stages but pipeline_parallel_size is {pipeline_parallel_size} "
+                f"(balance: {balance}); give one entry per stage"
+            )
+        self.chunks = chunks
+        self.balance = balance
+        self.checkpoint = checkpoint
+        self.module_name = module_name
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._stage: PipelineStage | None = None
+        self._original: tuple[nn.Module, str, nn.Sequential] | None = None  # (parent, attr, full Sequential)
+        self._seq_name = ""
+        self._data_groups: dict[int, Any] = {}
+        self._failed = False
+
+    # -- topology ------------------------------------------------------------------------------
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def layout(self) -> Layout:
+        """The rank layout: P stages × D replicas, last stage on each pipeline's lowest rank."""
+        world = max(self.num_nodes * self.num_processes, 1)
+        return Layout(world, self.pipeline_parallel_size or world)
+
+    @property
+    def stage_index(self) -> int:
+        return self.layout.stage_of(self.global_rank)
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage_index == self.layout.stages - 1
+
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning shards data (and syncs logs) only over data-parallel replicas.
+
+        With one replica every stage must see the user's own batches in the user's order, so
+        Lightning must not add a ``DistributedSampler``.
+        """
+        return self.layout.replicas > 1
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        layout = self.layout
+        return {"num_replicas": layout.replicas, "rank": layout.replica_of(self.global_rank)}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @override
+    def _configure_launcher(self) -> None:
+        self.layout  # noqa: B018 - validates world size against pipeline_parallel_size before any spawn
+        self._launcher = GPipeLauncher(self, self.num_processes, self.num_nodes)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = (
+            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        kwargs: dict[str, Any] = {"timeout": self._timeout}
+        if self.root_device.type != "cpu":
+            kwargs["device_id"] = self.root_device
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        layout = self.layout
+        if layout.replicas > 1 and not self._data_groups:
+            for s in range(layout.stages):  # every rank creates every group, in the same order
+                self._data_groups[s] = dist.new_group(layout.data_ranks(s))
+
+    # -- the model -------------------------------------------------------------------------------
+
+    def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
+        """Find the pipelined Sequential and the balance; raise before any process starts.
+
+        Raises:
+            PartitionError: no unique Sequential, parameters outside it, or a balance/stage count
+                that does not fit its layers.
+        """
+        name, seq = find_sequential(model, self.module_name)
+        stages = self.layout.stages
+        if self.balance is None:
+            balance = uniform_balance(len(seq), stages)
+        else:
+            check_stages(len(seq), len(self.balance))
+            balance = check_balance(self.balance, len(seq), stages)
+        return name, seq, balance
+
+    def _partition(self) -> None:
+        model = self.lightning_module
+        assert model is not None
+        name, seq, balance = self.check_model(model)
+        layout = self.layout
+        rank, stage = self.global_rank, self.stage_index
+        replica = layout.replica_of(rank)
+        topology = StageTopology(
+            stage=stage,
+            stages=layout.stages,
+            prev_rank=layout.rank(replica, stage - 1) if stage > 0 else None,
+            next_rank=layout.rank(replica, stage + 1) if stage < layout.stages - 1 else None,
+        )
+        pipe = PipelineStage(
+            cut(seq, balance, stage), topology, self.chunks, self.checkpoint, P2P(self.root_device)
+        )
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, pipe)
+        self._stage, self._original, self._seq_name = pipe, (parent, attr, seq), name
+        self.balance_used = balance
+        log.info(f"gpipe: rank {rank} runs stage {stage}/{layout.stages} with layers {list(pipe._modules)}")
+
+    def _unpartition(self) -> None:
+        """Put the user's full Sequential back, loaded with every stage's trained state."""
+        if self._original is None:
+            return
+        parent, attr, seq = self._original
+        if not self._failed and _distributed_is_initialized():
+            full = self._gather_sequential_state(to_all=True)
+            seq.load_state_dict(full)
+        setattr(parent, attr, seq)
+        self._original, self._stage = None, None
+
+    def _gather_sequential_state(self, to_all: bool) -> dict[str, Tensor]:
+        """The pipelined Sequential's full ``state_dict`` (keys relative to it) from replica 0's stages."""
+        assert self._stage is not None
+        layout = self.layout
+        local = {k: v.detach().cpu() for k, v in self._stage.state_dict().items()}
+        mine = local if layout.replica_of(self.global_rank) == 0 else {}
+        parts: list[Any] = [None] * self.world_size
+        if to_all:
+            dist.all_gather_object(parts, mine)
+        else:
+            dist.gather_object(mine, parts if self.global_rank == 0 else None, dst=0)
+            if self.global_rank != 0:
+                return {}
+        full: dict[str, Tensor] = {}
+        for part in parts:
+            full.update(part)
+        return full
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._partition()  # before the optimizers: they only ever see this stage's parameters
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning_fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- steps ------------------------------------------------------------------------------------
+
+    def _run_step(self, hook: Any, expect_backward: bool, *args: Any, **kwargs: Any) -> Any:
+        stage = self._stage
+        assert stage is not None
+        stage.begin_step(expect_backward)
+        try:
+            return hook(*args, **kwargs)
+        except StageDone:
+            return StageDone
+        finally:
+            stage.end_step()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        out = self._run_step(super().training_step, True, *args, **kwargs)
+        stage = self._stage
+        assert stage is not None
+        if not stage.ran_forward:
+            return out
+        return self._share_loss(out)
+
+    def _share_loss(self, out: Any) -> Any:
+        """The last stage tells the others whether the step has a loss (and its value).
+
+        Other stages return that value as their step output, so that Lightning calls ``backward``
+        on every stage or on none (a ``training_step`` may return ``None`` to skip a batch).
+        """
+        stage = self._stage
+        assert stage is not None
+        layout = self.layout
+        replica = layout.replica_of(self.global_rank)
+        if layout.stages == 1:
+            return out
+        if stage.topology.is_last:
+            loss = out.get("loss") if isinstance(out, dict) else out
+            has = isinstance(loss, Tensor)
+            value = float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else 0.0
+            message = torch.tensor(
+                [float(has), value],
+                dtype=torch.float64,
+                device=self.root_device,
+            )
+            for s in range(layout.stages - 1):
+                stage.p2p.send([message], layout.rank(replica, s))
+            stage.p2p.flush()
+            if not has:
+                stage.backward_skipped()
+            return out
+        _, (message,) = stage.p2p.recv(layout.rank(replica, layout.stages - 1))
+        has, value = message.tolist()
+        if not has:
+            stage.backward_skipped()
+            return None
+        return torch.tensor(value, device=self.root_device, requires_grad=True)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return _none_if_done(self._run_step(super().validation_step, False, *args, **kwargs))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return _none_if_done(self._run_step(super().test_step, False, *args, **kwargs))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return _none_if_done(self._run_step(super().predict_step, False, *args, **kwargs))
+
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """The user's loss backward (last stage), then every stage's backward drain."""
+        self.pre_backward(closure_loss)
+        module = self.lightning_module
+        assert module is not None and self._stage is not None
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
+        self._stage.backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    # -- collectives ----------------------------------------------------------------------------
+
+    @property
+    def last_stage_group(self) -> Any:
+        """The data-parallel group of the last stage (``None`` with one replica)."""
+        return self._data_groups.get(self.layout.stages - 1)
+
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
+        """Reduce over the last stage's data-parallel replicas (where losses and metrics live)."""
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        group = group if group is not None else self.last_stage_group
+        if group is None:
+            return tensor
+        from lightning_fabric.utilities.distributed import _sync_ddp
+
+        return _sync_ddp(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        if not _distributed_is_initialized():
+            return decision
+        t = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return bool(t == self.world_size) if all else bool(t)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
+        module = self.lightning_module
+        assert module is not None
+        if self._stage is None or not _distributed_is_initialized():
+            return module.state_dict()
+        full = self._gather_sequential_state(to_all=False)
+        if self.global_rank != 0:
+            return {}
+        prefix = self._seq_name + "."
+        state = {k: v for k, v in module.state_dict().items() if not k.startswith(prefix)}
+        state.update({prefix + k: v for k, v in full.items()})
+        return state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load a full checkpoint into the full or the partitioned module (keeping this stage's keys)."""
+        module = self.lightning_module
+        assert module is not None
+        state = checkpoint["state_dict"]
+        if self._stage is not None:
+            wanted = set(module.state_dict())
+            state = {k: v for k, v in state.items() if k in wanted}
+        module.load_state_dict(state, strict=strict)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+
+    @override
+    def teardown(self) -> None:
+        self._unpartition()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if "gpipe" not in strategy_registry:
+            strategy_registry.register(
+                "gpipe", cls, description="GPipe pipeline parallelism (lightning_gpipe)"
+            )
+
+
+def _none_if_done(out: Any) -> Any:
+    return None if out is StageDone else out
+
+
+__all__ = ["GPipeStrategy", "PartitionError"]

@@ -1,0 +1,102 @@
+"""The pipelined module trains exactly like the plain module on one device (torchgpipe's test_transparency).
+
+Every multi-process job runs under a hard timeout (tests/_harness.py kills the whole process group).
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from tests.conftest import max_diff
+from tests.models import train_single_device
+
+MODES = ["always", "except_last", "never"]
+# Every K with every M, every checkpoint mode at least once per K (the default run).
+COVERING = {
+    1: [(1, "never"), (3, "always"), (4, "except_last")],
+    2: [(1, "except_last"), (3, "never"), (4, "always")],
+    3: [(1, "always"), (3, "except_last"), (4, "never")],
+}
+FULL = {
+    k: [(m, c) for m, c in itertools.product([1, 3, 4], MODES) if (m, c) not in COVERING[k]]
+    for k in (1, 2, 3)
+}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train_single_device("mlp", seed=0, steps=5, batch=10)
+
+
+def _check_runs(gpipe_job, reference, stages, runs):
+    results, _ = gpipe_job(
+        "mlp", stages, [{"chunks": m, "checkpoint": c} for m, c in runs], steps=5, batch=10
+    )
+    ref_state = reference.state_dict()
+    for (m, c), result in zip(runs, results):
+        assert len(result["losses"]) == 5
+        loss_diff = max(abs(a - b) for a, b in zip(result["losses"], reference.losses))
+        assert loss_diff <= 1e-5, f"K={stages} M={m} checkpoint={c}: losses differ by {loss_diff}"
+        param_diff = max_diff(result["state"], ref_state)
+        assert param_diff <= 1e-5, f"K={stages} M={m} checkpoint={c}: parameters differ by {param_diff}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_pipeline_matches_single_device(gpipe_job, reference, stages):
+    """Batch 10 (not divisible by 3 or 4), 5 SGD+momentum steps: losses and parameters within 1e-5."""
+    _check_runs(gpipe_job, reference, stages, COVERING[stages])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_pipeline_matches_single_device_full_grid(gpipe_job, reference, stages):
+    _check_runs(gpipe_job, reference, stages, FULL[stages])
+
+
+def _grads_match_reference(grads_per_rank, reference):
+    """Each rank's per-step gradients (its own stage's parameters) equal the one-device gradients."""
+    worst = 0.0
+    for rank_grads in grads_per_rank:
+        assert len(rank_grads) == len(reference.grads)
+        for ours, ref in zip(rank_grads, reference.grads):
+            worst = max(worst, max_diff(ours, {k: ref[k] for k in ours}))
+    names = set().union(*(g[0].keys() for g in grads_per_rank))
+    assert names == set(reference.grads[0]), "every parameter got a gradient on exactly one stage"
+    return worst
+
+
+@pytest.mark.timeout(300)
+def test_tuple_boundaries_with_long_ids_and_bool_mask(gpipe_job):
+    """Stages pass (float activations, long ids, bool mask); batch 10, chunks 4, recompute on and off."""
+    reference = train_single_device("tuple", seed=0, steps=2, batch=10, record_grads=True)
+    runs = [{"chunks": 4, "checkpoint": "always"}, {"chunks": 4, "checkpoint": "never"}]
+    _, grads = gpipe_job("tuple", 3, runs, steps=2, batch=10, record_grads=True)
+    for per_rank in grads:
+        assert _grads_match_reference(per_rank, reference) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_sequence_lengths_change_between_steps(gpipe_job):
+    """Batches with sequence lengths 7, 13, 5 through 3 stages: shapes right, gradients equal one device."""
+    reference = train_single_device("seq", seed=0, steps=3, batch=6, record_grads=True)
+    results, grads = gpipe_job(
+        "seq", 3, [{"chunks": 4, "checkpoint": "except_last"}], steps=3, batch=6, record_grads=True
+    )
+    assert results[0]["shapes"] == [(6, 7, 2), (6, 13, 2), (6, 5, 2)]
+    assert _grads_match_reference(grads[0], reference) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_dropout_recompute_is_bit_identical(gpipe_job):
+    """Same seed, checkpoint "always" vs "never": recompute replays the forward's dropout masks exactly."""
+    runs = [{"chunks": 3, "checkpoint": "always"}, {"chunks": 3, "checkpoint": "never"}]
+    results, grads = gpipe_job("dropout", 2, runs, steps=2, batch=10, record_grads=True)
+    for rank in range(2):
+        for g_always, g_never in zip(grads[0][rank], grads[1][rank]):
+            assert g_always.keys() == g_never.keys()
+            assert all(torch.equal(g_always[k], g_never[k]) for k in g_always)
+    assert all(torch.equal(results[0]["state"][k], results[1]["state"][k]) for k in results[0]["state"])
+    assert results[0]["losses"] == results[1]["losses"]
