@@ -52,6 +52,15 @@ def build_layers(kind: str) -> nn.Sequential:
         )
     if kind == "tuple":
         return nn.Sequential(Embed(8, 5), Mix(8, 5), Mix(8, 5), Head(8, 3))
+    if kind == "bn":
+        return nn.Sequential(
+            nn.Linear(6, 16),
+            nn.BatchNorm1d(16),
+            nn.Tanh(),
+            nn.Linear(16, 16),
+            nn.BatchNorm1d(16),
+            nn.Linear(16, 3),
+        )
     if kind == "seq":
         return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
     raise ValueError(kind)
@@ -60,9 +69,11 @@ def build_layers(kind: str) -> nn.Sequential:
 class Net(pl.LightningModule):
     """The user's module: ``self.layers`` is pipelined; ``training_step`` is plain single-device code."""
 
-    def __init__(self, kind: str = "mlp", lr: float = 0.1, record_grads: bool = False) -> None:
+    def __init__(
+        self, kind: str = "mlp", lr: float = 0.1, record_grads: bool = False, call_twice: bool = False
+    ) -> None:
         super().__init__()
-        self.kind, self.lr, self.record_grads = kind, lr, record_grads
+        self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
         self.layers = build_layers(kind)
         self.losses: list[float] = []
         self.shapes: list[tuple[int, ...]] = []
@@ -74,6 +85,8 @@ class Net(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         *inputs, y = batch
         out = self(inputs[0] if len(inputs) == 1 else tuple(inputs))
+        if self.call_twice:
+            out = out + self(inputs[0])
         loss = F.mse_loss(out, y)
         self.losses.append(loss.item())
         self.shapes.append(tuple(out.shape))
@@ -94,7 +107,7 @@ def make_data(kind: str, batch: int = 10, steps: int = 5, seed: int = 1):
     """A loader whose order is fixed (no shuffle), ``steps`` batches of ``batch`` samples."""
     g = torch.Generator().manual_seed(seed)
     n = batch * steps
-    if kind in ("mlp", "dropout"):
+    if kind in ("mlp", "dropout", "bn"):
         data = TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g))
         return DataLoader(data, batch_size=batch, shuffle=False)
     if kind == "tuple":

@@ -100,3 +100,15 @@ def test_dropout_recompute_is_bit_identical(gpipe_job):
             assert all(torch.equal(g_always[k], g_never[k]) for k in g_always)
     assert all(torch.equal(results[0]["state"][k], results[1]["state"][k]) for k in results[0]["state"])
     assert results[0]["losses"] == results[1]["losses"]
+
+
+@pytest.mark.timeout(300)
+def test_batchnorm_running_stats_updated_once_per_micro_batch(gpipe_job):
+    """Recompute must not update BatchNorm running statistics a second time."""
+    runs = [{"chunks": 3, "checkpoint": "always"}, {"chunks": 3, "checkpoint": "never"}]
+    results, _ = gpipe_job("bn", 2, runs, steps=2, batch=10)
+    always, never = results[0]["state"], results[1]["state"]
+    for name in ("layers.1", "layers.4"):
+        assert always[f"{name}.num_batches_tracked"].item() == 2 * 3  # steps × micro-batches
+        assert torch.equal(always[f"{name}.running_mean"], never[f"{name}.running_mean"])
+        assert torch.equal(always[f"{name}.running_var"], never[f"{name}.running_var"])

@@ -24,7 +24,12 @@ spec = json.loads(Path(sys.argv[1]).read_text())
 out = Path(spec["out"])
 for k, run in enumerate(spec["runs"]):
     pl.seed_everything(spec.get("seed", 0), verbose=False)
-    model = Net(spec["kind"], lr=spec.get("lr", 0.1), record_grads=spec.get("record_grads", False))
+    model = Net(
+        spec["kind"],
+        lr=spec.get("lr", 0.1),
+        record_grads=spec.get("record_grads", False),
+        call_twice=spec.get("call_twice", False),
+    )
     strategy = lightning_gpipe.GPipeStrategy(**run)
     trainer = pl.Trainer(strategy=strategy, devices=spec["devices"], **trainer_kwargs(spec.get("steps", 5)))
     trainer.fit(model, make_data(spec["kind"], spec.get("batch", 10), spec.get("steps", 5)))

@@ -1,0 +1,49 @@
+"""Worker: one training step of tests.models.Net("mlp") under torch.distributed.pipelining's ScheduleGPipe.
+
+Usage (one process per stage, RANK/WORLD_SIZE set): python tests/workers/peer_pipelining.py OUT CHUNKS BATCH
+Rank r runs stage r on the same layer split as GPipeStrategy's uniform balance and writes
+``peer_rank{r}.pt`` with its gradients under the user's parameter names.
+"""
+
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe  # noqa: E402
+
+from lightning_gpipe.partition import cut, uniform_balance  # noqa: E402
+from tests.models import Net, make_data  # noqa: E402
+
+torch.set_num_threads(1)
+out, chunks, batch = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+pl.seed_everything(0, verbose=False)
+model = Net("mlp")
+layers = cut(model.layers, uniform_balance(len(model.layers), world), rank)
+submodule = nn.Sequential(OrderedDict(layers))
+x, y = next(iter(make_data("mlp", batch=batch, steps=1)))
+
+
+def loss_fn_exact(output, target):
+    return F.mse_loss(output, target, reduction="sum") / (batch * target.shape[1])
+
+
+stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
+schedule = ScheduleGPipe(stage, n_microbatches=chunks, loss_fn=loss_fn_exact, scale_grads=False)
+if rank == 0:
+    schedule.step(x)
+elif rank == world - 1:
+    schedule.step(target=y)
+else:
+    schedule.step()
+grads = {f"layers.{name}": p.grad.detach().clone() for name, p in submodule.named_parameters()}
+torch.save(grads, out / f"peer_rank{rank}.pt")
+dist.destroy_process_group()
