@@ -9,7 +9,7 @@ which is what ``balance_by_time`` returns). It also checks that balance against 
 brute-force search over all balances of the same profiled costs, and finally prints what
 ``balance_by_time`` itself returns (it profiles again).
 
-Run: ``python benchmarks/balance_time.py [--layout WWWttttttttt] [--stages 2 3]``
+Run: ``python benchmarks/balance_time.py [--layout WWWtttttt] [--stages 2 3]``
 """
 
 from __future__ import annotations
@@ -56,10 +56,11 @@ def run_stage(stage: nn.Sequential, x: torch.Tensor) -> float:
 
 
 def measure_largest_stage(
-    model: nn.Sequential, balances: dict[str, list[int]], sample: torch.Tensor, repeats: int
+    model: nn.Sequential, balances: dict[str, list[int]], sample: torch.Tensor, repeats: int, stat: str
 ) -> dict[str, float]:
-    """Median seconds of each stage, interleaving the balances to share any drift in load;
-    returns the largest stage's median per balance."""
+    """Seconds of each stage (``stat``: min or median over ``repeats`` runs), interleaving
+    the balances so that they share any drift in load; returns the largest stage per balance."""
+    reduce = min if stat == "min" else statistics.median
     plans = {name: stages_of(model, balance) for name, balance in balances.items()}
     inputs: dict[str, list[torch.Tensor]] = {}
     with torch.no_grad():  # each stage's real input, as it would arrive from the previous stage
@@ -76,10 +77,7 @@ def measure_largest_stage(
                 seconds = run_stage(stage, inputs[name][j])
                 if r >= 2:
                     times.setdefault((name, j), []).append(seconds)
-    return {
-        name: max(statistics.median(times[(name, j)]) for j in range(len(stages)))
-        for name, stages in plans.items()
-    }
+    return {name: max(reduce(times[(name, j)]) for j in range(len(stages))) for name, stages in plans.items()}
 
 
 def brute_force_optimum(costs: list[float], partitions: int) -> tuple[float, list[int]]:
@@ -108,7 +106,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--layout", default="WWWttttttttt", help="W = wide layer, t = thin (default: %(default)s)"
+        "--layout", default="WWWtttttt", help="W = wide layer, t = thin (default: %(default)s)"
     )
     parser.add_argument("--width", type=int, default=256, help="features d (default: %(default)s)")
     parser.add_argument("--expand", type=int, default=10, help="wide/thin work ratio (default: %(default)s)")
@@ -116,6 +114,12 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 3], help="stage counts (default: 2 3)")
     parser.add_argument("--timeout", type=float, default=1.0, help="profiling seconds (default: %(default)s)")
     parser.add_argument("--repeats", type=int, default=20, help="timed runs per stage (default: %(default)s)")
+    parser.add_argument(
+        "--stat",
+        choices=["min", "median"],
+        default="min",
+        help="per-stage statistic over the runs; min is least disturbed by other processes (default: %(default)s)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -133,13 +137,15 @@ def main() -> None:
         f"{'stages':>6}  {'uniform balance':<18}{'time balance':<18}"
         f"{'uniform max ms':>16}{'time max ms':>16}{'ratio':>7}  {'optimal':<8}"
     )
-    print("max ms: the largest stage's measured forward+backward median (profiled sum in brackets)")
+    print(f"max ms: the largest stage's measured forward+backward {args.stat} (profiled sum in brackets)")
     print(header)
     print("-" * len(header))
     for k in args.stages:
         uniform = uniform_balance(len(model), k)
         timed = balance_cost(costs, k)  # what balance_by_time does after profiling
-        measured = measure_largest_stage(model, {"uniform": uniform, "time": timed}, sample, args.repeats)
+        measured = measure_largest_stage(
+            model, {"uniform": uniform, "time": timed}, sample, args.repeats, args.stat
+        )
         optimum, optimal_balance = brute_force_optimum(costs, k)
         chosen = max(stage_costs(costs, timed))
         ratio = measured["uniform"] / measured["time"]
