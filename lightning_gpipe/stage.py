@@ -80,15 +80,25 @@ class _Step:
 
 @contextmanager
 def _no_running_stats_update(module: nn.Module) -> Iterator[None]:
-    """During recompute, BatchNorm layers normalise with batch statistics but leave running stats alone."""
-    bns = [m for m in module.modules() if isinstance(m, _BatchNorm) and m.track_running_stats and m.training]
-    for m in bns:
-        m.track_running_stats = False
+    """During recompute, BatchNorm layers run exactly as in the forward, then get their running stats back.
+
+    The recompute must save the same tensors as the forward (``torch.utils.checkpoint`` checks), so
+    the layers keep tracking; their buffers are restored afterwards, which leaves one update per
+    micro-batch.
+    """
+    saved = [
+        (m, [b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
+        for m in module.modules()
+        if isinstance(m, _BatchNorm) and m.track_running_stats and m.training
+    ]
     try:
         yield
     finally:
-        for m in bns:
-            m.track_running_stats = True
+        with torch.no_grad():
+            for m, copies in saved:
+                buffers = [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+                for buf, copy in zip(buffers, copies):
+                    buf.copy_(copy)
 
 
 class PipelineStage(nn.Sequential):
@@ -122,6 +132,11 @@ class PipelineStage(nn.Sequential):
         self.active = False  # set by the strategy around every step
         self.calls = 0
         self._step: _Step | None = None
+        self.timeline: Any = None  # a lightning_gpipe.timeline.Timeline, or None
+
+    def _span(self, kind: str, i: int) -> Any:
+        """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on the timeline."""
+        return self.timeline.span(kind, i) if self.timeline is not None else nullcontext()
 
     # -- the forward fill -------------------------------------------------------------------
 
@@ -177,11 +192,13 @@ class PipelineStage(nn.Sequential):
                 x, x_tuple = micro_batches[i], in_tuple
             else:
                 assert top.prev_rank is not None
-                meta, received = self.p2p.recv(top.prev_rank)
+                with self._span("recv", i):
+                    meta, received = self.p2p.recv(top.prev_rank)
                 count = meta.count
                 x, x_tuple = _as_inputs(meta, received, train), meta.is_tuple
             assert count is not None
-            y = self._compute(i, count, from_tensors(x, x_tuple), train)
+            with self._span("forward", i):
+                y = self._compute(i, count, from_tensors(x, x_tuple), train)
             y_tensors, out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
             if step is not None:
                 step.inputs.append(x)
@@ -190,7 +207,8 @@ class PipelineStage(nn.Sequential):
                 outputs.append(y_tensors)
             else:
                 assert top.next_rank is not None
-                self.p2p.send(y_tensors, top.next_rank, is_tuple=out_tuple, count=count)
+                with self._span("send", i):
+                    self.p2p.send(y_tensors, top.next_rank, is_tuple=out_tuple, count=count)
             i += 1
 
         self._step = step
@@ -214,8 +232,13 @@ class PipelineStage(nn.Sequential):
             x,
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=lambda: (nullcontext(), _no_running_stats_update(self)),
+            context_fn=lambda: (nullcontext(), self._recompute_context(i)),
         )
+
+    @contextmanager
+    def _recompute_context(self, i: int) -> Iterator[None]:
+        with self._span("recompute", i), _no_running_stats_update(self):
+            yield
 
     # -- the backward drain -----------------------------------------------------------------
 
@@ -244,17 +267,20 @@ class PipelineStage(nn.Sequential):
                 dy = [g[i] for g in grads]
             elif y_grad:
                 assert top.next_rank is not None
-                _, dy = self.p2p.recv(top.next_rank)
+                with self._span("recv", i):
+                    _, dy = self.p2p.recv(top.next_rank)
             else:
                 dy = []
             if y_grad:
-                torch.autograd.backward(y_grad, dy)
+                with self._span("backward", i):
+                    torch.autograd.backward(y_grad, dy)
             if not top.is_first:
                 x_grad = [t for t in step.inputs[i] if t.requires_grad]
                 if x_grad:
                     assert top.prev_rank is not None
                     dx = [t.grad if t.grad is not None else torch.zeros_like(t) for t in x_grad]
-                    self.p2p.send(dx, top.prev_rank, count=count)
+                    with self._span("send", i):
+                        self.p2p.send(dx, top.prev_rank, count=count)
             step.inputs[i] = step.outputs[i] = ()  # free this micro-batch
         self.p2p.flush()
 
