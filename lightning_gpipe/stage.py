@@ -47,6 +47,10 @@ class StageDone(BaseException):  # noqa: N818 - a control-flow signal, not an er
     """
 
 
+class StageError(RuntimeError):
+    """A layer of a stage raised; the message names the stage, its layers and the input's shapes."""
+
+
 class PipelineUsageError(RuntimeError):
     """The pipelined module was used in a way the pipeline cannot run (e.g. called twice in a step)."""
 
@@ -197,7 +201,7 @@ class PipelineStage(nn.Sequential):
                 count = meta.count
                 x, x_tuple = _as_inputs(meta, received, train), meta.is_tuple
             assert count is not None
-            with self._span("forward", i):
+            with self._span("forward", i), self._naming_errors("forward", i, x):
                 y = self._compute(i, count, from_tensors(x, x_tuple), train)
             y_tensors, out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
             if step is not None:
@@ -236,6 +240,24 @@ class PipelineStage(nn.Sequential):
         )
 
     @contextmanager
+    def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Iterator[None]:
+        """Re-raise an error of this stage's layers as a :class:`StageError` naming stage, layers and shapes."""
+        try:
+            yield
+        except (StageError, PipelineUsageError):
+            raise
+        except Exception as err:
+            top = self.topology
+            names = list(self._modules)
+            source = "the batch" if top.is_first else f"stage {top.stage - 1}"
+            shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in x)
+            expects = _expected_input(next(iter(self), None))
+            raise StageError(
+                f"stage {top.stage} (layers {names[0]}..{names[-1]}) failed in {phase} of micro-batch {i} "
+                f"on input from {source} of shape [{shapes}]{expects}: {type(err).__name__}: {err}"
+            ) from err
+
+    @contextmanager
     def _recompute_context(self, i: int) -> Iterator[None]:
         with self._span("recompute", i), _no_running_stats_update(self):
             yield
@@ -272,7 +294,7 @@ class PipelineStage(nn.Sequential):
             else:
                 dy = []
             if y_grad:
-                with self._span("backward", i):
+                with self._span("backward", i), self._naming_errors("backward", i, step.inputs[i]):
                     torch.autograd.backward(y_grad, dy)
             if not top.is_first:
                 x_grad = [t for t in step.inputs[i] if t.requires_grad]
@@ -291,3 +313,16 @@ def _as_inputs(meta: Meta, received: list[Tensor], train: bool) -> tuple[Tensor,
         t.requires_grad_(train and rg and t.is_floating_point())
         for t, (_, _, rg) in zip(received, meta.specs)
     )
+
+
+def _expected_input(layer: nn.Module | None) -> str:
+    """What the stage's first layer expects, when the layer says (Linear, Conv, Embedding, norms)."""
+    for attr, what in (
+        ("in_features", "(*, {})"),
+        ("in_channels", "(N, {}, ...)"),
+        ("num_features", "(N, {}, ...)"),
+    ):
+        value = getattr(layer, attr, None)
+        if isinstance(value, int):
+            return f"; its first layer ({type(layer).__name__}) expects {what.format(value)}"
+    return ""

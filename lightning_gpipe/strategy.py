@@ -9,6 +9,7 @@ stage's own optimizer on its own parameters.
 from __future__ import annotations
 
 import logging
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -487,7 +488,30 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        """Make a failure on one rank end every rank promptly, with the original error shown first.
+
+        The rank that fails first prints its error, tagged with its stage, before anything else
+        happens; then it aborts its process group, which breaks the connections its peers wait on,
+        so they fail within moments (and so on down the pipeline) instead of waiting for the
+        ``torch.distributed`` timeout. A peer that fails only because a connection broke says so.
+        """
         self._failed = True
+        if not _distributed_is_initialized():
+            return
+        where = f"stage {self.stage_index} (rank {self.global_rank})"
+        if _is_peer_loss(exception):
+            _prefix_message(
+                exception,
+                f"[lightning_gpipe] {where} stopped because another rank of the job failed; that rank's "
+                "error is printed above, tagged [lightning_gpipe]. Connection error: ",
+            )
+        else:
+            print(
+                f"[lightning_gpipe] {where} failed: {type(exception).__name__}: {exception}",
+                file=sys.stderr,
+                flush=True,
+            )
+        _abort_process_group()
 
     @override
     def teardown(self) -> None:
@@ -501,6 +525,27 @@ class GPipeStrategy(ParallelStrategy):
             strategy_registry.register(
                 "gpipe", cls, description="GPipe pipeline parallelism (lightning_gpipe)"
             )
+
+
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+
+
+def _is_peer_loss(exception: BaseException) -> bool:
+    """Whether ``exception`` is a transport error caused by another rank going away."""
+    return isinstance(exception, RuntimeError) and any(p in str(exception) for p in _PEER_LOSS)
+
+
+def _prefix_message(exception: BaseException, prefix: str) -> None:
+    if exception.args and isinstance(exception.args[0], str):
+        exception.args = (prefix + exception.args[0], *exception.args[1:])
+
+
+def _abort_process_group() -> None:
+    """Tear down this rank's communication so that peers blocked on it fail now, not at the timeout."""
+    try:
+        dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - best effort while already failing
+        log.debug(f"gpipe: could not destroy the process group after a failure: {err}")
 
 
 def _none_if_done(out: Any) -> Any:

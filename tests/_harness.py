@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +35,27 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _wait(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    """Wait for every process and for every process it started (its process group) to end."""
     results = []
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            out, _ = p.communicate(timeout=timeout)
+            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
             results.append((p.returncode, out))
+        for p in procs:  # ranks started by Lightning's launcher live in the same process group
+            while _group_alive(p.pid):
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(str(p.args), timeout)
+                time.sleep(0.2)
     except subprocess.TimeoutExpired:
         for p in procs:
             try:

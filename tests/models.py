@@ -43,6 +43,37 @@ class Embed(nn.Module):
         return self.lin(x), ids, mask
 
 
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, message):
+        ctx.message = message
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.message:
+            raise RuntimeError(ctx.message)
+        return grad, None
+
+
+class FailAt(nn.Module):
+    """Wraps a layer; raises on its ``at``-th forward (or backward) call, counting from 1."""
+
+    def __init__(self, layer: nn.Module, where: str, at: int) -> None:
+        super().__init__()
+        self.layer, self.where, self.at, self.calls = layer, where, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.where == "forward" and self.calls == self.at:
+            raise RuntimeError(f"injected failure in forward call {self.at}")
+        y = self.layer(x)
+        if self.where == "backward":
+            message = f"injected failure in backward call {self.at}" if self.calls == self.at else ""
+            y = _RaiseInBackward.apply(y, message)
+        return y
+
+
 def build_layers(kind: str) -> nn.Sequential:
     if kind == "mlp":
         return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -70,11 +101,21 @@ class Net(pl.LightningModule):
     """The user's module: ``self.layers`` is pipelined; ``training_step`` is plain single-device code."""
 
     def __init__(
-        self, kind: str = "mlp", lr: float = 0.1, record_grads: bool = False, call_twice: bool = False
+        self,
+        kind: str = "mlp",
+        lr: float = 0.1,
+        record_grads: bool = False,
+        call_twice: bool = False,
+        fail: dict | None = None,
+        wrong_shape: bool = False,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
         self.layers = build_layers(kind)
+        if wrong_shape:  # stage 1 of 3 hands stage 2 (N, 17) where Linear(16, 3) expects (N, 16)
+            self.layers[2] = nn.Linear(16, 17)
+        if fail:  # {"layer": index, "where": "forward" | "backward", "at": call number}
+            self.layers[fail["layer"]] = FailAt(self.layers[fail["layer"]], fail["where"], fail["at"])
         self.losses: list[float] = []
         self.shapes: list[tuple[int, ...]] = []
         self.grads: list[dict[str, torch.Tensor]] = []

@@ -29,6 +29,8 @@ for k, run in enumerate(spec["runs"]):
         lr=spec.get("lr", 0.1),
         record_grads=spec.get("record_grads", False),
         call_twice=spec.get("call_twice", False),
+        fail=spec.get("fail"),
+        wrong_shape=spec.get("wrong_shape", False),
     )
     strategy = lightning_gpipe.GPipeStrategy(**run)
     trainer = pl.Trainer(strategy=strategy, devices=spec["devices"], **trainer_kwargs(spec.get("steps", 5)))

@@ -1,0 +1,65 @@
+"""A failure on any rank ends every rank promptly, non-zero, with the original error shown first.
+
+Each job runs under a hard timeout; the harness also waits until every process of the job's
+process group (the ranks Lightning's launcher started) has exited.
+"""
+
+import json
+import time
+
+import pytest
+
+from tests._harness import run_script
+
+BOUND_S = 60.0
+
+
+def _run_failing_job(tmp_path, **spec):
+    spec = {
+        "kind": "mlp",
+        "devices": 3,
+        "out": str(tmp_path),
+        "steps": 5,
+        "runs": [{"chunks": 4, "checkpoint": "never"}],
+        **spec,
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    start = time.monotonic()
+    rc, out = run_script("tests/workers/train.py", str(tmp_path / "spec.json"), timeout=150)
+    return rc, out, time.monotonic() - start
+
+
+def _first_error_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if "Error" in line or "[lightning_gpipe]" in line]
+    assert lines, out[-3000:]
+    return lines[0]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "where, layer, stage, rank",
+    [("forward", 2, 1, 1), ("backward", 2, 1, 1), ("forward", 4, 2, 0)],
+    ids=["middle-stage-forward", "middle-stage-backward", "last-stage-on-launcher-rank"],
+)
+def test_rank_failure_exits_all_ranks(tmp_path, where, layer, stage, rank):
+    """A stage raises on micro-batch 2 of step 3 (its layer's 11th call with chunks 4)."""
+    rc, out, seconds = _run_failing_job(tmp_path, fail={"layer": layer, "where": where, "at": 11})
+    assert rc != 0
+    assert seconds < BOUND_S, f"the job took {seconds:.0f} s to end"
+    first = _first_error_line(out)
+    assert first.startswith(f"[lightning_gpipe] stage {stage} (rank {rank}) failed"), first
+    assert f"failed in {where} of micro-batch 2" in first and f"injected failure in {where} call 11" in first
+    # the other ranks say why they stopped, after the original error
+    assert out.index(f"injected failure in {where}") < out.index("stopped because another rank")
+
+
+@pytest.mark.timeout(200)
+def test_wrong_shape_between_stages_is_named(tmp_path):
+    rc, out, seconds = _run_failing_job(tmp_path, wrong_shape=True)
+    assert rc != 0 and seconds < BOUND_S
+    first = _first_error_line(out)
+    assert (
+        "stage 2 (layers 4..4) failed in forward of micro-batch 0 on input from stage 1 of shape [(3, 17) float32]"
+        in first
+    )
+    assert "its first layer (Linear) expects (*, 16)" in first
