@@ -47,6 +47,7 @@ from lightning_gpipe.partition import (
     uniform_balance,
 )
 from lightning_gpipe.stage import CHECKPOINT_MODES, PipelineStage, StageDone, StageTopology
+from lightning_gpipe.timeline import Timeline, publish
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,10 @@ class GPipeStrategy(ParallelStrategy):
             as for any Lightning ``ParallelStrategy``; the Trainer fills them in.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
         timeout: ``torch.distributed`` timeout for collectives and point-to-point.
+        timeline: record every stage's forward/recompute/backward/send/recv spans
+            (:mod:`lightning_gpipe.timeline`); at the end of ``fit``, log ``pipeline/bubble`` per
+            step and write ``timeline.json`` (Chrome trace) and ``timeline.png`` (Gantt chart).
+        timeline_dir: where those files go (default: the trainer's ``log_dir``).
 
     Raises:
         ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
@@ -98,6 +103,8 @@ class GPipeStrategy(ParallelStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        timeline: bool = False,
+        timeline_dir: str | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -153,6 +160,9 @@ class GPipeStrategy(ParallelStrategy):
         self._seq_name = ""
         self._data_groups: dict[int, Any] = {}
         self._failed = False
+        self.timeline, self.timeline_dir = timeline, timeline_dir
+        self._timeline: Timeline | None = None
+        self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
 
     # -- topology ------------------------------------------------------------------------------
 
@@ -274,6 +284,8 @@ class GPipeStrategy(ParallelStrategy):
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, pipe)
         self._stage, self._original, self._seq_name = pipe, (parent, attr, seq), name
+        if self.timeline:
+            self._timeline = pipe.timeline = Timeline(stage, layout.stages, rank, replica)
         self.balance_used = balance
         log.info(f"gpipe: rank {rank} runs stage {stage}/{layout.stages} with layers {list(pipe._modules)}")
 
@@ -342,6 +354,8 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if self._timeline is not None:
+            self._timeline.begin_step(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
         out = self._run_step(super().training_step, True, *args, **kwargs)
         stage = self._stage
         assert stage is not None
@@ -406,6 +420,8 @@ class GPipeStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._stage.backward()
+        if self._timeline is not None:
+            self._timeline.end_step()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -485,6 +501,17 @@ class GPipeStrategy(ParallelStrategy):
         module.load_state_dict(state, strict=strict)
 
     # -- lifecycle ---------------------------------------------------------------------------------
+
+    @override
+    def on_train_end(self) -> None:
+        """With ``timeline=True``: log ``pipeline/bubble`` and write the trace and the Gantt chart (rank 0)."""
+        if self._timeline is not None and _distributed_is_initialized():
+            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+            self.timeline_records = publish(
+                self._timeline,
+                self.timeline_dir or trainer.log_dir,
+                trainer.loggers if self.is_global_zero else (),
+            )
 
     @override
     def on_exception(self, exception: BaseException) -> None:

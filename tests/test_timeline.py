@@ -1,0 +1,130 @@
+"""The timeline: bubble share, Chrome-trace export and Gantt chart, by hand and under the strategy."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from lightning_gpipe.simulate import simulate
+from lightning_gpipe.timeline import (
+    Timeline,
+    chrome_trace,
+    mean_bubble_per_step,
+    plot_gantt,
+    step_stats,
+    write_chrome_trace,
+)
+from tests._harness import check, run_script
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+_KIND = {"F": "forward", "B": "backward", "R": "recompute"}
+
+
+def records_from_simulation(stages: int, chunks: int, checkpoint: str = "never", steps: int = 1):
+    """Gathered-timeline records of a simulated step (K stages), as the strategy would produce.
+
+    The stage's recompute runs inside its backward span, as in the engine.
+    """
+    sim = simulate(
+        stages, chunks, forward=1.0, backward=2.0, checkpoint=checkpoint, latency=0.25, timeline=True
+    )
+    assert sim.timeline is not None
+    records = []
+    for j, events in enumerate(sim.timeline):
+        recompute_start = {e.microbatch: e.start for e in events if e.kind == "R"}
+        spans = []
+        for e in events:
+            start = recompute_start.get(e.microbatch, e.start) if e.kind == "B" else e.start
+            spans.append((_KIND[e.kind], e.microbatch, start, e.end))
+        busy = sum(b - a for kind, _, a, b in spans if kind != "recompute")
+        records.append(
+            {
+                "stage": j,
+                "stages": stages,
+                "rank": stages - 1 - j,
+                "replica": 0,
+                "summaries": [(n, n, n * 100.0, n * 100.0 + sim.step_time, busy) for n in range(steps)],
+                "events": {
+                    n: [(k, i, a + n * 100.0, b + n * 100.0) for k, i, a, b in spans] for n in range(steps)
+                },
+            }
+        )
+    return records, sim
+
+
+@pytest.mark.parametrize("stages,chunks", [(2, 1), (2, 4), (4, 8)])
+def test_bubble_of_simulated_steps_equals_the_cost_model(stages, chunks):
+    records, sim = records_from_simulation(stages, chunks, steps=2)
+    stats = step_stats(records)
+    assert [s.index for s in stats] == [0, 1]
+    assert stats[0].bubble == pytest.approx(sim.bubble)
+    assert stats[0].window == pytest.approx(sim.step_time)
+    assert mean_bubble_per_step(records) == [(0, pytest.approx(sim.bubble)), (1, pytest.approx(sim.bubble))]
+
+
+def test_timeline_records_spans_only_inside_a_step_and_sums_busy_time():
+    now = [0.0]
+    timeline = Timeline(stage=0, stages=2, clock=lambda: now[0])
+    with timeline.span("forward", 0):  # outside a step (e.g. validation): not recorded
+        now[0] += 5.0
+    timeline.begin_step(step=7)
+    for kind, i, seconds in [("forward", 0, 1.0), ("send", 0, 0.5), ("recv", 0, 2.0), ("backward", 0, 1.5)]:
+        with timeline.span(kind, i):
+            now[0] += seconds
+    now[0] += 1.0  # idle
+    timeline.end_step()
+    assert timeline.summaries == [(0, 7, 5.0, 11.0, 2.5)]
+    assert timeline.bubble() == [pytest.approx(1 - 2.5 / 6.0)]
+    assert [e[0] for e in timeline.record()["events"][0]] == ["forward", "send", "recv", "backward"]
+
+
+def test_chrome_trace_is_valid_json_with_one_process_per_stage(tmp_path):
+    records, _ = records_from_simulation(3, 4, checkpoint="except_last")
+    path = write_chrome_trace(records, tmp_path / "trace.json")
+    trace = json.loads(path.read_text())
+    assert trace == json.loads(json.dumps(chrome_trace(records)))
+    events = trace["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert sorted(names.values()) == ["stage 0 · rank 2", "stage 1 · rank 1", "stage 2 · rank 0"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["ts"] >= 0 and e["dur"] >= 0 and e["pid"] in names for e in spans)
+    per_stage = {pid: [e for e in spans if e["pid"] == pid and e["cat"] == "forward"] for pid in names}
+    assert all(len(v) == 4 for v in per_stage.values())
+    # A recompute nests inside its backward on the same process (complete events must nest).
+    for r in (e for e in spans if e["cat"] == "recompute"):
+        (b,) = [
+            e
+            for e in spans
+            if e["cat"] == "backward"
+            and e["pid"] == r["pid"]
+            and e["args"]["micro_batch"] == r["args"]["micro_batch"]
+        ]
+        assert b["ts"] <= r["ts"] and r["ts"] + r["dur"] <= b["ts"] + b["dur"] + 1e-3
+    assert {e["name"] for e in spans if e["cat"] == "recompute"} == {"R0", "R1", "R2"}
+
+
+def test_gantt_png_is_written(tmp_path):
+    records, _ = records_from_simulation(2, 4, checkpoint="always")
+    path = plot_gantt(records, tmp_path / "docs" / "gantt.png")
+    assert path.read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ValueError, match="no kept events"):
+        plot_gantt(records, tmp_path / "none.png", index=5)
+
+
+@pytest.mark.timeout(120)
+def test_strategy_logs_bubble_and_writes_trace_and_gantt(tmp_path):
+    """GPipeStrategy(timeline=True), 2 stages, 4 steps: pipeline/bubble per step in the CSV log, trace, PNG."""
+    check(run_script("tests/workers/timeline_fit.py", str(tmp_path), "4", timeout=100))
+    (metrics,) = tmp_path.glob("csv/**/metrics.csv")
+    rows = [r for r in csv.DictReader(metrics.open()) if r.get("pipeline/bubble")]
+    assert sorted(int(r["step"]) for r in rows) == [0, 1, 2, 3]
+    assert all(0.0 < float(r["pipeline/bubble"]) < 1.0 for r in rows)
+    trace = json.loads((tmp_path / "timeline.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["cat"] for e in spans} == {"step", "forward", "recompute", "backward", "send", "recv"}
+    assert len({e["pid"] for e in spans}) == 2
+    forwards = [e for e in spans if e["cat"] == "forward" and e["args"]["step"] == 3]
+    assert sorted(e["args"]["micro_batch"] for e in forwards) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG_MAGIC
