@@ -1,0 +1,550 @@
+"""Measure the pipeline: throughput against the ideal and against PyTorch's own pipelining, memory,
+bubble share, the cost model's error, and the largest model that fits a memory budget.
+
+``mode=throughput`` (one configuration: model, stages K, chunks M, checkpoint mode; Hydra
+``-m`` sweeps over any of them) runs, one after another, each in fresh processes
+(:mod:`recipes.benchmark_worker`):
+
+- ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under Lightning, ``timeline=True``;
+- ``bare``: the same stages driven by a plain PyTorch loop (Lightning overhead = ours vs bare);
+- ``peer``: ``torch.distributed.pipelining`` ``ScheduleGPipe(scale_grads=False)``, same split and
+  micro-batches;
+- ``single``: the plain model in one process with 1 thread (the one-stage baseline) and with
+  K × ``threads`` threads (the pipeline's total).
+
+Every run reports samples/s (``batch_size`` / median seconds between step ends over the timed
+steps), the peak tensor bytes of one step per stage (:class:`recipes.memory.TensorMemoryMeter`) and
+peak RSS; ``ours`` and ``bare`` also the bubble share and step window from the timeline. With
+``predict``, each stage's forward/backward seconds and saved bytes are profiled layer by layer
+(:func:`lightning_gpipe.balance.profile_layers`, one micro-batch, ``threads`` threads) and P2P
+latency and bandwidth come from a ping-pong in ``bare``; :func:`lightning_gpipe.simulate.simulate`
+then predicts the step window, bubble and per-stage activation bytes. Rows are appended to ``csv``
+and printed with the ratios: ours/ideal, where ideal = K·M/(M+K-1) × single-stage (1 thread)
+samples/s; ours/peer; and the Lightning overhead ``ours step / bare step - 1``.
+
+``mode=capacity`` (GPipe Table 1's point) bisects ``model.num_layers`` for the largest model whose
+one-stage training step (``chunks`` micro-batches, Adam) fits ``capacity.budget_bytes``, for each
+``capacity.checkpoints`` mode. On CPU the step's need is parameters + gradients + Adam state +
+the meter's peak; on CUDA, ``torch.cuda.max_memory_allocated``.
+
+``mode=report`` prints the tables of a CSV: per run and M, samples/s and the ratios, and the M sweep
+normalized to M=1 next to GPipe's Table 2 (K=2).
+
+Run from the repository root: ``python recipes/benchmark.py [key=value ...]`` (``conf/benchmark.yaml``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `python recipes/benchmark.py` puts recipes/, not the root, on the path
+    sys.path.insert(0, str(ROOT))
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from lightning_gpipe.balance import balance_by_parameters, balance_by_time, profile_layers  # noqa: E402
+from lightning_gpipe.partition import check_balance, stage_bounds, uniform_balance  # noqa: E402
+from lightning_gpipe.simulate import ideal_bubble, microbatch_sizes, simulate  # noqa: E402
+from recipes.benchmark_worker import build_model, loss_fn, make_batches  # noqa: E402
+from recipes.memory import TensorMemoryMeter  # noqa: E402
+
+__all__ = ["COLUMNS", "benchmark", "capacity", "main", "report"]
+
+COLUMNS = [
+    "run",
+    "model",
+    "num_layers",
+    "width",
+    "params",
+    "stages",
+    "chunks",
+    "checkpoint",
+    "balance",
+    "batch_size",
+    "threads",
+    "step_s",
+    "step_s_min",
+    "samples_per_s",
+    "bubble",
+    "bubble_ideal",
+    "window_s",
+    "predicted_window_s",
+    "predicted_bubble",
+    "activation_bytes",
+    "activation_bytes_stages",
+    "predicted_activation_bytes",
+    "rss_bytes",
+    "ideal_samples_per_s",
+    "vs_ideal",
+    "vs_peer",
+    "lightning_overhead",
+]
+
+# GPipe (arXiv 1811.06965) Table 2, Transformer, K=2: throughput normalized to K=2, M=1.
+GPIPE_TABLE2_K2 = {1: 1.0, 4: 1.7, 32: 1.8}
+
+
+# -- launching workers ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        OMP_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+        PL_DISABLE_FORK="1",
+    )
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    return env
+
+
+def _launch(spec: dict[str, Any], timeout: float) -> None:
+    """Run one worker job (every process in one process group each), killed after ``timeout`` seconds.
+
+    Raises:
+        RuntimeError: a process failed or timed out; the message holds the output's tail.
+    """
+    path = Path(spec["out"]) / f"{spec['run']}.json"
+    path.write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "recipes.benchmark_worker", str(path)]
+    env = _env(spec["threads"])
+    # ours: Lightning's launcher starts the other stages; bare/peer: one process per rank (torchrun-style).
+    torchrun_style = spec["run"] in ("bare", "peer")
+    ranks = spec["stages"] if torchrun_style else 1
+    procs = []
+    for rank in range(ranks):
+        rank_env = (
+            dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks)) if torchrun_style else env
+        )
+        procs.append(
+            subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=rank_env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    deadline = time.monotonic() + timeout
+    outputs, failed = [], False
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                try:
+                    os.killpg(q.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            out, failed = p.communicate()[0] + f"\n[benchmark] killed after {timeout} s", True
+        outputs.append(out)
+        failed = failed or p.returncode != 0
+    if failed:
+        tail = "\n".join(o[-4000:] for o in outputs)
+        raise RuntimeError(f"benchmark run {spec['run']!r} failed:\n{tail}")
+
+
+# -- throughput ------------------------------------------------------------------------------------
+
+
+def _balance(cfg: DictConfig, model: torch.nn.Sequential, sample: torch.Tensor) -> list[int]:
+    stages, balance = cfg.stages, cfg.balance
+    if balance == "uniform":
+        return uniform_balance(len(model), stages)
+    if balance == "parameters":
+        return balance_by_parameters(model, stages)
+    if balance == "time":
+        return balance_by_time(model, sample, stages)
+    return check_balance(list(balance), len(model), stages)
+
+
+def _profile(
+    model: torch.nn.Sequential, balance: list[int], sample: torch.Tensor, threads: int
+) -> dict[str, list[float]]:
+    """Per stage: forward and backward seconds of one micro-batch ``sample``, and bytes per sample
+    saved for backward (``activation``) and of the stage's input (``input``)."""
+    torch.set_num_threads(threads)
+    layers = profile_layers(model, sample, timeout=1.5, warmup=2)
+    per_sample = 1.0 / sample.shape[0]
+    input_bytes, x = [], sample
+    out: dict[str, list[float]] = {"forward": [], "backward": [], "activation": [], "input": []}
+    with torch.no_grad():
+        for a, b in stage_bounds(balance):
+            input_bytes.append(x.numel() * x.element_size() * per_sample)
+            for layer in list(model)[a:b]:
+                x = layer(x)
+            out["forward"].append(sum(p.forward_time for p in layers[a:b]))
+            out["backward"].append(sum(p.backward_time for p in layers[a:b]))
+            out["activation"].append(sum(p.activation_bytes for p in layers[a:b]) * per_sample)
+    out["input"] = input_bytes
+    out["boundary_bytes_per_sample"] = input_bytes[1:]
+    return out
+
+
+def _median(values: list[float] | None) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _row(cfg: DictConfig, run: str, result: dict[str, Any], stage_results: list[dict], params: int) -> dict:
+    step = result["step_s"]
+    act = [r.get("activation_bytes") for r in stage_results]
+    k, m = cfg.stages, len(microbatch_sizes(cfg.batch_size, cfg.chunks))
+    return {
+        "run": run,
+        "model": cfg.model.name,
+        "num_layers": cfg.model.num_layers,
+        "width": cfg.model.width if cfg.model.name == "mlp" else cfg.model.d_model,
+        "params": params,
+        "stages": k if run not in ("single", "single_mt") else 1,
+        "chunks": cfg.chunks,
+        "checkpoint": cfg.checkpoint,
+        "batch_size": cfg.batch_size,
+        "threads": result.get("threads", k * cfg.threads),
+        "step_s": _median(step),
+        "step_s_min": min(step) if step else None,
+        "samples_per_s": cfg.batch_size / _median(step) if step else None,
+        "bubble": _median(result.get("bubble")),
+        "bubble_ideal": ideal_bubble(k, m) if run in ("ours", "bare", "peer") else None,
+        "window_s": _median(result.get("window_s")),
+        "activation_bytes": max(a for a in act if a is not None) if any(a is not None for a in act) else None,
+        "activation_bytes_stages": "|".join(str(a) for a in act) if any(a is not None for a in act) else None,
+        "rss_bytes": max(r["rss_bytes"] for r in stage_results),
+    }
+
+
+def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
+    """Run ``cfg.runs`` for one configuration; append the rows to ``cfg.csv``, print and return them.
+
+    Raises:
+        RuntimeError: a run failed or timed out (its output's tail is in the message).
+        ValueError: an unknown run name or a bad balance.
+    """
+    unknown = set(cfg.runs) - {"ours", "bare", "peer", "single"}
+    if unknown:
+        raise ValueError(f"runs may hold ours, bare, peer, single (unknown: {sorted(unknown)})")
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    assert isinstance(model_cfg, dict)
+    model = build_model(model_cfg)
+    params = sum(p.numel() for p in model.parameters())
+    micro = microbatch_sizes(cfg.batch_size, cfg.chunks)[0]
+    sample = make_batches(model_cfg, micro, count=1)[0][0]
+    torch.set_num_threads(cfg.threads)
+    balance = _balance(cfg, model, sample)
+    profile = _profile(model, balance, sample, cfg.threads) if cfg.predict else None
+    boundary = int(profile["boundary_bytes_per_sample"][-1] * micro) if profile and cfg.stages > 1 else 0
+    results: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp:
+        for run in cfg.runs:
+            out = Path(tmp) / run
+            out.mkdir()
+            spec = {
+                "run": run,
+                "model": model_cfg,
+                "balance": balance,
+                "stages": cfg.stages,
+                "chunks": cfg.chunks,
+                "checkpoint": cfg.checkpoint,
+                "batch_size": cfg.batch_size,
+                "threads": cfg.threads,
+                "warmup": max(1, cfg.warmup),
+                "timed": cfg.timed,
+                "memory": cfg.memory,
+                "lr": cfg.lr,
+                "boundary_bytes": boundary,
+                "out": str(out),
+            }
+            _launch(spec, cfg.timeout)
+            files = sorted(out.glob(f"{run}_rank*.json"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
+            results[run] = [json.loads(p.read_text()) for p in files]
+            for name in ("timeline.png", "timeline.json", "bare_timeline.png", "bare_timeline.json"):
+                if (out / name).exists():  # keep the traces and Gantt charts next to the CSV
+                    suffix = Path(name).suffix
+                    target = Path(str(cfg.csv)).parent / "timelines"
+                    target.mkdir(parents=True, exist_ok=True)
+                    tag = f"{run}_k{cfg.stages}_m{cfg.chunks}_{cfg.checkpoint}"
+                    (target / f"{tag}{suffix}").write_bytes((out / name).read_bytes())
+    rows = _rows(cfg, results, params, profile)
+    _append_csv(Path(str(cfg.csv)), rows)
+    print(format_table(rows))
+    return rows
+
+
+def _rows(
+    cfg: DictConfig, results: dict[str, list[dict]], params: int, profile: dict[str, list[float]] | None
+) -> list[dict[str, Any]]:
+    rows: dict[str, dict[str, Any]] = {}
+    for run, per_rank in results.items():
+        if run == "single":
+            for key, name in (
+                (f"threads{cfg.threads}", "single"),
+                (f"threads{cfg.stages * cfg.threads}", "single_mt"),
+            ):
+                if key in per_rank[0] and name not in rows:
+                    rows[name] = _row(cfg, name, per_rank[0][key], [per_rank[0][key]], params)
+            continue
+        by_stage = sorted(per_rank, key=lambda r: r["stage"])
+        result = dict(by_stage[-1])  # the last stage's step times
+        for r in per_rank:  # the timeline summary, gathered on global rank 0
+            result.update({key: r[key] for key in ("bubble", "window_s") if key in r})
+        rows[run] = _row(cfg, run, result, by_stage, params)
+    k, m = cfg.stages, len(microbatch_sizes(cfg.batch_size, cfg.chunks))
+    single = rows.get("single", {}).get("samples_per_s")
+    if profile is not None:
+        bare = next((r for r in results.get("bare", []) if "latency_s" in r), {})
+        latency = bare.get("latency_s", 0.0)
+        extra = bare.get("boundary_s", latency) - latency
+        boundary = profile["boundary_bytes_per_sample"]
+        size = [b * microbatch_sizes(cfg.batch_size, cfg.chunks)[0] for b in boundary]
+        bandwidth = size[-1] / extra if size and extra > 0 else math.inf
+        sim = simulate(
+            k,
+            cfg.chunks,
+            profile["forward"],
+            profile["backward"],
+            checkpoint=cfg.checkpoint,
+            latency=latency,
+            bandwidth=bandwidth,
+            boundary_bytes=size,
+            batch_size=cfg.batch_size,
+            activation_bytes=profile["activation"],
+            input_bytes=profile["input"],
+        )
+        for run in ("ours", "bare"):
+            if run in rows:
+                rows[run]["predicted_window_s"] = sim.step_time
+                rows[run]["predicted_bubble"] = sim.bubble
+                assert sim.peak_activation_bytes is not None
+                rows[run]["predicted_activation_bytes"] = max(sim.peak_activation_bytes)
+    for row in rows.values():
+        if row["run"] in ("ours", "bare", "peer") and single:
+            row["ideal_samples_per_s"] = k * m / (m + k - 1) * single
+            row["vs_ideal"] = row["samples_per_s"] / row["ideal_samples_per_s"]
+    if "ours" in rows and "peer" in rows:
+        rows["ours"]["vs_peer"] = rows["ours"]["samples_per_s"] / rows["peer"]["samples_per_s"]
+    if "ours" in rows and "bare" in rows:
+        rows["ours"]["lightning_overhead"] = rows["ours"]["step_s"] / rows["bare"]["step_s"] - 1
+    return [{c: row.get(c) for c in COLUMNS} for row in rows.values()]
+
+
+def _append_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        if new:
+            writer.writeheader()
+        writer.writerows(rows)
+
+
+def _fmt(value: Any, spec: str = ".3g", scale: float = 1.0) -> str:
+    if value in (None, ""):
+        return "–"
+    return format(float(value) * scale, spec)
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table of benchmark rows: throughput, ratios, bubble, step window vs the cost model, memory."""
+    head = (
+        "| run | K | M | checkpoint | samples/s | step ms | vs ideal | vs peer | Lightning overhead "
+        "| bubble (ideal) | window ms (model) | act. MiB (model) | RSS MiB |"
+    )
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        lines.append(
+            f"| {r['run']} | {r['stages']} | {r['chunks']} | {r['checkpoint']} | {_fmt(r['samples_per_s'], '.1f')} "
+            f"| {_fmt(r['step_s'], '.1f', 1e3)} | {_fmt(r['vs_ideal'], '.2f')} | {_fmt(r['vs_peer'], '.2f')} "
+            f"| {_fmt(r['lightning_overhead'], '+.1%')} "
+            f"| {_fmt(r['bubble'], '.2f')} ({_fmt(r['bubble_ideal'], '.2f')}) "
+            f"| {_fmt(r['window_s'], '.1f', 1e3)} ({_fmt(r['predicted_window_s'], '.1f', 1e3)}) "
+            f"| {_fmt(r['activation_bytes'], '.1f', 2**-20)} ({_fmt(r['predicted_activation_bytes'], '.1f', 2**-20)}) "
+            f"| {_fmt(r['rss_bytes'], '.0f', 2**-20)} |"
+        )
+    return "\n".join(lines)
+
+
+# -- capacity --------------------------------------------------------------------------------------
+
+
+def _step_need(cfg: DictConfig, num_layers: int, checkpoint: str) -> tuple[int, int]:
+    """Bytes one training step of a one-stage pipeline needs, and the parameter count."""
+    from lightning_gpipe.comm import P2P
+    from lightning_gpipe.stage import PipelineStage, StageTopology
+
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    assert isinstance(model_cfg, dict)
+    model_cfg["num_layers"] = num_layers
+    device = torch.device(cfg.capacity.device)
+    model = build_model(model_cfg).to(device)
+    stage = PipelineStage(
+        list(model.named_children()),
+        StageTopology(0, 1, None, None),
+        cfg.chunks,
+        checkpoint,
+        P2P(device),
+    )
+    optimizer = torch.optim.Adam(stage.parameters(), lr=cfg.lr)
+    loss = loss_fn(model_cfg)
+    x, y = (t.to(device) for t in make_batches(model_cfg, cfg.batch_size, count=1)[0])
+
+    def step() -> None:
+        stage.begin_step(True)
+        try:
+            out = stage(x)
+        finally:
+            stage.end_step()
+        loss(out, y).backward()
+        stage.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+
+    step()  # gradients and optimizer state exist from here on
+    params = sum(p.numel() for p in stage.parameters())
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device), params
+    held = sum(p.numel() * p.element_size() * 2 for p in stage.parameters())  # parameters + gradients
+    held += sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
+    with TensorMemoryMeter() as meter:
+        step()
+    return held + meter.peak, params
+
+
+def capacity(cfg: DictConfig) -> list[dict[str, Any]]:
+    """Largest ``model.num_layers`` whose one-stage training step fits the budget, per checkpoint mode.
+
+    Doubling from 1 layer, then bisection; each trial runs two steps of a fresh model. Returns one row
+    per mode: ``checkpoint``, ``num_layers`` (0: not even one layer fits), ``params``, ``need_bytes``
+    (at that size), ``budget_bytes``; and prints them with the ratio to the first mode.
+    """
+    torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.capacity.device)
+    budget = cfg.capacity.budget_bytes
+    if budget is None:
+        if device.type != "cuda":
+            raise ValueError("capacity.budget_bytes is required on CPU (bytes, e.g. 268435456)")
+        budget = torch.cuda.get_device_properties(device).total_memory
+    rows = []
+    for checkpoint in cfg.capacity.checkpoints:
+        trials: dict[int, tuple[int, int]] = {}
+
+        def fits(n: int, checkpoint: str = checkpoint, trials: dict = trials) -> bool:
+            trials[n] = _step_need(cfg, n, checkpoint)
+            print(
+                f"capacity: checkpoint={checkpoint} num_layers={n}: {trials[n][0] / 2**20:.1f} MiB",
+                flush=True,
+            )
+            return trials[n][0] <= budget
+
+        lo, n = 0, 1
+        while n <= cfg.capacity.max_layers and fits(n):
+            lo, n = n, n * 2
+        hi = min(n, cfg.capacity.max_layers + 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        need, params = trials.get(lo, (0, 0))
+        rows.append(
+            {
+                "checkpoint": checkpoint,
+                "num_layers": lo,
+                "params": params,
+                "need_bytes": need,
+                "budget_bytes": budget,
+                "device": device.type,
+            }
+        )
+    first = rows[0]["num_layers"] or 1
+    print("| checkpoint | largest num_layers | parameters | need MiB | budget MiB | vs first |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['checkpoint']} | {r['num_layers']} | {r['params'] / 1e6:.2f} M | {r['need_bytes'] / 2**20:.1f} "
+            f"| {r['budget_bytes'] / 2**20:.0f} | {r['num_layers'] / first:.2f}× |"
+        )
+    return rows
+
+
+# -- report ------------------------------------------------------------------------------------------
+
+
+def report(path: str | Path) -> str:
+    """Tables of a benchmark CSV: every row, then per (K, checkpoint) the M sweep normalized to M=1."""
+    rows = list(csv.DictReader(Path(path).open()))
+    parts = [format_table(rows)]
+    groups: dict[tuple[str, str, str], dict[int, dict[str, dict]]] = {}
+    for r in rows:
+        key = (r["model"], r["stages"] if r["run"] not in ("single", "single_mt") else "", r["checkpoint"])
+        groups.setdefault(key, {}).setdefault(int(r["chunks"]), {})[r["run"]] = r
+    for (model, k, checkpoint), by_m in sorted(groups.items()):
+        if not k or 1 not in by_m:
+            continue
+        stages = int(k)
+        base = {run: float(r["samples_per_s"]) for run, r in by_m[1].items()}
+        lines = [
+            f"\n{model}, K={stages}, checkpoint={checkpoint}: samples/s normalized to the same run at M=1",
+            "| M | ideal K·M/(M+K-1) | ours | bare | peer | GPipe Table 2 (Transformer, K=2) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for m, runs in sorted(by_m.items()):
+            cells = []
+            for run in ("ours", "bare", "peer"):
+                r = runs.get(run)
+                cells.append(f"{float(r['samples_per_s']) / base[run]:.2f}" if r and run in base else "–")
+            gpipe = GPIPE_TABLE2_K2.get(m) if stages == 2 else None
+            ideal = stages * m / (m + stages - 1)  # in units of the one-stage throughput, 1 at M=1
+            lines.append(f"| {m} | {ideal:.2f} | " + " | ".join(cells) + f" | {gpipe if gpipe else '–'} |")
+        parts.append("\n".join(lines))
+    return "\n".join(parts)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="benchmark")
+def main(cfg: DictConfig) -> float | None:
+    """Hydra entry: the mode's result; for ``throughput``, ours' samples/s (what a sweeper maximizes)."""
+    if cfg.mode == "capacity":
+        capacity(cfg)
+        return None
+    if cfg.mode == "report":
+        print(report(cfg.csv))
+        return None
+    rows = benchmark(cfg)
+    ours = next((r for r in rows if r["run"] == "ours"), None)
+    return ours["samples_per_s"] if ours else None
+
+
+if __name__ == "__main__":
+    main()

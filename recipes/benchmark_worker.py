@@ -1,0 +1,415 @@
+"""Worker of ``recipes/benchmark.py``: one timed run of one configuration, in its own processes.
+
+Usage: ``python -m recipes.benchmark_worker SPEC.json`` (the benchmark writes the spec). ``run``
+is one of:
+
+- ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under a Lightning ``Trainer`` (Lightning's
+  launcher re-runs this command for the other stages), with ``timeline=True``;
+- ``bare``: the same :class:`~lightning_gpipe.stage.PipelineStage` per process, driven by a plain
+  PyTorch loop (no Lightning): the Lightning overhead is ``ours`` against this;
+- ``peer``: ``torch.distributed.pipelining`` with ``ScheduleGPipe(scale_grads=False)`` on the same
+  split and micro-batches;
+- ``single``: the plain model in one process, once with ``threads`` threads (the one-stage baseline
+  of the ideal speed-up) and once with K × ``threads`` (the same total threads as the pipeline).
+
+``bare`` and ``peer`` start like ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the
+benchmark). Every run takes ``warmup`` steps, then ``timed`` steps whose durations (seconds between
+consecutive step ends, optimizer step included) are reported, then, with ``memory``, one step under
+:class:`~recipes.memory.TensorMemoryMeter`. Each rank writes ``{out}/{run}_rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_gpipe.comm import P2P, Layout
+from lightning_gpipe.partition import cut
+from lightning_gpipe.stage import PipelineStage, StageDone, StageTopology
+from lightning_gpipe.timeline import Timeline, gather, plot_gantt, step_stats, write_chrome_trace
+from recipes.memory import TensorMemoryMeter, peak_rss_bytes
+
+Batch = tuple[Tensor, Tensor]
+
+
+# -- the model, the data, the loss (shared with recipes/benchmark.py) ---------------------------
+
+
+class LinearGELU(nn.Module):
+    """``GELU(Linear(x))``, ``(N, width)`` → ``(N, width)``: one layer of the compute-bound stack."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.linear(x))
+
+
+def build_model(model: dict[str, Any]) -> nn.Sequential:
+    """``model["name"]``: ``"mlp"`` (``num_layers`` × :class:`LinearGELU` of ``width``) or
+    ``"transformer"`` (:func:`recipes.models.transformer.build_transformer`, ``num_layers`` blocks)."""
+    torch.manual_seed(0)
+    if model["name"] == "mlp":
+        return nn.Sequential(*[LinearGELU(model["width"]) for _ in range(model["num_layers"])])
+    if model["name"] == "transformer":
+        from recipes.models.transformer import build_transformer
+
+        return build_transformer(
+            model["vocab_size"],
+            model["num_layers"],
+            model["d_model"],
+            model["num_heads"],
+            model["d_ff"],
+            model["seq_len"],
+            0.0,
+        )
+    raise ValueError(f"model.name must be 'mlp' or 'transformer' (model.name: {model['name']!r})")
+
+
+def make_batches(model: dict[str, Any], batch_size: int, count: int = 2) -> list[Batch]:
+    """``count`` distinct mini-batches ``(x, y)``: mlp ``(N, width)`` floats; transformer ``(N, T)`` ids."""
+    g = torch.Generator().manual_seed(1)
+    if model["name"] == "mlp":
+        shape = (batch_size, model["width"])
+        return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(count)]
+    shape = (batch_size, model["seq_len"])
+    vocab = model["vocab_size"]
+    return [
+        (torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
+        for _ in range(count)
+    ]
+
+
+def loss_fn(model: dict[str, Any]) -> Callable[[Tensor, Tensor], Tensor]:
+    """The mean loss of a mini-batch: MSE (mlp) or token cross-entropy (transformer)."""
+    if model["name"] == "mlp":
+        return F.mse_loss
+    return lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def summed_loss_fn(model: dict[str, Any], batch_size: int) -> Callable[[Tensor, Tensor], Tensor]:
+    """Per micro-batch, its share of the mini-batch's mean loss (the peer sums micro-batch losses)."""
+    if model["name"] == "mlp":
+        return lambda out, y: F.mse_loss(out, y, reduction="sum") / (batch_size * y.shape[-1])
+    return lambda out, y: (
+        F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum") / (batch_size * y.shape[-1])
+    )
+
+
+# -- measurement helpers ---------------------------------------------------------------------------
+
+
+class Stopwatch:
+    """Step-end stamps; :meth:`timed` gives the durations of the timed steps in seconds."""
+
+    def __init__(self, warmup: int, timed: int) -> None:
+        self.warmup, self.timed = warmup, timed
+        self.stamps: list[float] = []
+
+    def stamp(self) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def timed_steps(self) -> list[float]:
+        ends = self.stamps[self.warmup - 1 : self.warmup + self.timed]
+        return [b - a for a, b in zip(ends, ends[1:])]
+
+
+def _result(spec: dict[str, Any], watch: Stopwatch, meter: TensorMemoryMeter | None, **extra: Any) -> dict:
+    return {
+        "step_s": watch.timed_steps(),
+        "activation_bytes": meter.peak if meter is not None else None,
+        "rss_bytes": peak_rss_bytes(),
+        **extra,
+    }
+
+
+def _timeline_summary(records: list[dict[str, Any]] | None, spec: dict[str, Any]) -> dict[str, Any]:
+    """Per timed step: the pipeline's bubble and window (seconds), from gathered timeline records."""
+    if not records:
+        return {}
+    lo, hi = spec["warmup"], spec["warmup"] + spec["timed"]
+    stats = [s for s in step_stats(records) if lo <= s.index < hi]
+    return {
+        "bubble": [s.bubble for s in stats],
+        "window_s": [s.window for s in stats],
+        "busy_s": [list(s.busy) for s in stats],
+        "spans": _span_medians(records, lo, hi),
+    }
+
+
+def _span_medians(records: list[dict[str, Any]], lo: int, hi: int) -> dict[str, list[float]]:
+    """Per stage (stage order), the median seconds of each span kind over the timed steps."""
+    out: dict[str, list[float]] = {}
+    for rec in sorted(records, key=lambda r: r["stage"]):
+        by_kind: dict[str, list[float]] = {}
+        for index, events in rec["events"].items():
+            if lo <= index < hi:
+                for kind, _, a, b in events:
+                    by_kind.setdefault(kind, []).append(b - a)
+        for kind, values in by_kind.items():
+            out.setdefault(kind, []).append(sorted(values)[len(values) // 2])
+    return out
+
+
+def _steps(spec: dict[str, Any]) -> int:
+    return spec["warmup"] + spec["timed"] + (1 if spec["memory"] else 0)
+
+
+def _is_memory_step(spec: dict[str, Any], step: int) -> bool:
+    return spec["memory"] and step == spec["warmup"] + spec["timed"]
+
+
+# -- ours: GPipeStrategy under Lightning ----------------------------------------------------------
+
+
+def run_ours(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    import lightning_gpipe
+
+    model_cfg = spec["model"]
+    loss = loss_fn(model_cfg)
+    watch = Stopwatch(spec["warmup"], spec["timed"])
+    meters: list[TensorMemoryMeter] = []
+
+    class BenchModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = build_model(model_cfg)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.layers(x)
+
+        def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+            x, y = batch
+            return loss(self(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=spec["lr"])
+
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as in the other runs
+
+    class Measure(pl.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if _is_memory_step(spec, batch_idx):
+                meters.append(TensorMemoryMeter())
+                meters[0].__enter__()
+
+        def on_train_batch_end(
+            self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
+        ) -> None:
+            if meters and _is_memory_step(spec, batch_idx):
+                meters[0].__exit__(None, None, None)
+            else:
+                watch.stamp()
+
+    batches = make_batches(model_cfg, spec["batch_size"])
+    loader = DataLoader([batches[s % len(batches)] for s in range(_steps(spec))], batch_size=None)
+    strategy = lightning_gpipe.GPipeStrategy(
+        chunks=spec["chunks"],
+        balance=spec["balance"],
+        checkpoint=spec["checkpoint"],
+        timeline=True,
+        timeline_dir=spec["out"],
+    )
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=spec["stages"],
+        max_steps=_steps(spec),
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[Measure()],
+    )
+    trainer.fit(BenchModule(), loader)
+    result = _result(spec, watch, meters[0] if meters else None, stage=strategy.stage_index)
+    result.update(_timeline_summary(strategy.timeline_records, spec))
+    return trainer.global_rank, result
+
+
+# -- bare: our PipelineStage in a plain loop ------------------------------------------------------
+
+
+def _init_process_group() -> tuple[int, int]:
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _probe_p2p(
+    p2p: P2P, me: int, other: int, first: bool, nbytes: int, repeats: int = 20
+) -> tuple[float, float]:
+    """One-way seconds of a 1-element and of an ``nbytes`` message (header included), by ping-pong."""
+    times = []
+    for numel in (1, max(1, nbytes // 4)):
+        payload = torch.zeros(numel)
+        rtts = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            if first:
+                p2p.send([payload], other)
+                p2p.recv(other)
+            else:
+                p2p.recv(other)
+                p2p.send([payload], other)
+            p2p.flush()
+            rtts.append(time.perf_counter() - start)
+        times.append(sorted(rtts)[len(rtts) // 2] / 2)
+    return times[0], times[1]
+
+
+def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    rank, world = _init_process_group()
+    layout = Layout(world, world)
+    stage_index = layout.stage_of(rank)
+    topology = StageTopology(
+        stage=stage_index,
+        stages=world,
+        prev_rank=layout.rank(0, stage_index - 1) if stage_index > 0 else None,
+        next_rank=layout.rank(0, stage_index + 1) if stage_index < world - 1 else None,
+    )
+    model_cfg = spec["model"]
+    p2p = P2P(torch.device("cpu"))
+    stage = PipelineStage(
+        cut(build_model(model_cfg), spec["balance"], stage_index),
+        topology,
+        spec["chunks"],
+        spec["checkpoint"],
+        p2p,
+    )
+    timeline = stage.timeline = Timeline(stage_index, world, rank)
+    probe: dict[str, float] = {}
+    if world > 1 and stage_index >= world - 2:  # the last boundary: ranks 0 and 1
+        small, big = _probe_p2p(p2p, rank, 1 - rank, stage_index == world - 1, spec["boundary_bytes"])
+        probe = {"latency_s": small, "boundary_s": big}
+    dist.barrier()
+    loss = loss_fn(model_cfg)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=spec["lr"])
+    batches = make_batches(model_cfg, spec["batch_size"])
+    watch, meter = Stopwatch(spec["warmup"], spec["timed"]), None
+    for step in range(_steps(spec)):
+        x, y = batches[step % len(batches)]
+        if _is_memory_step(spec, step):
+            meter = TensorMemoryMeter()
+        with meter if meter is not None else nullcontext():
+            timeline.begin_step(step)
+            stage.begin_step(True)
+            try:
+                out = stage(x)
+            except StageDone:
+                out = None
+            finally:
+                stage.end_step()
+            if topology.is_last:
+                loss(out, y).backward()
+            stage.backward()
+            timeline.end_step()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        if meter is None:
+            watch.stamp()
+    result = _result(spec, watch, meter, stage=stage_index, **probe)
+    records = gather(timeline)
+    result.update(_timeline_summary(records, spec))
+    if records:
+        write_chrome_trace(records, Path(spec["out"], "bare_timeline.json"))
+        plot_gantt(records, Path(spec["out"], "bare_timeline.png"))
+    dist.destroy_process_group()
+    return rank, result
+
+
+# -- peer: torch.distributed.pipelining ScheduleGPipe ---------------------------------------------
+
+
+def run_peer(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    from torch.distributed.pipelining import PipelineStage as PeerStage
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    rank, world = _init_process_group()
+    model_cfg = spec["model"]
+    submodule = nn.Sequential(OrderedDict(cut(build_model(model_cfg), spec["balance"], rank)))
+    stage = PeerStage(submodule, rank, world, torch.device("cpu"))
+    schedule = ScheduleGPipe(
+        stage,
+        n_microbatches=spec["chunks"],
+        loss_fn=summed_loss_fn(model_cfg, spec["batch_size"]),
+        scale_grads=False,
+    )
+    optimizer = torch.optim.SGD(submodule.parameters(), lr=spec["lr"])
+    batches = make_batches(model_cfg, spec["batch_size"])
+    watch, meter = Stopwatch(spec["warmup"], spec["timed"]), None
+    for step in range(_steps(spec)):
+        x, y = batches[step % len(batches)]
+        if _is_memory_step(spec, step):
+            meter = TensorMemoryMeter()
+        with meter if meter is not None else nullcontext():
+            args = (x,) if rank == 0 else ()
+            kwargs = {"target": y} if rank == world - 1 else {}
+            schedule.step(*args, **kwargs)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=False)
+        if meter is None:
+            watch.stamp()
+    result = _result(spec, watch, meter, stage=rank)
+    dist.destroy_process_group()
+    return rank, result
+
+
+# -- single: the plain model in one process -------------------------------------------------------
+
+
+def run_single(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    model_cfg = spec["model"]
+    loss = loss_fn(model_cfg)
+    batches = make_batches(model_cfg, spec["batch_size"])
+    result: dict[str, Any] = {"stage": 0}
+    for threads in sorted({spec["threads"], spec["stages"] * spec["threads"]}):
+        torch.set_num_threads(threads)
+        model = build_model(model_cfg)
+        optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+        watch, meter = Stopwatch(spec["warmup"], spec["timed"]), None
+        for step in range(_steps(spec)):
+            x, y = batches[step % len(batches)]
+            if _is_memory_step(spec, step):
+                meter = TensorMemoryMeter()
+            with meter if meter is not None else nullcontext():
+                loss(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)
+            if meter is None:
+                watch.stamp()
+        result[f"threads{threads}"] = _result(spec, watch, meter, threads=threads)
+    return 0, result
+
+
+RUNS = {"ours": run_ours, "bare": run_bare, "peer": run_peer, "single": run_single}
+
+
+def main(argv: list[str]) -> None:
+    spec = json.loads(Path(argv[1]).read_text())
+    torch.set_num_threads(spec["threads"])
+    rank, result = RUNS[spec["run"]](spec)
+    result["pid"] = os.getpid()
+    Path(spec["out"], f"{spec['run']}_rank{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

@@ -1,0 +1,89 @@
+"""recipes/benchmark.py in a tiny configuration: CSV schema, timeline bubble, every run kind, capacity."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from recipes.benchmark import COLUMNS, benchmark, capacity, report
+from tests._harness import ROOT, _env
+
+TINY = ["model.width=1024", "model.num_layers=4", "batch_size=512", "warmup=2", "timed=3", "threads=1"]
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="benchmark", overrides=overrides)
+
+
+@pytest.mark.timeout(150)
+def test_sweep_writes_csv_rows_and_bubble_falls_from_m1_to_m8(tmp_path):
+    """Hydra multirun over chunks=1,8 (ours only): one CSV row each, bubble in (0, 1), lower at M=8."""
+    out = tmp_path / "k2.csv"
+    command = [
+        sys.executable,
+        "recipes/benchmark.py",
+        "-m",
+        "chunks=1,8",
+        "runs=[ours]",
+        "predict=false",
+        "memory=false",
+        f"csv={out}",
+        f"hydra.sweep.dir={tmp_path / 'multirun'}",
+        *TINY,
+    ]
+    proc = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with out.open() as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == COLUMNS
+        rows = list(reader)
+    assert [(r["run"], r["chunks"]) for r in rows] == [("ours", "1"), ("ours", "8")]
+    bubble = {int(r["chunks"]): float(r["bubble"]) for r in rows}
+    assert all(0.0 < b < 1.0 for b in bubble.values()), bubble
+    assert bubble[8] < bubble[1], bubble
+    assert all(float(r["samples_per_s"]) > 0 for r in rows)
+    assert (tmp_path / "timelines" / "ours_k2_m8_never.png").exists()
+    assert "normalized to the same run at M=1" in report(out)
+
+
+@pytest.mark.timeout(150)
+def test_every_run_kind_reports_throughput_memory_and_ratios(tmp_path):
+    """ours, bare, peer and single at M=4 with recompute: ratios, memory meter and cost model filled in."""
+    cfg = _compose([*TINY, "chunks=4", "checkpoint=always", f"csv={tmp_path / 'b.csv'}", "timeout=120"])
+    rows = {r["run"]: r for r in benchmark(cfg)}
+    assert set(rows) == {"ours", "bare", "peer", "single", "single_mt"}
+    ours = rows["ours"]
+    for key in ("vs_ideal", "vs_peer", "lightning_overhead", "predicted_window_s", "predicted_bubble"):
+        assert isinstance(ours[key], float), key
+    assert 0.0 < ours["bubble"] < 1.0 and 0.0 < rows["bare"]["bubble"] < 1.0
+    assert ours["bubble_ideal"] == pytest.approx(1 / 5)
+    for run in ("ours", "bare", "peer", "single"):
+        assert rows[run]["activation_bytes"] > 0 and rows[run]["rss_bytes"] > 0
+    # Recompute: a stage holds far less than the plain model's whole activations.
+    assert ours["activation_bytes"] < rows["single"]["activation_bytes"]
+    assert len(ours["activation_bytes_stages"].split("|")) == 2
+    with (tmp_path / "b.csv").open() as f:
+        assert len(list(csv.DictReader(f))) == 5
+
+
+@pytest.mark.timeout(60)
+def test_capacity_grows_with_recompute():
+    """Bisection on num_layers under a 24 MiB budget: recompute ("always") fits more layers than "never"."""
+    cfg = _compose(
+        [
+            "mode=capacity",
+            "model.width=256",
+            "batch_size=512",
+            "chunks=8",
+            "capacity.budget_bytes=25165824",
+            "capacity.max_layers=64",
+        ]
+    )
+    rows = {r["checkpoint"]: r for r in capacity(cfg)}
+    assert 1 <= rows["never"]["num_layers"] < rows["always"]["num_layers"] <= 64
+    assert all(r["need_bytes"] <= 25165824 for r in rows.values())
