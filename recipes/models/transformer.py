@@ -1,8 +1,8 @@
 """Decoder-only Transformer language model as one flat ``nn.Sequential``.
 
 The layout follows GPT-style pre-norm decoders (Radford et al., 2019) and the
-Transformer-L family that GPipe scales (Huang et al., 2019, arXiv 1811.06965, Table 2:
-``d_model`` = 2048, ``d_ff`` = 8192, 32 heads). Every element of the Sequential is one
+Transformer-L family that GPipe scales (Huang et al., 2019, arXiv 1811.06965: ``d_model``
+= 2048, ``d_ff`` = 8192, 32 heads, L layers). Every element of the Sequential is one
 layer, so a pipeline can cut between any two of them:
 
 ====================  ===========================  ===============================
@@ -147,8 +147,8 @@ def build_transformer(
     """Build a decoder-only language model as ``num_layers + 3`` sequential layers.
 
     The defaults (256 byte vocabulary, 4 layers, ``d_model`` 128, 4 heads, ``d_ff`` 512,
-    context 64 bytes; 0.86 M parameters) train to well below the unigram entropy of a byte
-    corpus in a few CPU minutes. GPipe's Transformer-L (arXiv 1811.06965, Table 2) is
+    context 64 bytes; 0.87 M parameters) train to well below the unigram entropy of a byte
+    corpus in a few CPU minutes. GPipe's Transformer-L (arXiv 1811.06965) is
     ``build_transformer(32000, L, 2048, 32, 8192, seq_len, 0.1)``.
 
     Args:
