@@ -137,13 +137,16 @@ class LanguageModel(pl.LightningModule):
         no_decay = [p for p in self.layers.parameters() if p.ndim < 2]
         hp = self.hparams
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr,
-            betas=tuple(hp.betas),
+            [
+                {"params": decay, "weight_decay": hp["weight_decay"]},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=hp["lr"],
+            betas=tuple(hp["betas"]),
         )
-        if hp.scheduler == "none":
+        if hp["scheduler"] == "none":
             return optimizer
-        return _schedule(self, optimizer, hp.warmup_steps)
+        return _schedule(self, optimizer, hp["warmup_steps"])
 
 
 class ImageClassifier(pl.LightningModule):
@@ -203,7 +206,7 @@ class ImageClassifier(pl.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams.label_smoothing)
+        loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams["label_smoothing"])
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -220,14 +223,14 @@ class ImageClassifier(pl.LightningModule):
         decay = [p for p in self.layers.parameters() if p.ndim >= 2]
         no_decay = [p for p in self.layers.parameters() if p.ndim < 2]
         groups = [
-            {"params": decay, "weight_decay": hp.weight_decay},
+            {"params": decay, "weight_decay": hp["weight_decay"]},
             {"params": no_decay, "weight_decay": 0.0},
         ]
         optimizer: torch.optim.Optimizer
-        if hp.optimizer == "sgd":
-            optimizer = torch.optim.SGD(groups, lr=hp.lr, momentum=hp.momentum, nesterov=True)
+        if hp["optimizer"] == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=hp["lr"], momentum=hp["momentum"], nesterov=True)
         else:
-            optimizer = torch.optim.AdamW(groups, lr=hp.lr)
-        if hp.scheduler == "none":
+            optimizer = torch.optim.AdamW(groups, lr=hp["lr"])
+        if hp["scheduler"] == "none":
             return optimizer
-        return _schedule(self, optimizer, hp.warmup_steps)
+        return _schedule(self, optimizer, hp["warmup_steps"])

@@ -170,7 +170,7 @@ def test_all_parameters_live_in_layers(module):
 
 
 class _CountCalls:
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: LanguageModel | ImageClassifier) -> None:
         self.calls = 0
         model.layers.register_forward_hook(self.hook)
 
