@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -168,3 +169,30 @@ class P2P:
 def _wait(work: dist.Work | None) -> None:
     assert work is not None
     work.wait()
+
+
+@dataclass
+class Groups:
+    """The process groups a rank uses besides point-to-point.
+
+    Attributes:
+        pipeline: this rank's pipeline (all stages of its replica); global-norm clipping, metric sharing.
+        data: this rank's stage in every replica; gradient all-reduce.
+        last_stage_data: the last stage in every replica (``None`` on other ranks' behalf is
+            never needed: it is a group handle every rank holds); ``sync_dist`` logging, torchmetrics.
+    """
+
+    pipeline: Any
+    data: Any
+    last_stage_data: Any
+
+
+def new_groups(layout: Layout, rank: int) -> Groups:
+    """Create every pipeline and data-parallel group (all ranks must call this, in the same order)."""
+    pipelines = [dist.new_group(layout.pipeline_ranks(d)) for d in range(layout.replicas)]
+    datas = [dist.new_group(layout.data_ranks(s)) for s in range(layout.stages)]
+    return Groups(
+        pipeline=pipelines[layout.replica_of(rank)],
+        data=datas[layout.stage_of(rank)],
+        last_stage_data=datas[layout.stages - 1],
+    )

@@ -27,6 +27,7 @@ from lightning_fabric.utilities.distributed import (
 from lightning_fabric.utilities.seed import reset_seed
 from lightning_fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
@@ -36,7 +37,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe.comm import P2P, Layout
+from lightning_gpipe.checkpoint import (
+    group_names,
+    merge_optimizer_states,
+    split_optimizer_state,
+    tensors_to_cpu,
+)
+from lightning_gpipe.comm import P2P, Groups, Layout, new_groups
+from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
 from lightning_gpipe.launcher import GPipeLauncher
 from lightning_gpipe.partition import (
     PartitionError,
@@ -79,6 +87,9 @@ class GPipeStrategy(ParallelStrategy):
             (:mod:`lightning_gpipe.timeline`); at the end of ``fit``, log ``pipeline/bubble`` per
             step and write ``timeline.json`` (Chrome trace) and ``timeline.png`` (Gantt chart).
         timeline_dir: where those files go (default: the trainer's ``log_dir``).
+        gradient_clip_norm_type: the norm that ``Trainer(gradient_clip_val=...,
+            gradient_clip_algorithm="norm")`` clips by (2.0, or ``float("inf")``), computed over
+            the gradients of all stages together, as on one device.
 
     Raises:
         ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
@@ -105,6 +116,7 @@ class GPipeStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         timeline: bool = False,
         timeline_dir: str | None = None,
+        gradient_clip_norm_type: float = 2.0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -158,7 +170,8 @@ class GPipeStrategy(ParallelStrategy):
         self._stage: PipelineStage | None = None
         self._original: tuple[nn.Module, str, nn.Sequential] | None = None  # (parent, attr, full Sequential)
         self._seq_name = ""
-        self._data_groups: dict[int, Any] = {}
+        self._groups: Groups | None = None
+        self.gradient_clip_norm_type = float(gradient_clip_norm_type)
         self._failed = False
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self._timeline: Timeline | None = None
@@ -241,10 +254,8 @@ class GPipeStrategy(ParallelStrategy):
         if self.root_device.type != "cpu":
             kwargs["device_id"] = self.root_device
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
-        layout = self.layout
-        if layout.replicas > 1 and not self._data_groups:
-            for s in range(layout.stages):  # every rank creates every group, in the same order
-                self._data_groups[s] = dist.new_group(layout.data_ranks(s))
+        if self._groups is None:
+            self._groups = new_groups(self.layout, self.global_rank)
 
     # -- the model -------------------------------------------------------------------------------
 
@@ -323,16 +334,37 @@ class GPipeStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._partition()  # before the optimizers: they only ever see this stage's parameters
-        assert self.model is not None
+        assert self.model is not None and self._stage is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        _sync_metrics_over(self.lightning_module, self._groups.last_stage_data)
+        if not self.is_last_stage:
+            _silence_logging(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
+            if not any(True for _ in self._stage.parameters()):
+                _add_placeholder_parameter(self._stage, self.root_device)
             self.setup_optimizers(trainer)
+            if len(self.optimizers) > 1:
+                raise ValueError(
+                    f"configure_optimizers returned {len(self.optimizers)} optimizers; the gpipe strategy runs one "
+                    "forward and one backward per step and supports a single optimizer (use parameter groups)"
+                )
         self.setup_precision_plugin()
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
+        self._metric_sharing = _ShareLastStageMetrics(self)
+        trainer.callbacks.insert(0, self._metric_sharing)  # type: ignore[attr-defined]
+
+    def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
+        assert self._groups is not None
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.last_grad_norm = clip_grad_norm_(
+            params, float(clip_val), self.gradient_clip_norm_type, self._groups.pipeline, self.root_device
+        )
 
     @override
     def model_to_device(self) -> None:
@@ -420,18 +452,41 @@ class GPipeStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._stage.backward()
+        if self.layout.replicas > 1 and not self._accumulating():
+            assert self._groups is not None
+            allreduce_gradients(self._stage.parameters(), self._groups.data, self.layout.replicas)
         if self._timeline is not None:
             self._timeline.end_step()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
+    def _accumulating(self) -> bool:
+        """Whether this backward is followed by another before the optimizer step (gradient accumulation)."""
+        module = self.lightning_module
+        if module is None or not module.automatic_optimization or module._trainer is None:
+            return False
+        return module.trainer.fit_loop._should_accumulate()
+
     # -- collectives ----------------------------------------------------------------------------
 
     @property
     def last_stage_group(self) -> Any:
-        """The data-parallel group of the last stage (``None`` with one replica)."""
-        return self._data_groups.get(self.layout.stages - 1)
+        """The data-parallel group of the last stage, where losses and metrics live."""
+        return self._groups.last_stage_data if self._groups is not None else None
+
+    def share_last_stage_metrics(self, trainer: pl.Trainer) -> None:
+        """Give every stage of each pipeline its last stage's ``trainer.callback_metrics``."""
+        layout = self.layout
+        if layout.stages == 1 or self._groups is None or not _distributed_is_initialized():
+            return
+        src = layout.rank(layout.replica_of(self.global_rank), layout.stages - 1)
+        box = [tensors_to_cpu(dict(trainer.callback_metrics)) if self.global_rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self._groups.pipeline)
+        if self.global_rank != src:
+            metrics = trainer.callback_metrics
+            metrics.clear()
+            metrics.update({k: v.to(self.root_device) for k, v in (box[0] or {}).items()})
 
     @override
     def reduce(
@@ -441,7 +496,7 @@ class GPipeStrategy(ParallelStrategy):
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
         group = group if group is not None else self.last_stage_group
-        if group is None:
+        if group is None or dist.get_world_size(group) == 1:
             return tensor
         from lightning_fabric.utilities.distributed import _sync_ddp
 
@@ -488,6 +543,51 @@ class GPipeStrategy(ParallelStrategy):
         state = {k: v for k, v in module.state_dict().items() if not k.startswith(prefix)}
         state.update({prefix + k: v for k, v in full.items()})
         return state
+
+    def _names_by_id(self) -> dict[int, str]:
+        module = self.lightning_module
+        assert module is not None
+        return {id(p): name for name, p in module.named_parameters()}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """On rank 0: one optimizer ``state_dict`` over the whole model, merged from every stage.
+
+        It has the layout a single optimizer over the plain module's parameters would have (see
+        :mod:`lightning_gpipe.checkpoint`), plus the parameter names, so it loads back into any
+        number of stages. Every rank takes part (a gather from replica 0's stages).
+        """
+        if isinstance(optimizer, pl.core.optimizer.LightningOptimizer):
+            optimizer = optimizer._optimizer
+        if not _distributed_is_initialized() or self.world_size == 1:
+            return optimizer.state_dict()
+        names = group_names(optimizer, self._names_by_id(), missing=_PLACEHOLDER)
+        layout = self.layout
+        mine = (self.stage_index, tensors_to_cpu(optimizer.state_dict()), names)
+        parts: list[Any] = [None] * self.world_size
+        dist.gather_object(
+            mine if layout.replica_of(self.global_rank) == 0 else None,
+            parts if self.global_rank == 0 else None,
+            dst=0,
+        )
+        if self.global_rank != 0:
+            return {}
+        stages = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+        return merge_optimizer_states(
+            [(_drop_placeholder(sd, n), _drop_placeholder_names(n)) for _, sd, n in stages]
+        )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name)."""
+        from lightning_fabric.utilities.optimizer import _optimizer_to_device
+
+        names_by_id = self._names_by_id()
+        for optimizer, merged in zip(self.optimizers, checkpoint["optimizer_states"]):
+            names = group_names(optimizer, names_by_id, missing=_PLACEHOLDER)
+            local = split_optimizer_state(merged, names, stateless=lambda name: _PLACEHOLDER in name)
+            optimizer.load_state_dict(local)
+            _optimizer_to_device(optimizer, self.root_device)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -542,6 +642,15 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        sharing = getattr(self, "_metric_sharing", None)
+        module = self.lightning_module
+        if sharing is not None and module is not None and module._trainer is not None:
+            callbacks = module.trainer.callbacks  # type: ignore[attr-defined]
+            if sharing in callbacks:
+                callbacks.remove(sharing)
+        if module is not None:
+            module.__dict__.pop("log", None)  # undo _silence_logging
+            module.__dict__.pop("log_dict", None)
         self._unpartition()
         super().teardown()
 
@@ -573,6 +682,73 @@ def _abort_process_group() -> None:
         dist.destroy_process_group()
     except Exception as err:  # noqa: BLE001 - best effort while already failing
         log.debug(f"gpipe: could not destroy the process group after a failure: {err}")
+
+
+class _ShareLastStageMetrics(Callback):
+    """Runs first among callbacks: gives every stage the last stage's ``callback_metrics``.
+
+    So ``ModelCheckpoint(monitor=...)``, ``EarlyStopping`` and LR schedulers that monitor a metric
+    decide the same on every rank, from the true values.
+    """
+
+    def __init__(self, strategy: GPipeStrategy) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if any(getattr(cb, "_every_n_train_steps", 0) for cb in trainer.checkpoint_callbacks):
+            self.strategy.share_last_stage_metrics(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.strategy.share_last_stage_metrics(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.strategy.share_last_stage_metrics(trainer)
+
+
+def _sync_metrics_over(module: nn.Module | None, group: Any) -> None:
+    """torchmetrics metrics live on the last stage: sync them over its data-parallel replicas only."""
+    from torchmetrics import Metric
+
+    for m in module.modules() if module is not None else ():
+        if isinstance(m, Metric):
+            m.process_group = group
+
+
+def _silence_logging(module: pl.LightningModule | None) -> None:
+    """Non-last stages compute no loss or metric: their ``self.log`` calls (in epoch hooks) are dropped."""
+    if module is not None:
+        module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+
+_PLACEHOLDER = "_gpipe_placeholder"
+
+
+def _add_placeholder_parameter(stage: PipelineStage, device: torch.device) -> None:
+    """A stage without parameters (e.g. only ReLU) gets an empty one, so optimizers can be built.
+
+    It never reaches a ``state_dict`` or a checkpoint.
+    """
+    stage.register_parameter(_PLACEHOLDER, nn.Parameter(torch.zeros(0, device=device)))
+
+    def drop(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        state.pop(prefix + _PLACEHOLDER, None)
+
+    stage._register_state_dict_hook(drop)
+
+
+def _drop_placeholder_names(names: list[list[str]]) -> list[list[str]]:
+    return [[n for n in group if _PLACEHOLDER not in n] for group in names]
+
+
+def _drop_placeholder(state: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """Remove the placeholder parameter from a stage's optimizer ``state_dict``."""
+    groups = []
+    for group, group_names_ in zip(state["param_groups"], names):
+        keep = [i for i, n in zip(group["params"], group_names_) if _PLACEHOLDER not in n]
+        groups.append({**group, "params": keep})
+    return {"state": state["state"], "param_groups": groups}
 
 
 def _none_if_done(out: Any) -> Any:

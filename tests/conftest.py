@@ -1,5 +1,4 @@
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -9,18 +8,23 @@ from tests._harness import check, run_script
 
 @pytest.fixture
 def gpipe_job(tmp_path):
-    """Run tests/workers/train.py on a spec; returns (rank-0 results per run, grads per run per rank)."""
+    """Run tests/workers/train.py on a spec.
+
+    Returns ``(results, grads)``: per run, rank 0's record (with ``ranks``: every rank's record),
+    and per run the gradients each rank recorded.
+    """
 
     def run(kind: str, devices: int, runs: list[dict], timeout: float = 240, **spec):
         spec = dict(spec, kind=kind, devices=devices, runs=runs, out=str(tmp_path))
         path = tmp_path / "spec.json"
         path.write_text(json.dumps(spec))
         check(run_script("tests/workers/train.py", str(path), timeout=timeout))
-        results = [torch.load(tmp_path / f"run{k}.pt") for k in range(len(runs))]
-        grads = [
-            [torch.load(tmp_path / f"run{k}_rank{r}.pt")["grads"] for r in range(devices)]
+        ranks = [
+            [torch.load(tmp_path / f"run{k}_rank{r}.pt", weights_only=False) for r in range(devices)]
             for k in range(len(runs))
         ]
+        results = [dict(per_rank[0], ranks=per_rank) for per_rank in ranks]
+        grads = [[record["grads"] for record in per_rank] for per_rank in ranks]
         return results, grads
 
     return run
@@ -29,8 +33,3 @@ def gpipe_job(tmp_path):
 def max_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b), (sorted(a), sorted(b))
     return max(((a[k].double() - b[k].double()).abs().max().item() for k in a), default=0.0)
-
-
-@pytest.fixture
-def tmp_out(tmp_path) -> Path:
-    return tmp_path

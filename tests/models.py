@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -75,7 +76,7 @@ class FailAt(nn.Module):
 
 
 def build_layers(kind: str) -> nn.Sequential:
-    if kind == "mlp":
+    if kind in ("mlp", "cls"):
         return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
     if kind == "dropout":
         return nn.Sequential(
@@ -83,6 +84,8 @@ def build_layers(kind: str) -> nn.Sequential:
         )
     if kind == "tuple":
         return nn.Sequential(Embed(8, 5), Mix(8, 5), Mix(8, 5), Head(8, 3))
+    if kind == "lrl":  # over 3 stages: [Linear], [ReLU] (no parameters), [Linear]
+        return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     if kind == "bn":
         return nn.Sequential(
             nn.Linear(6, 16),
@@ -98,7 +101,11 @@ def build_layers(kind: str) -> nn.Sequential:
 
 
 class Net(pl.LightningModule):
-    """The user's module: ``self.layers`` is pipelined; ``training_step`` is plain single-device code."""
+    """The user's module: ``self.layers`` is pipelined; the steps are plain single-device code.
+
+    Options record what the tests compare (losses, gradients, clipped gradients, norms, sample
+    indices) or inject faults.
+    """
 
     def __init__(
         self,
@@ -108,31 +115,67 @@ class Net(pl.LightningModule):
         call_twice: bool = False,
         fail: dict | None = None,
         wrong_shape: bool = False,
+        indexed: bool = False,
+        sync_dist: bool = False,
+        ref_clip_norm_type: float | None = None,
+        freeze_first: bool = False,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
+        self.indexed, self.sync_dist, self.ref_clip_norm_type = indexed, sync_dist, ref_clip_norm_type
         self.layers = build_layers(kind)
         if wrong_shape:  # stage 1 of 3 hands stage 2 (N, 17) where Linear(16, 3) expects (N, 16)
             self.layers[2] = nn.Linear(16, 17)
         if fail:  # {"layer": index, "where": "forward" | "backward", "at": call number}
             self.layers[fail["layer"]] = FailAt(self.layers[fail["layer"]], fail["where"], fail["at"])
+        if freeze_first:
+            self.layers[0].requires_grad_(False)
+        self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
         self.losses: list[float] = []
+        self.synced_losses: list[float] = []
         self.shapes: list[tuple[int, ...]] = []
         self.grads: list[dict[str, torch.Tensor]] = []
+        self.clipped: list[dict[str, torch.Tensor]] = []
+        self.norms: list[float] = []
+        self.indices: list[list[int]] = []
 
     def forward(self, x):
         return self.layers(x)
 
+    def _loss(self, out, y):
+        return F.cross_entropy(out, y) if self.kind == "cls" else F.mse_loss(out, y)
+
     def training_step(self, batch, batch_idx):
+        if self.indexed:
+            *batch, idx = batch
+            self.indices.append(idx.tolist())
         *inputs, y = batch
         out = self(inputs[0] if len(inputs) == 1 else tuple(inputs))
         if self.call_twice:
             out = out + self(inputs[0])
-        loss = F.mse_loss(out, y)
+        loss = self._loss(out, y)
         self.losses.append(loss.item())
         self.shapes.append(tuple(out.shape))
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=self.sync_dist)
         return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if "train_loss" in self.trainer.callback_metrics:
+            self.synced_losses.append(self.trainer.callback_metrics["train_loss"].item())
+
+    def validation_step(self, batch, batch_idx):
+        if self.indexed:
+            *batch, _ = batch
+        *inputs, y = batch
+        out = self(inputs[0] if len(inputs) == 1 else tuple(inputs))
+        self.log("val_loss", self._loss(out, y), sync_dist=self.sync_dist)
+        if self.kind == "cls":
+            self.acc(out, y)
+            self.log("val_acc", self.acc)
+
+    def predict_step(self, batch, batch_idx):
+        *inputs, _ = batch
+        return self(inputs[0] if len(inputs) == 1 else tuple(inputs))
 
     def on_before_optimizer_step(self, optimizer):
         if self.record_grads:
@@ -140,16 +183,47 @@ class Net(pl.LightningModule):
                 {n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None}
             )
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if self.ref_clip_norm_type is not None:  # one-device reference: torch's own clipping, any norm
+            norm = torch.nn.utils.clip_grad_norm_(
+                self.parameters(), gradient_clip_val, self.ref_clip_norm_type
+            )
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+            norm = getattr(self.trainer.strategy, "last_grad_norm", None)
+        if norm is not None:
+            self.norms.append(float(norm))
+        self.clipped.append(
+            {n: p.grad.detach().clone() for n, p in self.named_parameters() if p.grad is not None}
+        )
+
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-def make_data(kind: str, batch: int = 10, steps: int = 5, seed: int = 1):
-    """A loader whose order is fixed (no shuffle), ``steps`` batches of ``batch`` samples."""
+def make_data(
+    kind: str,
+    batch: int = 10,
+    steps: int = 5,
+    seed: int = 1,
+    indexed: bool = False,
+    samples: int | None = None,
+    order: list[list[int]] | None = None,
+):
+    """A loader whose order is fixed (no shuffle), ``steps`` batches of ``batch`` samples.
+
+    ``indexed`` appends each sample's index to the batch; ``samples`` sets the dataset size
+    (default ``batch × steps``); ``order`` gives the sample indices of each batch explicitly.
+    """
     g = torch.Generator().manual_seed(seed)
-    n = batch * steps
-    if kind in ("mlp", "dropout", "bn"):
-        data = TensorDataset(torch.randn(n, 6, generator=g), torch.randn(n, 3, generator=g))
+    n = samples or batch * steps
+    extra = (torch.arange(n),) if indexed else ()
+    if kind in ("mlp", "dropout", "bn", "lrl", "cls"):
+        x = torch.randn(n, 6, generator=g)
+        y = torch.randint(0, 3, (n,), generator=g) if kind == "cls" else torch.randn(n, 3, generator=g)
+        data = TensorDataset(x, y, *extra)
+        if order is not None:
+            return DataLoader([data[idx] for idx in order], batch_size=None, shuffle=False)
         return DataLoader(data, batch_size=batch, shuffle=False)
     if kind == "tuple":
         x = torch.randn(n, 7, 4, generator=g)
@@ -180,11 +254,27 @@ def trainer_kwargs(steps: int) -> dict:
 
 
 def train_single_device(
-    kind: str, seed: int, steps: int = 5, batch: int = 10, lr: float = 0.1, record_grads=False
+    kind: str,
+    seed: int,
+    steps: int = 5,
+    batch: int = 10,
+    lr: float = 0.1,
+    trainer_extra: dict | None = None,
+    val: bool = False,
+    callbacks: tuple = (),
+    ckpt_path: str | None = None,
+    return_trainer: bool = False,
+    data: dict | None = None,
+    **net_kwargs,
 ):
     """The reference: the same module under a plain one-device Trainer, full batch."""
     pl.seed_everything(seed, verbose=False)
-    model = Net(kind, lr=lr, record_grads=record_grads)
-    trainer = pl.Trainer(devices=1, **trainer_kwargs(steps))
-    trainer.fit(model, make_data(kind, batch, steps))
-    return model
+    model = Net(kind, lr=lr, **net_kwargs)
+    trainer = pl.Trainer(
+        devices=1, callbacks=list(callbacks), **{**trainer_kwargs(steps), **(trainer_extra or {})}
+    )
+    indexed = net_kwargs.get("indexed", False)
+    val_loader = make_data(kind, batch, 2, seed=2, indexed=indexed) if val else None
+    train_loader = make_data(kind, batch, max(steps, 5), indexed=indexed, **(data or {}))
+    trainer.fit(model, train_loader, val_loader, ckpt_path=ckpt_path)
+    return (model, trainer) if return_trainer else model

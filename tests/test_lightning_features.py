@@ -1,0 +1,191 @@
+"""Lightning features keep their one-device values under the gpipe strategy (CPU, Gloo, hard timeouts)."""
+
+import math
+
+import pytest
+import torch
+from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+
+from tests.conftest import max_diff
+from tests.models import Net, make_data, train_single_device
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
+    """P=2 stages × D=2 replicas, 5 samples per replica = one device on the 10-sample concatenated batch.
+
+    As under DDP, Lightning's DistributedSampler shuffles the training data (seeded, the same on
+    every rank); the one-device reference trains on the concatenation of what the replicas saw.
+    """
+    results, _ = gpipe_job(
+        "mlp",
+        4,
+        [{"chunks": 2, "pipeline_parallel_size": 2}],
+        steps=5,
+        batch=5,
+        samples=50,
+        net={"indexed": True, "sync_dist": True},
+    )
+    r = results[0]
+    ranks = r["ranks"]  # replica 0: ranks 0 (last stage), 1 (first); replica 1: ranks 2, 3
+    assert len(ranks[0]["indices"]) == 5
+    assert ranks[0]["indices"] == ranks[1]["indices"] and ranks[2]["indices"] == ranks[3]["indices"]
+    for a, b in zip(ranks[0]["indices"], ranks[2]["indices"]):
+        assert not set(a) & set(b)
+    order = [a + b for a, b in zip(ranks[0]["indices"], ranks[2]["indices"])]
+    reference = train_single_device("mlp", 0, steps=5, batch=10, data={"order": order})
+    assert max(abs(a - b) for a, b in zip(r["synced_losses"], reference.losses)) <= 1e-5
+    assert max_diff(r["state"], reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_and_early_stopping_agree_on_every_rank(gpipe_job, tmp_path):
+    """val_loss is logged only on the last stage; every rank stops at the same epoch as one device."""
+    es = {"monitor": "val_loss", "patience": 1, "mode": "max"}  # val_loss falls: stops after 2 epochs
+    mc = {"monitor": "val_loss", "save_top_k": 1}
+    extra = {"max_epochs": 6, "max_steps": -1, "enable_checkpointing": True}
+    reference, ref_trainer = train_single_device(
+        "mlp",
+        0,
+        steps=5,
+        val=True,
+        trainer_extra=extra,
+        return_trainer=True,
+        callbacks=(ModelCheckpoint(dirpath=tmp_path / "ref", **mc), EarlyStopping(**es)),
+    )
+    results, _ = gpipe_job(
+        "mlp",
+        2,
+        [{"chunks": 2}],
+        steps=5,
+        val=True,
+        trainer=extra,
+        callbacks={"checkpoint": mc, "early_stopping": es},
+    )
+    ranks = results[0]["ranks"]
+    assert {r["current_epoch"] for r in ranks} == {ref_trainer.current_epoch}
+    assert ranks[0]["best_model_path"] == ranks[1]["best_model_path"]
+    assert ranks[0]["best_model_path"].endswith(
+        ref_trainer.checkpoint_callback.best_model_path.split("/")[-1]
+    )
+    for r in ranks:  # every rank sees the last stage's values
+        assert r["callback_metrics"]["val_loss"] == pytest.approx(
+            ref_trainer.callback_metrics["val_loss"].item(), abs=1e-5
+        )
+    best = torch.load(ranks[0]["best_model_path"], weights_only=False)
+    plain = Net("mlp")
+    plain.load_state_dict(best["state_dict"], strict=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_gradient_clipping_uses_the_global_norm(gpipe_job, norm_type):
+    """Clip 0.1 by the 2- or inf-norm over all three stages: same clipped gradients and total norm as one device."""
+    reference = train_single_device(
+        "mlp", 0, steps=3, trainer_extra={"gradient_clip_val": 0.1}, ref_clip_norm_type=norm_type
+    )
+    results, _ = gpipe_job(
+        "mlp",
+        3,
+        [{"chunks": 3, "gradient_clip_norm_type": norm_type}],
+        steps=3,
+        trainer={"gradient_clip_val": 0.1},
+    )
+    for record in results[0]["ranks"]:
+        assert record["norms"] == pytest.approx(reference.norms, rel=1e-5)
+        for ours, ref in zip(record["clipped"], reference.clipped):
+            assert max_diff(ours, {k: ref[k] for k in ours}) <= 1e-6
+    assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_stage_without_parameters_and_frozen_stage_train_like_one_device(gpipe_job):
+    """Stages [Linear] (frozen), [ReLU], [Linear]: two stages have no gradients; clipping does not hang."""
+    extra = {"gradient_clip_val": 0.1}
+    reference = train_single_device("lrl", 0, steps=3, trainer_extra=extra, freeze_first=True)
+    results, _ = gpipe_job("lrl", 3, [{"chunks": 2}], steps=3, trainer=extra, net={"freeze_first": True})
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference.losses)) <= 1e-5
+    assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_checkpoint_loads_into_plain_module_and_resume_matches_one_device(gpipe_job, tmp_path):
+    """Save after 2 steps with 2 stages; resume to step 5 equals the same resume on one device."""
+    results, _ = gpipe_job(
+        "mlp",
+        2,
+        [{"chunks": 3}],
+        steps=2,
+        save="two.ckpt",
+        resume={"ckpt": str(tmp_path / "two.ckpt"), "steps": 5},
+        trainer={"max_epochs": 3},
+    )
+    ckpt = torch.load(tmp_path / "two.ckpt", weights_only=False)
+    Net("mlp").load_state_dict(ckpt["state_dict"], strict=True)
+    # the same on one device
+    _, trainer = train_single_device("mlp", 0, steps=2, return_trainer=True, trainer_extra={"max_epochs": 3})
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    one = torch.load(tmp_path / "one.ckpt", weights_only=False)
+    assert max_diff(ckpt["state_dict"], one["state_dict"]) <= 1e-5
+    assert (
+        ckpt["optimizer_states"][0]["param_groups"][0]["params"]
+        == one["optimizer_states"][0]["param_groups"][0]["params"]
+    )
+    resumed = train_single_device(
+        "mlp", 0, steps=5, ckpt_path=str(tmp_path / "one.ckpt"), trainer_extra={"max_epochs": 3}
+    )
+    assert len(resumed.losses) == 3
+    assert max(abs(a - b) for a, b in zip(results[0]["resumed_losses"], resumed.losses)) <= 1e-5
+    assert max_diff(results[0]["state"], resumed.state_dict()) <= 1e-5
+    # the pipeline's checkpoint is a standard one: the plain one-device Trainer resumes from it too
+    cross = train_single_device(
+        "mlp", 0, steps=5, ckpt_path=str(tmp_path / "two.ckpt"), trainer_extra={"max_epochs": 3}
+    )
+    assert max_diff(cross.state_dict(), resumed.state_dict()) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_sync_dist_logging_and_torchmetrics_match_one_device(gpipe_job):
+    """P=2 × D=2: val_loss (sync_dist=True) and a torchmetrics accuracy equal the one-device values.
+
+    Validation data are not shuffled, so the replicas' halves make up the one-device batches; the
+    learning rate is 0 so that the (shuffled) training batches do not matter.
+    """
+    _, ref_trainer = train_single_device("cls", 0, steps=5, lr=0.0, val=True, return_trainer=True)
+    results, _ = gpipe_job(
+        "cls",
+        4,
+        [{"chunks": 2, "pipeline_parallel_size": 2}],
+        steps=5,
+        lr=0.0,
+        batch=5,
+        samples=50,
+        val=True,
+        val_samples=20,
+        net={"sync_dist": True},
+    )
+    expected = {k: ref_trainer.callback_metrics[k].item() for k in ("val_loss", "val_acc")}
+    for record in results[0]["ranks"]:
+        for key, value in expected.items():
+            assert record["callback_metrics"][key] == pytest.approx(value, abs=1e-5), key
+
+
+@pytest.mark.timeout(300)
+def test_bf16_mixed_on_cpu_trains_close_to_one_device(gpipe_job):
+    extra = {"precision": "bf16-mixed"}
+    reference = train_single_device("mlp", 0, steps=5, trainer_extra=extra)
+    results, _ = gpipe_job("mlp", 2, [{"chunks": 2}], steps=5, trainer=extra)
+    assert len(results[0]["losses"]) == 5
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference.losses)) <= 2e-2
+
+
+@pytest.mark.timeout(300)
+def test_predict_returns_last_stage_outputs_in_order(gpipe_job):
+    reference, trainer = train_single_device("mlp", 0, steps=3, return_trainer=True)
+    expected = trainer.predict(reference, make_data("mlp", 10, 2, seed=2))
+    results, _ = gpipe_job("mlp", 3, [{"chunks": 4}], steps=3, predict=True)
+    preds = results[0]["predictions"]
+    assert len(preds) == len(expected)
+    for ours, ref in zip(preds, expected):
+        assert torch.allclose(ours, ref, atol=1e-5)
+    assert all(p is None for p in results[0]["ranks"][1]["predictions"])
