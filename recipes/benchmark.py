@@ -13,7 +13,8 @@ bubble share, the cost model's error, and the largest model that fits a memory b
   K × ``threads`` threads (the pipeline's total).
 
 Every run reports samples/s (``batch_size`` / median seconds between step ends over the timed
-steps), the peak tensor bytes of one step per stage (:class:`recipes.memory.TensorMemoryMeter`) and
+steps; with ``repeats`` > 1 the list runs again, interleaved, and each run keeps its least
+disturbed repeat, which matters on a shared machine), the peak tensor bytes of one step per stage (:class:`recipes.memory.TensorMemoryMeter`) and
 peak RSS; ``ours`` and ``bare`` also the bubble share and step window from the timeline. With
 ``predict``, each stage's forward/backward seconds and saved bytes are profiled layer by layer
 (:func:`lightning_gpipe.balance.profile_layers`, one micro-batch, ``threads`` threads) and P2P
@@ -88,6 +89,7 @@ COLUMNS = [
     "activation_bytes",
     "activation_bytes_stages",
     "predicted_activation_bytes",
+    "predicted_activation_bytes_stages",
     "rss_bytes",
     "ideal_samples_per_s",
     "vs_ideal",
@@ -121,6 +123,29 @@ def _env(threads: int) -> dict[str, str]:
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(key, None)
     return env
+
+
+def _cpu_busy(seconds: float = 1.0) -> float:
+    """Share of all CPUs busy over ``seconds`` (``/proc/stat``; 0 where it does not exist)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields) - idle, sum(fields)
+
+    if not Path("/proc/stat").exists():
+        return 0.0
+    busy0, total0 = sample()
+    time.sleep(seconds)
+    busy1, total1 = sample()
+    return (busy1 - busy0) / max(1, total1 - total0)
+
+
+def _wait_for_quiet(max_wait: float, busy: float = 0.15) -> None:
+    """On a shared machine, wait up to ``max_wait`` seconds for the CPUs to be at most ``busy`` used."""
+    deadline = time.monotonic() + max_wait
+    while max_wait > 0 and time.monotonic() < deadline and _cpu_busy() > busy:
+        time.sleep(2.0)
 
 
 def _launch(spec: dict[str, Any], timeout: float) -> None:
@@ -212,7 +237,14 @@ def _median(values: list[float] | None) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _row(cfg: DictConfig, run: str, result: dict[str, Any], stage_results: list[dict], params: int) -> dict:
+def _row(
+    cfg: DictConfig,
+    run: str,
+    result: dict[str, Any],
+    stage_results: list[dict],
+    params: int,
+    balance: list[int],
+) -> dict:
     step = result["step_s"]
     act = [r.get("activation_bytes") for r in stage_results]
     k, m = cfg.stages, len(microbatch_sizes(cfg.batch_size, cfg.chunks))
@@ -225,6 +257,7 @@ def _row(cfg: DictConfig, run: str, result: dict[str, Any], stage_results: list[
         "stages": k if run not in ("single", "single_mt") else 1,
         "chunks": cfg.chunks,
         "checkpoint": cfg.checkpoint,
+        "balance": "-".join(str(n) for n in balance),
         "batch_size": cfg.batch_size,
         "threads": result.get("threads", k * cfg.threads),
         "step_s": _median(step),
@@ -261,43 +294,67 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
     boundary = int(profile["boundary_bytes_per_sample"][-1] * micro) if profile and cfg.stages > 1 else 0
     results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp:
-        for run in cfg.runs:
-            out = Path(tmp) / run
-            out.mkdir()
-            spec = {
-                "run": run,
-                "model": model_cfg,
-                "balance": balance,
-                "stages": cfg.stages,
-                "chunks": cfg.chunks,
-                "checkpoint": cfg.checkpoint,
-                "batch_size": cfg.batch_size,
-                "threads": cfg.threads,
-                "warmup": max(1, cfg.warmup),
-                "timed": cfg.timed,
-                "memory": cfg.memory,
-                "lr": cfg.lr,
-                "boundary_bytes": boundary,
-                "out": str(out),
-            }
-            _launch(spec, cfg.timeout)
-            files = sorted(out.glob(f"{run}_rank*.json"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
-            results[run] = [json.loads(p.read_text()) for p in files]
-            for name in ("timeline.png", "timeline.json", "bare_timeline.png", "bare_timeline.json"):
-                if (out / name).exists():  # keep the traces and Gantt charts next to the CSV
-                    suffix = Path(name).suffix
-                    target = Path(str(cfg.csv)).parent / "timelines"
-                    target.mkdir(parents=True, exist_ok=True)
-                    tag = f"{run}_k{cfg.stages}_m{cfg.chunks}_{cfg.checkpoint}"
-                    (target / f"{tag}{suffix}").write_bytes((out / name).read_bytes())
-    rows = _rows(cfg, results, params, profile)
+        for repeat in range(max(1, cfg.repeats)):  # interleaved: ours, bare, peer, single, ours, ...
+            for run in cfg.runs:
+                out = Path(tmp) / f"{run}{repeat}"
+                out.mkdir()
+                spec = {
+                    "run": run,
+                    "model": model_cfg,
+                    "balance": balance,
+                    "stages": cfg.stages,
+                    "chunks": cfg.chunks,
+                    "checkpoint": cfg.checkpoint,
+                    "batch_size": cfg.batch_size,
+                    "threads": cfg.threads,
+                    "warmup": max(1, cfg.warmup),
+                    "timed": cfg.timed,
+                    "memory": cfg.memory,
+                    "lr": cfg.lr,
+                    "boundary_bytes": boundary,
+                    "out": str(out),
+                }
+                _wait_for_quiet(cfg.wait_quiet_s)
+                _launch(spec, cfg.timeout)
+                files = sorted(out.glob(f"{run}_rank*.json"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
+                per_rank = [json.loads(p.read_text()) for p in files]
+                if run in results and not _faster(per_rank, results[run]):
+                    continue
+                results[run] = per_rank
+                _keep_timelines(cfg, run, out)
+    rows = _rows(cfg, results, params, profile, balance)
     _append_csv(Path(str(cfg.csv)), rows)
     print(format_table(rows))
     return rows
 
 
+def _median_step(per_rank: list[dict[str, Any]]) -> float:
+    steps = [s for r in per_rank for key in ("step_s",) for s in r.get(key, [])]
+    steps += [s for r in per_rank for v in r.values() if isinstance(v, dict) for s in v.get("step_s", [])]
+    return statistics.median(steps) if steps else math.inf
+
+
+def _faster(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> bool:
+    """Whether a repeat's median step is shorter than the kept one's (repeats keep the least disturbed)."""
+    return _median_step(new) < _median_step(old)
+
+
+def _keep_timelines(cfg: DictConfig, run: str, out: Path) -> None:
+    """Copy a run's Chrome traces and Gantt charts to ``{csv dir}/timelines/{run}_k{K}_m{M}_{checkpoint}.*``."""
+    for name in ("timeline.png", "timeline.json", "bare_timeline.png", "bare_timeline.json"):
+        if (out / name).exists():
+            target = Path(str(cfg.csv)).parent / "timelines"
+            target.mkdir(parents=True, exist_ok=True)
+            tag = f"{run}_k{cfg.stages}_m{cfg.chunks}_{cfg.checkpoint}"
+            (target / f"{tag}{Path(name).suffix}").write_bytes((out / name).read_bytes())
+
+
 def _rows(
-    cfg: DictConfig, results: dict[str, list[dict]], params: int, profile: dict[str, list[float]] | None
+    cfg: DictConfig,
+    results: dict[str, list[dict]],
+    params: int,
+    profile: dict[str, list[float]] | None,
+    balance: list[int],
 ) -> list[dict[str, Any]]:
     rows: dict[str, dict[str, Any]] = {}
     for run, per_rank in results.items():
@@ -307,13 +364,13 @@ def _rows(
                 (f"threads{cfg.stages * cfg.threads}", "single_mt"),
             ):
                 if key in per_rank[0] and name not in rows:
-                    rows[name] = _row(cfg, name, per_rank[0][key], [per_rank[0][key]], params)
+                    rows[name] = _row(cfg, name, per_rank[0][key], [per_rank[0][key]], params, [len(balance)])
             continue
         by_stage = sorted(per_rank, key=lambda r: r["stage"])
         result = dict(by_stage[-1])  # the last stage's step times
         for r in per_rank:  # the timeline summary, gathered on global rank 0
             result.update({key: r[key] for key in ("bubble", "window_s") if key in r})
-        rows[run] = _row(cfg, run, result, by_stage, params)
+        rows[run] = _row(cfg, run, result, by_stage, params, balance)
     k, m = cfg.stages, len(microbatch_sizes(cfg.batch_size, cfg.chunks))
     single = rows.get("single", {}).get("samples_per_s")
     if profile is not None:
@@ -342,6 +399,9 @@ def _rows(
                 rows[run]["predicted_bubble"] = sim.bubble
                 assert sim.peak_activation_bytes is not None
                 rows[run]["predicted_activation_bytes"] = max(sim.peak_activation_bytes)
+                rows[run]["predicted_activation_bytes_stages"] = "|".join(
+                    str(round(b)) for b in sim.peak_activation_bytes
+                )
     for row in rows.values():
         if row["run"] in ("ours", "bare", "peer") and single:
             row["ideal_samples_per_s"] = k * m / (m + k - 1) * single

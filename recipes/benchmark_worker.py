@@ -406,7 +406,14 @@ RUNS = {"ours": run_ours, "bare": run_bare, "peer": run_peer, "single": run_sing
 def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[1]).read_text())
     torch.set_num_threads(spec["threads"])
-    rank, result = RUNS[spec["run"]](spec)
+    if spec.get("profile"):  # cProfile every rank: {out}/{run}_{pid}.prof
+        import cProfile
+
+        with cProfile.Profile() as prof:
+            rank, result = RUNS[spec["run"]](spec)
+        prof.dump_stats(Path(spec["out"], f"{spec['run']}_{os.getpid()}.prof"))
+    else:
+        rank, result = RUNS[spec["run"]](spec)
     result["pid"] = os.getpid()
     Path(spec["out"], f"{spec['run']}_rank{rank}.json").write_text(json.dumps(result))
 
