@@ -38,8 +38,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gpipe.checkpoint import (
+    SHARDED_KEY,
     group_names,
+    is_sharded,
+    load_sharded,
     merge_optimizer_states,
+    save_sharded,
+    set_sharded_optimizer_states,
     split_optimizer_state,
     tensors_to_cpu,
 )
@@ -54,6 +59,7 @@ from lightning_gpipe.partition import (
     find_sequential,
     uniform_balance,
 )
+from lightning_gpipe.precision import PipelineGradScaler
 from lightning_gpipe.stage import CHECKPOINT_MODES, PipelineStage, StageDone, StageTopology
 from lightning_gpipe.timeline import Timeline, publish
 
@@ -90,6 +96,11 @@ class GPipeStrategy(ParallelStrategy):
         gradient_clip_norm_type: the norm that ``Trainer(gradient_clip_val=...,
             gradient_clip_algorithm="norm")`` clips by (2.0, or ``float("inf")``), computed over
             the gradients of all stages together, as on one device.
+        checkpoint_format: ``"full"``: one standard Lightning checkpoint file, gathered on rank 0
+            (the plain module loads it with ``strict=True``; optimizer states merged as one
+            optimizer over the whole model). ``"sharded"``: a directory written with
+            ``torch.distributed.checkpoint``, each stage its own shard, loadable with any number
+            of stages. Both are written atomically.
 
     Raises:
         ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
@@ -117,6 +128,7 @@ class GPipeStrategy(ParallelStrategy):
         timeline: bool = False,
         timeline_dir: str | None = None,
         gradient_clip_norm_type: float = 2.0,
+        checkpoint_format: str = "full",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -172,6 +184,11 @@ class GPipeStrategy(ParallelStrategy):
         self._seq_name = ""
         self._groups: Groups | None = None
         self.gradient_clip_norm_type = float(gradient_clip_norm_type)
+        if checkpoint_format not in ("full", "sharded"):
+            raise ValueError(
+                f"checkpoint_format must be 'full' or 'sharded' (checkpoint_format: {checkpoint_format!r})"
+            )
+        self.checkpoint_format = checkpoint_format
         self._failed = False
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self._timeline: Timeline | None = None
@@ -351,6 +368,9 @@ class GPipeStrategy(ParallelStrategy):
                 )
         self.setup_precision_plugin()
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, PipelineGradScaler):
+            self.precision_plugin.scaler = PipelineGradScaler.from_scaler(scaler)  # type: ignore[attr-defined]
         if trainer.state.fn == TrainerFn.FITTING:
             from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
@@ -529,11 +549,38 @@ class GPipeStrategy(ParallelStrategy):
 
     # -- checkpoints -----------------------------------------------------------------------------
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the partitioned module, each stage taking its own part."""
+        return True
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self.checkpoint_format == "sharded" and _distributed_is_initialized():
+            module = self.lightning_module
+            assert module is not None
+            save_sharded(checkpoint, filepath, module, [_unwrap(o) for o in self.optimizers])
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if is_sharded(checkpoint_path):
+            module = self.lightning_module
+            assert module is not None
+            return load_sharded(checkpoint_path, module, [_unwrap(o) for o in self.optimizers])
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
         module = self.lightning_module
         assert module is not None
+        if self.checkpoint_format == "sharded":
+            return {}  # each stage writes its own shard in save_checkpoint
         if self._stage is None or not _distributed_is_initialized():
             return module.state_dict()
         full = self._gather_sequential_state(to_all=False)
@@ -557,8 +604,9 @@ class GPipeStrategy(ParallelStrategy):
         :mod:`lightning_gpipe.checkpoint`), plus the parameter names, so it loads back into any
         number of stages. Every rank takes part (a gather from replica 0's stages).
         """
-        if isinstance(optimizer, pl.core.optimizer.LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = _unwrap(optimizer)
+        if self.checkpoint_format == "sharded":
+            return {}  # each stage writes its own shard in save_checkpoint
         if not _distributed_is_initialized() or self.world_size == 1:
             return optimizer.state_dict()
         names = group_names(optimizer, self._names_by_id(), missing=_PLACEHOLDER)
@@ -582,6 +630,13 @@ class GPipeStrategy(ParallelStrategy):
         """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name)."""
         from lightning_fabric.utilities.optimizer import _optimizer_to_device
 
+        if checkpoint.get(SHARDED_KEY):
+            module = self.lightning_module
+            assert module is not None
+            set_sharded_optimizer_states(
+                module, [_unwrap(o) for o in self.optimizers], checkpoint["optimizer_states"]
+            )
+            return
         names_by_id = self._names_by_id()
         for optimizer, merged in zip(self.optimizers, checkpoint["optimizer_states"]):
             names = group_names(optimizer, names_by_id, missing=_PLACEHOLDER)
@@ -749,6 +804,10 @@ def _drop_placeholder(state: dict[str, Any], names: list[list[str]]) -> dict[str
         keep = [i for i, n in zip(group["params"], group_names_) if _PLACEHOLDER not in n]
         groups.append({**group, "params": keep})
     return {"state": state["state"], "param_groups": groups}
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, pl.core.optimizer.LightningOptimizer) else optimizer
 
 
 def _none_if_done(out: Any) -> Any:

@@ -189,3 +189,37 @@ def test_predict_returns_last_stage_outputs_in_order(gpipe_job):
     for ours, ref in zip(preds, expected):
         assert torch.allclose(ours, ref, atol=1e-5)
     assert all(p is None for p in results[0]["ranks"][1]["predictions"])
+
+
+@pytest.mark.timeout(400)
+def test_sharded_checkpoint_saved_by_3_stages_resumes_on_2(gpipe_job, tmp_path):
+    """checkpoint_format="sharded": each of 3 stages writes its shard; 2 stages resume and match one device."""
+    path = tmp_path / "sharded"
+    saved, _ = gpipe_job(
+        "mlp",
+        3,
+        [{"chunks": 2, "checkpoint_format": "sharded"}],
+        steps=2,
+        save_at_train_end="sharded",
+        atomic_check=True,
+        trainer={"max_epochs": 3},
+    )
+    assert {r.get("atomic_error") for r in saved[0]["ranks"]} != {None}, "the second save was meant to fail"
+    meta = torch.load(path / "lightning_meta.pt", weights_only=False)  # intact after the failing re-save
+    assert meta["global_step"] == 2 and "bad" not in meta
+    results, _ = gpipe_job(
+        "mlp",
+        2,
+        [{"chunks": 3, "checkpoint_format": "sharded"}],
+        steps=2,
+        fit=False,
+        resume={"ckpt": str(path), "steps": 5},
+        trainer={"max_epochs": 3},
+    )
+    _, trainer = train_single_device("mlp", 0, steps=2, return_trainer=True, trainer_extra={"max_epochs": 3})
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    resumed = train_single_device(
+        "mlp", 0, steps=5, ckpt_path=str(tmp_path / "one.ckpt"), trainer_extra={"max_epochs": 3}
+    )
+    assert max(abs(a - b) for a, b in zip(results[0]["resumed_losses"], resumed.losses)) <= 1e-5
+    assert max_diff(results[0]["state"], resumed.state_dict()) <= 1e-5

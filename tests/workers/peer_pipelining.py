@@ -29,7 +29,7 @@ pl.seed_everything(0, verbose=False)
 model = Net("mlp")
 layers = cut(model.layers, uniform_balance(len(model.layers), world), rank)
 submodule = nn.Sequential(OrderedDict(layers))
-x, y = next(iter(make_data("mlp", batch=batch, steps=1)))
+x, y = next(iter(make_data("mlp", batch=batch, steps=5)))  # the data tests/workers/train.py uses
 
 
 def loss_fn_exact(output, target):

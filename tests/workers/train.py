@@ -6,11 +6,12 @@ Lightning's launcher re-runs this command for the other ranks. Every rank writes
 norms, sample indices, callback metrics, best checkpoint path, stop epoch); rank 0 (a last
 stage) also writes the full trained state.
 
-Spec keys: kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr,
-net (Net kwargs), trainer (extra Trainer kwargs), val (add a validation loader),
+Spec keys: kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr, samples,
+net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
-save (checkpoint file name to write after fit), resume ({"ckpt": path, "steps": total steps}),
-predict (run trainer.predict on the validation data after fit).
+save (checkpoint file to write after fit), save_at_train_end (written inside fit, while the
+model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
+the first fit), resume ({"ckpt": path, "steps": total steps}), predict (trainer.predict after fit).
 """
 
 import json
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
-from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint  # noqa: E402
+from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 from tests.models import Net, make_data, trainer_kwargs  # noqa: E402
@@ -36,6 +37,7 @@ for key in ("record_grads", "call_twice", "fail", "wrong_shape"):
         net_kwargs[key] = spec[key]
 steps, batch, kind = spec.get("steps", 5), spec.get("batch", 10), spec["kind"]
 indexed = net_kwargs.get("indexed", False)
+extra: dict = {}
 
 
 def trainer_for(run, max_steps, callbacks=()):
@@ -44,23 +46,40 @@ def trainer_for(run, max_steps, callbacks=()):
     return pl.Trainer(strategy=strategy, devices=spec["devices"], callbacks=list(callbacks), **kwargs)
 
 
+def train_data():
+    return make_data(kind, batch, max(steps, 5), indexed=indexed, samples=spec.get("samples"))
+
+
+class SaveAtTrainEnd(Callback):
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+        if spec.get("atomic_check"):  # a failing second save must leave the first one intact
+            try:
+                trainer.strategy.save_checkpoint({"bad": lambda: None}, self.path)
+            except Exception as err:  # noqa: BLE001
+                extra["atomic_error"] = type(err).__name__
+
+
 for k, run in enumerate(spec["runs"]):
     pl.seed_everything(spec.get("seed", 0), verbose=False)
     model = Net(kind, lr=spec.get("lr", 0.1), **net_kwargs)
-    callbacks = []
+    callbacks: list = []
     if "checkpoint" in spec.get("callbacks", {}):
         callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt{k}", **spec["callbacks"]["checkpoint"]))
     if "early_stopping" in spec.get("callbacks", {}):
         callbacks.append(EarlyStopping(**spec["callbacks"]["early_stopping"]))
-    val = (
-        make_data(kind, batch, 2, seed=2, indexed=indexed, samples=spec.get("val_samples"))
-        if spec.get("val")
-        else None
-    )
+    if spec.get("save_at_train_end"):
+        callbacks.append(SaveAtTrainEnd(out / spec["save_at_train_end"]))
+    val = None
+    if spec.get("val"):
+        val = make_data(kind, batch, 2, seed=2, indexed=indexed, samples=spec.get("val_samples"))
     trainer = trainer_for(run, steps, callbacks)
-    trainer.fit(
-        model, make_data(kind, batch, max(steps, 5), indexed=indexed, samples=spec.get("samples")), val
-    )
+    if spec.get("fit", True):
+        trainer.fit(model, train_data(), val)
+    checkpoint_cb = callbacks[0] if callbacks and isinstance(callbacks[0], ModelCheckpoint) else None
     record = {
         "losses": model.losses,
         "synced_losses": model.synced_losses,
@@ -70,24 +89,20 @@ for k, run in enumerate(spec["runs"]):
         "norms": model.norms,
         "indices": model.indices,
         "callback_metrics": {m: v.item() for m, v in trainer.callback_metrics.items()},
-        "best_model_path": callbacks[0].best_model_path
-        if callbacks and isinstance(callbacks[0], ModelCheckpoint)
-        else None,
+        "best_model_path": checkpoint_cb.best_model_path if checkpoint_cb else None,
         "current_epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
     }
     if spec.get("save"):
         trainer.save_checkpoint(out / spec["save"])
     if spec.get("predict"):
-        preds = trainer.predict(model, make_data(kind, batch, 2, seed=2, indexed=indexed))
-        record["predictions"] = preds
+        record["predictions"] = trainer.predict(model, make_data(kind, batch, 2, seed=2, indexed=indexed))
     if spec.get("resume"):
         model = Net(kind, lr=spec.get("lr", 0.1), **net_kwargs)
         trainer = trainer_for(run, spec["resume"]["steps"])
-        trainer.fit(
-            model, make_data(kind, batch, max(steps, 5), indexed=indexed), ckpt_path=spec["resume"]["ckpt"]
-        )
+        trainer.fit(model, train_data(), ckpt_path=spec["resume"]["ckpt"])
         record["resumed_losses"] = model.losses
+    record.update(extra)
     rank = trainer.global_rank
     if rank == 0:
         record["state"] = {n: t.clone() for n, t in model.state_dict().items()}

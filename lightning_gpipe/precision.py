@@ -1,0 +1,51 @@
+"""Mixed precision across stages: one found-inf decision and one loss scale for the whole job.
+
+With ``precision="16-mixed"`` each stage's ``GradScaler`` checks only its own gradients. If one
+stage found an inf and skipped its step while another stepped, the stages would drift apart and
+their scales would diverge. :class:`PipelineGradScaler` all-reduces the found-inf flag (max)
+over every rank right after unscaling, so all stages and replicas skip together or step
+together, and ``update()`` moves every rank's scale identically.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+
+class PipelineGradScaler(torch.amp.GradScaler):
+    """A ``torch.amp.GradScaler`` whose found-inf decision is agreed by all ranks of ``group``.
+
+    Args:
+        device: the device of the scaler (``"cuda"`` or ``"cpu"``).
+        group: process group to agree over (default: the world).
+        **kwargs: as for ``torch.amp.GradScaler``.
+    """
+
+    def __init__(self, device: str = "cuda", group: Any = None, **kwargs: Any) -> None:
+        super().__init__(device, **kwargs)
+        self.group = group
+
+    @classmethod
+    def from_scaler(cls, scaler: torch.amp.GradScaler, group: Any = None) -> PipelineGradScaler:
+        """A copy of ``scaler`` (same device, scale, growth settings and tracker) that agrees over ``group``."""
+        new = cls(scaler._device, group=group, enabled=scaler.is_enabled())
+        new.load_state_dict(scaler.state_dict())
+        return new
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        super().unscale_(optimizer)
+        if not self.is_enabled() or not dist.is_available() or not dist.is_initialized():
+            return
+        state = self._per_optimizer_states[id(optimizer)]
+        assert self._scale is not None
+        device = self._scale.device
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        for flag in state["found_inf_per_device"].values():
+            found = torch.maximum(found, flag.to(device, torch.float32).reshape(1))
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        # one entry, on the scale's device: step() skips on it and update() reads it
+        state["found_inf_per_device"] = {device: found}
