@@ -187,10 +187,21 @@ class Groups:
     last_stage_data: Any
 
 
+_GROUPS: dict[tuple[int, int, int], tuple[list[Any], list[Any]]] = {}
+
+
 def new_groups(layout: Layout, rank: int) -> Groups:
-    """Create every pipeline and data-parallel group (all ranks must call this, in the same order)."""
-    pipelines = [dist.new_group(layout.pipeline_ranks(d)) for d in range(layout.replicas)]
-    datas = [dist.new_group(layout.data_ranks(s)) for s in range(layout.stages)]
+    """Create every pipeline and data-parallel group (all ranks must call this, in the same order).
+
+    Groups are made once per process group and layout, so repeated ``fit``/``validate`` calls in
+    one job reuse them.
+    """
+    key = (id(dist.group.WORLD), layout.world_size, layout.stages)
+    if key not in _GROUPS:
+        pipelines = [dist.new_group(layout.pipeline_ranks(d)) for d in range(layout.replicas)]
+        datas = [dist.new_group(layout.data_ranks(s)) for s in range(layout.stages)]
+        _GROUPS[key] = (pipelines, datas)
+    pipelines, datas = _GROUPS[key]
     return Groups(
         pipeline=pipelines[layout.replica_of(rank)],
         data=datas[layout.stage_of(rank)],

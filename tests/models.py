@@ -278,3 +278,25 @@ def train_single_device(
     train_loader = make_data(kind, batch, max(steps, 5), indexed=indexed, **(data or {}))
     trainer.fit(model, train_loader, val_loader, ckpt_path=ckpt_path)
     return (model, trainer) if return_trainer else model
+
+
+def alternate(make_trainer, rounds: int):
+    """val, val, train one step, val — ``rounds`` times, each with a fresh Trainer from ``make_trainer``.
+
+    Returns the module and the validation losses in order.
+    """
+    pl.seed_everything(0, verbose=False)
+    model = Net("mlp")  # no BatchNorm: micro-batch statistics would differ from the full batch's
+    train, val = make_data("mlp", 10, 5), make_data("mlp", 10, 2, seed=2)
+    quiet = dict(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    losses = []
+    for _ in range(rounds):
+        for phase in ("val", "val", "train", "val"):
+            if phase == "train":
+                make_trainer(max_steps=1, enable_checkpointing=False, num_sanity_val_steps=0, **quiet).fit(
+                    model, train
+                )
+            else:
+                result = make_trainer(**quiet).validate(model, val, verbose=False)
+                losses.append(result[0]["val_loss"] if result and result[0] else None)
+    return model, losses

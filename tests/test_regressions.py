@@ -1,0 +1,30 @@
+"""Regressions: unusual but valid inputs and usage, each against the one-device value."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from tests._harness import check, run_script
+from tests.conftest import max_diff
+from tests.models import alternate, train_single_device
+
+
+@pytest.mark.timeout(300)
+def test_val_val_train_val_alternation_matches_one_device(tmp_path):
+    """20 rounds of validate, validate, one training step, validate (chunks 4, 3 stages, fresh Trainers)."""
+    check(run_script("tests/workers/alternate.py", str(tmp_path), "3", "4", "20", timeout=280))
+    ours = torch.load(tmp_path / "alternate.pt", weights_only=False)
+    ref_model, ref_losses = alternate(lambda **kw: pl.Trainer(devices=1, **kw), 20)
+    assert len(ours["val_losses"]) == len(ref_losses) == 60
+    assert max(abs(a - b) for a, b in zip(ours["val_losses"], ref_losses)) <= 1e-4
+    assert max_diff(ours["state"], ref_model.state_dict()) <= 1e-4
+
+
+@pytest.mark.timeout(300)
+def test_last_batch_smaller_than_chunks(gpipe_job):
+    """23 samples in batches of 10: the last batch (3) is smaller than chunks (4)."""
+    reference = train_single_device("mlp", 0, steps=3, data={"samples": 23})
+    results, _ = gpipe_job("mlp", 2, [{"chunks": 4, "checkpoint": "always"}], steps=3, samples=23)
+    assert [s[0] for s in results[0]["shapes"]] == [10, 10, 3]
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference.losses)) <= 1e-5
+    assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
