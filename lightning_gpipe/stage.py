@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P, Meta
 from lightning_gpipe.microbatch import Batch, as_tensors, from_tensors, join, split
 
@@ -259,7 +260,7 @@ class PipelineStage(nn.Sequential):
 
     @contextmanager
     def _recompute_context(self, i: int) -> Iterator[None]:
-        with self._span("recompute", i), _no_running_stats_update(self):
+        with self._span("recompute", i), _no_running_stats_update(self), no_accumulate():
             yield
 
     # -- the backward drain -----------------------------------------------------------------

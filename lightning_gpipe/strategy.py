@@ -31,12 +31,15 @@ from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, balance_by_time
+from lightning_gpipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from lightning_gpipe.checkpoint import (
     SHARDED_KEY,
     group_names,
@@ -51,6 +54,7 @@ from lightning_gpipe.checkpoint import (
 from lightning_gpipe.comm import P2P, Groups, Layout, new_groups
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
 from lightning_gpipe.launcher import GPipeLauncher
+from lightning_gpipe.microbatch import as_tensors, split
 from lightning_gpipe.partition import (
     PartitionError,
     check_balance,
@@ -66,6 +70,9 @@ from lightning_gpipe.timeline import Timeline, publish
 log = logging.getLogger(__name__)
 
 
+BALANCERS = ("uniform", "parameters", "time", "memory")
+
+
 class GPipeStrategy(ParallelStrategy):
     """GPipe pipeline parallelism (Huang et al. 2019, arXiv 1811.06965) as a Lightning strategy.
 
@@ -77,7 +84,14 @@ class GPipeStrategy(ParallelStrategy):
 
     Args:
         chunks: number of micro-batches M per mini-batch (≥ 1).
-        balance: layers per stage, e.g. ``[3, 2]``; ``None`` splits as evenly as possible by
+        balance: layers per stage, e.g. ``[3, 2]``, or how to choose it: ``"uniform"`` (layer
+            count), ``"parameters"`` (parameter count per layer), ``"time"`` (profiled forward +
+            backward seconds per layer) or ``"memory"`` (profiled activation + parameter bytes per
+            layer, parameters counted ``1 + optimizer_state_factor`` times). Profiling runs once,
+            on global rank 0, on the stages' device, with one micro-batch of the first training
+            batch (or ``example_input_array``); every rank receives the result. The chosen balance
+            is logged (``gpipe_balance``) and stored in checkpoints under ``"gpipe"``.
+            ``None`` splits as evenly as possible by
             layer count, earlier stages taking the extra layers.
         checkpoint: re-materialization per micro-batch: ``"always"``, ``"except_last"`` (the
             last micro-batch's backward comes first, so it keeps its activations) or ``"never"``.
@@ -96,6 +110,10 @@ class GPipeStrategy(ParallelStrategy):
         gradient_clip_norm_type: the norm that ``Trainer(gradient_clip_val=...,
             gradient_clip_algorithm="norm")`` clips by (2.0, or ``float("inf")``), computed over
             the gradients of all stages together, as on one device.
+        deferred_batch_norm: BatchNorm layers normalise each micro-batch with its own statistics
+            but update their running statistics once per mini-batch, with the whole mini-batch's
+            statistics (:mod:`lightning_gpipe.batchnorm`; GPipe section 2.2), so they equal those
+            of the unpartitioned model trained on the full batch.
         checkpoint_format: ``"full"``: one standard Lightning checkpoint file, gathered on rank 0
             (the plain module loads it with ``strict=True``; optimizer states merged as one
             optimizer over the whole model). ``"sharded"``: a directory written with
@@ -114,7 +132,7 @@ class GPipeStrategy(ParallelStrategy):
     def __init__(
         self,
         chunks: int = 1,
-        balance: list[int] | None = None,
+        balance: list[int] | str | None = None,
         checkpoint: str = "except_last",
         module_name: str | None = None,
         pipeline_parallel_size: int | None = None,
@@ -129,6 +147,8 @@ class GPipeStrategy(ParallelStrategy):
         timeline_dir: str | None = None,
         gradient_clip_norm_type: float = 2.0,
         checkpoint_format: str = "full",
+        optimizer_state_factor: float = 2.0,
+        deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -145,8 +165,14 @@ class GPipeStrategy(ParallelStrategy):
             raise ValueError(
                 f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)} (checkpoint: {checkpoint!r})"
             )
-        if balance is not None:
-            if isinstance(balance, (str, bytes)) or not hasattr(balance, "__iter__"):
+        if isinstance(balance, str):
+            if balance not in BALANCERS:
+                raise ValueError(
+                    f"balance must be a list of layers per stage, None, or one of "
+                    f"{', '.join(repr(b) for b in BALANCERS)} (balance: {balance!r})"
+                )
+        elif balance is not None:
+            if isinstance(balance, bytes) or not hasattr(balance, "__iter__"):
                 raise ValueError(f"balance must be a list of layers per stage or None (balance: {balance!r})")
             bad = [b for b in balance if isinstance(b, bool) or not isinstance(b, int) or b < 1]
             if bad or not list(balance):
@@ -163,7 +189,7 @@ class GPipeStrategy(ParallelStrategy):
                 f"pipeline_parallel_size must be an integer >= 1 or None (got {pipeline_parallel_size!r})"
             )
         if (
-            balance is not None
+            isinstance(balance, list)
             and pipeline_parallel_size is not None
             and len(balance) != pipeline_parallel_size
         ):
@@ -189,6 +215,10 @@ class GPipeStrategy(ParallelStrategy):
                 f"checkpoint_format must be 'full' or 'sharded' (checkpoint_format: {checkpoint_format!r})"
             )
         self.checkpoint_format = checkpoint_format
+        self.optimizer_state_factor = float(optimizer_state_factor)
+        self.deferred_batch_norm = bool(deferred_batch_norm)
+        self._plain_batch_norms: list[tuple[nn.Module, str, nn.Module]] = []
+        self.balance_used: list[int] | None = None
         self._failed = False
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self._timeline: Timeline | None = None
@@ -285,17 +315,86 @@ class GPipeStrategy(ParallelStrategy):
         """
         name, seq = find_sequential(model, self.module_name)
         stages = self.layout.stages
-        if self.balance is None:
-            balance = uniform_balance(len(seq), stages)
-        else:
+        if isinstance(self.balance, list):
             check_stages(len(seq), len(self.balance))
             balance = check_balance(self.balance, len(seq), stages)
+        else:
+            balance = uniform_balance(len(seq), stages)  # also checks stages against layers
         return name, seq, balance
+
+    def _choose_balance(self, model: pl.LightningModule, seq: nn.Sequential, uniform: list[int]) -> list[int]:
+        """Resolve ``balance="parameters" | "time" | "memory"``: rank 0 decides, every rank receives."""
+        how, stages = self.balance, self.layout.stages
+        if not isinstance(how, str) or how == "uniform":
+            return uniform
+        if how == "parameters":
+            return balance_by_parameters(seq, stages)
+        chosen: list[int] | None = None
+        error: str | None = None
+        if self.global_rank == 0:
+            try:
+                sample = self._sample_micro_batch(model, seq)
+                if how == "time":
+                    chosen = balance_by_time(seq, sample, stages, device=self.root_device)
+                else:
+                    chosen = balance_by_memory(
+                        seq,
+                        sample,
+                        stages,
+                        optimizer_factor=self.optimizer_state_factor,
+                        device=self.root_device,
+                    )
+            except Exception as err:  # every rank must hear of it, or the others would wait forever
+                error = f"{type(err).__name__}: {err}"
+                raise
+            finally:
+                self.broadcast((chosen, error))
+        else:
+            chosen, error = self.broadcast((None, None))
+            if error is not None:
+                raise RuntimeError(f"balance={how!r}: profiling on rank 0 failed: {error}")
+        assert chosen is not None
+        return chosen
+
+    def _sample_micro_batch(self, model: pl.LightningModule, seq: nn.Sequential) -> Any:
+        """One micro-batch of what the pipelined Sequential receives: from ``example_input_array``,
+        else captured by running the user's ``training_step`` on the first training batch up to
+        the Sequential's call.
+        """
+        sample = model.example_input_array
+        if sample is None:
+            trainer = model.trainer
+            loader = trainer.fit_loop._data_source.dataloader()
+            batch = self.batch_to_device(next(iter(loader)))
+            captured: list[Any] = []
+
+            def capture(module: nn.Module, args: tuple[Any, ...]) -> None:
+                captured.append(args[0])
+                raise _Captured
+
+            handle = seq.register_forward_pre_hook(capture)
+            try:
+                with torch.no_grad():
+                    model.training_step(batch, 0)
+            except _Captured:
+                pass
+            finally:
+                handle.remove()
+            if not captured:
+                raise ValueError(
+                    f"balance={self.balance!r} needs a sample input: training_step did not call the pipelined "
+                    "Sequential on the first batch; set LightningModule.example_input_array"
+                )
+            sample = captured[0]
+        tensors, is_tuple = as_tensors(sample, "the sample input for balancing")
+        first = split([t.to(self.root_device) for t in tensors], self.chunks)[0]
+        return first if is_tuple else first[0]
 
     def _partition(self) -> None:
         model = self.lightning_module
         assert model is not None
         name, seq, balance = self.check_model(model)
+        balance = self._choose_balance(model, seq, balance)
         layout = self.layout
         rank, stage = self.global_rank, self.stage_index
         replica = layout.replica_of(rank)
@@ -308,6 +407,14 @@ class GPipeStrategy(ParallelStrategy):
         pipe = PipelineStage(
             cut(seq, balance, stage), topology, self.chunks, self.checkpoint, P2P(self.root_device)
         )
+        if self.deferred_batch_norm:
+            self._plain_batch_norms = [
+                (owner, child_name, child)
+                for owner in pipe.modules()
+                for child_name, child in owner.named_children()
+                if isinstance(child, _BatchNorm) and child.track_running_stats
+            ]
+            convert_deferred_batch_norm(pipe)  # shares parameters and buffers with the originals
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, pipe)
@@ -315,6 +422,10 @@ class GPipeStrategy(ParallelStrategy):
         if self.timeline:
             self._timeline = pipe.timeline = Timeline(stage, layout.stages, rank, replica)
         self.balance_used = balance
+        if isinstance(self.balance, str) and self.is_global_zero:
+            rank_zero_info(f"gpipe: balance={self.balance!r} chose {balance} (layers per stage)")
+            for logger in model.trainer.loggers if model._trainer is not None else ():
+                logger.log_hyperparams({"gpipe_balance": balance})
         log.info(f"gpipe: rank {rank} runs stage {stage}/{layout.stages} with layers {list(pipe._modules)}")
 
     def _unpartition(self) -> None:
@@ -322,6 +433,9 @@ class GPipeStrategy(ParallelStrategy):
         if self._original is None:
             return
         parent, attr, seq = self._original
+        for owner, child_name, child in self._plain_batch_norms:  # undo the deferred batch norm conversion
+            setattr(owner, child_name, child)
+        self._plain_batch_norms = []
         if not self._failed and _distributed_is_initialized():
             full = self._gather_sequential_state(to_all=True)
             seq.load_state_dict(full)
@@ -375,7 +489,7 @@ class GPipeStrategy(ParallelStrategy):
             from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._metric_sharing = _ShareLastStageMetrics(self)
+        self._metric_sharing = _PipelineCallback(self)
         trainer.callbacks.insert(0, self._metric_sharing)  # type: ignore[attr-defined]
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -411,6 +525,8 @@ class GPipeStrategy(ParallelStrategy):
         out = self._run_step(super().training_step, True, *args, **kwargs)
         stage = self._stage
         assert stage is not None
+        if self.deferred_batch_norm:
+            commit_deferred_batch_norm(stage)  # once per mini-batch, after all its micro-batches
         if not stage.ran_forward:
             return out
         return self._share_loss(out)
@@ -559,6 +675,13 @@ class GPipeStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        """Write the checkpoint (``checkpoint_format``), recording the pipeline under ``checkpoint["gpipe"]``."""
+        checkpoint["gpipe"] = {
+            "balance": self.balance_used,
+            "balance_by": self.balance,
+            "chunks": self.chunks,
+            "stages": self.layout.stages,
+        }
         if self.checkpoint_format == "sharded" and _distributed_is_initialized():
             module = self.lightning_module
             assert module is not None
@@ -739,7 +862,7 @@ def _abort_process_group() -> None:
         log.debug(f"gpipe: could not destroy the process group after a failure: {err}")
 
 
-class _ShareLastStageMetrics(Callback):
+class _PipelineCallback(Callback):
     """Runs first among callbacks: gives every stage the last stage's ``callback_metrics``.
 
     So ``ModelCheckpoint(monitor=...)``, ``EarlyStopping`` and LR schedulers that monitor a metric
@@ -804,6 +927,10 @@ def _drop_placeholder(state: dict[str, Any], names: list[list[str]]) -> dict[str
         keep = [i for i, n in zip(group["params"], group_names_) if _PLACEHOLDER not in n]
         groups.append({**group, "params": keep})
     return {"state": state["state"], "param_groups": groups}
+
+
+class _Captured(BaseException):  # noqa: N818 - control flow, not an error
+    """Stops the user's training_step once the sample input is captured."""
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

@@ -86,6 +86,8 @@ def build_layers(kind: str) -> nn.Sequential:
         return nn.Sequential(Embed(8, 5), Mix(8, 5), Mix(8, 5), Head(8, 3))
     if kind == "lrl":  # over 3 stages: [Linear], [ReLU] (no parameters), [Linear]
         return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    if kind == "cbr":  # Conv-BN-ReLU, one layer per stage over 3 stages
+        return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
     if kind == "bn":
         return nn.Sequential(
             nn.Linear(6, 16),
@@ -224,6 +226,11 @@ def make_data(
         data = TensorDataset(x, y, *extra)
         if order is not None:
             return DataLoader([data[idx] for idx in order], batch_size=None, shuffle=False)
+        return DataLoader(data, batch_size=batch, shuffle=False)
+    if kind == "cbr":
+        data = TensorDataset(
+            torch.randn(n, 3, 5, 5, generator=g), torch.randn(n, 4, 5, 5, generator=g), *extra
+        )
         return DataLoader(data, batch_size=batch, shuffle=False)
     if kind == "tuple":
         x = torch.randn(n, 7, 4, generator=g)

@@ -112,3 +112,28 @@ def test_batchnorm_running_stats_updated_once_per_micro_batch(gpipe_job):
         assert always[f"{name}.num_batches_tracked"].item() == 2 * 3  # steps × micro-batches
         assert torch.equal(always[f"{name}.running_mean"], never[f"{name}.running_mean"])
         assert torch.equal(always[f"{name}.running_var"], never[f"{name}.running_var"])
+
+
+def _bn_stats(state):
+    """The running statistics only: weights differ by design (each micro-batch is normalised on its own)."""
+    return {k: state[f"layers.1.{k}"] for k in ("running_mean", "running_var", "num_batches_tracked")}
+
+
+@pytest.mark.timeout(300)
+def test_deferred_batch_norm_running_stats_equal_full_batch(gpipe_job):
+    """Conv-BN-ReLU over 3 stages, batch 16, chunks 4, recompute always: after one step the running
+    statistics equal the one-device full-batch values."""
+    reference = train_single_device("cbr", 0, steps=1, batch=16)
+    runs = [
+        {"chunks": 4, "checkpoint": "always", "deferred_batch_norm": True},
+        {"chunks": 4, "checkpoint": "always"},
+    ]
+    results, _ = gpipe_job("cbr", 3, runs, steps=1, batch=16)
+    deferred, plain = _bn_stats(results[0]["state"]), _bn_stats(results[1]["state"])
+    expected = _bn_stats(reference.state_dict())
+    assert max_diff(deferred, expected) <= 1e-5
+    assert deferred["num_batches_tracked"].item() == 1
+    # Without deferred batch norm the running statistics are those of 4 micro-batch updates, not one
+    # full-batch update: num_batches_tracked counts micro-batches and the means differ.
+    assert plain["num_batches_tracked"].item() == 4
+    assert (plain["running_mean"] - expected["running_mean"]).abs().max() > 1e-3
