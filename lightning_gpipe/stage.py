@@ -35,6 +35,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P, Meta
 from lightning_gpipe.microbatch import Batch, as_tensors, from_tensors, join, split
+from lightning_gpipe.skip import MicroBatchStore, Route, use_store
 
 CheckpointMode = Literal["always", "except_last", "never"]
 CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
@@ -64,6 +65,8 @@ class StageTopology:
     stages: int
     prev_rank: int | None
     next_rank: int | None
+    ranks: tuple[int, ...] = ()  # global rank of every stage of this pipeline (for skip connections)
+    skips: tuple[Route, ...] = ()  # skip connections of the whole pipeline
 
     @property
     def is_first(self) -> bool:
@@ -81,6 +84,8 @@ class _Step:
     inputs: list[tuple[Tensor, ...]] = field(default_factory=list)
     outputs: list[tuple[Tensor, ...]] = field(default_factory=list)
     leaves: tuple[Tensor, ...] = ()  # last stage: the detached, joined outputs given to the user
+    skips_in: list[dict[str, Tensor]] = field(default_factory=list)  # per micro-batch, received skips
+    skips_out: list[dict[str, Tensor]] = field(default_factory=list)  # per micro-batch, skips sent on
 
 
 @contextmanager
@@ -138,6 +143,10 @@ class PipelineStage(nn.Sequential):
         self.calls = 0
         self._step: _Step | None = None
         self.timeline: Any = None  # a lightning_gpipe.timeline.Timeline, or None
+        me = topology.stage
+        self._skips_in = [r for r in topology.skips if r.target == me and r.source != me]
+        self._skips_out = [r for r in topology.skips if r.source == me and r.target != me]
+        self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
 
     def _span(self, kind: str, i: int) -> Any:
         """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on the timeline."""
@@ -163,10 +172,11 @@ class PipelineStage(nn.Sequential):
     def has_pending_backward(self) -> bool:
         return self._step is not None
 
-    def local_forward(self, input: Batch) -> Any:
-        """This stage's layers applied in order, as ``nn.Sequential`` would."""
-        for layer in self:
-            input = layer(input)
+    def local_forward(self, input: Batch, store: MicroBatchStore | None = None) -> Any:
+        """This stage's layers applied in order, as ``nn.Sequential`` would, with ``store`` for skips."""
+        with use_store(store if store is not None else MicroBatchStore()):
+            for layer in self:
+                input = layer(input)
         return input
 
     def forward(self, input: Batch) -> Any:  # noqa: A002 - nn.Sequential's own argument name
@@ -202,12 +212,23 @@ class PipelineStage(nn.Sequential):
                 count = meta.count
                 x, x_tuple = _as_inputs(meta, received, train), meta.is_tuple
             assert count is not None
+            store = MicroBatchStore()
+            for route in self._skips_in:
+                with self._span("recv", i):
+                    meta, (skip,) = self.p2p.recv(top.ranks[route.source])
+                store[route.name] = _as_inputs(meta, [skip], train)[0]
+                self.received_skips.append((route.name, route.source))
             with self._span("forward", i), self._naming_errors("forward", i, x):
-                y = self._compute(i, count, from_tensors(x, x_tuple), train)
+                y = self._compute(i, count, from_tensors(x, x_tuple), train, store)
             y_tensors, out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
+            for route in self._skips_out:
+                with self._span("send", i):
+                    self.p2p.send([store[route.name]], top.ranks[route.target], count=count)
             if step is not None:
                 step.inputs.append(x)
                 step.outputs.append(y_tensors)
+                step.skips_in.append({r.name: store[r.name] for r in self._skips_in})
+                step.skips_out.append({r.name: store[r.name] for r in self._skips_out})
             if top.is_last:
                 outputs.append(y_tensors)
             else:
@@ -226,15 +247,16 @@ class PipelineStage(nn.Sequential):
             step.leaves = joined
         return from_tensors(joined, out_tuple)
 
-    def _compute(self, i: int, count: int, x: Batch, train: bool) -> Any:
+    def _compute(self, i: int, count: int, x: Batch, train: bool, store: MicroBatchStore) -> Any:
         recompute = train and (
             self.checkpoint_mode == "always" or (self.checkpoint_mode == "except_last" and i < count - 1)
         )
         if not recompute:
-            return self.local_forward(x)
+            return self.local_forward(x, store)
         return torch_checkpoint(
             self.local_forward,
             x,
+            store,
             use_reentrant=False,
             preserve_rng_state=True,
             context_fn=lambda: (nullcontext(), self._recompute_context(i)),
@@ -286,6 +308,7 @@ class PipelineStage(nn.Sequential):
         for i in reversed(range(count)):
             y = step.outputs[i]
             y_grad = [t for t in y if t.requires_grad]
+            skips_out = [(r, step.skips_out[i][r.name]) for r in self._skips_out]
             if top.is_last:
                 dy = [g[i] for g in grads]
             elif y_grad:
@@ -294,6 +317,11 @@ class PipelineStage(nn.Sequential):
                     _, dy = self.p2p.recv(top.next_rank)
             else:
                 dy = []
+            for route, skip in skips_out:  # gradients of skips this stage sent on come straight back
+                if skip.requires_grad:
+                    with self._span("recv", i):
+                        _, (skip_grad,) = self.p2p.recv(top.ranks[route.target])
+                    y_grad, dy = [*y_grad, skip], [*dy, skip_grad]
             if y_grad:
                 with self._span("backward", i), self._naming_errors("backward", i, step.inputs[i]):
                     torch.autograd.backward(y_grad, dy)
@@ -304,7 +332,14 @@ class PipelineStage(nn.Sequential):
                     dx = [t.grad if t.grad is not None else torch.zeros_like(t) for t in x_grad]
                     with self._span("send", i):
                         self.p2p.send(dx, top.prev_rank, count=count)
+            for route in self._skips_in:
+                skip = step.skips_in[i][route.name]
+                if skip.requires_grad:
+                    grad = skip.grad if skip.grad is not None else torch.zeros_like(skip)
+                    with self._span("send", i):
+                        self.p2p.send([grad], top.ranks[route.source], count=count)
             step.inputs[i] = step.outputs[i] = ()  # free this micro-batch
+            step.skips_in[i] = step.skips_out[i] = {}
         self.p2p.flush()
 
 

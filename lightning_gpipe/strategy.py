@@ -64,6 +64,7 @@ from lightning_gpipe.partition import (
     uniform_balance,
 )
 from lightning_gpipe.precision import PipelineGradScaler
+from lightning_gpipe.skip import routes as skip_routes
 from lightning_gpipe.stage import CHECKPOINT_MODES, PipelineStage, StageDone, StageTopology
 from lightning_gpipe.timeline import Timeline, publish
 
@@ -403,6 +404,8 @@ class GPipeStrategy(ParallelStrategy):
             stages=layout.stages,
             prev_rank=layout.rank(replica, stage - 1) if stage > 0 else None,
             next_rank=layout.rank(replica, stage + 1) if stage < layout.stages - 1 else None,
+            ranks=tuple(layout.pipeline_ranks(replica)),
+            skips=tuple(skip_routes(seq, [j for j, n in enumerate(balance) for _ in range(n)])),
         )
         pipe = PipelineStage(
             cut(seq, balance, stage), topology, self.chunks, self.checkpoint, P2P(self.root_device)
@@ -433,6 +436,8 @@ class GPipeStrategy(ParallelStrategy):
         if self._original is None:
             return
         parent, attr, seq = self._original
+        if self._stage is not None:
+            self.last_received_skips = list(self._stage.received_skips)
         for owner, child_name, child in self._plain_batch_norms:  # undo the deferred batch norm conversion
             setattr(owner, child_name, child)
         self._plain_batch_norms = []

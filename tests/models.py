@@ -9,6 +9,8 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gpipe.skip import Pop, Stash
+
 
 class Mix(nn.Module):
     """Stage-boundary tuple ``(h float, ids long, mask bool)`` → same tuple, ids and mask used."""
@@ -75,6 +77,11 @@ class FailAt(nn.Module):
         return y
 
 
+class Concat(nn.Module):
+    def forward(self, x, skip):
+        return torch.cat([x, skip], dim=-1)
+
+
 def build_layers(kind: str) -> nn.Sequential:
     if kind in ("mlp", "cls"):
         return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
@@ -86,6 +93,17 @@ def build_layers(kind: str) -> nn.Sequential:
         return nn.Sequential(Embed(8, 5), Mix(8, 5), Mix(8, 5), Head(8, 3))
     if kind == "lrl":  # over 3 stages: [Linear], [ReLU] (no parameters), [Linear]
         return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    if (
+        kind == "unet"
+    ):  # stage 0 hands "enc" to stage 2 over 3 stages (balance [2, 2, 2]); stage 1 never sees it
+        return nn.Sequential(
+            Stash("enc", nn.Linear(6, 8)),
+            nn.Tanh(),
+            nn.Linear(8, 8),
+            nn.Tanh(),
+            Pop("enc", Concat()),
+            nn.Linear(16, 3),
+        )
     if kind == "cbr":  # Conv-BN-ReLU, one layer per stage over 3 stages
         return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
     if kind == "bn":
@@ -220,13 +238,24 @@ def make_data(
     g = torch.Generator().manual_seed(seed)
     n = samples or batch * steps
     extra = (torch.arange(n),) if indexed else ()
-    if kind in ("mlp", "dropout", "bn", "lrl", "cls"):
+    if kind in ("mlp", "dropout", "bn", "lrl", "cls", "unet"):
         x = torch.randn(n, 6, generator=g)
         y = torch.randint(0, 3, (n,), generator=g) if kind == "cls" else torch.randn(n, 3, generator=g)
         data = TensorDataset(x, y, *extra)
         if order is not None:
             return DataLoader([data[idx] for idx in order], batch_size=None, shuffle=False)
         return DataLoader(data, batch_size=batch, shuffle=False)
+    if (
+        kind == "unet"
+    ):  # stage 0 hands "enc" to stage 2 over 3 stages (balance [2, 2, 2]); stage 1 never sees it
+        return nn.Sequential(
+            Stash("enc", nn.Linear(6, 8)),
+            nn.Tanh(),
+            nn.Linear(8, 8),
+            nn.Tanh(),
+            Pop("enc", Concat()),
+            nn.Linear(16, 3),
+        )
     if kind == "cbr":
         data = TensorDataset(
             torch.randn(n, 3, 5, 5, generator=g), torch.randn(n, 4, 5, 5, generator=g), *extra

@@ -1,0 +1,43 @@
+"""Skip connections across stages (torchgpipe's stash/pop idea), point-to-point from producer to consumer."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe.skip import Pop, SkipError, Stash, routes
+from tests.models import build_layers, train_single_device
+
+
+def test_plain_sequential_runs_stash_and_pop_on_one_device():
+    model = build_layers("unet")
+    x = torch.randn(4, 6)
+    enc = model[0](x)
+    expected = model[5](torch.cat([model[3](model[2](model[1](enc))), enc], dim=-1))
+    assert torch.allclose(model(x), expected)
+
+
+def test_routes_from_layer_positions_and_errors():
+    model = build_layers("unet")
+    assert [(r.name, r.source, r.target) for r in routes(model, [0, 0, 1, 1, 2, 2])] == [("enc", 0, 2)]
+    with pytest.raises(SkipError, match="never popped"):
+        routes(nn.Sequential(Stash("a"), nn.Identity()), [0, 1])
+    with pytest.raises(SkipError, match="popped by layer 0 before"):
+        routes(nn.Sequential(Pop("a"), Stash("a")), [0, 1])
+    with pytest.raises(SkipError, match="stashed twice"):
+        routes(nn.Sequential(Stash("a"), Stash("a"), Pop("a")), [0, 0, 1])
+
+
+@pytest.mark.timeout(300)
+def test_skip_from_stage_0_to_stage_2_bypasses_stage_1(gpipe_job):
+    """3 stages; stage 0 stashes, stage 2 pops: gradients equal one device; stage 1 never receives it."""
+    reference = train_single_device("unet", 0, steps=2, record_grads=True)
+    runs = [{"chunks": 3, "checkpoint": "always"}, {"chunks": 2, "checkpoint": "never"}]
+    results, grads = gpipe_job("unet", 3, runs, steps=2, record_grads=True)
+    for result, per_rank in zip(results, grads):
+        for rank_grads in per_rank:
+            for ours, ref in zip(rank_grads, reference.grads):
+                assert max((ours[k] - ref[k]).abs().max().item() for k in ours) <= 1e-5
+        ranks = result["ranks"]  # rank 0: stage 2, rank 1: stage 1, rank 2: stage 0
+        assert ranks[1]["received_skips"] == []
+        assert ranks[2]["received_skips"] == []
+        assert ranks[0]["received_skips"] and {s for s in ranks[0]["received_skips"]} == {("enc", 0)}
