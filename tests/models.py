@@ -139,10 +139,14 @@ class Net(pl.LightningModule):
         sync_dist: bool = False,
         ref_clip_norm_type: float | None = None,
         freeze_first: bool = False,
+        scheduler: bool = False,
+        two_optimizers: bool = False,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
         self.indexed, self.sync_dist, self.ref_clip_norm_type = indexed, sync_dist, ref_clip_norm_type
+        self.scheduler, self.two_optimizers = scheduler, two_optimizers
+        self.lrs: list[float] = []
         self.layers = build_layers(kind)
         if wrong_shape:  # stage 1 of 3 hands stage 2 (N, 17) where Linear(16, 3) expects (N, 16)
             self.layers[2] = nn.Linear(16, 17)
@@ -218,7 +222,18 @@ class Net(pl.LightningModule):
         )
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if self.two_optimizers:
+            return [optimizer, torch.optim.SGD(self.parameters(), lr=self.lr)]
+        if self.scheduler:
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5),
+            }
+        return optimizer
+
+    def on_train_epoch_end(self):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
 
 def make_data(

@@ -223,3 +223,45 @@ def test_sharded_checkpoint_saved_by_3_stages_resumes_on_2(gpipe_job, tmp_path):
     )
     assert max(abs(a - b) for a, b in zip(results[0]["resumed_losses"], resumed.losses)) <= 1e-5
     assert max_diff(results[0]["state"], resumed.state_dict()) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_accumulation_scheduler_and_loop_limits_match_one_device(gpipe_job):
+    """accumulate_grad_batches=2, a StepLR stepping every epoch, validation twice per epoch on one
+    batch, one sanity-check batch: same losses, validation values, learning rates and parameters."""
+    extra = {
+        "max_epochs": 2,
+        "max_steps": -1,
+        "accumulate_grad_batches": 2,
+        "val_check_interval": 0.5,
+        "limit_val_batches": 1,
+        "num_sanity_val_steps": 1,
+    }
+    reference, ref_trainer = train_single_device(
+        "mlp", 0, steps=5, val=True, trainer_extra=extra, return_trainer=True, scheduler=True
+    )
+    results, _ = gpipe_job(
+        "mlp", 2, [{"chunks": 3}], steps=5, val=True, trainer=extra, net={"scheduler": True}
+    )
+    r = results[0]
+    assert r["global_step"] == ref_trainer.global_step == 6  # 5 batches per epoch, 2 epochs, 2 per step
+    assert len(r["losses"]) == len(reference.losses) == 10
+    assert max(abs(a - b) for a, b in zip(r["losses"], reference.losses)) <= 1e-5
+    assert r["lrs"] == pytest.approx(reference.lrs) == [0.05, 0.025]
+    assert r["callback_metrics"]["val_loss"] == pytest.approx(
+        ref_trainer.callback_metrics["val_loss"].item(), abs=1e-5
+    )
+    assert max_diff(r["state"], reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_several_optimizers_fail_with_a_clear_error(tmp_path):
+    import json
+
+    from tests._harness import run_script
+
+    spec = {"kind": "mlp", "devices": 2, "runs": [{}], "out": str(tmp_path), "net": {"two_optimizers": True}}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    rc, out = run_script("tests/workers/train.py", str(tmp_path / "spec.json"), timeout=100)
+    assert rc != 0
+    assert "multiple optimizers" in out or "supports a single optimizer" in out

@@ -92,6 +92,7 @@ for k, run in enumerate(spec["runs"]):
         "best_model_path": checkpoint_cb.best_model_path if checkpoint_cb else None,
         "current_epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
+        "lrs": model.lrs,
         "received_skips": getattr(trainer.strategy, "last_received_skips", None),
     }
     if spec.get("save"):
