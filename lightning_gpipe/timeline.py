@@ -10,7 +10,9 @@ host share.
 Bubble share (GPipe, Huang et al. 2019, arXiv 1811.06965, section 2.3): the idle share of stage
 time in a step. A stage is busy while it computes a forward or a backward (recompute included);
 receiving, sending and waiting are idle. Over the K stages of a pipeline, a step's window runs
-from the earliest start to the latest end among them, and
+from the first forward's start to the last backward's end among them (a stage that enters the
+step early only waits for the previous step's drain and optimizer step elsewhere; that wait is
+not this step's schedule), and
 
     bubble = 1 - sum_k busy_k / (K · window)
 
@@ -89,7 +91,9 @@ _NULL = _Null()
 class Timeline:
     """One rank's record of its stage's work, step by step.
 
-    Every completed step keeps a summary ``(index, step, start, end, busy)``; the events
+    Every completed step keeps a summary ``(index, step, start, end, busy, first, last)``: seconds
+    of the step's begin and end, of computing, and of its first compute's start and last compute's
+    end (``start``/``end`` without compute); the events
     (``(kind, micro-batch, start, end)``, seconds) of the last ``keep_steps`` steps are kept for
     the trace and the Gantt chart. Spans outside an open step (validation, prediction) are not
     recorded.
@@ -114,24 +118,27 @@ class Timeline:
     ) -> None:
         self.stage, self.stages, self.rank, self.replica = stage, stages, rank, replica
         self.clock = clock
-        self.summaries: list[tuple[int, int, float, float, float]] = []
+        self.summaries: list[tuple[int, int, float, float, float, float, float]] = []
         self.events: deque[tuple[int, list[tuple[str, int, float, float]]]] = deque(maxlen=max(keep_steps, 0))
         self._open: list[tuple[str, int, float, float]] | None = None
         self._start = 0.0
         self._step = 0
         self._busy = 0.0
+        self._first: float | None = None
+        self._last = 0.0
 
     def begin_step(self, step: int = 0) -> None:
         """Open a step (``step``: the trainer's ``global_step``); an unfinished open step is dropped."""
-        self._open, self._step, self._busy = [], step, 0.0
+        self._open, self._step, self._busy, self._first = [], step, 0.0, None
         self._start = self.clock()
 
     def end_step(self) -> None:
         """Close the open step (a no-op if none is open)."""
         if self._open is None:
             return
-        index = len(self.summaries)
-        self.summaries.append((index, self._step, self._start, self.clock(), self._busy))
+        index, end = len(self.summaries), self.clock()
+        first, last = (self._start, end) if self._first is None else (self._first, self._last)
+        self.summaries.append((index, self._step, self._start, end, self._busy, first, last))
         if self.events.maxlen:
             self.events.append((index, self._open))
         self._open = None
@@ -146,11 +153,15 @@ class Timeline:
         self._open.append((kind, i, start, end))
         if kind in _BUSY:
             self._busy += end - start
+            if self._first is None:
+                self._first = start
+            self._last = end
 
     def bubble(self) -> list[float]:
         """This stage's idle share per completed step, over its own step window (no communication)."""
         return [
-            1.0 - busy / (end - start) if end > start else 0.0 for _, _, start, end, busy in self.summaries
+            1.0 - busy / (end - start) if end > start else 0.0
+            for _, _, start, end, busy, *_ in self.summaries
         ]
 
     def record(self) -> dict[str, Any]:
@@ -193,7 +204,10 @@ def gather(timeline: Timeline, dst: int = 0) -> list[dict[str, Any]] | None:
 
 
 def _shift(record: dict[str, Any], offset: float) -> None:
-    record["summaries"] = [(n, s, a + offset, b + offset, busy) for n, s, a, b, busy in record["summaries"]]
+    record["summaries"] = [
+        (n, s, a + offset, b + offset, busy, f + offset, e + offset)
+        for n, s, a, b, busy, f, e in record["summaries"]
+    ]
     record["events"] = {
         index: [(k, i, a + offset, b + offset) for k, i, a, b in events]
         for index, events in record["events"].items()
@@ -208,8 +222,8 @@ class StepStats:
         index: completed-step counter (the same step on every rank).
         step: the trainer's ``global_step`` when the step began.
         replica: the pipeline (data-parallel replica).
-        start: earliest stage start, seconds (``perf_counter``).
-        window: seconds from the earliest start to the latest end.
+        start: the first forward's start on any stage, seconds (``perf_counter``).
+        window: seconds from there to the last backward's end on any stage.
         busy: seconds each stage computed, shape ``(K,)``, stage order.
         bubble: ``1 - sum(busy) / (K · window)``.
     """
@@ -238,8 +252,8 @@ def step_stats(records: Sequence[dict[str, Any]]) -> list[StepStats]:
         recs = sorted(recs, key=lambda r: r["stage"])
         k = len(recs)
         for rows in zip(*(r["summaries"] for r in recs)):
-            start = min(row[2] for row in rows)
-            window = max(row[3] for row in rows) - start
+            start = min(row[5] for row in rows)
+            window = max(row[6] for row in rows) - start
             busy = tuple(row[4] for row in rows)
             bubble = 1.0 - sum(busy) / (k * window) if window > 0 else 0.0
             stats.append(StepStats(rows[0][0], rows[0][1], replica, start, window, busy, bubble))
@@ -281,7 +295,7 @@ def chrome_trace(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         )
         summaries = {row[0]: row for row in rec["summaries"]}
         for index, spans in sorted(rec["events"].items()):
-            index, step, start, end, busy = summaries[index]
+            index, step, start, end, busy, *_ = summaries[index]
             events.append(
                 {
                     "ph": "X",

@@ -509,7 +509,8 @@ def capacity(cfg: DictConfig) -> list[dict[str, Any]]:
 
     Doubling from 1 layer, then bisection; each trial runs two steps of a fresh model. Returns one row
     per mode: ``checkpoint``, ``num_layers`` (0: not even one layer fits), ``params``, ``need_bytes``
-    (at that size), ``budget_bytes``; and prints them with the ratio to the first mode.
+    (at that size), ``budget_bytes``; prints them with the ratio to the first mode and appends them
+    to ``capacity.csv`` beside ``cfg.csv``.
     """
     torch.set_num_threads(cfg.threads)
     device = torch.device(cfg.capacity.device)
@@ -548,6 +549,18 @@ def capacity(cfg: DictConfig) -> list[dict[str, Any]]:
                 "device": device.type,
             }
         )
+    path = Path(str(cfg.csv)).with_name("capacity.csv") if cfg.csv else None
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        with path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=["model", "batch_size", "chunks", *rows[0]])
+            if new:
+                writer.writeheader()
+            for r in rows:
+                writer.writerow(
+                    {"model": cfg.model.name, "batch_size": cfg.batch_size, "chunks": cfg.chunks, **r}
+                )
     first = rows[0]["num_layers"] or 1
     print("| checkpoint | largest num_layers | parameters | need MiB | budget MiB | vs first |")
     print("|---|---|---|---|---|---|")

@@ -45,7 +45,18 @@ def records_from_simulation(stages: int, chunks: int, checkpoint: str = "never",
                 "stages": stages,
                 "rank": stages - 1 - j,
                 "replica": 0,
-                "summaries": [(n, n, n * 100.0, n * 100.0 + sim.step_time, busy) for n in range(steps)],
+                "summaries": [
+                    (
+                        n,
+                        n,
+                        n * 100.0 - 1.0,
+                        n * 100.0 + sim.step_time + 1.0,
+                        busy,
+                        n * 100.0,
+                        n * 100.0 + sim.step_time,
+                    )
+                    for n in range(steps)
+                ],
                 "events": {
                     n: [(k, i, a + n * 100.0, b + n * 100.0) for k, i, a, b in spans] for n in range(steps)
                 },
@@ -75,7 +86,7 @@ def test_timeline_records_spans_only_inside_a_step_and_sums_busy_time():
             now[0] += seconds
     now[0] += 1.0  # idle
     timeline.end_step()
-    assert timeline.summaries == [(0, 7, 5.0, 11.0, 2.5)]
+    assert timeline.summaries == [(0, 7, 5.0, 11.0, 2.5, 5.0, 10.0)]
     assert timeline.bubble() == [pytest.approx(1 - 2.5 / 6.0)]
     assert [e[0] for e in timeline.record()["events"][0]] == ["forward", "send", "recv", "backward"]
 
