@@ -281,6 +281,11 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         self.layout  # noqa: B018 - validates world size against pipeline_parallel_size before any spawn
+        if self._layer_sync is not None:
+            raise ValueError(
+                "Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (each stage holds different "
+                "layers); use GPipeStrategy(deferred_batch_norm=True) for full-batch running statistics"
+            )
         self._launcher = GPipeLauncher(self, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:

@@ -59,6 +59,16 @@ class _RaiseInBackward(torch.autograd.Function):
         return grad, None
 
 
+class _NanInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
 class FailAt(nn.Module):
     """Wraps a layer; raises on its ``at``-th forward (or backward) call, counting from 1."""
 
@@ -74,6 +84,8 @@ class FailAt(nn.Module):
         if self.where == "backward":
             message = f"injected failure in backward call {self.at}" if self.calls == self.at else ""
             y = _RaiseInBackward.apply(y, message)
+        if self.where == "nan_backward" and self.calls == self.at:
+            y = _NanInBackward.apply(y)
         return y
 
 
@@ -93,9 +105,7 @@ def build_layers(kind: str) -> nn.Sequential:
         return nn.Sequential(Embed(8, 5), Mix(8, 5), Mix(8, 5), Head(8, 3))
     if kind == "lrl":  # over 3 stages: [Linear], [ReLU] (no parameters), [Linear]
         return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
-    if (
-        kind == "unet"
-    ):  # stage 0 hands "enc" to stage 2 over 3 stages (balance [2, 2, 2]); stage 1 never sees it
+    if kind == "unet":  # over 3 stages (balance [2, 2, 2]) stage 0 hands "enc" to stage 2, never to stage 1
         return nn.Sequential(
             Stash("enc", nn.Linear(6, 8)),
             nn.Tanh(),
@@ -104,6 +114,8 @@ def build_layers(kind: str) -> nn.Sequential:
             Pop("enc", Concat()),
             nn.Linear(16, 3),
         )
+    if kind == "ids":  # the first stage receives token ids only
+        return nn.Sequential(nn.Embedding(11, 8), nn.Tanh(), nn.Linear(8, 3))
     if kind == "cbr":  # Conv-BN-ReLU, one layer per stage over 3 stages
         return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
     if kind == "bn":
@@ -260,17 +272,11 @@ def make_data(
         if order is not None:
             return DataLoader([data[idx] for idx in order], batch_size=None, shuffle=False)
         return DataLoader(data, batch_size=batch, shuffle=False)
-    if (
-        kind == "unet"
-    ):  # stage 0 hands "enc" to stage 2 over 3 stages (balance [2, 2, 2]); stage 1 never sees it
-        return nn.Sequential(
-            Stash("enc", nn.Linear(6, 8)),
-            nn.Tanh(),
-            nn.Linear(8, 8),
-            nn.Tanh(),
-            Pop("enc", Concat()),
-            nn.Linear(16, 3),
+    if kind == "ids":
+        data = TensorDataset(
+            torch.randint(0, 11, (n, 5), generator=g), torch.randn(n, 5, 3, generator=g), *extra
         )
+        return DataLoader(data, batch_size=batch, shuffle=False)
     if kind == "cbr":
         data = TensorDataset(
             torch.randn(n, 3, 5, 5, generator=g), torch.randn(n, 4, 5, 5, generator=g), *extra

@@ -116,3 +116,8 @@ def test_calling_pipeline_twice_in_a_step_fails_fast(tmp_path):
     rc, out = run_script("tests/workers/train.py", str(tmp_path / "spec.json"), timeout=90)
     assert rc != 0
     assert "called twice in one step" in out
+
+
+def test_sync_batchnorm_is_refused_at_trainer_construction():
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True\) is not supported.*deferred_batch_norm=True"):
+        pl.Trainer(strategy=GPipeStrategy(), devices=2, sync_batchnorm=True, **trainer_kwargs(1))

@@ -28,3 +28,31 @@ def test_last_batch_smaller_than_chunks(gpipe_job):
     assert [s[0] for s in results[0]["shapes"]] == [10, 10, 3]
     assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference.losses)) <= 1e-5
     assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_integer_only_input_to_the_first_stage(gpipe_job):
+    """Token ids (long) are the whole input of stage 0: they are split and never get gradients."""
+    reference = train_single_device("ids", 0, steps=3, record_grads=True)
+    results, grads = gpipe_job("ids", 2, [{"chunks": 3, "checkpoint": "always"}], steps=3, record_grads=True)
+    assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.timeout(200)
+def test_detect_anomaly_names_the_stage(tmp_path):
+    """Trainer(detect_anomaly=True): a NaN made in stage 1's backward is reported with that stage."""
+    import json
+
+    spec = {
+        "kind": "mlp",
+        "devices": 3,
+        "runs": [{"chunks": 2, "checkpoint": "never"}],
+        "out": str(tmp_path),
+        "fail": {"layer": 2, "where": "nan_backward", "at": 1},
+        "trainer": {"detect_anomaly": True},
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    rc, out = run_script("tests/workers/train.py", str(tmp_path / "spec.json"), timeout=150)
+    assert rc != 0
+    first = next(line for line in out.splitlines() if "[lightning_gpipe]" in line)
+    assert first.startswith("[lightning_gpipe] stage 1 (rank 1) failed") and "nan" in first.lower(), first
