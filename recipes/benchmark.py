@@ -81,9 +81,14 @@ COLUMNS = [
     "step_s",
     "step_s_min",
     "samples_per_s",
+    "samples_per_s_best",
     "bubble",
     "bubble_ideal",
     "window_s",
+    "forward_s_stages",
+    "backward_s_stages",
+    "latency_s",
+    "bandwidth_bytes_per_s",
     "predicted_window_s",
     "predicted_bubble",
     "activation_bytes",
@@ -95,6 +100,9 @@ COLUMNS = [
     "vs_ideal",
     "vs_peer",
     "lightning_overhead",
+    "vs_ideal_best",
+    "vs_peer_best",
+    "lightning_overhead_best",
 ]
 
 # GPipe (arXiv 1811.06965) Table 2, Transformer, K=2: throughput normalized to K=2, M=1.
@@ -263,13 +271,59 @@ def _row(
         "step_s": _median(step),
         "step_s_min": min(step) if step else None,
         "samples_per_s": cfg.batch_size / _median(step) if step else None,
+        "samples_per_s_best": cfg.batch_size / min(step) if step else None,
         "bubble": _median(result.get("bubble")),
         "bubble_ideal": ideal_bubble(k, m) if run in ("ours", "bare", "peer") else None,
         "window_s": _median(result.get("window_s")),
+        **_span_columns(result.get("spans")),
         "activation_bytes": max(a for a in act if a is not None) if any(a is not None for a in act) else None,
         "activation_bytes_stages": "|".join(str(a) for a in act) if any(a is not None for a in act) else None,
         "rss_bytes": max(r["rss_bytes"] for r in stage_results),
     }
+
+
+def _span_columns(spans: dict[str, list[float]] | None) -> dict[str, str]:
+    """Per-stage median forward and backward seconds (backward without its recompute), ``|``-joined."""
+    if not spans or "forward" not in spans:
+        return {}
+    forward = spans["forward"]
+    backward = spans.get("backward", [0.0] * len(forward))
+    recompute = spans.get("recompute", [0.0] * len(forward))
+    return {
+        "forward_s_stages": "|".join(f"{f:.6g}" for f in forward),
+        "backward_s_stages": "|".join(f"{max(0.0, b - r):.6g}" for b, r in zip(backward, recompute)),
+    }
+
+
+def _floats(value: Any) -> list[float]:
+    return [float(v) for v in str(value).split("|")]
+
+
+def predict_window(row: dict[str, Any], sizes: list[float] | None = None) -> float | None:
+    """The cost model's step window for a benchmark row, from its measured per-stage span medians.
+
+    Args:
+        row: a row with ``forward_s_stages``, ``backward_s_stages``, ``stages``, ``chunks``,
+            ``checkpoint``, ``batch_size`` and optionally ``latency_s``/``bandwidth_bytes_per_s``.
+        sizes: bytes per micro-batch at each boundary (needed with a finite bandwidth).
+
+    Returns:
+        seconds from the first forward to the last backward, or ``None`` without span columns.
+    """
+    if not row.get("forward_s_stages") or not row.get("backward_s_stages"):
+        return None
+    bandwidth = float(row.get("bandwidth_bytes_per_s") or math.inf)
+    return simulate(
+        int(row["stages"]),
+        int(row["chunks"]),
+        _floats(row["forward_s_stages"]),
+        _floats(row["backward_s_stages"]),
+        checkpoint=str(row["checkpoint"]),
+        latency=float(row.get("latency_s") or 0.0),
+        bandwidth=bandwidth if sizes else math.inf,
+        boundary_bytes=sizes or 0.0,
+        batch_size=int(row["batch_size"]),
+    ).step_time
 
 
 def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
@@ -371,46 +425,61 @@ def _rows(
         for r in per_rank:  # the timeline summary, gathered on global rank 0
             result.update({key: r[key] for key in ("bubble", "window_s") if key in r})
         rows[run] = _row(cfg, run, result, by_stage, params, balance)
-    k, m = cfg.stages, len(microbatch_sizes(cfg.batch_size, cfg.chunks))
-    single = rows.get("single", {}).get("samples_per_s")
-    if profile is not None:
-        bare = next((r for r in results.get("bare", []) if "latency_s" in r), {})
-        latency = bare.get("latency_s", 0.0)
-        extra = bare.get("boundary_s", latency) - latency
-        boundary = profile["boundary_bytes_per_sample"]
-        size = [b * microbatch_sizes(cfg.batch_size, cfg.chunks)[0] for b in boundary]
-        bandwidth = size[-1] / extra if size and extra > 0 else math.inf
-        sim = simulate(
-            k,
-            cfg.chunks,
-            profile["forward"],
-            profile["backward"],
-            checkpoint=cfg.checkpoint,
-            latency=latency,
-            bandwidth=bandwidth,
-            boundary_bytes=size,
-            batch_size=cfg.batch_size,
-            activation_bytes=profile["activation"],
-            input_bytes=profile["input"],
-        )
-        for run in ("ours", "bare"):
-            if run in rows:
-                rows[run]["predicted_window_s"] = sim.step_time
-                rows[run]["predicted_bubble"] = sim.bubble
-                assert sim.peak_activation_bytes is not None
-                rows[run]["predicted_activation_bytes"] = max(sim.peak_activation_bytes)
-                rows[run]["predicted_activation_bytes_stages"] = "|".join(
-                    str(round(b)) for b in sim.peak_activation_bytes
-                )
-    for row in rows.values():
-        if row["run"] in ("ours", "bare", "peer") and single:
-            row["ideal_samples_per_s"] = k * m / (m + k - 1) * single
-            row["vs_ideal"] = row["samples_per_s"] / row["ideal_samples_per_s"]
-    if "ours" in rows and "peer" in rows:
-        rows["ours"]["vs_peer"] = rows["ours"]["samples_per_s"] / rows["peer"]["samples_per_s"]
-    if "ours" in rows and "bare" in rows:
-        rows["ours"]["lightning_overhead"] = rows["ours"]["step_s"] / rows["bare"]["step_s"] - 1
+    k = cfg.stages
+    bare = next((r for r in results.get("bare", []) if "latency_s" in r), {})
+    latency = bare.get("latency_s", 0.0)
+    extra = bare.get("boundary_s", latency) - latency
+    micro = microbatch_sizes(cfg.batch_size, cfg.chunks)[0]
+    sizes = [b * micro for b in profile["boundary_bytes_per_sample"]] if profile else None
+    bandwidth = sizes[-1] / extra if sizes and extra > 0 else math.inf
+    for run in ("ours", "bare"):
+        if run not in rows:
+            continue
+        row = rows[run]
+        if bare:
+            row["latency_s"], row["bandwidth_bytes_per_s"] = latency, bandwidth
+        row["predicted_window_s"] = predict_window(row, sizes)
+        if profile is not None:
+            sim = simulate(
+                k,
+                cfg.chunks,
+                profile["forward"],
+                profile["backward"],
+                checkpoint=cfg.checkpoint,
+                batch_size=cfg.batch_size,
+                activation_bytes=profile["activation"],
+                input_bytes=profile["input"],
+            )
+            assert sim.peak_activation_bytes is not None
+            row["predicted_bubble"] = sim.bubble
+            row["predicted_activation_bytes"] = max(sim.peak_activation_bytes)
+            row["predicted_activation_bytes_stages"] = "|".join(
+                str(round(b)) for b in sim.peak_activation_bytes
+            )
+    add_ratios(list(rows.values()))
     return [{c: row.get(c) for c in COLUMNS} for row in rows.values()]
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """Fill ``ideal_samples_per_s``, ``vs_ideal``, ``vs_peer`` and ``lightning_overhead`` (from median
+    steps) and their ``_best`` twins (from the shortest step) in rows of one configuration.
+
+    ideal = K·M/(M+K-1) × the single run's samples/s (same threads per process as a stage).
+    """
+    by_run = {r["run"]: r for r in rows}
+    single, ours, peer, bare = (by_run.get(n) for n in ("single", "ours", "peer", "bare"))
+    for suffix, key in (("", "samples_per_s"), ("_best", "samples_per_s_best")):
+        for row in rows:
+            if row["run"] in ("ours", "bare", "peer") and single and single.get(key):
+                k, m = int(row["stages"]), len(microbatch_sizes(int(row["batch_size"]), int(row["chunks"])))
+                ideal = k * m / (m + k - 1) * float(single[key])
+                if not suffix:
+                    row["ideal_samples_per_s"] = ideal
+                row["vs_ideal" + suffix] = float(row[key]) / ideal
+        if ours and peer:
+            ours["vs_peer" + suffix] = float(ours[key]) / float(peer[key])
+        if ours and bare:
+            ours["lightning_overhead" + suffix] = float(bare[key]) / float(ours[key]) - 1
 
 
 def _append_csv(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -430,17 +499,22 @@ def _fmt(value: Any, spec: str = ".3g", scale: float = 1.0) -> str:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table of benchmark rows: throughput, ratios, bubble, step window vs the cost model, memory."""
+    """Markdown table of benchmark rows: throughput and ratios from the median step (and from the
+    shortest step, in parentheses), bubble, step window against the cost model, memory."""
     head = (
-        "| run | K | M | checkpoint | samples/s | step ms | vs ideal | vs peer | Lightning overhead "
+        "| run | K | M | checkpoint | samples/s | vs ideal | vs peer | Lightning overhead "
         "| bubble (ideal) | window ms (model) | act. MiB (model) | RSS MiB |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 12]
+
+    def pair(key: str, spec: str) -> str:
+        best = r.get(key + "_best") if key != "samples_per_s" else r.get("samples_per_s_best")
+        return f"{_fmt(r.get(key), spec)} ({_fmt(best, spec)})" if r.get(key) not in (None, "") else "–"
+
     for r in rows:
         lines.append(
-            f"| {r['run']} | {r['stages']} | {r['chunks']} | {r['checkpoint']} | {_fmt(r['samples_per_s'], '.1f')} "
-            f"| {_fmt(r['step_s'], '.1f', 1e3)} | {_fmt(r['vs_ideal'], '.2f')} | {_fmt(r['vs_peer'], '.2f')} "
-            f"| {_fmt(r['lightning_overhead'], '+.1%')} "
+            f"| {r['run']} | {r['stages']} | {r['chunks']} | {r['checkpoint']} | {pair('samples_per_s', '.0f')} "
+            f"| {pair('vs_ideal', '.2f')} | {pair('vs_peer', '.2f')} | {pair('lightning_overhead', '+.1%')} "
             f"| {_fmt(r['bubble'], '.2f')} ({_fmt(r['bubble_ideal'], '.2f')}) "
             f"| {_fmt(r['window_s'], '.1f', 1e3)} ({_fmt(r['predicted_window_s'], '.1f', 1e3)}) "
             f"| {_fmt(r['activation_bytes'], '.1f', 2**-20)} ({_fmt(r['predicted_activation_bytes'], '.1f', 2**-20)}) "
@@ -587,20 +661,42 @@ def report(path: str | Path) -> str:
         if not k or 1 not in by_m:
             continue
         stages = int(k)
-        base = {run: float(r["samples_per_s"]) for run, r in by_m[1].items()}
         lines = [
-            f"\n{model}, K={stages}, checkpoint={checkpoint}: samples/s normalized to the same run at M=1",
+            f"\n{model}, K={stages}, checkpoint={checkpoint}: samples/s normalized to the same run at M=1 "
+            "(median step; shortest step in parentheses)",
             "| M | ideal K·M/(M+K-1) | ours | bare | peer | GPipe Table 2 (Transformer, K=2) |",
             "|---|---|---|---|---|---|",
         ]
         for m, runs in sorted(by_m.items()):
             cells = []
             for run in ("ours", "bare", "peer"):
-                r = runs.get(run)
-                cells.append(f"{float(r['samples_per_s']) / base[run]:.2f}" if r and run in base else "–")
+                r, base = runs.get(run), by_m[1].get(run)
+                if r and base:
+                    median = float(r["samples_per_s"]) / float(base["samples_per_s"])
+                    best = float(r["samples_per_s_best"]) / float(base["samples_per_s_best"])
+                    cells.append(f"{median:.2f} ({best:.2f})")
+                else:
+                    cells.append("–")
             gpipe = GPIPE_TABLE2_K2.get(m) if stages == 2 else None
             ideal = stages * m / (m + stages - 1)  # in units of the one-stage throughput, 1 at M=1
             lines.append(f"| {m} | {ideal:.2f} | " + " | ".join(cells) + f" | {gpipe if gpipe else '–'} |")
+        model_rows = [
+            (m, runs[run]) for m, runs in sorted(by_m.items()) for run in ("ours", "bare") if run in runs
+        ]
+        model_rows = [(m, r) for m, r in model_rows if r.get("predicted_window_s")]
+        if model_rows:
+            lines += [
+                "\nCost model (lightning_gpipe.simulate fed with the run's own per-stage span medians and the "
+                "measured P2P latency) against the measured step window (median)",
+                "| M | run | measured ms | predicted ms | error |",
+                "|---|---|---|---|---|",
+            ]
+            for m, r in model_rows:
+                measured, predicted = float(r["window_s"]), float(r["predicted_window_s"])
+                lines.append(
+                    f"| {m} | {r['run']} | {measured * 1e3:.1f} | {predicted * 1e3:.1f} "
+                    f"| {predicted / measured - 1:+.1%} |"
+                )
         parts.append("\n".join(lines))
     return "\n".join(parts)
 
