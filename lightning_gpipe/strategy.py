@@ -41,6 +41,7 @@ from typing_extensions import override
 from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, balance_by_time
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from lightning_gpipe.checkpoint import (
+    NAMES_KEY,
     SHARDED_KEY,
     group_names,
     is_sharded,
@@ -740,19 +741,19 @@ class GPipeStrategy(ParallelStrategy):
         optimizer = _unwrap(optimizer)
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
-        if not _distributed_is_initialized() or self.world_size == 1:
-            return optimizer.state_dict()
         names = group_names(optimizer, self._names_by_id(), missing=_PLACEHOLDER)
         layout = self.layout
         mine = (self.stage_index, tensors_to_cpu(optimizer.state_dict()), names)
-        parts: list[Any] = [None] * self.world_size
-        dist.gather_object(
-            mine if layout.replica_of(self.global_rank) == 0 else None,
-            parts if self.global_rank == 0 else None,
-            dst=0,
-        )
-        if self.global_rank != 0:
-            return {}
+        parts: list[Any] = [mine]
+        if _distributed_is_initialized() and self.world_size > 1:
+            parts = [None] * self.world_size
+            dist.gather_object(
+                mine if layout.replica_of(self.global_rank) == 0 else None,
+                parts if self.global_rank == 0 else None,
+                dst=0,
+            )
+            if self.global_rank != 0:
+                return {}
         stages = sorted((p for p in parts if p is not None), key=lambda p: p[0])
         return merge_optimizer_states(
             [(_drop_placeholder(sd, n), _drop_placeholder_names(n)) for _, sd, n in stages]
@@ -772,6 +773,14 @@ class GPipeStrategy(ParallelStrategy):
             return
         names_by_id = self._names_by_id()
         for optimizer, merged in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if (
+                NAMES_KEY not in merged
+                and len(merged.get("param_groups", ())) == 1
+                and self._original is not None
+            ):
+                # a plain one-device checkpoint: one group over every parameter, in model order
+                prefix = self._seq_name + "."
+                merged = {**merged, NAMES_KEY: [prefix + n for n, _ in self._original[2].named_parameters()]}
             names = group_names(optimizer, names_by_id, missing=_PLACEHOLDER)
             local = split_optimizer_state(merged, names, stateless=lambda name: _PLACEHOLDER in name)
             optimizer.load_state_dict(local)

@@ -265,3 +265,35 @@ def test_several_optimizers_fail_with_a_clear_error(tmp_path):
     rc, out = run_script("tests/workers/train.py", str(tmp_path / "spec.json"), timeout=100)
     assert rc != 0
     assert "multiple optimizers" in out or "supports a single optimizer" in out
+
+
+@pytest.mark.timeout(300)
+def test_gradient_clipping_by_value_matches_one_device(gpipe_job):
+    extra = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"}
+    reference = train_single_device("mlp", 0, steps=3, trainer_extra=extra)
+    results, _ = gpipe_job("mlp", 2, [{"chunks": 2}], steps=3, trainer=extra)
+    for record in results[0]["ranks"]:
+        for ours, ref in zip(record["clipped"], reference.clipped):
+            assert max_diff(ours, {k: ref[k] for k in ours}) <= 1e-6
+            assert all(g.abs().max() <= 0.05 + 1e-7 for g in ours.values())
+    assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_resume_at_epoch_boundary_equals_uninterrupted_run(gpipe_job, tmp_path):
+    """Save after epoch 1 (5 steps, 3 stages), resume for epoch 2: the same as 2 uninterrupted epochs on one device."""
+    results, _ = gpipe_job(
+        "mlp",
+        3,
+        [{"chunks": 2}],
+        steps=-1,
+        save="epoch1.ckpt",
+        trainer={"max_epochs": 1},
+        resume={"ckpt": str(tmp_path / "epoch1.ckpt"), "steps": -1, "trainer": {"max_epochs": 2}},
+    )
+    uninterrupted = train_single_device(
+        "mlp", 0, steps=-1, trainer_extra={"max_epochs": 2}, data={"samples": 50}
+    )
+    assert len(uninterrupted.losses) == 10 and len(results[0]["resumed_losses"]) == 5
+    assert max(abs(a - b) for a, b in zip(results[0]["resumed_losses"], uninterrupted.losses[5:])) <= 1e-5
+    assert max_diff(results[0]["state"], uninterrupted.state_dict()) <= 1e-5

@@ -38,6 +38,10 @@ def _check_runs(gpipe_job, reference, stages, runs):
         assert len(result["losses"]) == 5
         loss_diff = max(abs(a - b) for a, b in zip(result["losses"], reference.losses))
         assert loss_diff <= 1e-5, f"K={stages} M={m} checkpoint={c}: losses differ by {loss_diff}"
+        for record in result[
+            "ranks"
+        ]:  # what Lightning's logging saw on every rank: the last stage's true loss
+            assert record["callback_metrics"]["train_loss"] == pytest.approx(reference.losses[-1], abs=1e-5)
         param_diff = max_diff(result["state"], ref_state)
         assert param_diff <= 1e-5, f"K={stages} M={m} checkpoint={c}: parameters differ by {param_diff}"
 

@@ -11,7 +11,7 @@ net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
 save (checkpoint file to write after fit), save_at_train_end (written inside fit, while the
 model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
-the first fit), resume ({"ckpt": path, "steps": total steps}), predict (trainer.predict after fit).
+the first fit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit).
 """
 
 import json
@@ -40,14 +40,14 @@ indexed = net_kwargs.get("indexed", False)
 extra: dict = {}
 
 
-def trainer_for(run, max_steps, callbacks=()):
-    kwargs = {**trainer_kwargs(max_steps), **spec.get("trainer", {})}
+def trainer_for(run, max_steps, callbacks=(), overrides=None):
+    kwargs = {**trainer_kwargs(max_steps), **spec.get("trainer", {}), **(overrides or {})}
     strategy = lightning_gpipe.GPipeStrategy(**run)
     return pl.Trainer(strategy=strategy, devices=spec["devices"], callbacks=list(callbacks), **kwargs)
 
 
 def train_data():
-    return make_data(kind, batch, max(steps, 5), indexed=indexed, samples=spec.get("samples"))
+    return make_data(kind, batch, max(steps, 5), indexed=indexed, samples=spec.get("samples", batch * 5))
 
 
 class SaveAtTrainEnd(Callback):
@@ -101,9 +101,10 @@ for k, run in enumerate(spec["runs"]):
         record["predictions"] = trainer.predict(model, make_data(kind, batch, 2, seed=2, indexed=indexed))
     if spec.get("resume"):
         model = Net(kind, lr=spec.get("lr", 0.1), **net_kwargs)
-        trainer = trainer_for(run, spec["resume"]["steps"])
+        trainer = trainer_for(run, spec["resume"]["steps"], overrides=spec["resume"].get("trainer"))
         trainer.fit(model, train_data(), ckpt_path=spec["resume"]["ckpt"])
         record["resumed_losses"] = model.losses
+        record["resumed_global_step"] = trainer.global_step
     record.update(extra)
     rank = trainer.global_rank
     if rank == 0:
