@@ -1,0 +1,285 @@
+"""The main job: Hydra configs compose and build, ``recipes/train.py`` trains, sweeps stay per job.
+
+End-to-end runs go through the CLI in a subprocess (Lightning starts rank 1 by re-running the
+command) under a hard timeout, on tiny sizes.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
+
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.launcher import LAUNCH_ENV, GPipeLauncher, hydra_child_command
+from recipes.train import Throughput, build_data, build_strategy
+from tests._harness import ROOT, check, run_script
+
+CONF = ROOT / "conf"
+GROUPS = {
+    group: sorted(path.stem for path in (CONF / group).glob("*.yaml"))
+    for group in ("model", "data", "pipeline", "trainer", "experiment")
+}
+# model -> the data configs it can read its sizes from
+PAIRS = [("transformer", "text"), ("amoebanet", "digits"), ("amoebanet", "cifar10")]
+
+TINY = {
+    "transformer": ["model.num_layers=2", "model.d_model=32", "model.d_ff=64", "data.batch_size=16"],
+    "amoebanet": ["model.num_filters=16", "data.batch_size=16"],
+}
+FAST = [
+    "model.warmup_steps=2",
+    "trainer.max_steps=16",
+    "trainer.val_check_interval=8",
+    "trainer.limit_val_batches=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+    "trainer.enable_model_summary=false",
+    "throughput_warmup=2",
+]
+
+
+def _compose(*overrides: str, hydra: bool = False):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def _corpus(tmp_path: Path) -> str:
+    """A small text file; returns its path relative to the repository root (the jobs' start directory)."""
+    text = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(2000))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    return os.path.relpath(path, ROOT)
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def _train_losses(job_dir: Path) -> list[float]:
+    return [float(row["train_loss"]) for row in _rows(job_dir / "metrics.csv") if row.get("train_loss")]
+
+
+# -- configs ---------------------------------------------------------------------------------------
+
+
+def test_config_groups_hold_the_documented_options():
+    assert GROUPS["model"] == ["amoebanet", "transformer"]
+    assert GROUPS["data"] == ["cifar10", "digits", "text"]
+    assert GROUPS["trainer"] == ["cpu", "gpu"]
+    assert "default" in GROUPS["pipeline"]
+    cfg = _compose()
+    assert cfg.model._target_ == "recipes.modules.LanguageModel"
+    assert cfg.data._target_ == "recipes.data.ByteTextDataModule"
+    assert (cfg.pipeline.stages, cfg.trainer.accelerator) == (2, "cpu")
+
+
+@pytest.mark.parametrize("model, data", PAIRS)
+def test_model_and_data_configs_instantiate(model, data, tmp_path):
+    cfg = _compose(
+        f"model={model}", f"data={data}", f"data.root={tmp_path}" if data == "cifar10" else "seed=0"
+    )
+    datamodule = build_data(cfg.data)
+    net = instantiate(cfg.model, _convert_="all")
+    assert isinstance(datamodule, get_class(cfg.data._target_))
+    assert isinstance(net, get_class(cfg.model._target_))
+    if model == "amoebanet":
+        assert net.hparams["num_classes"] == datamodule.num_classes == 10
+        assert net.hparams["in_channels"] == cfg.data.channels
+    else:
+        assert net.hparams["vocab_size"] == datamodule.vocab_size
+        assert net.hparams["seq_len"] == datamodule.seq_len
+
+
+@pytest.mark.parametrize("pipeline", GROUPS["pipeline"])
+def test_pipeline_config_builds_the_strategy(pipeline):
+    cfg = _compose(f"pipeline={pipeline}", "pipeline.chunks=32", "pipeline.balance=[4,3]")
+    strategy = build_strategy(cfg.pipeline)
+    assert isinstance(strategy, GPipeStrategy)
+    assert (strategy.chunks, strategy.balance, strategy.checkpoint) == (32, [4, 3], cfg.pipeline.checkpoint)
+    assert strategy.pipeline_parallel_size == cfg.pipeline.stages
+
+
+@pytest.mark.parametrize("trainer", GROUPS["trainer"])
+def test_trainer_configs_instantiate(trainer):
+    cfg = _compose(f"trainer={trainer}")
+    assert get_class(cfg.trainer._target_).__name__ == "Trainer"
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device to build a GPU Trainer on")
+    built = instantiate(cfg.trainer, devices=1, logger=False, enable_checkpointing=False)
+    assert built.max_steps == cfg.trainer.max_steps
+
+
+@pytest.mark.parametrize("experiment", GROUPS["experiment"])
+def test_experiments_compose_and_build(experiment, tmp_path):
+    cfg = _compose(f"experiment={experiment}", f"data.root={tmp_path}" if "cifar" in experiment else "seed=0")
+    assert cfg.task_name == experiment
+    build_data(cfg.data)
+    build_strategy(cfg.pipeline)
+    with torch.device("meta"):  # paper-sized models: shapes only
+        net = instantiate(cfg.model, _convert_="all")
+    assert len(net.layers) >= cfg.pipeline.stages
+
+
+def _parameters(cfg) -> int:
+    with torch.device("meta"):
+        return sum(p.numel() for p in instantiate(cfg.model, _convert_="all").parameters())
+
+
+def test_transformer_l_matches_gpipe_table_1():
+    # GPipe (arXiv 1811.06965) Table 1: Transformer-L with L = 3 has 282.2 M and L = 13 785.8 M parameters
+    # (32k vocabulary, untied embedding and head; ours adds a 512 × 2048 position table, 1.05 M).
+    for layers, millions in ((3, 282.2), (13, 785.8)):
+        cfg = _compose("experiment=transformer_l_k2", f"model.num_layers={layers}")
+        assert _parameters(cfg) / 1e6 == pytest.approx(millions + 512 * 2048 / 1e6, abs=0.2)
+
+
+def test_amoebanet_experiment_matches_gpipe_table_1():
+    # GPipe Table 1, "Pipeline-2": AmoebaNet-D (18, 544) with 542 M parameters (1,000 classes).
+    cfg = _compose("experiment=amoebanet_k2", "data.num_classes=1000", "data.root=.")
+    assert (cfg.model.num_layers, cfg.model.num_filters) == (18, 544)
+    assert _parameters(cfg) / 1e6 == pytest.approx(542, abs=1)
+
+
+def test_data_paths_resolve_against_the_start_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = _compose("data.path=corpus.txt")
+    assert build_data(cfg.data).path == str(tmp_path / "corpus.txt")
+    cfg = _compose("model=amoebanet", "data=cifar10", "data.root=cifar")
+    assert build_data(cfg.data).root == str(tmp_path / "cifar")
+
+
+def test_descriptive_data_key_must_match_the_data_module():
+    cfg = _compose("model=amoebanet", "data=digits", "data.num_classes=100")
+    with pytest.raises(ValueError, match=r"data.num_classes does not match DigitsDataModule.num_classes"):
+        build_data(cfg.data)
+
+
+# -- launcher --------------------------------------------------------------------------------------
+
+
+def test_child_command_runs_this_job_only(tmp_path):
+    cfg = _compose("pipeline.chunks=4", "data.path=corpus.txt", hydra=True)
+    job_dir = tmp_path / "sweep dir" / "3"
+    cfg.hydra.runtime.output_dir = str(job_dir)
+    cfg.hydra.runtime.cwd = str(tmp_path)
+    cfg.hydra.job.chdir = True
+    cfg.hydra.overrides.hydra = ["hydra.mode=MULTIRUN", f"hydra.sweep.dir={tmp_path}", "hydra.verbose=true"]
+    HydraConfig.instance().set_config(cfg)
+    try:
+        command, cwd = hydra_child_command(local_rank=1)
+    finally:
+        HydraConfig.instance().cfg = None
+    assert cwd == str(tmp_path)
+    script, overrides = command[:-8], command[-8:]
+    assert len(script) <= 3  # python script.py, or python -m module: nothing of the parent's sweep
+    assert overrides == [
+        "pipeline.chunks=4",
+        "data.path=corpus.txt",
+        "hydra.verbose=true",
+        "hydra.mode=RUN",
+        f"hydra.run.dir='{job_dir}'",
+        "hydra.output_subdir=null",
+        f"hydra.job.name={cfg.hydra.job.name}_rank1",
+        "hydra.job.chdir=true",
+    ]
+
+
+@pytest.mark.parametrize("user_port", [None, "29123"])
+def test_release_restores_the_environment_and_frees_the_port(user_port, monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")  # set by the user: kept
+    for key in ("MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    if user_port:
+        monkeypatch.setenv("MASTER_PORT", user_port)
+    launcher = GPipeLauncher.__new__(GPipeLauncher)
+    launcher.procs = []
+    launcher._env_before = {key: os.environ.get(key) for key in LAUNCH_ENV}
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT="29123", NODE_RANK="0", LOCAL_RANK="0", WORLD_SIZE="2"
+    )
+    launcher.release()
+    assert os.environ["MASTER_ADDR"] == "10.0.0.1"
+    assert not {"NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"} & set(os.environ)
+    if user_port:  # the next job must not meet the last job's store on the old port
+        assert os.environ["MASTER_PORT"] != "29123"
+    else:
+        assert "MASTER_PORT" not in os.environ
+    launcher.release()  # a second call (or one in a child rank) does nothing
+
+
+def test_throughput_counts_samples_after_the_warmup():
+    meter = Throughput(warmup=1)
+    for n in (8, 4, 4):
+        meter.on_train_batch_start(None, None, (torch.zeros(n, 3), torch.zeros(n)), 0)
+        meter.on_train_batch_end(None, None, None, (torch.zeros(n, 3), torch.zeros(n)), 0)
+    assert (meter.samples, meter.all_samples) == (8, 16)
+    assert meter.samples_per_second > 0
+
+
+# -- end to end (2 processes per job) --------------------------------------------------------------
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("model", ["transformer", "amoebanet"])
+def test_train_two_stages_loss_falls(model, tmp_path):
+    data = [f"data.path={_corpus(tmp_path)}"] if model == "transformer" else ["data=digits"]
+    out = check(
+        run_script(
+            "recipes/train.py",
+            f"model={model}",
+            *data,
+            *TINY[model],
+            *FAST,
+            f"hydra.run.dir={tmp_path / 'run'}",
+            timeout=180,
+        )
+    )
+    assert "[train] 2 stages, 4 chunks:" in out, out[-3000:]
+    losses = _train_losses(tmp_path / "run")
+    assert len(losses) >= 10 and losses[-1] < losses[0], losses
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.timeout(240)
+def test_multirun_gives_each_job_its_own_processes_and_directory(tmp_path):
+    task = f"pytest_sweep_{uuid.uuid4().hex[:8]}"  # a stray directory would be outputs/<task>/...
+    sweep = tmp_path / "sweep"
+    out = check(
+        run_script(
+            "recipes/train.py",
+            "-m",
+            "pipeline.chunks=1,2",
+            f"data.path={_corpus(tmp_path)}",  # relative to the start directory, with chdir=true
+            "hydra.job.chdir=true",
+            f"task_name={task}",
+            f"hydra.sweep.dir={sweep}",
+            *TINY["transformer"],
+            *FAST,
+            timeout=220,
+        )
+    )
+    assert out.count("[train] 2 stages,") == 2, out[-3000:]
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
+    for job, chunks in (("0", 1), ("1", 2)):
+        job_dir = sweep / job
+        config = yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text())
+        hparams = yaml.safe_load((job_dir / "hparams.yaml").read_text())
+        assert config["pipeline"]["chunks"] == hparams["chunks"] == chunks
+        assert len(_train_losses(job_dir)) >= 10
+        subdirs = {p.name for p in job_dir.iterdir() if p.is_dir()}
+        assert {".hydra", "checkpoints"} <= subdirs <= {".hydra", "checkpoints", "tensorboard"}
+    assert not any((ROOT / top / task).exists() for top in ("outputs", "multirun"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "sweep"]
+    assert OmegaConf.load(sweep / "multirun.yaml").hydra.mode == "MULTIRUN"
