@@ -340,17 +340,9 @@ class GPipeStrategy(ParallelStrategy):
         error: str | None = None
         if self.global_rank == 0:
             try:
-                sample = self._sample_micro_batch(model, seq)
-                if how == "time":
-                    chosen = balance_by_time(seq, sample, stages, device=self.root_device)
-                else:
-                    chosen = balance_by_memory(
-                        seq,
-                        sample,
-                        stages,
-                        optimizer_factor=self.optimizer_state_factor,
-                        device=self.root_device,
-                    )
+                devices = [self.root_device] if self.root_device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):  # profiling leaves the RNG streams as they were
+                    chosen = self._profile_balance(model, seq, how, stages)
             except Exception as err:  # every rank must hear of it, or the others would wait forever
                 error = f"{type(err).__name__}: {err}"
                 raise
@@ -362,6 +354,15 @@ class GPipeStrategy(ParallelStrategy):
                 raise RuntimeError(f"balance={how!r}: profiling on rank 0 failed: {error}")
         assert chosen is not None
         return chosen
+
+    def _profile_balance(
+        self, model: pl.LightningModule, seq: nn.Sequential, how: str, stages: int
+    ) -> list[int]:
+        sample = self._sample_micro_batch(model, seq)
+        if how == "time":
+            return balance_by_time(seq, sample, stages, device=self.root_device)
+        factor = self.optimizer_state_factor
+        return balance_by_memory(seq, sample, stages, optimizer_factor=factor, device=self.root_device)
 
     def _sample_micro_batch(self, model: pl.LightningModule, seq: nn.Sequential) -> Any:
         """One micro-batch of what the pipelined Sequential receives: from ``example_input_array``,

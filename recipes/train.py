@@ -33,7 +33,8 @@ from hydra.utils import get_class, instantiate, to_absolute_path  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from pytorch_lightning.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger  # noqa: E402
-from torch import Tensor  # noqa: E402
+from torch import Tensor, nn  # noqa: E402
+from torch.nn.modules.batchnorm import _BatchNorm  # noqa: E402
 
 from lightning_gpipe import GPipeStrategy  # noqa: E402
 from lightning_gpipe.launcher import GPipeLauncher  # noqa: E402
@@ -148,23 +149,31 @@ def build_data(cfg: DictConfig) -> pl.LightningDataModule:
     return instantiate(node)
 
 
-def build_strategy(cfg: DictConfig) -> GPipeStrategy:
+def build_strategy(cfg: DictConfig, model: nn.Module | None = None) -> GPipeStrategy:
     """A :class:`~lightning_gpipe.GPipeStrategy` from a pipeline config (``cfg.pipeline``).
 
     Args:
-        cfg (DictConfig): ``stages``, ``chunks``, ``balance``, ``checkpoint`` and optionally
-            ``timeline``.
+        cfg (DictConfig): ``stages``, ``chunks``, ``balance`` (a list, or ``uniform`` /
+            ``parameters`` / ``time`` / ``memory``), ``checkpoint`` and optionally ``timeline``
+            and ``deferred_batch_norm`` (``null``: on when ``model`` has BatchNorm layers).
+        model (nn.Module | None): the LightningModule, to decide ``deferred_batch_norm``.
 
     Returns:
         GPipeStrategy: with ``pipeline_parallel_size = stages``.
     """
-    balance = OmegaConf.to_container(cfg.balance) if cfg.balance is not None else None
+    balance = cfg.balance
+    if balance is not None and not isinstance(balance, str):
+        balance = OmegaConf.to_container(balance)
+    deferred = cfg.get("deferred_batch_norm")
+    if deferred is None:  # on when the model normalises with BatchNorm (AmoebaNet), as GPipe does
+        deferred = model is not None and any(isinstance(m, _BatchNorm) for m in model.modules())
     return GPipeStrategy(
         chunks=int(cfg.chunks),
         balance=balance,  # type: ignore[arg-type]
         checkpoint=str(cfg.checkpoint),
         pipeline_parallel_size=int(cfg.stages),
         timeline=bool(cfg.get("timeline", False)),
+        deferred_batch_norm=bool(deferred),
     )
 
 
@@ -217,7 +226,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     output_dir = Path(cfg.paths.output_dir)
     datamodule = build_data(cfg.data)
     model: pl.LightningModule = instantiate(cfg.model, _convert_="all")
-    strategy = build_strategy(cfg.pipeline)
+    strategy = build_strategy(cfg.pipeline, model)
     stages, replicas = int(cfg.pipeline.stages), int(cfg.pipeline.get("replicas", 1))
     throughput = Throughput(warmup=int(cfg.get("throughput_warmup", 5)))
     checkpoint = ModelCheckpoint(
