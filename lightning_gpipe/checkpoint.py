@@ -226,3 +226,34 @@ def set_sharded_optimizer_states(
 
     for opt, state in zip(optimizers, states):
         set_optimizer_state_dict(module, opt, state, options=_FLAT)
+
+
+# -- stages without parameters --------------------------------------------------------------------
+
+PLACEHOLDER = "_gpipe_placeholder"
+
+
+def add_placeholder_parameter(stage: nn.Module, device: torch.device) -> None:
+    """A stage without parameters (e.g. only ReLU) gets an empty one, so optimizers can be built.
+
+    It never reaches a ``state_dict``, a checkpoint or a merged optimizer state.
+    """
+    stage.register_parameter(PLACEHOLDER, nn.Parameter(torch.zeros(0, device=device)))
+
+    def drop(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        state.pop(prefix + PLACEHOLDER, None)
+
+    stage._register_state_dict_hook(drop)
+
+
+def drop_placeholder_names(names: list[list[str]]) -> list[list[str]]:
+    return [[n for n in group if PLACEHOLDER not in n] for group in names]
+
+
+def drop_placeholder(state: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
+    """Remove the placeholder parameter from a stage's optimizer ``state_dict``."""
+    groups = []
+    for group, group_names_ in zip(state["param_groups"], names):
+        keep = [i for i, n in zip(group["params"], group_names_) if PLACEHOLDER not in n]
+        groups.append({**group, "params": keep})
+    return {"state": state["state"], "param_groups": groups}

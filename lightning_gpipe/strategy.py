@@ -9,7 +9,6 @@ stage's own optimizer on its own parameters.
 from __future__ import annotations
 
 import logging
-import sys
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +26,6 @@ from lightning_fabric.utilities.distributed import (
 from lightning_fabric.utilities.seed import reset_seed
 from lightning_fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
@@ -42,7 +40,11 @@ from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, ba
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from lightning_gpipe.checkpoint import (
     NAMES_KEY,
+    PLACEHOLDER,
     SHARDED_KEY,
+    add_placeholder_parameter,
+    drop_placeholder,
+    drop_placeholder_names,
     group_names,
     is_sharded,
     load_sharded,
@@ -53,8 +55,16 @@ from lightning_gpipe.checkpoint import (
     tensors_to_cpu,
 )
 from lightning_gpipe.comm import P2P, Groups, Layout, new_groups
+from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
 from lightning_gpipe.launcher import GPipeLauncher
+from lightning_gpipe.metrics import (
+    ShareLastStageMetrics,
+    restore_logging,
+    share_last_stage_metrics,
+    silence_logging,
+    sync_metrics_over,
+)
 from lightning_gpipe.microbatch import as_tensors, split
 from lightning_gpipe.partition import (
     PartitionError,
@@ -480,12 +490,12 @@ class GPipeStrategy(ParallelStrategy):
         assert self.model is not None and self._stage is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        _sync_metrics_over(self.lightning_module, self._groups.last_stage_data)
+        sync_metrics_over(self.lightning_module, self._groups.last_stage_data)
         if not self.is_last_stage:
-            _silence_logging(self.lightning_module)
+            silence_logging(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
             if not any(True for _ in self._stage.parameters()):
-                _add_placeholder_parameter(self._stage, self.root_device)
+                add_placeholder_parameter(self._stage, self.root_device)
             self.setup_optimizers(trainer)
             if len(self.optimizers) > 1:
                 raise ValueError(
@@ -501,7 +511,7 @@ class GPipeStrategy(ParallelStrategy):
             from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._metric_sharing = _PipelineCallback(self)
+        self._metric_sharing = ShareLastStageMetrics(self.share_last_stage_metrics)
         trainer.callbacks.insert(0, self._metric_sharing)  # type: ignore[attr-defined]
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -629,12 +639,7 @@ class GPipeStrategy(ParallelStrategy):
         if layout.stages == 1 or self._groups is None or not _distributed_is_initialized():
             return
         src = layout.rank(layout.replica_of(self.global_rank), layout.stages - 1)
-        box = [tensors_to_cpu(dict(trainer.callback_metrics)) if self.global_rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self._groups.pipeline)
-        if self.global_rank != src:
-            metrics = trainer.callback_metrics
-            metrics.clear()
-            metrics.update({k: v.to(self.root_device) for k, v in (box[0] or {}).items()})
+        share_last_stage_metrics(trainer, src, self._groups.pipeline, self.root_device)
 
     @override
     def reduce(
@@ -742,7 +747,7 @@ class GPipeStrategy(ParallelStrategy):
         optimizer = _unwrap(optimizer)
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
-        names = group_names(optimizer, self._names_by_id(), missing=_PLACEHOLDER)
+        names = group_names(optimizer, self._names_by_id(), missing=PLACEHOLDER)
         layout = self.layout
         mine = (self.stage_index, tensors_to_cpu(optimizer.state_dict()), names)
         parts: list[Any] = [mine]
@@ -757,7 +762,7 @@ class GPipeStrategy(ParallelStrategy):
                 return {}
         stages = sorted((p for p in parts if p is not None), key=lambda p: p[0])
         return merge_optimizer_states(
-            [(_drop_placeholder(sd, n), _drop_placeholder_names(n)) for _, sd, n in stages]
+            [(drop_placeholder(sd, n), drop_placeholder_names(n)) for _, sd, n in stages]
         )
 
     @override
@@ -782,8 +787,8 @@ class GPipeStrategy(ParallelStrategy):
                 # a plain one-device checkpoint: one group over every parameter, in model order
                 prefix = self._seq_name + "."
                 merged = {**merged, NAMES_KEY: [prefix + n for n, _ in self._original[2].named_parameters()]}
-            names = group_names(optimizer, names_by_id, missing=_PLACEHOLDER)
-            local = split_optimizer_state(merged, names, stateless=lambda name: _PLACEHOLDER in name)
+            names = group_names(optimizer, names_by_id, missing=PLACEHOLDER)
+            local = split_optimizer_state(merged, names, stateless=lambda name: PLACEHOLDER in name)
             optimizer.load_state_dict(local)
             _optimizer_to_device(optimizer, self.root_device)
 
@@ -813,30 +818,10 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Make a failure on one rank end every rank promptly, with the original error shown first.
-
-        The rank that fails first prints its error, tagged with its stage, before anything else
-        happens; then it aborts its process group, which breaks the connections its peers wait on,
-        so they fail within moments (and so on down the pipeline) instead of waiting for the
-        ``torch.distributed`` timeout. A peer that fails only because a connection broke says so.
-        """
+        """End every rank promptly, the original error first (:mod:`lightning_gpipe.failure`)."""
         self._failed = True
-        if not _distributed_is_initialized():
-            return
-        where = f"stage {self.stage_index} (rank {self.global_rank})"
-        if _is_peer_loss(exception):
-            _prefix_message(
-                exception,
-                f"[lightning_gpipe] {where} stopped because another rank of the job failed; that rank's "
-                "error is printed above, tagged [lightning_gpipe]. Connection error: ",
-            )
-        else:
-            print(
-                f"[lightning_gpipe] {where} failed: {type(exception).__name__}: {exception}",
-                file=sys.stderr,
-                flush=True,
-            )
-        _abort_process_group()
+        if _distributed_is_initialized():
+            report_and_abort(exception, f"stage {self.stage_index} (rank {self.global_rank})")
 
     @override
     def teardown(self) -> None:
@@ -846,9 +831,7 @@ class GPipeStrategy(ParallelStrategy):
             callbacks = module.trainer.callbacks  # type: ignore[attr-defined]
             if sharing in callbacks:
                 callbacks.remove(sharing)
-        if module is not None:
-            module.__dict__.pop("log", None)  # undo _silence_logging
-            module.__dict__.pop("log_dict", None)
+        restore_logging(module)
         self._unpartition()
         super().teardown()
 
@@ -859,94 +842,6 @@ class GPipeStrategy(ParallelStrategy):
             strategy_registry.register(
                 "gpipe", cls, description="GPipe pipeline parallelism (lightning_gpipe)"
             )
-
-
-_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
-
-
-def _is_peer_loss(exception: BaseException) -> bool:
-    """Whether ``exception`` is a transport error caused by another rank going away."""
-    return isinstance(exception, RuntimeError) and any(p in str(exception) for p in _PEER_LOSS)
-
-
-def _prefix_message(exception: BaseException, prefix: str) -> None:
-    if exception.args and isinstance(exception.args[0], str):
-        exception.args = (prefix + exception.args[0], *exception.args[1:])
-
-
-def _abort_process_group() -> None:
-    """Tear down this rank's communication so that peers blocked on it fail now, not at the timeout."""
-    try:
-        dist.destroy_process_group()
-    except Exception as err:  # noqa: BLE001 - best effort while already failing
-        log.debug(f"gpipe: could not destroy the process group after a failure: {err}")
-
-
-class _PipelineCallback(Callback):
-    """Runs first among callbacks: gives every stage the last stage's ``callback_metrics``.
-
-    So ``ModelCheckpoint(monitor=...)``, ``EarlyStopping`` and LR schedulers that monitor a metric
-    decide the same on every rank, from the true values.
-    """
-
-    def __init__(self, strategy: GPipeStrategy) -> None:
-        self.strategy = strategy
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        if any(getattr(cb, "_every_n_train_steps", 0) for cb in trainer.checkpoint_callbacks):
-            self.strategy.share_last_stage_metrics(trainer)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.strategy.share_last_stage_metrics(trainer)
-
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self.strategy.share_last_stage_metrics(trainer)
-
-
-def _sync_metrics_over(module: nn.Module | None, group: Any) -> None:
-    """torchmetrics metrics live on the last stage: sync them over its data-parallel replicas only."""
-    from torchmetrics import Metric
-
-    for m in module.modules() if module is not None else ():
-        if isinstance(m, Metric):
-            m.process_group = group
-
-
-def _silence_logging(module: pl.LightningModule | None) -> None:
-    """Non-last stages compute no loss or metric: their ``self.log`` calls (in epoch hooks) are dropped."""
-    if module is not None:
-        module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
-        module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
-
-
-_PLACEHOLDER = "_gpipe_placeholder"
-
-
-def _add_placeholder_parameter(stage: PipelineStage, device: torch.device) -> None:
-    """A stage without parameters (e.g. only ReLU) gets an empty one, so optimizers can be built.
-
-    It never reaches a ``state_dict`` or a checkpoint.
-    """
-    stage.register_parameter(_PLACEHOLDER, nn.Parameter(torch.zeros(0, device=device)))
-
-    def drop(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        state.pop(prefix + _PLACEHOLDER, None)
-
-    stage._register_state_dict_hook(drop)
-
-
-def _drop_placeholder_names(names: list[list[str]]) -> list[list[str]]:
-    return [[n for n in group if _PLACEHOLDER not in n] for group in names]
-
-
-def _drop_placeholder(state: dict[str, Any], names: list[list[str]]) -> dict[str, Any]:
-    """Remove the placeholder parameter from a stage's optimizer ``state_dict``."""
-    groups = []
-    for group, group_names_ in zip(state["param_groups"], names):
-        keep = [i for i, n in zip(group["params"], group_names_) if _PLACEHOLDER not in n]
-        groups.append({**group, "params": keep})
-    return {"state": state["state"], "param_groups": groups}
 
 
 class _Captured(BaseException):  # noqa: N818 - control flow, not an error

@@ -1,0 +1,77 @@
+"""The last stage's losses and metrics, seen by every rank.
+
+Only the last stage of a pipeline computes the user's loss, metrics and ``self.log`` calls.
+Lightning's callbacks run on every rank, though, and ``ModelCheckpoint(monitor=...)``,
+``EarlyStopping`` and metric-monitoring LR schedulers must decide the same everywhere. Here the
+last stage's ``trainer.callback_metrics`` are broadcast over each pipeline before those
+callbacks run; torchmetrics metrics sync over the last stage's data-parallel replicas only;
+logging calls on the other stages (in epoch-end hooks) are dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning.callbacks import Callback
+from torch import nn
+
+from lightning_gpipe.checkpoint import tensors_to_cpu
+
+
+def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: torch.device) -> None:
+    """Broadcast ``trainer.callback_metrics`` from global rank ``src`` (a last stage) over ``group`` (its pipeline)."""
+    rank = dist.get_rank()
+    box = [tensors_to_cpu(dict(trainer.callback_metrics)) if rank == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if rank != src:
+        metrics = trainer.callback_metrics
+        metrics.clear()
+        metrics.update({k: v.to(device) for k, v in (box[0] or {}).items()})
+
+
+class ShareLastStageMetrics(Callback):
+    """Runs first among callbacks and calls ``share()`` where Lightning's callbacks read metrics.
+
+    Args:
+        share: shares the last stage's ``callback_metrics`` with the rest of the pipeline.
+    """
+
+    def __init__(self, share: Any) -> None:
+        self.share = share
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
+        if any(getattr(cb, "_every_n_train_steps", 0) for cb in trainer.checkpoint_callbacks):
+            self.share(trainer)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.share(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.share(trainer)
+
+
+def sync_metrics_over(module: nn.Module | None, group: Any) -> None:
+    """torchmetrics metrics live on the last stage: sync them over its data-parallel replicas only."""
+    from torchmetrics import Metric
+
+    for m in module.modules() if module is not None else ():
+        if isinstance(m, Metric):
+            m.process_group = group
+
+
+def silence_logging(module: pl.LightningModule | None) -> None:
+    """Non-last stages compute no loss or metric: their ``self.log`` calls (in epoch hooks) are dropped."""
+    if module is not None:
+        module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+
+def restore_logging(module: pl.LightningModule | None) -> None:
+    """Undo :func:`silence_logging`."""
+    if module is not None:
+        module.__dict__.pop("log", None)
+        module.__dict__.pop("log_dict", None)
