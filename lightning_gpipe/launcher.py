@@ -73,7 +73,15 @@ class GPipeLauncher(_SubprocessScriptLauncher):
         model = args[0] if args else None
         if isinstance(model, pl.LightningModule):
             self.strategy.check_model(model)
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        except BaseException:
+            # This process failed: ranks it started may be waiting for it (even in the rendezvous,
+            # before any connection exists to break), so they end now, not at the timeout.
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.kill()
+            raise
 
     @override
     def _call_children_scripts(self) -> None:

@@ -63,3 +63,15 @@ def test_wrong_shape_between_stages_is_named(tmp_path):
         in first
     )
     assert "its first layer (Linear) expects (*, 16)" in first
+
+
+@pytest.mark.timeout(120)
+def test_launcher_failure_before_rendezvous_ends_the_started_ranks():
+    """Rank 0 fails after starting ranks 1 and 2 but before the process group exists (no connection
+    to break yet): the ranks it started are ended at once, not left waiting in the rendezvous."""
+    start = time.monotonic()
+    rc, out = run_script(
+        "tests/workers/rank0_fails_early.py", timeout=90
+    )  # waits for the whole process group
+    assert rc != 0 and "rank 0 cannot read its data" in out
+    assert time.monotonic() - start < BOUND_S
