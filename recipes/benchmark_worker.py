@@ -147,6 +147,41 @@ def _timeline_summary(records: list[dict[str, Any]] | None, spec: dict[str, Any]
         "window_s": [s.window for s in stats],
         "busy_s": [list(s.busy) for s in stats],
         "spans": _span_medians(records, lo, hi),
+        "latency_eff_s": _effective_latency(records, lo, hi),
+    }
+
+
+def _effective_latency(records: list[dict[str, Any]], lo: int, hi: int) -> float | None:
+    """Median seconds a message takes once both sides are ready, in the run itself.
+
+    For each activation (stage j → j+1, forward phase) and gradient (j+1 → j, backward phase):
+    ``recv end - max(send start, recv start)``. On a busy machine this is far above an idle
+    ping-pong's latency, because the sender's transport thread needs a CPU while it computes.
+    """
+    by_stage = {r["stage"]: r for r in records if r["replica"] == 0}
+    delays = []
+    for j in range(len(by_stage) - 1):
+        for index in range(lo, hi):
+            a, b = by_stage[j]["events"].get(index), by_stage[j + 1]["events"].get(index)
+            if a is None or b is None:
+                continue
+            for sender, receiver, phase in ((a, b, "forward"), (b, a, "backward")):
+                sends = _phase_spans(sender, "send", phase)
+                recvs = _phase_spans(receiver, "recv", phase)
+                for i, (s0, _) in sends.items():
+                    if i in recvs:
+                        r0, r1 = recvs[i]
+                        delays.append(r1 - max(s0, r0))
+    return sorted(delays)[len(delays) // 2] if delays else None
+
+
+def _phase_spans(events: list[tuple[str, int, float, float]], kind: str, phase: str) -> dict[int, tuple]:
+    """``kind`` spans by micro-batch, before (forward) or after (backward) the stage's first backward."""
+    first_backward = min((a for k, _, a, _ in events if k == "backward"), default=float("inf"))
+    return {
+        i: (a, b)
+        for k, i, a, b in events
+        if k == kind and ((a < first_backward) if phase == "forward" else (a >= first_backward))
     }
 
 
