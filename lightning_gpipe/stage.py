@@ -132,8 +132,10 @@ class PipelineStage(nn.Sequential):
         chunks: int,
         checkpoint: str,
         p2p: P2P,
+        num_layers: int | None = None,
     ) -> None:
         super().__init__(OrderedDict(layers))
+        self.num_layers = num_layers if num_layers is not None else len(layers)  # of the whole Sequential
         self.topology = topology
         self.chunks = chunks
         self.checkpoint_mode = checkpoint
@@ -147,6 +149,26 @@ class PipelineStage(nn.Sequential):
         self._skips_in = [r for r in topology.skips if r.target == me and r.source != me]
         self._skips_out = [r for r in topology.skips if r.source == me and r.target != me]
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
+
+    def __getitem__(self, idx: Any) -> Any:
+        """``layers[k]`` with ``k`` the layer's index in the user's whole Sequential.
+
+        Raises:
+            PipelineUsageError: layer ``k`` lives on another stage, or ``idx`` is a slice.
+        """
+        if isinstance(idx, slice):
+            raise PipelineUsageError(
+                "slicing the pipelined nn.Sequential is not supported under the gpipe strategy: each process "
+                f"holds only its stage's layers ({', '.join(self._modules)})"
+            )
+        index = int(idx) + self.num_layers if int(idx) < 0 else int(idx)
+        if str(index) in self._modules:
+            return self._modules[str(index)]
+        raise PipelineUsageError(
+            f"layer {idx} of the pipelined nn.Sequential lives on another stage: this process runs stage "
+            f"{self.topology.stage}, which holds layers {', '.join(self._modules)}; access a layer only "
+            "where it lives, or outside fit (the Sequential is whole again afterwards)"
+        )
 
     def _span(self, kind: str, i: int) -> Any:
         """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on the timeline."""

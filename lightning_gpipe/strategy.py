@@ -391,6 +391,7 @@ class GPipeStrategy(ParallelStrategy):
                 raise _Captured
 
             handle = seq.register_forward_pre_hook(capture)
+            silence_logging(model)  # outside the loop, Lightning refuses self.log
             try:
                 with torch.no_grad():
                     model.training_step(batch, 0)
@@ -398,6 +399,7 @@ class GPipeStrategy(ParallelStrategy):
                 pass
             finally:
                 handle.remove()
+                restore_logging(model)
             if not captured:
                 raise ValueError(
                     f"balance={self.balance!r} needs a sample input: training_step did not call the pipelined "
@@ -425,7 +427,7 @@ class GPipeStrategy(ParallelStrategy):
             skips=tuple(skip_routes(seq, [j for j, n in enumerate(balance) for _ in range(n)])),
         )
         pipe = PipelineStage(
-            cut(seq, balance, stage), topology, self.chunks, self.checkpoint, P2P(self.root_device)
+            cut(seq, balance, stage), topology, self.chunks, self.checkpoint, P2P(self.root_device), len(seq)
         )
         if self.deferred_batch_norm:
             self._plain_batch_norms = [

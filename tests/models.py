@@ -153,11 +153,12 @@ class Net(pl.LightningModule):
         freeze_first: bool = False,
         scheduler: bool = False,
         two_optimizers: bool = False,
+        log_first: bool = False,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
         self.indexed, self.sync_dist, self.ref_clip_norm_type = indexed, sync_dist, ref_clip_norm_type
-        self.scheduler, self.two_optimizers = scheduler, two_optimizers
+        self.scheduler, self.two_optimizers, self.log_first = scheduler, two_optimizers, log_first
         self.lrs: list[float] = []
         self.layers = build_layers(kind)
         if wrong_shape:  # stage 1 of 3 hands stage 2 (N, 17) where Linear(16, 3) expects (N, 16)
@@ -186,6 +187,8 @@ class Net(pl.LightningModule):
             *batch, idx = batch
             self.indices.append(idx.tolist())
         *inputs, y = batch
+        if self.log_first:  # logging before the pipelined call
+            self.log("batch_size", float(len(y)))
         out = self(inputs[0] if len(inputs) == 1 else tuple(inputs))
         if self.call_twice:
             out = out + self(inputs[0])

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import nn
 
 from tests.conftest import max_diff
 from tests.models import train_single_device
@@ -11,7 +12,8 @@ from tests.models import train_single_device
 def test_balancers_choose_one_balance_for_all_ranks_and_train_like_one_device(gpipe_job, tmp_path):
     reference = train_single_device("mlp", 0, steps=3)
     runs = [{"chunks": 2, "balance": how} for how in ("parameters", "time", "memory")]
-    results, _ = gpipe_job("mlp", 3, runs, steps=3, save="balanced.ckpt")
+    # training_step logs before calling the Sequential: the sample capture must tolerate it
+    results, _ = gpipe_job("mlp", 3, runs, steps=3, save="balanced.ckpt", net={"log_first": True})
     for result in results:
         assert max_diff(result["state"], reference.state_dict()) <= 1e-5
     saved = torch.load(tmp_path / "balanced.ckpt", weights_only=False)["gpipe"]
@@ -20,11 +22,26 @@ def test_balancers_choose_one_balance_for_all_ranks_and_train_like_one_device(gp
 
 
 def test_parameters_balance_isolates_the_big_layer():
-    from torch import nn
-
     from lightning_gpipe.balance import balance_by_parameters
 
     seq = nn.Sequential(
         nn.Linear(4, 4), nn.Linear(4, 400), nn.Linear(400, 400), nn.Linear(400, 4), nn.Linear(4, 4)
     )
     assert balance_by_parameters(seq, 3) == [2, 1, 2]
+
+
+def test_indexing_a_stage_uses_the_whole_sequentials_indices():
+    from lightning_gpipe.comm import P2P
+    from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageTopology
+
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 3), nn.ReLU())
+    stage = PipelineStage(
+        list(seq.named_children())[2:], StageTopology(1, 2, 0, None), 1, "never", P2P(torch.device("cpu")), 4
+    )
+    assert stage[2] is seq[2] and stage[-1] is seq[3]
+    with pytest.raises(
+        PipelineUsageError, match="layer 0 of the pipelined nn.Sequential lives on another stage"
+    ):
+        stage[0]
+    with pytest.raises(PipelineUsageError, match="slicing"):
+        stage[1:]
