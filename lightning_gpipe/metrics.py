@@ -54,13 +54,22 @@ class ShareLastStageMetrics(Callback):
             self.share(trainer)
 
 
-def sync_metrics_over(module: nn.Module | None, group: Any) -> None:
-    """torchmetrics metrics live on the last stage: sync them over its data-parallel replicas only."""
+def sync_metrics_over(module: nn.Module | None, group: Any, member: bool) -> None:
+    """torchmetrics metrics live on the last stage: sync them over its data-parallel replicas only.
+
+    Args:
+        group: the last stage's data-parallel group.
+        member: whether this rank is in ``group``; the other stages' metrics never sync (they
+            have no data to sync, and a collective they are not part of would only warn).
+    """
     from torchmetrics import Metric
 
     for m in module.modules() if module is not None else ():
         if isinstance(m, Metric):
-            m.process_group = group
+            m.process_group = group if member else None
+            if not member:
+                m.sync_on_compute = False
+                m.dist_sync_on_step = False
 
 
 def silence_logging(module: pl.LightningModule | None) -> None:

@@ -332,6 +332,12 @@ class GPipeStrategy(ParallelStrategy):
         """
         name, seq = find_sequential(model, self.module_name)
         stages = self.layout.stages
+        if stages > 1 and not model.automatic_optimization:
+            raise ValueError(
+                f"{type(model).__name__} uses manual optimization (automatic_optimization = False), which the gpipe "
+                "strategy does not support: on every stage but the last, training_step ends at the pipelined call, "
+                "before the user's backward and optimizer step; use automatic optimization"
+            )
         if isinstance(self.balance, list):
             check_stages(len(seq), len(self.balance))
             balance = check_balance(self.balance, len(seq), stages)
@@ -492,7 +498,7 @@ class GPipeStrategy(ParallelStrategy):
         assert self.model is not None and self._stage is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        sync_metrics_over(self.lightning_module, self._groups.last_stage_data)
+        sync_metrics_over(self.lightning_module, self._groups.last_stage_data, member=self.is_last_stage)
         if not self.is_last_stage:
             silence_logging(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:

@@ -121,3 +121,16 @@ def test_calling_pipeline_twice_in_a_step_fails_fast(tmp_path):
 def test_sync_batchnorm_is_refused_at_trainer_construction():
     with pytest.raises(ValueError, match=r"sync_batchnorm=True\) is not supported.*deferred_batch_norm=True"):
         pl.Trainer(strategy=GPipeStrategy(), devices=2, sync_batchnorm=True, **trainer_kwargs(1))
+
+
+class Manual(Net):
+    def __init__(self):
+        super().__init__("mlp")
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_refused_before_spawn():
+    trainer = pl.Trainer(strategy=GPipeStrategy(), devices=2, **trainer_kwargs(1))
+    with pytest.raises(ValueError, match="manual optimization"):
+        trainer.fit(Manual(), make_data("mlp", 10, 1))
+    assert trainer.strategy.launcher.procs == []
