@@ -665,7 +665,7 @@ def _least_disturbed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             kept[key] = dict(r)
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in kept.values():
-        groups.setdefault(tuple(r[c] for c in config if c != "stages"), []).append(r)
+        groups.setdefault(tuple(r[c] for c in config if c not in ("stages", "balance")), []).append(r)
     for group in groups.values():
         singles = [r for r in group if r["run"] in ("single", "single_mt")]
         for k in {r["stages"] for r in group if r not in singles}:

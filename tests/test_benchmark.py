@@ -72,11 +72,12 @@ def test_every_run_kind_reports_throughput_memory_and_ratios(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_capacity_grows_with_recompute():
+def test_capacity_grows_with_recompute(tmp_path):
     """Bisection on num_layers under a 24 MiB budget: recompute ("always") fits more layers than "never"."""
     cfg = _compose(
         [
             "mode=capacity",
+            f"csv={tmp_path / 'b.csv'}",
             "model.width=256",
             "batch_size=512",
             "chunks=8",
@@ -87,3 +88,5 @@ def test_capacity_grows_with_recompute():
     rows = {r["checkpoint"]: r for r in capacity(cfg)}
     assert 1 <= rows["never"]["num_layers"] < rows["always"]["num_layers"] <= 64
     assert all(r["need_bytes"] <= 25165824 for r in rows.values())
+    with (tmp_path / "capacity.csv").open() as f:
+        assert [r["checkpoint"] for r in csv.DictReader(f)] == ["never", "always"]
