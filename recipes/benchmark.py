@@ -16,10 +16,11 @@ Every run reports samples/s (``batch_size`` / median seconds between step ends o
 steps; with ``repeats`` > 1 the list runs again, interleaved, and each run keeps its least
 disturbed repeat, which matters on a shared machine), the peak tensor bytes of one step per stage (:class:`recipes.memory.TensorMemoryMeter`) and
 peak RSS; ``ours`` and ``bare`` also the bubble share and step window from the timeline. With
-``predict``, each stage's forward/backward seconds and saved bytes are profiled layer by layer
-(:func:`lightning_gpipe.balance.profile_layers`, one micro-batch, ``threads`` threads) and P2P
-latency and bandwidth come from a ping-pong in ``bare``; :func:`lightning_gpipe.simulate.simulate`
-then predicts the step window, bubble and per-stage activation bytes. Rows are appended to ``csv``
+``predict``, each stage's saved bytes are profiled layer by layer
+(:func:`lightning_gpipe.balance.profile_layers`, one micro-batch) for the cost model's activation
+memory; :func:`lightning_gpipe.simulate.simulate` predicts the step window from the run's own
+per-stage forward/backward span medians (timeline) and the P2P latency of a ping-pong in ``bare``
+(and, as a second prediction, the in-run message delay). Rows are appended to ``csv``
 and printed with the ratios: ours/ideal, where ideal = K·M/(M+K-1) × single-stage (1 thread)
 samples/s; ours/peer; and the Lightning overhead ``ours step / bare step - 1``.
 
@@ -397,12 +398,12 @@ def _faster(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> bool:
 
 
 def _keep_timelines(cfg: DictConfig, run: str, out: Path) -> None:
-    """Copy a run's Chrome traces and Gantt charts to ``{csv dir}/timelines/{run}_k{K}_m{M}_{checkpoint}.*``."""
+    """Copy a run's Chrome traces and Gantt charts to ``{csv dir}/timelines/{run}_{model}_k{K}_m{M}_{checkpoint}.*``."""
     for name in ("timeline.png", "timeline.json", "bare_timeline.png", "bare_timeline.json"):
         if (out / name).exists():
             target = Path(str(cfg.csv)).parent / "timelines"
             target.mkdir(parents=True, exist_ok=True)
-            tag = f"{run}_k{cfg.stages}_m{cfg.chunks}_{cfg.checkpoint}"
+            tag = f"{run}_{cfg.model.name}_k{cfg.stages}_m{cfg.chunks}_{cfg.checkpoint}"
             (target / f"{tag}{Path(name).suffix}").write_bytes((out / name).read_bytes())
 
 
