@@ -49,8 +49,10 @@ def test_rank_failure_exits_all_ranks(tmp_path, where, layer, stage, rank):
     first = _first_error_line(out)
     assert first.startswith(f"[lightning_gpipe] stage {stage} (rank {rank}) failed"), first
     assert f"failed in {where} of micro-batch 2" in first and f"injected failure in {where} call 11" in first
-    # the other ranks say why they stopped, after the original error
-    assert out.index(f"injected failure in {where}") < out.index("stopped because another rank")
+    # the other ranks say why they stopped, after the original error (when the launching rank fails,
+    # it ends the ranks it started at once and they print nothing)
+    if rank != 0:
+        assert out.index(f"injected failure in {where}") < out.index("stopped because another rank")
 
 
 @pytest.mark.timeout(200)
