@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import traceback
 
 import torch.distributed as dist
 
@@ -38,8 +39,10 @@ def report_and_abort(exception: BaseException, where: str) -> None:
             "error is printed above, tagged [lightning_gpipe]. Connection error: ",
         )
     else:
+        # the tag first, then the traceback: the other ranks may end this process before it exits
+        trace = "".join(traceback.format_exception(exception))
         print(
-            f"[lightning_gpipe] {where} failed: {type(exception).__name__}: {exception}",
+            f"[lightning_gpipe] {where} failed: {type(exception).__name__}: {exception}\n{trace}",
             file=sys.stderr,
             flush=True,
         )

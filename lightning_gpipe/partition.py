@@ -137,4 +137,21 @@ def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
 def cut(sequential: nn.Sequential, balance: Sequence[int], stage: int) -> list[tuple[str, nn.Module]]:
     """The ``(name, layer)`` pairs of stage ``stage``, names as in ``sequential``."""
     start, stop = stage_bounds(balance)[stage]
-    return list(sequential.named_children())[start:stop]
+    return list(sequential._modules.items())[start:stop]  # named_children() would drop a repeated module
+
+
+def check_tied_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> None:
+    """Raise :class:`PartitionError` if a parameter is shared by layers that ``balance`` puts on different stages."""
+    stage_of_layer = [j for j, n in enumerate(balance) for _ in range(n)]
+    owner: dict[int, int] = {}
+    for k, layer in enumerate(sequential._modules.values()):
+        if layer is None:
+            continue
+        for p in layer.parameters():
+            first = owner.setdefault(id(p), k)
+            if stage_of_layer[first] != stage_of_layer[k]:
+                raise PartitionError(
+                    f"layers {first} and {k} share a parameter (tied weights) but the balance {list(balance)} puts "
+                    f"them on stages {stage_of_layer[first]} and {stage_of_layer[k]}; keep tied layers on one stage "
+                    "(choose a balance that does) or untie them"
+                )

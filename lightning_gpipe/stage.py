@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P, Meta
-from lightning_gpipe.microbatch import Batch, as_tensors, from_tensors, join, split
+from lightning_gpipe.microbatch import Batch, as_tensors, batch_size, from_tensors, join, split
 from lightning_gpipe.skip import MicroBatchStore, Route, use_store
 
 CheckpointMode = Literal["always", "except_last", "never"]
@@ -132,10 +132,10 @@ class PipelineStage(nn.Sequential):
         chunks: int,
         checkpoint: str,
         p2p: P2P,
-        num_layers: int | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         super().__init__(OrderedDict(layers))
-        self.num_layers = num_layers if num_layers is not None else len(layers)  # of the whole Sequential
+        self.names = list(names) if names is not None else [n for n, _ in layers]  # of the whole Sequential
         self.topology = topology
         self.chunks = chunks
         self.checkpoint_mode = checkpoint
@@ -161,9 +161,9 @@ class PipelineStage(nn.Sequential):
                 "slicing the pipelined nn.Sequential is not supported under the gpipe strategy: each process "
                 f"holds only its stage's layers ({', '.join(self._modules)})"
             )
-        index = int(idx) + self.num_layers if int(idx) < 0 else int(idx)
-        if str(index) in self._modules:
-            return self._modules[str(index)]
+        index = int(idx) + len(self.names) if int(idx) < 0 else int(idx)
+        if 0 <= index < len(self.names) and self.names[index] in self._modules:
+            return self._modules[self.names[index]]
         raise PipelineUsageError(
             f"layer {idx} of the pipelined nn.Sequential lives on another stage: this process runs stage "
             f"{self.topology.stage}, which holds layers {', '.join(self._modules)}; access a layer only "
@@ -263,6 +263,9 @@ class PipelineStage(nn.Sequential):
         if not top.is_last:
             self.p2p.flush()
             raise StageDone
+        batch_size(
+            outputs[0], f"output of the last pipeline stage ({top.stage})"
+        )  # a scalar cannot be joined
         joined = join(outputs)
         if step is not None:
             joined = tuple(t.detach().requires_grad_(t.requires_grad) for t in joined)

@@ -9,6 +9,7 @@ stage's own optimizer on its own parameters.
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 from typing import Any
 
@@ -70,6 +71,7 @@ from lightning_gpipe.partition import (
     PartitionError,
     check_balance,
     check_stages,
+    check_tied_parameters,
     cut,
     find_sequential,
     uniform_balance,
@@ -320,6 +322,12 @@ class GPipeStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._groups is None:
             self._groups = new_groups(self.layout, self.global_rank)
+        if os.environ.get("PL_GLOBAL_SEED") is None:
+            # An unseeded script: give every rank rank 0's CPU RNG state, so that a shuffling
+            # DataLoader hands every stage of a pipeline the same batches.
+            box = [torch.get_rng_state() if self.global_rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            torch.set_rng_state(box[0] if box[0] is not None else torch.get_rng_state())
 
     # -- the model -------------------------------------------------------------------------------
 
@@ -341,6 +349,7 @@ class GPipeStrategy(ParallelStrategy):
         if isinstance(self.balance, list):
             check_stages(len(seq), len(self.balance))
             balance = check_balance(self.balance, len(seq), stages)
+            check_tied_parameters(seq, balance)
         else:
             balance = uniform_balance(len(seq), stages)  # also checks stages against layers
         return name, seq, balance
@@ -421,6 +430,7 @@ class GPipeStrategy(ParallelStrategy):
         assert model is not None
         name, seq, balance = self.check_model(model)
         balance = self._choose_balance(model, seq, balance)
+        check_tied_parameters(seq, balance)
         layout = self.layout
         rank, stage = self.global_rank, self.stage_index
         replica = layout.replica_of(rank)
@@ -433,7 +443,12 @@ class GPipeStrategy(ParallelStrategy):
             skips=tuple(skip_routes(seq, [j for j, n in enumerate(balance) for _ in range(n)])),
         )
         pipe = PipelineStage(
-            cut(seq, balance, stage), topology, self.chunks, self.checkpoint, P2P(self.root_device), len(seq)
+            cut(seq, balance, stage),
+            topology,
+            self.chunks,
+            self.checkpoint,
+            P2P(self.root_device),
+            list(seq._modules),
         )
         if self.deferred_batch_norm:
             self._plain_batch_norms = [
@@ -498,6 +513,11 @@ class GPipeStrategy(ParallelStrategy):
         assert self.model is not None and self._stage is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if self.layout.replicas > 1:  # every copy of a stage starts from replica 0's state, as under DDP
+            src = self.layout.rank(0, self.stage_index)
+            with torch.no_grad():
+                for tensor in self._stage.state_dict().values():
+                    dist.broadcast(tensor, src=src, group=self._groups.data)
         sync_metrics_over(self.lightning_module, self._groups.last_stage_data, member=self.is_last_stage)
         if not self.is_last_stage:
             silence_logging(self.lightning_module)
@@ -565,7 +585,8 @@ class GPipeStrategy(ParallelStrategy):
         """The last stage tells the others whether the step has a loss (and its value).
 
         Other stages return that value as their step output, so that Lightning calls ``backward``
-        on every stage or on none (a ``training_step`` may return ``None`` to skip a batch).
+        on every stage or on none (should a ``training_step`` return ``None``; Lightning itself
+        refuses that when several processes run).
         """
         stage = self._stage
         assert stage is not None

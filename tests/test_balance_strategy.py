@@ -36,7 +36,12 @@ def test_indexing_a_stage_uses_the_whole_sequentials_indices():
 
     seq = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 3), nn.ReLU())
     stage = PipelineStage(
-        list(seq.named_children())[2:], StageTopology(1, 2, 0, None), 1, "never", P2P(torch.device("cpu")), 4
+        list(seq.named_children())[2:],
+        StageTopology(1, 2, 0, None),
+        1,
+        "never",
+        P2P(torch.device("cpu")),
+        list(seq._modules),
     )
     assert stage[2] is seq[2] and stage[-1] is seq[3]
     with pytest.raises(
@@ -45,3 +50,21 @@ def test_indexing_a_stage_uses_the_whole_sequentials_indices():
         stage[0]
     with pytest.raises(PipelineUsageError, match="slicing"):
         stage[1:]
+
+
+def test_indexing_a_stage_of_a_sequential_with_named_layers():
+    from collections import OrderedDict
+
+    from lightning_gpipe.comm import P2P
+    from lightning_gpipe.stage import PipelineStage, StageTopology
+
+    seq = nn.Sequential(OrderedDict([("inp", nn.Linear(4, 8)), ("act", nn.Tanh()), ("out", nn.Linear(8, 1))]))
+    stage = PipelineStage(
+        list(seq.named_children())[1:],
+        StageTopology(1, 2, 0, None),
+        1,
+        "never",
+        P2P(torch.device("cpu")),
+        list(seq._modules),
+    )
+    assert stage[-1] is seq.out and stage[1] is seq.act

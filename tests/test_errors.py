@@ -134,3 +134,23 @@ def test_manual_optimization_is_refused_before_spawn():
     with pytest.raises(ValueError, match="manual optimization"):
         trainer.fit(Manual(), make_data("mlp", 10, 1))
     assert trainer.strategy.launcher.procs == []
+
+
+def test_tied_weights_across_stages_raise_before_spawn():
+    class Tied(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            lin = nn.Linear(6, 6)
+            self.layers = nn.Sequential(lin, nn.Tanh(), lin, nn.Tanh(), nn.Linear(6, 3))
+
+    message = _fit_before_spawn(Tied(), balance=[2, 3])
+    assert "layers 0 and 2 share a parameter (tied weights)" in message and "stages 0 and 1" in message
+
+
+def test_cut_keeps_a_module_repeated_in_the_sequential():
+    from lightning_gpipe.partition import cut
+
+    act = nn.Tanh()
+    seq = nn.Sequential(nn.Linear(2, 2), act, nn.Linear(2, 2), act, nn.Linear(2, 1))
+    assert [name for name, _ in cut(seq, [2, 3], 1)] == ["2", "3", "4"]
+    assert cut(seq, [2, 3], 1)[1][1] is act
