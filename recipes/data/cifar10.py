@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pytorch_lightning as pl
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
+
+from recipes.data.loaders import SplitDataModule
 
 __all__ = ["CIFAR10DataModule", "CIFAR10Images", "read_cifar10"]
 
@@ -139,7 +140,7 @@ class CIFAR10Images(Dataset):
         return image, self.labels[index]
 
 
-class CIFAR10DataModule(pl.LightningDataModule):
+class CIFAR10DataModule(SplitDataModule):
     """CIFAR-10: the 50,000 training images for training, the 10,000 test images for validation.
 
     Args:
@@ -176,19 +177,3 @@ class CIFAR10DataModule(pl.LightningDataModule):
             return
         self.train_set = CIFAR10Images(*read_cifar10(self.root, train=True), augment=self.augment)
         self.val_set = CIFAR10Images(*read_cifar10(self.root, train=False))
-
-    def train_dataloader(self) -> DataLoader:
-        self.setup()
-        assert self.train_set is not None
-        return DataLoader(
-            self.train_set,
-            batch_size=self.batch_size,
-            shuffle=True,
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        self.setup()
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

@@ -6,11 +6,12 @@ The images are the UCI "Optical Recognition of Handwritten Digits" set (Alpaydin
 
 from __future__ import annotations
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
+
+from recipes.data.loaders import SplitDataModule
 
 __all__ = ["DigitsDataModule", "load_digits_tensors"]
 
@@ -42,7 +43,7 @@ def load_digits_tensors(resolution: int = 32, channels: int = 3) -> tuple[Tensor
     return images.expand(-1, channels, -1, -1).contiguous(), torch.as_tensor(digits.target, dtype=torch.int64)
 
 
-class DigitsDataModule(pl.LightningDataModule):
+class DigitsDataModule(SplitDataModule):
     """Digits split into training and validation sets by a seeded permutation.
 
     Images are standardised with the mean and standard deviation of the training split.
@@ -104,19 +105,3 @@ class DigitsDataModule(pl.LightningDataModule):
         images = (images - mean) / std
         self.train_set = TensorDataset(images[train], labels[train])
         self.val_set = TensorDataset(images[val], labels[val])
-
-    def train_dataloader(self) -> DataLoader:
-        self.setup()
-        assert self.train_set is not None
-        return DataLoader(
-            self.train_set,
-            batch_size=self.batch_size,
-            shuffle=True,
-            drop_last=True,
-            num_workers=self.num_workers,
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        self.setup()
-        assert self.val_set is not None
-        return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)
