@@ -243,9 +243,6 @@ class PipelineStage(nn.Sequential):
             with self._span("forward", i), self._naming_errors("forward", i, x):
                 y = self._compute(i, count, from_tensors(x, x_tuple), train, store)
             y_tensors, out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
-            for route in self._skips_out:
-                with self._span("send", i):
-                    self.p2p.send([store[route.name]], top.ranks[route.target], count=count)
             if step is not None:
                 step.inputs.append(x)
                 step.outputs.append(y_tensors)
@@ -253,10 +250,13 @@ class PipelineStage(nn.Sequential):
                 step.skips_out.append({r.name: store[r.name] for r in self._skips_out})
             if top.is_last:
                 outputs.append(y_tensors)
-            else:
+            else:  # the output first, then the skips: the order in which the next stage receives them
                 assert top.next_rank is not None
                 with self._span("send", i):
                     self.p2p.send(y_tensors, top.next_rank, is_tuple=out_tuple, count=count)
+            for route in self._skips_out:
+                with self._span("send", i):
+                    self.p2p.send([store[route.name]], top.ranks[route.target], count=count)
             i += 1
 
         self._step = step
