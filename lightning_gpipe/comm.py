@@ -14,7 +14,10 @@ rank-zero logging, progress bar and checkpoint decisions see true values.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import atexit
+import gc
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,3 +210,39 @@ def new_groups(layout: Layout, rank: int) -> Groups:
         data=datas[layout.stage_of(rank)],
         last_stage_data=datas[layout.stages - 1],
     )
+
+
+_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
+_EXIT_HOOK = False
+
+
+def close_at_exit(holder: Any) -> None:
+    """Destroy every process group when this process exits normally, while Python still runs.
+
+    Left to interpreter finalization, a Gloo worker thread that is still releasing the tensors of
+    the last collective (the caller's ``wait`` has returned, the worker's clean-up has not) must
+    take the GIL to free them; during finalization that ends the thread with a forced unwind and
+    the whole process with ``terminate called without an active exception`` (SIGABRT, exit code
+    134) after a run that succeeded (pytorch/pytorch#179291 proposes the same hook in
+    ``init_process_group``). At exit this destroys the default group and, through
+    ``holder.release_groups()`` for every registered holder, drops the subgroup handles it keeps,
+    so that every group's worker threads are joined before finalization begins.
+
+    Args:
+        holder: an object with a ``release_groups()`` method (the strategy); held weakly.
+    """
+    global _EXIT_HOOK
+    _HOLDERS.add(holder)
+    if not _EXIT_HOOK:
+        atexit.register(_close_process_groups)
+        _EXIT_HOOK = True
+
+
+def _close_process_groups() -> None:
+    release: list[Callable[[], None]] = [h.release_groups for h in list(_HOLDERS)]
+    for fn in release:
+        fn()
+    _GROUPS.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()  # groups caught in reference cycles are destroyed (their threads joined) now

@@ -55,7 +55,7 @@ from lightning_gpipe.checkpoint import (
     split_optimizer_state,
     tensors_to_cpu,
 )
-from lightning_gpipe.comm import P2P, Groups, Layout, new_groups
+from lightning_gpipe.comm import P2P, Groups, Layout, close_at_exit, new_groups
 from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
 from lightning_gpipe.launcher import GPipeLauncher
@@ -322,6 +322,7 @@ class GPipeStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
         if self._groups is None:
             self._groups = new_groups(self.layout, self.global_rank)
+        close_at_exit(self)
         if os.environ.get("PL_GLOBAL_SEED") is None:
             # An unseeded script: give every rank rank 0's CPU RNG state, so that a shuffling
             # DataLoader hands every stage of a pipeline the same batches.
@@ -851,6 +852,11 @@ class GPipeStrategy(ParallelStrategy):
         self._failed = True
         if _distributed_is_initialized():
             report_and_abort(exception, f"stage {self.stage_index} (rank {self.global_rank})")
+
+    def release_groups(self) -> None:
+        """Drop every process-group handle this strategy and its module's metrics hold (at exit)."""
+        self._groups = None
+        sync_metrics_over(self._lightning_module, None, member=True)
 
     @override
     def teardown(self) -> None:

@@ -1,5 +1,7 @@
 """Regressions: unusual but valid inputs and usage, each against the one-device value."""
 
+import json
+
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -56,3 +58,24 @@ def test_detect_anomaly_names_the_stage(tmp_path):
     assert rc != 0
     first = next(line for line in out.splitlines() if "[lightning_gpipe]" in line)
     assert first.startswith("[lightning_gpipe] stage 1 (rank 1) failed") and "nan" in first.lower(), first
+
+
+@pytest.mark.timeout(300)
+def test_every_process_group_is_destroyed_before_interpreter_exit(gpipe_job, tmp_path):
+    """CI, 2026-11-29: a job that succeeded exited with SIGABRT ("terminate called without an active
+    exception"): a Gloo thread still freeing the last collective's tensors needed the GIL during
+    interpreter finalization. At exit no group is left and no native thread runs beside Python's."""
+    gpipe_job(
+        "mlp",
+        3,
+        [{"chunks": 2}],
+        steps=2,
+        val=True,
+        exit_check=True,
+        save="a.ckpt",
+        resume={"ckpt": str(tmp_path / "a.ckpt"), "steps": 3},
+    )
+    for rank in range(3):
+        state = json.loads((tmp_path / f"exit_rank{rank}.json").read_text())
+        assert state["initialized"] is False, (rank, state)
+        assert state["os_threads"] == len(state["python_threads"]), (rank, state)

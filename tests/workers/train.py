@@ -11,9 +11,11 @@ net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
 save (checkpoint file to write after fit), save_at_train_end (written inside fit, while the
 model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
-the first fit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit).
+the first fit), exit_check (write exit_rank{r}.json: process group and threads left
+at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit).
 """
 
+import atexit
 import json
 import os
 import sys
@@ -36,6 +38,20 @@ for key in ("record_grads", "call_twice", "fail", "wrong_shape"):
     if key in spec:
         net_kwargs[key] = spec[key]
 steps, batch, kind = spec.get("steps", 5), spec.get("batch", 10), spec["kind"]
+if spec.get("exit_check"):  # registered first, so it runs after the strategy's own exit hook
+    _exit_path = out / f"exit_rank{os.environ.get('LOCAL_RANK', '0')}.json"
+
+    def _record_exit_state(path=_exit_path):
+        import threading
+
+        state = {
+            "initialized": torch.distributed.is_initialized(),
+            "os_threads": len(os.listdir("/proc/self/task")),
+            "python_threads": [t.name for t in threading.enumerate()],
+        }
+        path.write_text(json.dumps(state))
+
+    atexit.register(_record_exit_state)
 indexed = net_kwargs.get("indexed", False)
 extra: dict = {}
 
