@@ -3,8 +3,10 @@
 Every message is a fixed-size int64 *header* followed by the tensors it describes, so shapes and
 dtypes travel with the data on every step (nothing is cached from the first step). Sends are
 asynchronous (``isend``) and their waits are deferred to :meth:`P2P.flush`, so a stage computes
-micro-batch ``i+1`` while micro-batch ``i`` travels. Transport is ``torch.distributed`` on the
-default group with global ranks: Gloo on CPU, NCCL on CUDA.
+micro-batch ``i+1`` while micro-batch ``i`` travels. Receives the stage knows are coming
+(:meth:`P2P.expect`: the rest of a phase's micro-batches) are taken in the background, so that
+micro-batch ``i+1`` arrives while the stage computes micro-batch ``i``. Transport is
+``torch.distributed`` on the default group with global ranks: Gloo on CPU, NCCL on CUDA.
 
 Rank layout (W = P × D processes, P stages, D data-parallel replicas): replica ``d`` holds global
 ranks ``d·P … d·P+P-1`` and stage ``s`` of it sits on rank ``d·P + (P-1-s)``. The *last* stage is
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import atexit
 import gc
+import queue
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -134,13 +138,22 @@ def decode_header(header: Tensor) -> Meta:
 class P2P:
     """Send and receive tuples of tensors between global ranks, with deferred send waits.
 
+    Receives are posted when :meth:`recv` asks, unless :meth:`expect` announced them: then a
+    background thread per source takes the announced messages in order (each one's header, then its
+    tensors) while the stage computes, and :meth:`recv` hands them out. The message *count* must
+    be exact: a receive left posted would take a message meant for a later phase.
+
     Args:
         device: where received tensors are allocated (the stage's device).
+        background: receive announced messages in a background thread (default: on CPU devices,
+            i.e. Gloo; on CUDA every receive is posted when it is needed).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, background: bool | None = None) -> None:
         self.device = device
+        self.background = device.type == "cpu" if background is None else background
         self._pending: list[tuple[dist.Work, object]] = []
+        self._inboxes: dict[int, _Inbox] = {}
 
     def send(self, tensors: Sequence[Tensor], dst: int, *, is_tuple: bool = True, count: int = 0) -> None:
         """Post an asynchronous send of a header and ``tensors`` to ``dst``; waits happen in :meth:`flush`."""
@@ -151,8 +164,32 @@ class P2P:
             assert work is not None
             self._pending.append((work, t))  # keep the buffer alive until the send completes
 
+    def expect(self, src: int, messages: int) -> None:
+        """Announce that the next ``messages`` receives from ``src`` follow in this phase; take them early.
+
+        Raises:
+            RuntimeError: messages announced earlier from ``src`` are not all taken yet.
+        """
+        if messages <= 0 or not self.background:
+            return
+        if src in self._inboxes:
+            raise RuntimeError(f"messages announced from rank {src} are still to be received")
+        self._inboxes[src] = _Inbox(self, src, messages)
+
     def recv(self, src: int) -> tuple[Meta, list[Tensor]]:
         """Receive one message from ``src``: its header, then its tensors (allocated from the header)."""
+        inbox = self._inboxes.get(src)
+        if inbox is None:
+            return self.receive_now(src)
+        try:
+            return inbox.take()
+        finally:
+            if inbox.left == 0:
+                del self._inboxes[src]
+                inbox.thread.join()
+
+    def receive_now(self, src: int) -> tuple[Meta, list[Tensor]]:
+        """Post the receives of one message from ``src`` and wait for them (in the calling thread)."""
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
         _wait(dist.irecv(header, src))
         meta = decode_header(header)
@@ -167,6 +204,38 @@ class P2P:
         pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()
+
+
+class _Inbox:
+    """A thread that receives ``messages`` messages from ``src`` in order, for :meth:`P2P.recv` to take.
+
+    A receive that fails (a peer went away, the group was destroyed after a failure elsewhere)
+    is handed to the stage as its exception, and the thread ends.
+    """
+
+    def __init__(self, p2p: P2P, src: int, messages: int) -> None:
+        self.left = messages
+        self._box: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.thread = threading.Thread(
+            target=self._run, args=(p2p, src, messages), name=f"gpipe-recv-from-{src}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, p2p: P2P, src: int, messages: int) -> None:
+        for _ in range(messages):
+            try:
+                self._box.put(p2p.receive_now(src))
+            except BaseException as err:  # noqa: BLE001 - handed to the stage, which raises it
+                self._box.put(err)
+                return
+
+    def take(self) -> tuple[Meta, list[Tensor]]:
+        item = self._box.get()
+        self.left -= 1
+        if isinstance(item, BaseException):
+            self.left = 0
+            raise item
+        return item
 
 
 def _wait(work: dist.Work | None) -> None:

@@ -21,7 +21,7 @@ during the recompute.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -232,6 +232,9 @@ class PipelineStage(nn.Sequential):
                 with self._span("recv", i):
                     meta, received = self.p2p.recv(top.prev_rank)
                 count = meta.count
+                if i == 0:  # the rest of this forward's messages arrive while the stage computes
+                    for src, n in self._forward_messages(count).items():
+                        self.p2p.expect(src, n)
                 x, x_tuple = _as_inputs(meta, received, train), meta.is_tuple
             assert count is not None
             store = MicroBatchStore()
@@ -310,7 +313,29 @@ class PipelineStage(nn.Sequential):
         with self._span("recompute", i), _no_running_stats_update(self), no_accumulate():
             yield
 
+    def _forward_messages(self, count: int) -> Counter[int]:
+        """Messages still to come, per source rank, in a forward whose first input has arrived."""
+        top = self.topology
+        assert top.prev_rank is not None
+        per_micro_batch = Counter([top.prev_rank] + [top.ranks[r.source] for r in self._skips_in])
+        expected = Counter({src: n * count for src, n in per_micro_batch.items()})
+        expected[top.prev_rank] -= 1
+        return expected
+
     # -- the backward drain -----------------------------------------------------------------
+
+    def _backward_messages(self, step: _Step) -> Counter[int]:
+        """Gradient messages a backward will receive, per source rank (the order :meth:`backward` takes them)."""
+        top = self.topology
+        expected: Counter[int] = Counter()
+        for i, y in enumerate(step.outputs):
+            if not top.is_last and any(t.requires_grad for t in y):
+                assert top.next_rank is not None
+                expected[top.next_rank] += 1
+            for route in self._skips_out:
+                if step.skips_out[i][route.name].requires_grad:
+                    expected[top.ranks[route.target]] += 1
+        return expected
 
     def backward_skipped(self) -> None:
         """The step has no loss (the user's step returned ``None``): drop what the forward kept."""
@@ -330,6 +355,8 @@ class PipelineStage(nn.Sequential):
                 for leaf in step.leaves
                 if leaf.requires_grad
             ]
+        for src, n in self._backward_messages(step).items():
+            self.p2p.expect(src, n)
         for i in reversed(range(count)):
             y = step.outputs[i]
             y_grad = [t for t in y if t.requires_grad]

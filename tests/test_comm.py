@@ -1,0 +1,42 @@
+"""Point-to-point transport: announced messages taken in the background, in order, errors handed on."""
+
+import json
+
+import pytest
+import torch
+
+from lightning_gpipe.comm import P2P
+from tests._harness import check, run_ranks
+
+
+@pytest.mark.timeout(120)
+def test_announced_and_unannounced_messages_arrive_in_order_with_their_shapes_and_dtypes(tmp_path):
+    for result in run_ranks("tests/workers/p2p.py", 2, str(tmp_path), "order", timeout=100):
+        check(result)
+    sent = torch.load(tmp_path / "sent.pt")
+    received = torch.load(tmp_path / "received.pt")
+    assert [count for count, _ in received] == list(range(8))
+    for ours, theirs in zip(received, sent):
+        tensors = ours[1]
+        assert len(tensors) == len(theirs)
+        for a, b in zip(tensors, theirs):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.timeout(120)
+def test_a_background_receive_from_a_peer_that_exited_raises_in_the_stage(tmp_path):
+    """The sender leaves after 1 of 3 announced messages: the next recv raises promptly, never hangs."""
+    for result in run_ranks("tests/workers/p2p.py", 2, str(tmp_path), "peer_exits", timeout=100):
+        check(result)
+    report = json.loads((tmp_path / "error.json").read_text())
+    assert report["error"] is not None and "RuntimeError" in report["error"]
+    assert report["seconds"] < 30
+
+
+def test_announcing_twice_before_taking_everything_is_an_error():
+    p2p = P2P(torch.device("cpu"))
+    p2p._inboxes[3] = object()  # an announcement from rank 3 still being received
+    with pytest.raises(RuntimeError, match="from rank 3 are still to be received"):
+        p2p.expect(3, 2)
+    assert P2P(torch.device("cuda")).background is False  # CUDA receives are posted when needed
+    P2P(torch.device("cuda")).expect(3, 2)  # and announcing is then a no-op

@@ -1,0 +1,71 @@
+"""Worker: rank 0 sends messages to rank 1 through lightning_gpipe.comm.P2P (torchrun-style env).
+
+Usage: python tests/workers/p2p.py OUT MODE
+MODE "order": rank 0 sends 6 messages of changing shapes and dtypes, then 2 more after a barrier;
+rank 1 announces the first 6 (background receives) and takes the last 2 in its own thread;
+it writes what it got to OUT/received.pt and rank 0 writes what it sent to OUT/sent.pt.
+MODE "peer_exits": rank 0 sends 1 of the 3 messages rank 1 announced, then exits; rank 1 writes
+the error its second receive raised (and how long it took) to OUT/error.json.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from lightning_gpipe.comm import P2P  # noqa: E402
+
+out, mode = Path(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
+rank = dist.get_rank()
+p2p = P2P(torch.device("cpu"))
+torch.manual_seed(0)
+messages = [
+    [torch.randn(3, 4)],
+    [torch.randn(5, 4), torch.arange(5)],
+    [torch.randn(1, 7, 2).double()],
+    [torch.randint(0, 9, (2, 3)), torch.rand(2) > 0.5],
+    [torch.randn(8)],
+    [torch.randn(2, 2).bfloat16()],
+    [torch.randn(4, 1)],
+    [torch.randn(6)],
+]
+if mode == "order":
+    if rank == 0:
+        for k, m in enumerate(messages[:6]):
+            p2p.send(m, 1, count=k)
+        p2p.flush()
+        dist.barrier()
+        for k, m in enumerate(messages[6:], start=6):
+            p2p.send(m, 1, count=k)
+        p2p.flush()
+        torch.save(messages, out / "sent.pt")
+    else:
+        p2p.expect(0, 6)
+        got = [p2p.recv(0) for _ in range(6)]
+        dist.barrier()
+        got += [p2p.recv(0) for _ in range(2)]
+        torch.save([(meta.count, tensors) for meta, tensors in got], out / "received.pt")
+elif mode == "peer_exits":
+    if rank == 0:
+        p2p.send(messages[0], 1)
+        p2p.flush()
+        dist.barrier()
+        sys.exit(0)
+    p2p.expect(0, 3)
+    p2p.recv(0)
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        p2p.recv(0)
+        error = None
+    except Exception as err:  # noqa: BLE001 - recorded for the test
+        error = f"{type(err).__name__}: {err}"
+    (out / "error.json").write_text(json.dumps({"error": error, "seconds": time.monotonic() - start}))
+    sys.exit(0)
+dist.destroy_process_group()
