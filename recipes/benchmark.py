@@ -9,8 +9,9 @@ bubble share, the cost model's error, and the largest model that fits a memory b
 - ``bare``: the same stages driven by a plain PyTorch loop (Lightning overhead = ours vs bare);
 - ``peer``: ``torch.distributed.pipelining`` ``ScheduleGPipe(scale_grads=False)``, same split and
   micro-batches;
-- ``single``: the plain model in one process with 1 thread (the one-stage baseline) and with
-  K × ``threads`` threads (the pipeline's total).
+- ``single``: the plain model in one process with 1 thread (the one-stage baseline), with
+  K × ``threads`` threads (the pipeline's total, row ``single_mt``) and with 1 thread on the
+  pipeline's M micro-batches, gradients accumulated (row ``single_mb``).
 
 Every run reports samples/s (``batch_size`` / median seconds between step ends over the timed
 steps; with ``repeats`` > 1 the list runs again, interleaved, and each run keeps its least
@@ -22,7 +23,9 @@ memory; :func:`lightning_gpipe.simulate.simulate` predicts the step window from 
 per-stage forward/backward span medians (timeline) and the P2P latency of a ping-pong in ``bare``
 (and, as a second prediction, the in-run message delay). Rows are appended to ``csv``
 and printed with the ratios: ours/ideal, where ideal = K·M/(M+K-1) × single-stage (1 thread)
-samples/s; ours/peer; and the Lightning overhead ``ours step / bare step - 1``.
+samples/s; the same against the ideal from ``single_mb`` (one process on the same micro-batches,
+so that the smaller matrices' slower kernels are not counted against the schedule); ours/peer;
+and the Lightning overhead ``ours step / bare step - 1``.
 
 ``mode=capacity`` (GPipe Table 1's point) bisects ``model.num_layers`` for the largest model whose
 one-stage training step (``chunks`` micro-batches, Adam) fits ``capacity.budget_bytes``, for each
@@ -106,7 +109,13 @@ COLUMNS = [
     "vs_ideal_best",
     "vs_peer_best",
     "lightning_overhead_best",
+    "ideal_mb_samples_per_s",
+    "vs_ideal_mb",
+    "vs_ideal_mb_best",
 ]
+
+# The one-process baselines: 1 thread, K threads, 1 thread on the pipeline's micro-batches.
+SINGLES = ("single", "single_mt", "single_mb")
 
 # GPipe (arXiv 1811.06965) Table 2, Transformer, K=2: throughput normalized to K=2, M=1.
 GPIPE_TABLE2_K2 = {1: 1.0, 4: 1.7, 32: 1.8}
@@ -265,7 +274,7 @@ def _row(
         "num_layers": cfg.model.num_layers,
         "width": cfg.model.width if cfg.model.name == "mlp" else cfg.model.d_model,
         "params": params,
-        "stages": k if run not in ("single", "single_mt") else 1,
+        "stages": k if run not in SINGLES else 1,
         "chunks": cfg.chunks,
         "checkpoint": cfg.checkpoint,
         "balance": "-".join(str(n) for n in balance),
@@ -420,6 +429,7 @@ def _rows(
             for key, name in (
                 (f"threads{cfg.threads}", "single"),
                 (f"threads{cfg.stages * cfg.threads}", "single_mt"),
+                (f"micro{cfg.threads}", "single_mb"),
             ):
                 if key in per_rank[0] and name not in rows:
                     rows[name] = _row(cfg, name, per_rank[0][key], [per_rank[0][key]], params, [len(balance)])
@@ -470,18 +480,25 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Fill ``ideal_samples_per_s``, ``vs_ideal``, ``vs_peer`` and ``lightning_overhead`` (from median
     steps) and their ``_best`` twins (from the shortest step) in rows of one configuration.
 
-    ideal = K·M/(M+K-1) × the single run's samples/s (same threads per process as a stage).
+    ideal = K·M/(M+K-1) × the single run's samples/s (same threads per process as a stage);
+    ``vs_ideal_mb`` takes the ideal from ``single_mb`` instead (one process on the same
+    micro-batches: what is left is the schedule's own loss, not the smaller matrices' slower
+    kernels). At M=1, ``single_mb`` is ``single``.
     """
     by_run = {r["run"]: r for r in rows}
     single, ours, peer, bare = (by_run.get(n) for n in ("single", "ours", "peer", "bare"))
     for suffix, key in (("", "samples_per_s"), ("_best", "samples_per_s_best")):
         for row in rows:
-            if row["run"] in ("ours", "bare", "peer") and single and single.get(key):
-                k, m = int(row["stages"]), len(microbatch_sizes(int(row["batch_size"]), int(row["chunks"])))
-                ideal = k * m / (m + k - 1) * float(single[key])
-                if not suffix:
-                    row["ideal_samples_per_s"] = ideal
-                row["vs_ideal" + suffix] = float(row[key]) / ideal
+            if row["run"] not in ("ours", "bare", "peer"):
+                continue
+            k, m = int(row["stages"]), len(microbatch_sizes(int(row["batch_size"]), int(row["chunks"])))
+            for base_run, name in (("single", ""), ("single_mb" if m > 1 else "single", "_mb")):
+                base = by_run.get(base_run)
+                if base and base.get(key):
+                    ideal = k * m / (m + k - 1) * float(base[key])
+                    if not suffix:
+                        row[f"ideal{name}_samples_per_s"] = ideal
+                    row[f"vs_ideal{name}{suffix}"] = float(row[key]) / ideal
         if ours and peer:
             ours["vs_peer" + suffix] = float(ours[key]) / float(peer[key])
         if ours and bare:
@@ -508,10 +525,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of benchmark rows: throughput and ratios from the median step (and from the
     shortest step, in parentheses), bubble, step window against the cost model, memory."""
     head = (
-        "| run | K | M | checkpoint | samples/s | vs ideal | vs peer | Lightning overhead "
-        "| bubble (ideal) | window ms (model) | act. MiB (model) | RSS MiB |"
+        "| run | K | M | checkpoint | samples/s | vs ideal | vs ideal, same micro-batches | vs peer "
+        "| Lightning overhead | bubble (ideal) | window ms (model) | act. MiB (model) | RSS MiB |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
 
     def pair(key: str, spec: str) -> str:
         best = r.get(key + "_best") if key != "samples_per_s" else r.get("samples_per_s_best")
@@ -520,7 +537,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"| {r['run']} | {r['stages']} | {r['chunks']} | {r['checkpoint']} | {pair('samples_per_s', '.0f')} "
-            f"| {pair('vs_ideal', '.2f')} | {pair('vs_peer', '.2f')} | {pair('lightning_overhead', '+.1%')} "
+            f"| {pair('vs_ideal', '.2f')} | {pair('vs_ideal_mb', '.2f')} | {pair('vs_peer', '.2f')} | {pair('lightning_overhead', '+.1%')} "
             f"| {_fmt(r['bubble'], '.2f')} ({_fmt(r['bubble_ideal'], '.2f')}) "
             f"| {_fmt(r['window_s'], '.1f', 1e3)} ({_fmt(r['predicted_window_s'], '.1f', 1e3)}) "
             f"| {_fmt(r['activation_bytes'], '.1f', 2**-20)} ({_fmt(r['predicted_activation_bytes'], '.1f', 2**-20)}) "
@@ -661,14 +678,14 @@ def _least_disturbed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     config = ("model", "num_layers", "width", "stages", "chunks", "checkpoint", "batch_size", "balance")
     kept: dict[tuple, dict[str, Any]] = {}
     for r in rows:
-        key = (*(r[c] for c in config if r["run"] not in ("single", "single_mt") or c != "stages"), r["run"])
+        key = (*(r[c] for c in config if r["run"] not in SINGLES or c != "stages"), r["run"])
         if key not in kept or float(r["samples_per_s_best"]) > float(kept[key]["samples_per_s_best"]):
             kept[key] = dict(r)
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in kept.values():
         groups.setdefault(tuple(r[c] for c in config if c not in ("stages", "balance")), []).append(r)
     for group in groups.values():
-        singles = [r for r in group if r["run"] in ("single", "single_mt")]
+        singles = [r for r in group if r["run"] in SINGLES]
         for k in {r["stages"] for r in group if r not in singles}:
             add_ratios([r for r in group if r["stages"] == k and r not in singles] + singles)
     return list(kept.values())
@@ -681,7 +698,7 @@ def report(path: str | Path) -> str:
     parts = [format_table(rows)]
     groups: dict[tuple[str, str, str], dict[int, dict[str, dict]]] = {}
     for r in rows:
-        key = (r["model"], r["stages"] if r["run"] not in ("single", "single_mt") else "", r["checkpoint"])
+        key = (r["model"], r["stages"] if r["run"] not in SINGLES else "", r["checkpoint"])
         groups.setdefault(key, {}).setdefault(int(r["chunks"]), {})[r["run"]] = r
     for (model, k, checkpoint), by_m in sorted(groups.items()):
         if not k or 1 not in by_m:

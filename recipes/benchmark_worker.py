@@ -10,7 +10,9 @@ is one of:
 - ``peer``: ``torch.distributed.pipelining`` with ``ScheduleGPipe(scale_grads=False)`` on the same
   split and micro-batches;
 - ``single``: the plain model in one process, once with ``threads`` threads (the one-stage baseline
-  of the ideal speed-up) and once with K × ``threads`` (the same total threads as the pipeline).
+  of the ideal speed-up), once with K × ``threads`` (the same total threads as the pipeline) and
+  once with ``threads`` threads on the pipeline's M micro-batches (``single_mb``: the baseline of
+  the ideal on the same micro-batch sizes).
 
 ``bare`` and ``peer`` start like ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the
 benchmark). Every run takes ``warmup`` steps, then ``timed`` steps whose durations (seconds between
@@ -36,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_gpipe.comm import P2P, Layout
+from lightning_gpipe.microbatch import split
 from lightning_gpipe.partition import cut
 from lightning_gpipe.stage import PipelineStage, StageDone, StageTopology
 from lightning_gpipe.timeline import Timeline, gather, plot_gantt, step_stats, write_chrome_trace
@@ -412,11 +415,18 @@ def run_peer(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
 
 def run_single(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """The plain model in one process: with ``threads`` threads (key ``threads{n}``), with K ×
+    ``threads`` (the pipeline's total), and, when ``chunks`` > 1, with ``threads`` threads on the
+    pipeline's micro-batches, gradients accumulated over them (key ``micro{n}``: one stage doing
+    all the work, so that the ideal speed-up is measured on the same micro-batch sizes)."""
     model_cfg = spec["model"]
-    loss = loss_fn(model_cfg)
+    loss, summed = loss_fn(model_cfg), summed_loss_fn(model_cfg, spec["batch_size"])
     batches = make_batches(model_cfg, spec["batch_size"])
     result: dict[str, Any] = {"stage": 0}
-    for threads in sorted({spec["threads"], spec["stages"] * spec["threads"]}):
+    variants = [(f"threads{t}", t, 1) for t in sorted({spec["threads"], spec["stages"] * spec["threads"]})]
+    if spec["chunks"] > 1:
+        variants.append((f"micro{spec['threads']}", spec["threads"], spec["chunks"]))
+    for key, threads, chunks in variants:
         torch.set_num_threads(threads)
         model = build_model(model_cfg)
         optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
@@ -426,12 +436,16 @@ def run_single(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             if _is_memory_step(spec, step):
                 meter = TensorMemoryMeter()
             with meter if meter is not None else nullcontext():
-                loss(model(x), y).backward()
+                if chunks == 1:
+                    loss(model(x), y).backward()
+                else:
+                    for xs, ys in zip(split([x], chunks), split([y], chunks)):
+                        summed(model(xs[0]), ys[0]).backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=False)
             if meter is None:
                 watch.stamp()
-        result[f"threads{threads}"] = _result(spec, watch, meter, threads=threads)
+        result[key] = _result(spec, watch, meter, threads=threads)
     return 0, result
 
 

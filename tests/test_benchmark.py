@@ -56,9 +56,16 @@ def test_every_run_kind_reports_throughput_memory_and_ratios(tmp_path):
     """ours, bare, peer and single at M=4 with recompute: ratios, memory meter and cost model filled in."""
     cfg = _compose([*TINY, "chunks=4", "checkpoint=always", f"csv={tmp_path / 'b.csv'}", "timeout=120"])
     rows = {r["run"]: r for r in benchmark(cfg)}
-    assert set(rows) == {"ours", "bare", "peer", "single", "single_mt"}
+    assert set(rows) == {"ours", "bare", "peer", "single", "single_mt", "single_mb"}
     ours = rows["ours"]
-    for key in ("vs_ideal", "vs_peer", "lightning_overhead", "predicted_window_s", "predicted_bubble"):
+    for key in (
+        "vs_ideal",
+        "vs_ideal_mb",
+        "vs_peer",
+        "lightning_overhead",
+        "predicted_window_s",
+        "predicted_bubble",
+    ):
         assert isinstance(ours[key], float), key
     assert 0.0 < ours["bubble"] < 1.0 and 0.0 < rows["bare"]["bubble"] < 1.0
     assert ours["bubble_ideal"] == pytest.approx(1 / 5)
@@ -68,7 +75,10 @@ def test_every_run_kind_reports_throughput_memory_and_ratios(tmp_path):
     assert ours["activation_bytes"] < rows["single"]["activation_bytes"]
     assert len(ours["activation_bytes_stages"].split("|")) == 2
     with (tmp_path / "b.csv").open() as f:
-        assert len(list(csv.DictReader(f))) == 5
+        assert len(list(csv.DictReader(f))) == 6
+    # The ideal on the same micro-batches is K·M/(M+K-1) × single_mb's samples/s.
+    ideal_mb = 2 * 4 / 5 * rows["single_mb"]["samples_per_s"]
+    assert ours["vs_ideal_mb"] == pytest.approx(ours["samples_per_s"] / ideal_mb)
 
 
 @pytest.mark.timeout(60)
