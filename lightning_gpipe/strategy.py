@@ -606,9 +606,10 @@ class GPipeStrategy(ParallelStrategy):
             )
             for s in range(layout.stages - 1):
                 stage.p2p.send([message], layout.rank(replica, s))
-            stage.p2p.flush()
             if not has:
+                stage.p2p.flush()
                 stage.backward_skipped()
+            # else the backward's own flush waits for these sends: the drain starts now
             return out
         _, (message,) = stage.p2p.recv(layout.rank(replica, layout.stages - 1))
         has, value = message.tolist()
