@@ -407,12 +407,12 @@ def _faster(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> bool:
 
 
 def _keep_timelines(cfg: DictConfig, run: str, out: Path) -> None:
-    """Copy a run's Chrome traces and Gantt charts to ``{csv dir}/timelines/{run}_{model}_k{K}_m{M}_{checkpoint}.*``."""
+    """Copy a run's Chrome traces and Gantt charts to ``{csv dir}/timelines/{run}_{model}_n{N}_k{K}_m{M}_{checkpoint}.*``."""
     for name in ("timeline.png", "timeline.json", "bare_timeline.png", "bare_timeline.json"):
         if (out / name).exists():
             target = Path(str(cfg.csv)).parent / "timelines"
             target.mkdir(parents=True, exist_ok=True)
-            tag = f"{run}_{cfg.model.name}_k{cfg.stages}_m{cfg.chunks}_{cfg.checkpoint}"
+            tag = f"{run}_{cfg.model.name}_n{cfg.batch_size}_k{cfg.stages}_m{cfg.chunks}_{cfg.checkpoint}"
             (target / f"{tag}{Path(name).suffix}").write_bytes((out / name).read_bytes())
 
 

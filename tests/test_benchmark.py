@@ -47,7 +47,7 @@ def test_sweep_writes_csv_rows_and_bubble_falls_from_m1_to_m8(tmp_path):
     assert all(0.0 < b < 1.0 for b in bubble.values()), bubble
     assert bubble[8] < bubble[1], bubble
     assert all(float(r["samples_per_s"]) > 0 for r in rows)
-    assert (tmp_path / "timelines" / "ours_mlp_k2_m8_never.png").exists()
+    assert (tmp_path / "timelines" / "ours_mlp_n512_k2_m8_never.png").exists()
     assert "normalized to the same run at M=1" in report(out)
 
 
