@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import atexit
 import gc
+import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 HEADER_SLOTS = 64
 _DTYPES: list[torch.dtype] = [
@@ -219,15 +223,19 @@ class _Inbox:
         self.thread = threading.Thread(
             target=self._run, args=(p2p, src, messages), name=f"gpipe-recv-from-{src}", daemon=True
         )
+        _RECEIVING.add(self.thread)
         self.thread.start()
 
     def _run(self, p2p: P2P, src: int, messages: int) -> None:
-        for _ in range(messages):
-            try:
-                self._box.put(p2p.receive_now(src))
-            except BaseException as err:  # noqa: BLE001 - handed to the stage, which raises it
-                self._box.put(err)
-                return
+        try:
+            for _ in range(messages):
+                try:
+                    self._box.put(p2p.receive_now(src))
+                except BaseException as err:  # noqa: BLE001 - handed to the stage, which raises it
+                    self._box.put(err)
+                    return
+        finally:
+            _RECEIVING.discard(threading.current_thread())
 
     def take(self) -> tuple[Meta, list[Tensor]]:
         item = self._box.get()
@@ -283,6 +291,9 @@ def new_groups(layout: Layout, rank: int) -> Groups:
 
 _HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
 _EXIT_HOOK = False
+_RECEIVING: set[threading.Thread] = set()  # background receive threads still running
+EXIT_WAIT_S = 30.0
+"""At exit, how long to wait for background receives still pending (after a failure), seconds."""
 
 
 def close_at_exit(holder: Any) -> None:
@@ -297,6 +308,12 @@ def close_at_exit(holder: Any) -> None:
     ``holder.release_groups()`` for every registered holder, drops the subgroup handles it keeps,
     so that every group's worker threads are joined before finalization begins.
 
+    The same holds for a background receive (:meth:`P2P.expect`) still waiting when a rank leaves
+    after a failure: woken during finalization by its peer's message or closed connection, it
+    would abort the process. The hook first waits up to :data:`EXIT_WAIT_S` seconds for such
+    receives; they end when the peer sends or goes away, which the failure protocol
+    (:mod:`lightning_gpipe.failure`) makes prompt.
+
     Args:
         holder: an object with a ``release_groups()`` method (the strategy); held weakly.
     """
@@ -308,6 +325,14 @@ def close_at_exit(holder: Any) -> None:
 
 
 def _close_process_groups() -> None:
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for thread in list(_RECEIVING):
+        thread.join(max(deadline - time.monotonic(), 0.0))
+    if any(t.is_alive() for t in _RECEIVING):
+        log.warning(
+            f"gpipe: background receives still wait for a peer after {EXIT_WAIT_S} s at exit; "
+            "this process may abort while Python shuts down"
+        )
     release: list[Callable[[], None]] = [h.release_groups for h in list(_HOLDERS)]
     for fn in release:
         fn()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
@@ -89,6 +91,18 @@ class FailAt(nn.Module):
         return y
 
 
+class Slow(nn.Module):
+    """Wraps a layer; sleeps ``seconds`` before each forward call (a stage that lags behind)."""
+
+    def __init__(self, layer: nn.Module, seconds: float) -> None:
+        super().__init__()
+        self.layer, self.seconds = layer, seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return self.layer(x)
+
+
 class Concat(nn.Module):
     def forward(self, x, skip):
         return torch.cat([x, skip], dim=-1)
@@ -146,6 +160,7 @@ class Net(pl.LightningModule):
         record_grads: bool = False,
         call_twice: bool = False,
         fail: dict | None = None,
+        slow: dict | None = None,
         wrong_shape: bool = False,
         indexed: bool = False,
         sync_dist: bool = False,
@@ -165,6 +180,8 @@ class Net(pl.LightningModule):
             self.layers[2] = nn.Linear(16, 17)
         if fail:  # {"layer": index, "where": "forward" | "backward", "at": call number}
             self.layers[fail["layer"]] = FailAt(self.layers[fail["layer"]], fail["where"], fail["at"])
+        if slow:  # {"layer": index, "seconds": sleep per forward call}
+            self.layers[slow["layer"]] = Slow(self.layers[slow["layer"]], slow["seconds"])
         if freeze_first:
             self.layers[0].requires_grad_(False)
         self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")

@@ -56,6 +56,21 @@ def test_rank_failure_exits_all_ranks(tmp_path, where, layer, stage, rank):
 
 
 @pytest.mark.timeout(200)
+def test_failure_while_the_next_messages_are_still_being_received_exits_without_abort(tmp_path):
+    """Stage 1 raises on micro-batch 0 of step 2 while the slow stage 0 still has 3 micro-batches to
+    send: its background receive thread is still waiting when the rank exits. Every rank ends
+    promptly, the original error first, and none aborts ("terminate called ...", exit code -6)."""
+    rc, out, seconds = _run_failing_job(
+        tmp_path, fail={"layer": 2, "where": "forward", "at": 5}, slow={"layer": 0, "seconds": 0.5}
+    )
+    assert rc != 0
+    assert seconds < BOUND_S, f"the job took {seconds:.0f} s to end"
+    first = _first_error_line(out)
+    assert first.startswith("[lightning_gpipe] stage 1 (rank 1) failed"), first
+    assert "terminate called" not in out and "Fatal Python error" not in out, out[-3000:]
+
+
+@pytest.mark.timeout(200)
 def test_wrong_shape_between_stages_is_named(tmp_path):
     rc, out, seconds = _run_failing_job(tmp_path, wrong_shape=True)
     assert rc != 0 and seconds < BOUND_S

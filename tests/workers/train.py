@@ -34,7 +34,7 @@ torch.set_num_threads(1)
 spec = json.loads(Path(sys.argv[1]).read_text())
 out = Path(spec["out"])
 net_kwargs = dict(spec.get("net", {}))
-for key in ("record_grads", "call_twice", "fail", "wrong_shape"):
+for key in ("record_grads", "call_twice", "fail", "slow", "wrong_shape"):
     if key in spec:
         net_kwargs[key] = spec[key]
 steps, batch, kind = spec.get("steps", 5), spec.get("batch", 10), spec["kind"]
