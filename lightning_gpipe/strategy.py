@@ -8,6 +8,7 @@ stage's own optimizer on its own parameters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from datetime import timedelta
@@ -409,10 +410,8 @@ class GPipeStrategy(ParallelStrategy):
             handle = seq.register_forward_pre_hook(capture)
             silence_logging(model)  # outside the loop, Lightning refuses self.log
             try:
-                with torch.no_grad():
+                with torch.no_grad(), contextlib.suppress(_Captured):
                     model.training_step(batch, 0)
-            except _Captured:
-                pass
             finally:
                 handle.remove()
                 restore_logging(model)

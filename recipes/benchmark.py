@@ -40,6 +40,7 @@ Run from the repository root: ``python recipes/benchmark.py [key=value ...]`` (`
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
@@ -204,10 +205,8 @@ def _launch(spec: dict[str, Any], timeout: float) -> None:
             out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             for q in procs:
-                try:
+                with contextlib.suppress(ProcessLookupError):  # already gone
                     os.killpg(q.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
             out, failed = p.communicate()[0] + f"\n[benchmark] killed after {timeout} s", True
         outputs.append(out)
         failed = failed or p.returncode != 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -58,10 +59,8 @@ def _wait(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]
                 time.sleep(0.2)
     except subprocess.TimeoutExpired:
         for p in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # already gone
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         outs = [p.communicate()[0] for p in procs]
         raise AssertionError(f"job exceeded its {timeout} s timeout; output:\n" + "\n".join(outs)) from None
     return results

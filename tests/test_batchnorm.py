@@ -200,16 +200,20 @@ def test_recompute_under_no_accumulate_counts_each_micro_batch_once():
     assert_same_running_stats(deferred, reference)
 
 
-@pytest.mark.parametrize("shape", [(16, 5), (16, 5, 7)], ids=["NC", "NCL"])
-def test_batch_norm_1d_inputs(shape):
-    plain = nn.BatchNorm1d(5, momentum=0.2)
-    deferred = convert_deferred_batch_norm(copy.deepcopy(plain))
-    x = torch.randn(*shape) * 2 - 1
+def _plain_on_batch_deferred_on_chunks(plain: nn.Module, deferred: nn.Module, x: torch.Tensor) -> None:
+    """Run ``plain`` on the whole batch and ``deferred`` on its 4 micro-batches, then commit."""
     with torch.no_grad():
         plain(x)
         for chunk in x.chunk(4):
             deferred(chunk)
     commit_deferred_batch_norm(deferred)
+
+
+@pytest.mark.parametrize("shape", [(16, 5), (16, 5, 7)], ids=["NC", "NCL"])
+def test_batch_norm_1d_inputs(shape):
+    plain = nn.BatchNorm1d(5, momentum=0.2)
+    deferred = convert_deferred_batch_norm(copy.deepcopy(plain))
+    _plain_on_batch_deferred_on_chunks(plain, deferred, torch.randn(*shape) * 2 - 1)
     assert_same_running_stats(deferred, plain)
     with pytest.raises(ValueError, match="got 1D input"):
         deferred(torch.randn(5))
@@ -218,12 +222,7 @@ def test_batch_norm_1d_inputs(shape):
 def test_batch_norm_3d_inputs():
     plain = nn.BatchNorm3d(2)
     deferred = convert_deferred_batch_norm(copy.deepcopy(plain))
-    x = torch.randn(8, 2, 3, 3, 3) + 5
-    with torch.no_grad():
-        plain(x)
-        for chunk in x.chunk(4):
-            deferred(chunk)
-    commit_deferred_batch_norm(deferred)
+    _plain_on_batch_deferred_on_chunks(plain, deferred, torch.randn(8, 2, 3, 3, 3) + 5)
     assert_same_running_stats(deferred, plain)
 
 
