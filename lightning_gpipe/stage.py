@@ -15,8 +15,9 @@
 
 Recompute (GPipe section 2.3, "re-materialization") uses non-reentrant
 ``torch.utils.checkpoint`` with the RNG state preserved, so dropout masks in the recompute equal
-those of the forward; BatchNorm layers do not update their running statistics a second time
-during the recompute.
+those of the forward; the recompute runs on the module state the forward saw and changes nothing
+(buffers such as BatchNorm's running statistics, attributes, counters:
+:mod:`lightning_gpipe.effects`).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P, Meta
+from lightning_gpipe.effects import ForwardState
 from lightning_gpipe.microbatch import Batch, as_tensors, batch_size, from_tensors, join, split
 from lightning_gpipe.skip import MicroBatchStore, Route, use_store
 
@@ -88,29 +89,6 @@ class _Step:
     skips_out: list[dict[str, Tensor]] = field(default_factory=list)  # per micro-batch, skips sent on
 
 
-@contextmanager
-def _no_running_stats_update(module: nn.Module) -> Iterator[None]:
-    """During recompute, BatchNorm layers run exactly as in the forward, then get their running stats back.
-
-    The recompute must save the same tensors as the forward (``torch.utils.checkpoint`` checks), so
-    the layers keep tracking; their buffers are restored afterwards, which leaves one update per
-    micro-batch.
-    """
-    saved = [
-        (m, [b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
-        for m in module.modules()
-        if isinstance(m, _BatchNorm) and m.track_running_stats and m.training
-    ]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, copies in saved:
-                buffers = [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-                for buf, copy in zip(buffers, copies):
-                    buf.copy_(copy)
-
-
 class PipelineStage(nn.Sequential):
     """This rank's partition of the pipelined ``nn.Sequential``, executing its schedule column.
 
@@ -144,6 +122,7 @@ class PipelineStage(nn.Sequential):
         self.active = False  # set by the strategy around every step
         self.calls = 0
         self._step: _Step | None = None
+        self._step_states: list[ForwardState] | None = None  # this forward's recomputed micro-batches
         self.timeline: Any = None  # a lightning_gpipe.timeline.Timeline, or None
         me = topology.stage
         self._skips_in = [r for r in topology.skips if r.target == me and r.source != me]
@@ -216,6 +195,7 @@ class PipelineStage(nn.Sequential):
         top = self.topology
         train = self.expect_backward and torch.is_grad_enabled()
         step = _Step() if train else None
+        self._step_states = [] if train else None
 
         if top.is_first:
             tensors, in_tuple = as_tensors(input, "input of the pipelined nn.Sequential")
@@ -263,6 +243,9 @@ class PipelineStage(nn.Sequential):
             i += 1
 
         self._step = step
+        for state in self._step_states or ():
+            state.prune()  # tensors the fill left unchanged need no copy through the backward
+        self._step_states = None
         if not top.is_last:
             self.p2p.flush()
             raise StageDone
@@ -281,13 +264,18 @@ class PipelineStage(nn.Sequential):
         )
         if not recompute:
             return self.local_forward(x, store)
+        state = ForwardState.capture(
+            self
+        )  # what this forward changes, it changes once (recompute replays it)
+        if self._step_states is not None:
+            self._step_states.append(state)
         return torch_checkpoint(
             self.local_forward,
             x,
             store,
             use_reentrant=False,
             preserve_rng_state=True,
-            context_fn=lambda: (nullcontext(), self._recompute_context(i)),
+            context_fn=lambda: (nullcontext(), self._recompute_context(i, state)),
         )
 
     @contextmanager
@@ -309,8 +297,8 @@ class PipelineStage(nn.Sequential):
             ) from err
 
     @contextmanager
-    def _recompute_context(self, i: int) -> Iterator[None]:
-        with self._span("recompute", i), _no_running_stats_update(self), no_accumulate():
+    def _recompute_context(self, i: int, state: ForwardState) -> Iterator[None]:
+        with self._span("recompute", i), state.replay(self), no_accumulate():
             yield
 
     def _forward_messages(self, count: int) -> Counter[int]:

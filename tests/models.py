@@ -103,6 +103,81 @@ class Slow(nn.Module):
         return self.layer(x)
 
 
+class Counter(nn.Module):
+    """Identity that counts in training: a persistent buffer, an int attribute and a list attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.calls, self.sizes = 0, []
+
+    def forward(self, x):
+        if self.training:
+            self.seen += x.shape[0]
+            self.calls += 1
+            self.sizes.append(x.shape[0])
+        return x
+
+    def effects(self) -> dict:
+        return {"calls": self.calls, "sizes": list(self.sizes)}
+
+
+class EmaCenter(nn.Module):
+    """``x - mean``, then (training) ``mean`` moves halfway to the batch mean: the output depends on the buffer."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(dim))
+
+    def forward(self, x):
+        y = x - self.mean
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.5).add_(0.5 * x.mean(0))
+        return y
+
+
+class SpectralLinear(nn.Module):
+    """A spectral-normed Linear (power iteration updates buffers in place) and a forward hook that counts."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(dim, dim))
+        self.hook_calls = 0
+        self.register_forward_hook(SpectralLinear._count)
+
+    @staticmethod
+    def _count(module, args, output):
+        module.hook_calls += 1
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def effects(self) -> dict:
+        return {"hook_calls": self.hook_calls}
+
+
+class MetricTap(nn.Module):
+    """Dropout whose input's mean a torchmetrics metric tracks in training."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(p)
+        self.metric = torchmetrics.MeanMetric()
+
+    def forward(self, x):
+        if self.training:
+            self.metric.update(x.detach().mean())
+        return self.drop(x)
+
+    def effects(self) -> dict:
+        return {
+            "updates": self.metric._update_count,
+            "sum": self.metric.mean_value.item(),
+            "n": self.metric.weight.item(),
+        }
+
+
 class Concat(nn.Module):
     def forward(self, x, skip):
         return torch.cat([x, skip], dim=-1)
@@ -126,6 +201,16 @@ def build_layers(kind: str) -> nn.Sequential:
             nn.Linear(8, 8),
             nn.Tanh(),
             Pop("enc", Concat()),
+            nn.Linear(16, 3),
+        )
+    if kind == "effects":  # forwards that change more than their output; balance [3, 4]
+        return nn.Sequential(
+            nn.Linear(6, 16),
+            Counter(),
+            SpectralLinear(16),
+            EmaCenter(16),
+            MetricTap(0.2),
+            nn.Tanh(),
             nn.Linear(16, 3),
         )
     if kind == "ids":  # the first stage receives token ids only
@@ -285,7 +370,7 @@ def make_data(
     g = torch.Generator().manual_seed(seed)
     n = samples or batch * steps
     extra = (torch.arange(n),) if indexed else ()
-    if kind in ("mlp", "dropout", "bn", "lrl", "cls", "unet"):
+    if kind in ("mlp", "dropout", "bn", "lrl", "cls", "unet", "effects"):
         x = torch.randn(n, 6, generator=g)
         y = torch.randint(0, 3, (n,), generator=g) if kind == "cls" else torch.randn(n, 3, generator=g)
         data = TensorDataset(x, y, *extra)

@@ -110,6 +110,8 @@ for k, run in enumerate(spec["runs"]):
         "global_step": trainer.global_step,
         "lrs": model.lrs,
         "received_skips": getattr(trainer.strategy, "last_received_skips", None),
+        "effects": {k: layer.effects() for k, layer in enumerate(model.layers) if hasattr(layer, "effects")},
+        "rng_after": torch.rand(4),
     }
     if spec.get("save"):
         trainer.save_checkpoint(out / spec["save"])
