@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +24,6 @@ from lightning_fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
-from lightning_fabric.utilities.seed import reset_seed
 from lightning_fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.plugins.precision import Precision
@@ -80,6 +78,7 @@ from lightning_gpipe.partition import (
 from lightning_gpipe.precision import PipelineGradScaler
 from lightning_gpipe.skip import routes as skip_routes
 from lightning_gpipe.stage import CHECKPOINT_MODES, PipelineStage, StageDone, StageTopology
+from lightning_gpipe.start_state import send_rank0_state, share_rng_state
 from lightning_gpipe.timeline import Timeline, publish
 
 log = logging.getLogger(__name__)
@@ -311,7 +310,6 @@ class GPipeStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
         self.set_world_ranks()
         self._process_group_backend = (
             self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
@@ -324,12 +322,9 @@ class GPipeStrategy(ParallelStrategy):
         if self._groups is None:
             self._groups = new_groups(self.layout, self.global_rank)
         close_at_exit(self)
-        if os.environ.get("PL_GLOBAL_SEED") is None:
-            # An unseeded script: give every rank rank 0's CPU RNG state, so that a shuffling
-            # DataLoader hands every stage of a pipeline the same batches.
-            box = [torch.get_rng_state() if self.global_rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            torch.set_rng_state(box[0] if box[0] is not None else torch.get_rng_state())
+        # rank 0's random state on every rank, not re-seeded: the batches a seeded (or unseeded)
+        # script draws on one device, the same on every stage
+        share_rng_state(self.global_rank)
 
     # -- the model -------------------------------------------------------------------------------
 
@@ -442,13 +437,11 @@ class GPipeStrategy(ParallelStrategy):
             ranks=tuple(layout.pipeline_ranks(replica)),
             skips=tuple(skip_routes(seq, [j for j, n in enumerate(balance) for _ in range(n)])),
         )
+        p2p = P2P(self.root_device)
+        # every stage starts from global rank 0's weights (replicas d > 0 then take replica 0's in setup)
+        send_rank0_state([cut(seq, balance, s) for s in range(layout.stages)], layout, rank, p2p)
         pipe = PipelineStage(
-            cut(seq, balance, stage),
-            topology,
-            self.chunks,
-            self.checkpoint,
-            P2P(self.root_device),
-            list(seq._modules),
+            cut(seq, balance, stage), topology, self.chunks, self.checkpoint, p2p, list(seq._modules)
         )
         if self.deferred_batch_norm:
             self._plain_batch_norms = [

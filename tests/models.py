@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytorch_lightning as pl
@@ -254,6 +255,7 @@ class Net(pl.LightningModule):
         scheduler: bool = False,
         two_optimizers: bool = False,
         log_first: bool = False,
+        pretrained_seed: int | None = None,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
@@ -267,6 +269,11 @@ class Net(pl.LightningModule):
             self.layers[fail["layer"]] = FailAt(self.layers[fail["layer"]], fail["where"], fail["at"])
         if slow:  # {"layer": index, "seconds": sleep per forward call}
             self.layers[slow["layer"]] = Slow(self.layers[slow["layer"]], slow["seconds"])
+        if pretrained_seed is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+            # "pretrained" weights loaded on local rank 0 only (the random draws leave no trace)
+            with torch.random.fork_rng():
+                torch.manual_seed(pretrained_seed)
+                self.layers.load_state_dict(build_layers(kind).state_dict())
         if freeze_first:
             self.layers[0].requires_grad_(False)
         self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
@@ -361,8 +368,9 @@ def make_data(
     indexed: bool = False,
     samples: int | None = None,
     order: list[list[int]] | None = None,
+    shuffle: bool = False,
 ):
-    """A loader whose order is fixed (no shuffle), ``steps`` batches of ``batch`` samples.
+    """A loader of ``steps`` batches of ``batch`` samples, in a fixed order unless ``shuffle``.
 
     ``indexed`` appends each sample's index to the batch; ``samples`` sets the dataset size
     (default ``batch × steps``); ``order`` gives the sample indices of each batch explicitly.
@@ -376,7 +384,7 @@ def make_data(
         data = TensorDataset(x, y, *extra)
         if order is not None:
             return DataLoader([data[idx] for idx in order], batch_size=None, shuffle=False)
-        return DataLoader(data, batch_size=batch, shuffle=False)
+        return DataLoader(data, batch_size=batch, shuffle=shuffle)
     if kind == "ids":
         data = TensorDataset(
             torch.randint(0, 11, (n, 5), generator=g), torch.randn(n, 5, 3, generator=g), *extra

@@ -12,7 +12,8 @@ callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStoppin
 save (checkpoint file to write after fit), save_at_train_end (written inside fit, while the
 model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
 the first fit), exit_check (write exit_rank{r}.json: process group and threads left
-at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit).
+at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit),
+shuffle (the training loader shuffles), record_start_state (rank 0 records the full state as training starts).
 """
 
 import atexit
@@ -63,7 +64,23 @@ def trainer_for(run, max_steps, callbacks=(), overrides=None):
 
 
 def train_data():
-    return make_data(kind, batch, max(steps, 5), indexed=indexed, samples=spec.get("samples", batch * 5))
+    return make_data(
+        kind,
+        batch,
+        max(steps, 5),
+        indexed=indexed,
+        samples=spec.get("samples", batch * 5),
+        shuffle=spec.get("shuffle", False),
+    )
+
+
+class RecordStartState(Callback):
+    """The whole Sequential's state as training starts (gathered from every stage onto rank 0)."""
+
+    def on_train_start(self, trainer, pl_module):
+        extra["start_state"] = {
+            k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()
+        }
 
 
 class SaveAtTrainEnd(Callback):
@@ -87,6 +104,8 @@ for k, run in enumerate(spec["runs"]):
         callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt{k}", **spec["callbacks"]["checkpoint"]))
     if "early_stopping" in spec.get("callbacks", {}):
         callbacks.append(EarlyStopping(**spec["callbacks"]["early_stopping"]))
+    if spec.get("record_start_state"):
+        callbacks.append(RecordStartState())
     if spec.get("save_at_train_end"):
         callbacks.append(SaveAtTrainEnd(out / spec["save_at_train_end"]))
     val = None
