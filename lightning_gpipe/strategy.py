@@ -66,6 +66,7 @@ from lightning_gpipe.metrics import (
     sync_metrics_over,
 )
 from lightning_gpipe.microbatch import as_tensors, split
+from lightning_gpipe.outcome import OutcomeChannel, apply_outcome, outcome_of
 from lightning_gpipe.partition import (
     PartitionError,
     check_balance,
@@ -220,6 +221,7 @@ class GPipeStrategy(ParallelStrategy):
         self._timeout = timeout
         self._num_nodes = 1
         self._stage: PipelineStage | None = None
+        self._outcomes: OutcomeChannel | None = None
         self._original: tuple[nn.Module, str, nn.Sequential] | None = None  # (parent, attr, full Sequential)
         self._seq_name = ""
         self._groups: Groups | None = None
@@ -438,6 +440,7 @@ class GPipeStrategy(ParallelStrategy):
             skips=tuple(skip_routes(seq, [j for j, n in enumerate(balance) for _ in range(n)])),
         )
         p2p = P2P(self.root_device)
+        self._outcomes = OutcomeChannel(p2p, self.root_device)
         # every stage starts from global rank 0's weights (replicas d > 0 then take replica 0's in setup)
         send_rank0_state([cut(seq, balance, s) for s in range(layout.stages)], layout, rank, p2p)
         pipe = PipelineStage(
@@ -572,51 +575,53 @@ class GPipeStrategy(ParallelStrategy):
             commit_deferred_batch_norm(stage)  # once per mini-batch, after all its micro-batches
         if not stage.ran_forward:
             return out
-        return self._share_loss(out)
+        return self._share_outcome(out, training=True)
 
-    def _share_loss(self, out: Any) -> Any:
-        """The last stage tells the others whether the step has a loss (and its value).
+    def _share_outcome(self, out: Any, training: bool) -> Any:
+        """The last stage sends its step outcome (:mod:`lightning_gpipe.outcome`); the others install it.
 
-        Other stages return that value as their step output, so that Lightning calls ``backward``
-        on every stage or on none (should a ``training_step`` return ``None``; Lightning itself
-        refuses that when several processes run).
+        On the other stages a training step returns the last stage's loss value, so that Lightning
+        calls ``backward`` on every stage or on none (should a ``training_step`` return ``None``;
+        Lightning itself refuses that when several processes run).
         """
         stage = self._stage
-        assert stage is not None
+        assert stage is not None and self._outcomes is not None
         layout = self.layout
-        replica = layout.replica_of(self.global_rank)
         if layout.stages == 1:
             return out
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        replica = layout.replica_of(self.global_rank)
         if stage.topology.is_last:
-            loss = out.get("loss") if isinstance(out, dict) else out
-            has = isinstance(loss, Tensor)
-            value = float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else 0.0
-            message = torch.tensor(
-                [float(has), value],
-                dtype=torch.float64,
-                device=self.root_device,
-            )
+            outcome = outcome_of(trainer, out if training else None)
             for s in range(layout.stages - 1):
-                stage.p2p.send([message], layout.rank(replica, s))
-            if not has:
+                self._outcomes.send(outcome, layout.rank(replica, s))
+            if not (training and outcome.has_loss):
                 stage.p2p.flush()
                 stage.backward_skipped()
             # else the backward's own flush waits for these sends: the drain starts now
             return out
-        _, (message,) = stage.p2p.recv(layout.rank(replica, layout.stages - 1))
-        has, value = message.tolist()
-        if not has:
+        outcome = self._outcomes.receive(layout.rank(replica, layout.stages - 1))
+        apply_outcome(trainer, outcome)
+        if not training:
+            return out
+        if not outcome.has_loss:
             stage.backward_skipped()
             return None
-        return torch.tensor(value, device=self.root_device, requires_grad=True)
+        return torch.tensor(outcome.loss, device=self.root_device, requires_grad=True)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return _none_if_done(self._run_step(super().validation_step, False, *args, **kwargs))
+        return self._eval_step(super().validation_step, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return _none_if_done(self._run_step(super().test_step, False, *args, **kwargs))
+        return self._eval_step(super().test_step, *args, **kwargs)
+
+    def _eval_step(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
+        out = _none_if_done(self._run_step(hook, False, *args, **kwargs))
+        assert self._stage is not None
+        return self._share_outcome(out, training=False) if self._stage.ran_forward else out
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:

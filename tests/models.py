@@ -256,12 +256,16 @@ class Net(pl.LightningModule):
         two_optimizers: bool = False,
         log_first: bool = False,
         pretrained_seed: int | None = None,
+        plateau: bool = False,
+        stop_at: int | None = None,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
         self.indexed, self.sync_dist, self.ref_clip_norm_type = indexed, sync_dist, ref_clip_norm_type
         self.scheduler, self.two_optimizers, self.log_first = scheduler, two_optimizers, log_first
         self.lrs: list[float] = []
+        self.plateau, self.stop_at = plateau, stop_at
+        self.step_lrs: list[float] = []  # the learning rate each step uses
         self.layers = build_layers(kind)
         if wrong_shape:  # stage 1 of 3 hands stage 2 (N, 17) where Linear(16, 3) expects (N, 16)
             self.layers[2] = nn.Linear(16, 17)
@@ -305,7 +309,12 @@ class Net(pl.LightningModule):
         self.losses.append(loss.item())
         self.shapes.append(tuple(out.shape))
         self.log("train_loss", loss, sync_dist=self.sync_dist)
+        if batch_idx == self.stop_at:  # decided after the pipelined call: on the last stage only
+            self.trainer.should_stop = True
         return loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.step_lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if "train_loss" in self.trainer.callback_metrics:
@@ -349,6 +358,14 @@ class Net(pl.LightningModule):
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         if self.two_optimizers:
             return [optimizer, torch.optim.SGD(self.parameters(), lr=self.lr)]
+        if self.plateau:  # halves the learning rate after every step (threshold 10: never an improvement)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+                optimizer, "min", factor=0.5, patience=0, threshold=10
+            )
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss", "interval": "step"},
+            }
         if self.scheduler:
             return {
                 "optimizer": optimizer,

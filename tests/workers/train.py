@@ -128,6 +128,7 @@ for k, run in enumerate(spec["runs"]):
         "current_epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "lrs": model.lrs,
+        "step_lrs": model.step_lrs,
         "received_skips": getattr(trainer.strategy, "last_received_skips", None),
         "effects": {k: layer.effects() for k, layer in enumerate(model.layers) if hasattr(layer, "effects")},
         "rng_after": torch.rand(4),
