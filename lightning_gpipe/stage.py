@@ -121,6 +121,7 @@ class PipelineStage(nn.Sequential):
         self.expect_backward = False  # set by the strategy around training_step
         self.active = False  # set by the strategy around every step
         self.calls = 0
+        self.configuring = False  # set by the strategy around configure_optimizers
         self._step: _Step | None = None
         self._step_states: list[ForwardState] | None = None  # this forward's recomputed micro-batches
         self.timeline: Any = None  # a lightning_gpipe.timeline.Timeline, or None
@@ -132,17 +133,27 @@ class PipelineStage(nn.Sequential):
     def __getitem__(self, idx: Any) -> Any:
         """``layers[k]`` with ``k`` the layer's index in the user's whole Sequential.
 
+        While the optimizers are configured (``configure_optimizers``), a layer on another stage is
+        an empty module and a slice an ``nn.Sequential`` of this stage's layers within it, so that
+        one-device code such as ``{"params": self.layers[-1].parameters(), "lr": ...}`` builds the
+        same groups, empty where the stage holds none of their layers.
+
         Raises:
-            PipelineUsageError: layer ``k`` lives on another stage, or ``idx`` is a slice.
+            PipelineUsageError: otherwise, layer ``k`` lives on another stage, or ``idx`` is a slice.
         """
         if isinstance(idx, slice):
+            if self.configuring:
+                wanted = self.names[idx]
+                return nn.Sequential(OrderedDict((n, m) for n, m in self._modules.items() if n in wanted))
             raise PipelineUsageError(
-                "slicing the pipelined nn.Sequential is not supported under the gpipe strategy: each process "
-                f"holds only its stage's layers ({', '.join(self._modules)})"
+                "slicing the pipelined nn.Sequential is not supported under the gpipe strategy outside "
+                f"configure_optimizers: each process holds only its stage's layers ({', '.join(self._modules)})"
             )
         index = int(idx) + len(self.names) if int(idx) < 0 else int(idx)
         if 0 <= index < len(self.names) and self.names[index] in self._modules:
             return self._modules[self.names[index]]
+        if self.configuring and 0 <= index < len(self.names):
+            return nn.Module()  # held by another stage: no parameters here
         raise PipelineUsageError(
             f"layer {idx} of the pipelined nn.Sequential lives on another stage: this process runs stage "
             f"{self.topology.stage}, which holds layers {', '.join(self._modules)}; access a layer only "

@@ -518,9 +518,17 @@ class GPipeStrategy(ParallelStrategy):
         if not self.is_last_stage:
             silence_logging(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
-            if not any(True for _ in self._stage.parameters()):
+            if not any(p.requires_grad for p in self._stage.parameters()):
+                # no parameter to train here (none, or all frozen): one empty trainable parameter, so
+                # that configure_optimizers as written (even filtered by requires_grad) builds an optimizer
                 add_placeholder_parameter(self._stage, self.root_device)
-            self.setup_optimizers(trainer)
+            self._stage.configuring = (
+                True  # layers of other stages are empty there (PipelineStage.__getitem__)
+            )
+            try:
+                self.setup_optimizers(trainer)
+            finally:
+                self._stage.configuring = False
             if len(self.optimizers) > 1:
                 raise ValueError(
                     f"configure_optimizers returned {len(self.optimizers)} optimizers; the gpipe strategy runs one "
@@ -789,8 +797,11 @@ class GPipeStrategy(ParallelStrategy):
             if self.global_rank != 0:
                 return {}
         stages = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+        order = None
+        if self._original is not None:
+            order = [f"{self._seq_name}.{n}" for n, _ in self._original[2].named_parameters()]
         return merge_optimizer_states(
-            [(drop_placeholder(sd, n), drop_placeholder_names(n)) for _, sd, n in stages]
+            [(drop_placeholder(sd, n), drop_placeholder_names(n)) for _, sd, n in stages], order
         )
 
     @override
@@ -816,7 +827,9 @@ class GPipeStrategy(ParallelStrategy):
                 prefix = self._seq_name + "."
                 merged = {**merged, NAMES_KEY: [prefix + n for n, _ in self._original[2].named_parameters()]}
             names = group_names(optimizer, names_by_id, missing=PLACEHOLDER)
-            local = split_optimizer_state(merged, names, stateless=lambda name: PLACEHOLDER in name)
+            local = split_optimizer_state(
+                merged, names, stateless=lambda name: PLACEHOLDER in name, local_groups=optimizer.param_groups
+            )
             optimizer.load_state_dict(local)
             _optimizer_to_device(optimizer, self.root_device)
 

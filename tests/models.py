@@ -227,6 +227,10 @@ def build_layers(kind: str) -> nn.Sequential:
             nn.BatchNorm1d(16),
             nn.Linear(16, 3),
         )
+    if kind == "ln":  # balance [4, 2]: stage 1 starts with the LayerNorm
+        return nn.Sequential(
+            nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 3)
+        )
     if kind == "seq":
         return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
     raise ValueError(kind)
@@ -258,13 +262,14 @@ class Net(pl.LightningModule):
         pretrained_seed: int | None = None,
         plateau: bool = False,
         stop_at: int | None = None,
+        groups: str | None = None,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
         self.indexed, self.sync_dist, self.ref_clip_norm_type = indexed, sync_dist, ref_clip_norm_type
         self.scheduler, self.two_optimizers, self.log_first = scheduler, two_optimizers, log_first
         self.lrs: list[float] = []
-        self.plateau, self.stop_at = plateau, stop_at
+        self.plateau, self.stop_at, self.groups = plateau, stop_at, groups
         self.step_lrs: list[float] = []  # the learning rate each step uses
         self.layers = build_layers(kind)
         if wrong_shape:  # stage 1 of 3 hands stage 2 (N, 17) where Linear(16, 3) expects (N, 16)
@@ -355,6 +360,29 @@ class Net(pl.LightningModule):
         )
 
     def configure_optimizers(self):
+        if self.groups == "frozen":  # the usual idiom with frozen layers
+            return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
+        if self.groups == "head":  # one-device code naming layers: the head's group is empty on other stages
+            return torch.optim.AdamW(
+                [
+                    {"params": self.layers[-1].parameters(), "lr": 0.05},
+                    {"params": self.layers[:-1].parameters()},
+                ],
+                lr=0.01,
+            )
+        if self.groups is not None:
+            # AdamW with decay / no-decay groups in the order they first occur in named_parameters();
+            # "bias_norm": biases and norms not decayed; "norm": norms only
+            def no_decay(name: str) -> bool:
+                return name.startswith("layers.4.") or (self.groups == "bias_norm" and name.endswith("bias"))
+
+            made: dict[bool, list] = {}
+            for name, p in self.named_parameters():
+                if p.requires_grad:
+                    made.setdefault(no_decay(name), []).append(p)
+            return torch.optim.AdamW(
+                [{"params": ps, "weight_decay": 0.0 if nd else 0.1} for nd, ps in made.items()], lr=0.01
+            )
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         if self.two_optimizers:
             return [optimizer, torch.optim.SGD(self.parameters(), lr=self.lr)]
@@ -395,7 +423,7 @@ def make_data(
     g = torch.Generator().manual_seed(seed)
     n = samples or batch * steps
     extra = (torch.arange(n),) if indexed else ()
-    if kind in ("mlp", "dropout", "bn", "lrl", "cls", "unet", "effects"):
+    if kind in ("mlp", "dropout", "bn", "lrl", "cls", "unet", "effects", "ln"):
         x = torch.randn(n, 6, generator=g)
         y = torch.randint(0, 3, (n,), generator=g) if kind == "cls" else torch.randn(n, 3, generator=g)
         data = TensorDataset(x, y, *extra)

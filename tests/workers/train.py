@@ -6,10 +6,10 @@ Lightning's launcher re-runs this command for the other ranks. Every rank writes
 norms, sample indices, callback metrics, best checkpoint path, stop epoch); rank 0 (a last
 stage) also writes the full trained state.
 
-Spec keys: kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr, samples,
+Spec keys: kind, devices, runs (GPipeStrategy kwargs per run, and "net": that run's own Net kwargs), steps, batch, seed, lr, samples,
 net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
-save (checkpoint file to write after fit), save_at_train_end (written inside fit, while the
+save (checkpoint file to write after fit; "{k}" is the run's index), save_at_train_end (written inside fit, while the
 model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
 the first fit), exit_check (write exit_rank{r}.json: process group and threads left
 at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit),
@@ -97,8 +97,10 @@ class SaveAtTrainEnd(Callback):
 
 
 for k, run in enumerate(spec["runs"]):
+    run = dict(run)
+    run_net = {**net_kwargs, **run.pop("net", {})}  # a run's own Net options
     pl.seed_everything(spec.get("seed", 0), verbose=False)
-    model = Net(kind, lr=spec.get("lr", 0.1), **net_kwargs)
+    model = Net(kind, lr=spec.get("lr", 0.1), **run_net)
     callbacks: list = []
     if "checkpoint" in spec.get("callbacks", {}):
         callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt{k}", **spec["callbacks"]["checkpoint"]))
@@ -134,13 +136,13 @@ for k, run in enumerate(spec["runs"]):
         "rng_after": torch.rand(4),
     }
     if spec.get("save"):
-        trainer.save_checkpoint(out / spec["save"])
+        trainer.save_checkpoint(out / spec["save"].format(k=k))
     if spec.get("predict"):
         record["predictions"] = trainer.predict(model, make_data(kind, batch, 2, seed=2, indexed=indexed))
     if spec.get("resume"):
-        model = Net(kind, lr=spec.get("lr", 0.1), **net_kwargs)
+        model = Net(kind, lr=spec.get("lr", 0.1), **run_net)
         trainer = trainer_for(run, spec["resume"]["steps"], overrides=spec["resume"].get("trainer"))
-        trainer.fit(model, train_data(), ckpt_path=spec["resume"]["ckpt"])
+        trainer.fit(model, train_data(), ckpt_path=spec["resume"]["ckpt"].format(k=k))
         record["resumed_losses"] = model.losses
         record["resumed_global_step"] = trainer.global_step
     record.update(extra)
