@@ -36,6 +36,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, watch_signals
 from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, balance_by_time
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from lightning_gpipe.checkpoint import (
@@ -134,6 +135,10 @@ class GPipeStrategy(ParallelStrategy):
             optimizer over the whole model). ``"sharded"``: a directory written with
             ``torch.distributed.checkpoint``, each stage its own shard, loadable with any number
             of stages. Both are written atomically.
+        collective_timeout: seconds every rank waits for the others at an operation that needs them
+            all (barriers, broadcasts, ``reduce_boolean_decision``, gathering state for a checkpoint,
+            sharing epoch metrics) before it fails with :class:`lightning_gpipe.arrival.CollectiveTimeout`
+            naming the operation and the ranks that did not arrive (:mod:`lightning_gpipe.arrival`).
 
     Raises:
         ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
@@ -164,6 +169,7 @@ class GPipeStrategy(ParallelStrategy):
         checkpoint_format: str = "full",
         optimizer_state_factor: float = 2.0,
         deferred_batch_norm: bool = False,
+        collective_timeout: float = 30.0,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -233,6 +239,11 @@ class GPipeStrategy(ParallelStrategy):
         self.checkpoint_format = checkpoint_format
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.deferred_batch_norm = bool(deferred_batch_norm)
+        if not collective_timeout > 0:
+            raise ValueError(
+                f"collective_timeout must be > 0 seconds (collective_timeout: {collective_timeout!r})"
+            )
+        self.collective_timeout = float(collective_timeout)
         self._plain_batch_norms: list[tuple[nn.Module, str, nn.Module]] = []
         self.balance_used: list[int] | None = None
         self._failed = False
@@ -324,6 +335,7 @@ class GPipeStrategy(ParallelStrategy):
         if self._groups is None:
             self._groups = new_groups(self.layout, self.global_rank)
         close_at_exit(self)
+        watch_signals(SIGNAL_GRACE_S, on_signal=self._forward_signal)
         # rank 0's random state on every rank, not re-seeded: the batches a seeded (or unseeded)
         # script draws on one device, the same on every stage
         share_rng_state(self.global_rank)
@@ -486,6 +498,7 @@ class GPipeStrategy(ParallelStrategy):
     def _gather_sequential_state(self, to_all: bool) -> dict[str, Tensor]:
         """The pipelined Sequential's full ``state_dict`` (keys relative to it) from replica 0's stages."""
         assert self._stage is not None
+        self._arrive("gathering the model's state (save_checkpoint, end of fit)")
         layout = self.layout
         local = {k: v.detach().cpu() for k, v in self._stage.state_dict().items()}
         mine = local if layout.replica_of(self.global_rank) == 0 else {}
@@ -664,6 +677,16 @@ class GPipeStrategy(ParallelStrategy):
 
     # -- collectives ----------------------------------------------------------------------------
 
+    def _arrive(self, operation: str, ranks: list[int] | None = None) -> None:
+        """Fail within ``collective_timeout`` seconds, naming the ranks missing, if some never reach ``operation``."""
+        arrive(operation, self.collective_timeout, ranks)
+
+    def _forward_signal(self, signum: int) -> None:
+        """On SIGTERM/SIGINT, the launching rank passes the signal on to the ranks it started."""
+        kill = getattr(self._launcher, "kill", None)
+        if callable(kill):
+            kill(signum)
+
     @property
     def last_stage_group(self) -> Any:
         """The data-parallel group of the last stage, where losses and metrics live."""
@@ -674,7 +697,9 @@ class GPipeStrategy(ParallelStrategy):
         layout = self.layout
         if layout.stages == 1 or self._groups is None or not _distributed_is_initialized():
             return
-        src = layout.rank(layout.replica_of(self.global_rank), layout.stages - 1)
+        replica = layout.replica_of(self.global_rank)
+        src = layout.rank(replica, layout.stages - 1)
+        self._arrive(f"sharing epoch metrics over pipeline {replica}", layout.pipeline_ranks(replica))
         share_last_stage_metrics(trainer, src, self._groups.pipeline, self.root_device)
 
     @override
@@ -695,14 +720,16 @@ class GPipeStrategy(ParallelStrategy):
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         if not _distributed_is_initialized():
             return decision
+        self._arrive("reduce_boolean_decision")
         t = torch.tensor(int(decision), device=self.root_device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return bool(t == self.world_size) if all else bool(t)
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
+        self._arrive(f"barrier {name!r}" if name else "barrier")
         if dist.get_backend() == "nccl":
             dist.barrier(device_ids=[self.root_device.index])
         else:
@@ -712,6 +739,7 @@ class GPipeStrategy(ParallelStrategy):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _distributed_is_initialized():
             return obj
+        self._arrive("broadcast")
         box = [obj]
         dist.broadcast_object_list(box, src)
         return box[0]
@@ -788,6 +816,7 @@ class GPipeStrategy(ParallelStrategy):
         mine = (self.stage_index, tensors_to_cpu(optimizer.state_dict()), names)
         parts: list[Any] = [mine]
         if _distributed_is_initialized() and self.world_size > 1:
+            self._arrive("gathering optimizer states (save_checkpoint)")
             parts = [None] * self.world_size
             dist.gather_object(
                 mine if layout.replica_of(self.global_rank) == 0 else None,

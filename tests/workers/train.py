@@ -13,7 +13,8 @@ save (checkpoint file to write after fit; "{k}" is the run's index), save_at_tra
 model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
 the first fit), exit_check (write exit_rank{r}.json: process group and threads left
 at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit),
-shuffle (the training loader shuffles), record_start_state (rank 0 records the full state as training starts).
+shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" | "barrier"}: only global
+rank 0 calls it, after writing the file "blocked"), record_start_state (rank 0 records the full state as training starts).
 """
 
 import atexit
@@ -96,6 +97,19 @@ class SaveAtTrainEnd(Callback):
                 extra["atomic_error"] = type(err).__name__
 
 
+class Rank0Only(Callback):
+    """At batch ``at``, global rank 0 alone saves a checkpoint or enters a barrier (writes ``blocked`` first)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        what = spec["rank0_only"]
+        if trainer.is_global_zero and batch_idx == what["at"]:
+            (out / "blocked").write_text("1")
+            if what["call"] == "save":
+                trainer.save_checkpoint(out / "only0.ckpt")
+            else:
+                trainer.strategy.barrier("only rank 0")
+
+
 for k, run in enumerate(spec["runs"]):
     run = dict(run)
     run_net = {**net_kwargs, **run.pop("net", {})}  # a run's own Net options
@@ -106,6 +120,8 @@ for k, run in enumerate(spec["runs"]):
         callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt{k}", **spec["callbacks"]["checkpoint"]))
     if "early_stopping" in spec.get("callbacks", {}):
         callbacks.append(EarlyStopping(**spec["callbacks"]["early_stopping"]))
+    if spec.get("rank0_only"):
+        callbacks.append(Rank0Only())
     if spec.get("record_start_state"):
         callbacks.append(RecordStartState())
     if spec.get("save_at_train_end"):
