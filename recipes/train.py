@@ -17,27 +17,22 @@ import importlib.util
 import inspect
 import logging
 import math
-import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python recipes/train.py` puts recipes/, not the root, on the path
-    sys.path.insert(0, str(ROOT))
+import hydra
+import pytorch_lightning as pl
+from hydra.utils import get_class, instantiate, to_absolute_path
+from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.callbacks import Callback, ModelCheckpoint
+from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-import hydra  # noqa: E402
-import pytorch_lightning as pl  # noqa: E402
-from hydra.utils import get_class, instantiate, to_absolute_path  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
-from torch.nn.modules.batchnorm import _BatchNorm  # noqa: E402
-
-from lightning_gpipe import GPipeStrategy  # noqa: E402
-from lightning_gpipe.launcher import GPipeLauncher  # noqa: E402
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.launcher import GPipeLauncher
 
 __all__ = ["Throughput", "build_data", "build_strategy", "main", "train"]
 
