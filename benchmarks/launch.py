@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
-__all__ = ["JobTimeout", "job_env", "run_job"]
+__all__ = ["JobTimeout", "job_env", "run_job", "run_processes"]
 
 # What a launcher sets for its ranks; removed from the job's environment so that a job started from
 # inside another job (a test under torchrun, a benchmark in a Lightning process) starts afresh.
@@ -101,17 +101,33 @@ def run_job(
         if ranks is None
         else [dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks)) for r in range(ranks)]
     )
+    return run_processes([(command, rank_env) for rank_env in per_rank], cwd=cwd, timeout=timeout)
+
+
+def run_processes(
+    processes: Sequence[tuple[Sequence[str], dict[str, str]]],
+    *,
+    cwd: str | Path | None = None,
+    timeout: float = 240.0,
+) -> list[tuple[int, str]]:
+    """Run the processes of one job, each ``(argv, environment)`` (e.g. two ``torchrun`` nodes,
+    or ranks with a cluster's variables), and wait for all of them, as :func:`run_job` does.
+
+    Raises:
+        JobTimeout: the job did not end within ``timeout`` seconds; every process group of the
+            job is killed (SIGKILL) first.
+    """
     procs = [
         subprocess.Popen(
             list(command),
             cwd=cwd,
-            env=rank_env,
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,
         )
-        for rank_env in per_rank
+        for command, env in processes
     ]
     deadline = time.monotonic() + timeout
     results = []
