@@ -44,7 +44,7 @@ FAST = [
     "trainer.log_every_n_steps=1",
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
-    "throughput_warmup=2",
+    "throughput_window=2",
 ]
 
 
@@ -349,3 +349,19 @@ def test_multirun_gives_each_job_its_own_processes_and_directory(tmp_path):
     assert not any((ROOT / top / task).exists() for top in ("outputs", "multirun"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "sweep"]
     assert OmegaConf.load(sweep / "multirun.yaml").hydra.mode == "MULTIRUN"
+
+
+@pytest.mark.parametrize("trainer, gpus", [("gpu", 2), ("cpu", None)])
+def test_slurm_launcher_asks_for_one_task_per_process_of_the_job(trainer, gpus):
+    cfg = _compose(
+        "hydra/launcher=gpipe_slurm",
+        f"trainer={trainer}",
+        "pipeline.replicas=2",
+        "trainer.num_nodes=2",
+        hydra=True,
+    )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 2, gpus)
+    local = _compose("hydra/launcher=gpipe_local", hydra=True).hydra.launcher
+    assert local._target_.endswith("LocalLauncher") and (local.nodes, local.tasks_per_node) == (1, 2)
