@@ -278,11 +278,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         callbacks=[shared, checkpoint, throughput],
         default_root_dir=str(output_dir),
     )
-    pipeline = {
-        k: v
-        for k, v in OmegaConf.to_container(cfg.pipeline, resolve=True).items()
-        if k not in ("_target_", "timeout")
-    }  # type: ignore[union-attr]
+    node = OmegaConf.to_container(cfg.pipeline, resolve=True)
+    assert isinstance(node, dict)
+    pipeline = {k: v for k, v in node.items() if k not in ("_target_", "timeout")}
     for logger in loggers:
         logger.log_hyperparams(
             {**pipeline, "seed": cfg.seed, "model": cfg.model._target_, "data": cfg.data._target_}
@@ -312,11 +310,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
         metrics["val_unigram_entropy"] = float(entropy)
     if cfg.monitor.metric not in metrics:
         metrics[cfg.monitor.metric] = math.nan
-        if trainer.is_global_zero:
+        validated = any(key.startswith("val_") for key in trainer.callback_metrics)
+        if trainer.is_global_zero and not validated:
             log.warning(
                 f"[train] {cfg.monitor.metric} is NaN: no validation ran (trainer.max_steps: "
                 f"{cfg.trainer.max_steps}, trainer.val_check_interval: {cfg.trainer.val_check_interval}); "
                 "set trainer.val_check_interval to at most trainer.max_steps"
+            )
+        elif trainer.is_global_zero:
+            log.warning(
+                f"[train] {cfg.monitor.metric} is NaN: the module logged no such metric (logged: "
+                f"{sorted(trainer.callback_metrics)}); set monitor.metric to one of them or to throughput"
             )
     if trainer.is_global_zero:
         log.info(summary(metrics, output_dir, checkpoint.best_model_path, window))
