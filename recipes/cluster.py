@@ -1,9 +1,11 @@
 """One output directory per job and rank-tagged logs, whatever starts the job's processes.
 
 Lightning's own launcher starts ranks 1.. with the job's directory on their command line
-(:func:`lightning_gpipe.launcher.hydra_child_command`). An external launcher (``torchrun``,
-``srun`` under SLURM, a submitit task) starts every rank itself, and each process composes its
-config on its own: resolved there, ``${now:...}`` would give each rank its own directory. So:
+(:func:`lightning_gpipe.launcher.hydra_child_command`); submitit's tasks share the directory of
+their job in a Hydra sweep (the sweep's resolved values travel with the pickled job). An external
+launcher of a plain run (``torchrun``, ``srun`` under SLURM) starts every rank itself, and each
+process composes its config on its own: resolved there, ``${now:...}`` would give each rank its
+own directory. So:
 
 - the run directory is written ``${rank_zero_dir:<dir>}`` (``conf/train.yaml``): rank 0 keeps
   ``<dir>``; any other rank of an externally started job gets a temporary directory of its own
@@ -17,7 +19,8 @@ config on its own: resolved there, ``${now:...}`` would give each rank its own d
 The rank is read before any connection exists, from the variables the launchers set, through
 Lightning's cluster environments (:func:`launch_rank`). Resolvers registered on import:
 ``${global_rank:}`` (the rank, for log lines), ``${rank_suffix:}`` (``""`` on rank 0, ``_rank<r>``
-elsewhere) and ``${rank_zero_dir:<dir>}``.
+elsewhere), ``${rank_zero_dir:<dir>}``, and for ``conf/hydra/launcher/gpipe_*.yaml``
+``${tasks_per_node:stages,replicas,nodes}`` and ``${gpus_per_node:accelerator,tasks}``.
 """
 
 from __future__ import annotations
@@ -40,11 +43,18 @@ from lightning_fabric.plugins.environments import (
 from omegaconf import OmegaConf
 from pytorch_lightning.callbacks import Callback
 
-__all__ = ["SharedOutputDir", "SubmititLocalEnvironment", "launch_rank", "register_resolvers"]
+__all__ = [
+    "SharedOutputDir",
+    "SubmititLocalEnvironment",
+    "cluster_environment",
+    "launch_rank",
+    "register_resolvers",
+]
 
 log = logging.getLogger(__name__)
 
-# Lightning's own order of detection (``_AcceleratorConnector``): the first that detects wins.
+# Lightning's own order of detection (``_AcceleratorConnector``), the first that detects wins;
+# Kubeflow is left out: Lightning cannot detect it from the environment either.
 EXTERNAL_ENVIRONMENTS: tuple[type[ClusterEnvironment], ...] = (
     SLURMEnvironment,
     TorchElasticEnvironment,
@@ -56,7 +66,7 @@ TEMP_PREFIX = "gpipe-rank-"
 
 
 class SubmititLocalEnvironment(ClusterEnvironment):
-    """The tasks of a job of submitit's local executor (``hydra/launcher=submitit_local``).
+    """The tasks of a job of submitit's local executor (``hydra/launcher=gpipe_local``).
 
     The local executor starts ``tasks_per_node`` processes per job, as ``srun`` would, but sets
     ``SUBMITIT_LOCAL_*`` variables rather than SLURM's, which no Lightning environment reads.
