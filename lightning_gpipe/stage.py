@@ -13,33 +13,36 @@
   gradient from the next stage (on the last stage: split the leaves' gradients), backpropagate,
   send the input gradient to the previous stage.
 
-Recompute (GPipe section 2.3, "re-materialization") uses non-reentrant
-``torch.utils.checkpoint`` with the RNG state preserved, so dropout masks in the recompute equal
-those of the forward; the recompute runs on the module state the forward saw and changes nothing
-(buffers such as BatchNorm's running statistics, attributes, counters:
-:mod:`lightning_gpipe.effects`).
+- the step outcome (after the user's step, :mod:`lightning_gpipe.outcome`): the last stage tells
+  the others whether the step has a loss, so that Lightning calls ``backward`` on every stage or
+  on none, with ``trainer.callback_metrics`` and ``should_stop``.
+
+Which micro-batches recompute their forward is :mod:`lightning_gpipe.recompute`'s rule; the
+recompute runs on the module state its forward saw and changes nothing
+(:mod:`lightning_gpipe.effects`).
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_gpipe import recompute
+from lightning_gpipe._compat import children
 from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P, Meta
 from lightning_gpipe.effects import ForwardState
+from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import Batch, as_tensors, batch_size, from_tensors, join, split
-from lightning_gpipe.skip import MicroBatchStore, Route, use_store
-
-CheckpointMode = Literal["always", "except_last", "never"]
-CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+from lightning_gpipe.outcome import OutcomeChannel, apply_outcome, outcome_of
+from lightning_gpipe.partition import cut, layer_stages
+from lightning_gpipe.skip import MicroBatchStore, routes, use_store
 
 
 class StageDone(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -56,26 +59,6 @@ class StageError(RuntimeError):
 
 class PipelineUsageError(RuntimeError):
     """The pipelined module was used in a way the pipeline cannot run (e.g. called twice in a step)."""
-
-
-@dataclass
-class StageTopology:
-    """Where a stage sits: its index, the stage count and the global ranks of its neighbours."""
-
-    stage: int
-    stages: int
-    prev_rank: int | None
-    next_rank: int | None
-    ranks: tuple[int, ...] = ()  # global rank of every stage of this pipeline (for skip connections)
-    skips: tuple[Route, ...] = ()  # skip connections of the whole pipeline
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.stages - 1
 
 
 @dataclass
@@ -124,11 +107,17 @@ class PipelineStage(nn.Sequential):
         self.configuring = False  # set by the strategy around configure_optimizers
         self._step: _Step | None = None
         self._step_states: list[ForwardState] | None = None  # this forward's recomputed micro-batches
+        self.outcomes = OutcomeChannel(p2p, p2p.device)
         self.timeline: Any = None  # a lightning_gpipe.timeline.Timeline, or None
         me = topology.stage
         self._skips_in = [r for r in topology.skips if r.target == me and r.source != me]
         self._skips_out = [r for r in topology.skips if r.source == me and r.target != me]
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of this stage's layers, as in the user's Sequential."""
+        return list(self._modules)
 
     def __getitem__(self, idx: Any) -> Any:
         """``layers[k]`` with ``k`` the layer's index in the user's whole Sequential.
@@ -176,13 +165,20 @@ class PipelineStage(nn.Sequential):
     def end_step(self) -> None:
         self.active = False
 
+    def run_step(self, step: Callable[..., Any], expect_backward: bool, *args: Any, **kwargs: Any) -> Any:
+        """``step(*args, **kwargs)`` (a user step calling this stage) between :meth:`begin_step` and
+        :meth:`end_step`; :class:`StageDone` itself is returned where a non-last stage left the step."""
+        self.begin_step(expect_backward)
+        try:
+            return step(*args, **kwargs)
+        except StageDone:
+            return StageDone
+        finally:
+            self.end_step()
+
     @property
     def ran_forward(self) -> bool:
         return self.calls > 0
-
-    @property
-    def has_pending_backward(self) -> bool:
-        return self._step is not None
 
     def local_forward(self, input: Batch, store: MicroBatchStore | None = None) -> Any:
         """This stage's layers applied in order, as ``nn.Sequential`` would, with ``store`` for skips."""
@@ -270,24 +266,14 @@ class PipelineStage(nn.Sequential):
         return from_tensors(joined, out_tuple)
 
     def _compute(self, i: int, count: int, x: Batch, train: bool, store: MicroBatchStore) -> Any:
-        recompute = train and (
-            self.checkpoint_mode == "always" or (self.checkpoint_mode == "except_last" and i < count - 1)
-        )
-        if not recompute:
+        if not (train and recompute.recomputes(self.checkpoint_mode, i, count)):
             return self.local_forward(x, store)
         state = ForwardState.capture(
             self
-        )  # what this forward changes, it changes once (recompute replays it)
+        )  # what this forward changes, it changes once (the recompute replays it)
         if self._step_states is not None:
             self._step_states.append(state)
-        return torch_checkpoint(
-            self.local_forward,
-            x,
-            store,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=lambda: (nullcontext(), self._recompute_context(i, state)),
-        )
+        return recompute.run(self.local_forward, x, store, context=lambda: self._recompute_context(i, state))
 
     @contextmanager
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Iterator[None]:
@@ -320,6 +306,40 @@ class PipelineStage(nn.Sequential):
         expected = Counter({src: n * count for src, n in per_micro_batch.items()})
         expected[top.prev_rank] -= 1
         return expected
+
+    # -- the step outcome --------------------------------------------------------------------
+
+    def share_outcome(self, out: Any, trainer: Any, training: bool) -> Any:
+        """The last stage sends its step outcome to the other stages, which install it (:mod:`lightning_gpipe.outcome`).
+
+        Call after a step whose forward ran, before Lightning runs any hook. On the last stage
+        ``out`` is the user's step output and is returned; it sends whether the step has a loss
+        (and its value), ``trainer.should_stop`` and ``trainer.callback_metrics`` to every other
+        stage of its pipeline. After a training step the others return the loss value as a scalar
+        that requires grad (so that Lightning calls ``backward`` on every stage), or ``None`` when
+        the step has no loss (a ``training_step`` returning ``None``; Lightning itself refuses that
+        when several processes run), and then drop what the forward kept.
+        """
+        top = self.topology
+        if top.stages == 1:
+            return out
+        if top.is_last:
+            outcome = outcome_of(trainer, out if training else None)
+            for rank in top.ranks[:-1]:
+                self.outcomes.send(outcome, rank)
+            if not (training and outcome.has_loss):
+                self.p2p.flush()
+                self.backward_skipped()
+            # else the backward's own flush waits for these sends: the drain starts now
+            return out
+        outcome = self.outcomes.receive(top.ranks[-1])
+        apply_outcome(trainer, outcome)
+        if not training:
+            return out
+        if not outcome.has_loss:
+            self.backward_skipped()
+            return None
+        return torch.tensor(outcome.loss, device=self.p2p.device, requires_grad=True)
 
     # -- the backward drain -----------------------------------------------------------------
 
@@ -392,6 +412,21 @@ class PipelineStage(nn.Sequential):
             step.inputs[i] = step.outputs[i] = ()  # free this micro-batch
             step.skips_in[i] = step.skips_out[i] = {}
         self.p2p.flush()
+
+
+def build_stage(
+    seq: nn.Sequential,
+    balance: Sequence[int],
+    layout: Layout,
+    rank: int,
+    chunks: int,
+    checkpoint: str,
+    device: torch.device,
+) -> PipelineStage:
+    """Global rank ``rank``'s :class:`PipelineStage` of ``seq`` cut by ``balance`` (layers shared, not copied)."""
+    topology = layout.topology(rank, tuple(routes(seq, layer_stages(balance))))
+    layers = cut(seq, balance, topology.stage)
+    return PipelineStage(layers, topology, chunks, checkpoint, P2P(device), list(children(seq)))
 
 
 def _as_inputs(meta: Meta, received: list[Tensor], train: bool) -> tuple[Tensor, ...]:

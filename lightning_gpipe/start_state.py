@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_gpipe.comm import P2P, Layout
+from lightning_gpipe.comm import P2P
+from lightning_gpipe.layout import Layout
 
 
 def stage_tensors(layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, Tensor]]:

@@ -12,7 +12,8 @@ from torch import nn
 
 from lightning_gpipe.comm import P2P
 from lightning_gpipe.effects import ForwardState, recomputing
-from lightning_gpipe.stage import PipelineStage, StageTopology
+from lightning_gpipe.layout import StageTopology
+from lightning_gpipe.stage import PipelineStage
 from tests.conftest import max_diff
 from tests.models import Counter, EmaCenter, build_layers, train_single_device
 

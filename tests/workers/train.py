@@ -13,8 +13,8 @@ save (checkpoint file to write after fit; "{k}" is the run's index), save_at_tra
 model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
 the first fit), exit_check (write exit_rank{r}.json: process group and threads left
 at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit),
-shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" | "barrier"}: only global
-rank 0 calls it, after writing the file "blocked"), record_start_state (rank 0 records the full state as training starts).
+shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" | "barrier", "sigterm_after": seconds}: only global
+rank 0 calls it, after writing the file "blocked" (and arranging a SIGTERM to itself)), record_start_state (rank 0 records the full state as training starts).
 """
 
 import atexit
@@ -23,14 +23,12 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 
-import pytorch_lightning as pl  # noqa: E402
-import torch  # noqa: E402
-from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint  # noqa: E402
-
-import lightning_gpipe  # noqa: E402
-from tests.models import Net, make_data, trainer_kwargs  # noqa: E402
+import lightning_gpipe
+from tests.models import Net, make_data, trainer_kwargs
 
 torch.set_num_threads(1)
 spec = json.loads(Path(sys.argv[1]).read_text())
@@ -104,6 +102,11 @@ class Rank0Only(Callback):
         what = spec["rank0_only"]
         if trainer.is_global_zero and batch_idx == what["at"]:
             (out / "blocked").write_text("1")
+            if what.get("sigterm_after"):  # as a scheduler or `timeout` would, while rank 0 is blocked
+                import signal
+                import threading
+
+                threading.Timer(what["sigterm_after"], os.kill, (os.getpid(), signal.SIGTERM)).start()
             if what["call"] == "save":
                 trainer.save_checkpoint(out / "only0.ckpt")
             else:
