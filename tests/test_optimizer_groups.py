@@ -4,7 +4,7 @@ stages whose parameters are all frozen (CPU, Gloo, hard timeouts)."""
 import pytest
 import torch
 
-from lightning_gpipe.checkpoint import NAMES_KEY, merge_optimizer_states, split_optimizer_state
+from lightning_gpipe.state.optimizer import NAMES_KEY, merge_optimizer_states, split_optimizer_state
 from tests.conftest import max_diff
 from tests.models import train_single_device
 
