@@ -64,8 +64,10 @@ import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from lightning_gpipe.balance import balance_by_parameters, balance_by_time, profile_layers  # noqa: E402
+from lightning_gpipe.microbatch import sizes as microbatch_sizes  # noqa: E402
 from lightning_gpipe.partition import check_balance, stage_bounds, uniform_balance  # noqa: E402
-from lightning_gpipe.simulate import ideal_bubble, microbatch_sizes, simulate  # noqa: E402
+from lightning_gpipe.schedule import ideal_bubble  # noqa: E402
+from lightning_gpipe.simulate import simulate  # noqa: E402
 from recipes.benchmark_worker import build_model, loss_fn, make_batches  # noqa: E402
 from recipes.memory import TensorMemoryMeter  # noqa: E402
 
