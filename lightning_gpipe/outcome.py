@@ -91,7 +91,7 @@ class OutcomeChannel:
     def send(self, outcome: StepOutcome, dst: int) -> None:
         """Post the outcome's message(s) to ``dst`` (waited for by the caller's next ``p2p.flush``)."""
         keys = [(k, str(v.dtype).replace("torch.", ""), list(v.shape)) for k, v in outcome.metrics.items()]
-        follow = keys != self._keys.get(dst)
+        follow = keys != self._keys.get(dst, [])
         values = [v.detach().to("cpu", torch.float64).reshape(-1) for v in outcome.metrics.values()]
         head = torch.tensor(
             [float(outcome.has_loss), outcome.loss, float(outcome.should_stop), float(follow), len(keys)],

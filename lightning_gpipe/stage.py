@@ -345,6 +345,7 @@ class PipelineStage(nn.Sequential):
         top = self.topology
         if top.stages == 1:
             return out
+        self.outcomes.p2p = self.p2p  # the stage's transport, whichever it holds now
         if top.is_last:
             outcome = outcome_of(trainer, out if training else None)
             for rank in top.ranks[:-1]:
