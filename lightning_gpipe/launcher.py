@@ -22,8 +22,14 @@ from lightning_fabric.plugins.environments.lightning import find_free_network_po
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_gpipe._namespace import PYTORCH_LIGHTNING, lightning_class
+
 if TYPE_CHECKING:
     from lightning_gpipe.strategy import GPipeStrategy
+
+    _Base = _SubprocessScriptLauncher
+else:
+    _Base = object
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +52,7 @@ _HYDRA_KEYS_SET_FOR_CHILDREN = (
 )
 
 
-class GPipeLauncher(_SubprocessScriptLauncher):
+class _GPipeLauncherLogic(_Base):
     """Starts one process per stage by re-running the script (Lightning's "popen" launcher).
 
     Before the children start, the strategy checks the model against its configuration (the
@@ -62,6 +68,8 @@ class GPipeLauncher(_SubprocessScriptLauncher):
     Hydra multirun runs in the same process and must launch afresh).
     """
 
+    namespace: str
+
     def __init__(self, strategy: GPipeStrategy, num_processes: int, num_nodes: int) -> None:
         assert strategy.cluster_environment is not None
         super().__init__(strategy.cluster_environment, num_processes, num_nodes)
@@ -71,8 +79,8 @@ class GPipeLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         model = args[0] if args else None
-        if isinstance(model, pl.LightningModule):
-            self.strategy.check_model(model)
+        if isinstance(model, lightning_class(pl.LightningModule, self.namespace)):
+            self.strategy.check_model(model)  # type: ignore[arg-type]
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
@@ -151,6 +159,11 @@ class GPipeLauncher(_SubprocessScriptLauncher):
         self._env_before, self.procs = None, []
         if failed:
             raise RuntimeError("gpipe: child ranks failed: " + "; ".join(failed))
+
+
+class GPipeLauncher(_GPipeLauncherLogic, _SubprocessScriptLauncher):
+    __doc__ = _GPipeLauncherLogic.__doc__
+    namespace = PYTORCH_LIGHTNING
 
 
 def _hydra_initialized() -> bool:

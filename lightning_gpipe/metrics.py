@@ -10,7 +10,7 @@ logging calls on the other stages (in epoch-end hooks) are dropped.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -18,7 +18,13 @@ import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 
+from lightning_gpipe._namespace import PYTORCH_LIGHTNING
 from lightning_gpipe.checkpoint import tensors_to_cpu
+
+if TYPE_CHECKING:
+    _Base = Callback
+else:
+    _Base = object
 
 
 def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: torch.device) -> None:
@@ -32,7 +38,7 @@ def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: 
         metrics.update({k: v.to(device) for k, v in (box[0] or {}).items()})
 
 
-class ShareLastStageMetrics(Callback):
+class _ShareLastStageMetricsLogic(_Base):
     """Runs first among callbacks and calls ``share()`` where Lightning's callbacks read metrics.
 
     Args:
@@ -52,6 +58,11 @@ class ShareLastStageMetrics(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.share(trainer)
+
+
+class ShareLastStageMetrics(_ShareLastStageMetricsLogic, Callback):
+    __doc__ = _ShareLastStageMetricsLogic.__doc__
+    namespace = PYTORCH_LIGHTNING
 
 
 def sync_metrics_over(module: nn.Module | None, group: Any, member: bool) -> None:

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -38,6 +38,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of, specialize
 from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, balance_by_time
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
 from lightning_gpipe.checkpoint import (
@@ -87,8 +88,13 @@ log = logging.getLogger(__name__)
 
 BALANCERS = ("uniform", "parameters", "time", "memory")
 
+if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning strategy it becomes
+    _Base = ParallelStrategy
+else:
+    _Base = object
 
-class GPipeStrategy(ParallelStrategy):
+
+class _GPipeStrategyLogic(_Base):
     """GPipe pipeline parallelism (Huang et al. 2019, arXiv 1811.06965) as a Lightning strategy.
 
     The LightningModule's ``nn.Sequential`` is cut into P consecutive stages, one per process;
@@ -143,6 +149,7 @@ class GPipeStrategy(ParallelStrategy):
     """
 
     strategy_name = "gpipe"
+    namespace: str  # "pytorch_lightning" or "lightning" (lightning_gpipe._namespace)
 
     def __init__(
         self,
@@ -239,6 +246,16 @@ class GPipeStrategy(ParallelStrategy):
         self._timeline: Timeline | None = None
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
 
+    @property
+    def accelerator(self) -> Any:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Any) -> None:
+        """Set by the Trainer's connector first: the strategy takes the class of the Trainer's namespace."""
+        adopt(self, namespace_of(accelerator))
+        self._accelerator = accelerator
+
     # -- topology ------------------------------------------------------------------------------
 
     @property
@@ -300,7 +317,7 @@ class GPipeStrategy(ParallelStrategy):
                 "Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (each stage holds different "
                 "layers); use GPipeStrategy(deferred_batch_norm=True) for full-batch running statistics"
             )
-        self._launcher = GPipeLauncher(self, self.num_processes, self.num_nodes)
+        self._launcher = specialize(GPipeLauncher, self.namespace)(self, self.num_processes, self.num_nodes)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -539,7 +556,9 @@ class GPipeStrategy(ParallelStrategy):
             from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
-        self._metric_sharing = ShareLastStageMetrics(self.share_last_stage_metrics)
+        self._metric_sharing = specialize(ShareLastStageMetrics, self.namespace)(
+            self.share_last_stage_metrics
+        )
         trainer.callbacks.insert(0, self._metric_sharing)  # type: ignore[attr-defined]
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -883,8 +902,14 @@ class _Captured(BaseException):  # noqa: N818 - control flow, not an error
     """Stops the user's training_step once the sample input is captured."""
 
 
+class GPipeStrategy(_GPipeStrategyLogic, ParallelStrategy):
+    __doc__ = _GPipeStrategyLogic.__doc__
+    namespace = PYTORCH_LIGHTNING
+
+
 def _unwrap(optimizer: Any) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, pl.core.optimizer.LightningOptimizer) else optimizer
+    """The torch optimizer behind a ``LightningOptimizer`` of either namespace."""
+    return optimizer._optimizer if namespace_of(optimizer) is not None else optimizer
 
 
 def _none_if_done(out: Any) -> Any:

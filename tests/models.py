@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import time
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
@@ -12,6 +13,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpipe.skip import Pop, Stash
+
+# The Lightning namespace the models and Trainers come from: "pytorch_lightning" (default) or
+# "lightning.pytorch" (``import lightning as L``); workers set it from their spec.
+LIGHTNING = os.environ.get("GPIPE_TEST_LIGHTNING", "pytorch_lightning")
+pl = importlib.import_module(LIGHTNING)
 
 
 class Mix(nn.Module):

@@ -6,7 +6,7 @@ Lightning's launcher re-runs this command for the other ranks. Every rank writes
 norms, sample indices, callback metrics, best checkpoint path, stop epoch); rank 0 (a last
 stage) also writes the full trained state.
 
-Spec keys: kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr, samples,
+Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr, samples,
 net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
 save (checkpoint file to write after fit), save_at_train_end (written inside fit, while the
@@ -16,6 +16,7 @@ at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), p
 """
 
 import atexit
+import importlib
 import json
 import os
 import sys
@@ -23,15 +24,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pytorch_lightning as pl  # noqa: E402
+spec = json.loads(Path(sys.argv[1]).read_text())
+# "pytorch_lightning" (default) or "lightning.pytorch": the Trainer, module and callbacks all come from it
+os.environ["GPIPE_TEST_LIGHTNING"] = spec.get("namespace", "pytorch_lightning")
+pl = importlib.import_module(os.environ["GPIPE_TEST_LIGHTNING"])
+Callback, EarlyStopping, ModelCheckpoint = (
+    pl.Callback,
+    pl.callbacks.EarlyStopping,
+    pl.callbacks.ModelCheckpoint,
+)
+
 import torch  # noqa: E402
-from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 from tests.models import Net, make_data, trainer_kwargs  # noqa: E402
 
 torch.set_num_threads(1)
-spec = json.loads(Path(sys.argv[1]).read_text())
 out = Path(spec["out"])
 net_kwargs = dict(spec.get("net", {}))
 for key in ("record_grads", "call_twice", "fail", "slow", "wrong_shape"):
@@ -97,6 +105,7 @@ for k, run in enumerate(spec["runs"]):
         trainer.fit(model, train_data(), val)
     checkpoint_cb = callbacks[0] if callbacks and isinstance(callbacks[0], ModelCheckpoint) else None
     record = {
+        "strategy_class": type(trainer.strategy).__mro__[2].__module__,
         "losses": model.losses,
         "synced_losses": model.synced_losses,
         "shapes": model.shapes,
