@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -156,3 +157,52 @@ def check_tied_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> 
                     f"them on stages {stage_of_layer[first]} and {stage_of_layer[k]}; keep tied layers on one stage "
                     "(choose a balance that does) or untie them"
                 )
+
+
+def compiled_sequentials(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+    """Every ``torch.compile``-d ``nn.Sequential`` inside ``module``: ``(parent, attribute, compiled)``.
+
+    ``model.net = torch.compile(model.net)`` puts an ``OptimizedModule`` in the model whose
+    ``forward`` runs the original Sequential's code: the pipeline must cut and replace that
+    Sequential (see :func:`uncompile`) and compile each stage instead.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    found: list[tuple[nn.Module, str, Any]] = []
+    for parent in module.modules():
+        for attr, child in parent._modules.items():
+            if isinstance(child, OptimizedModule) and isinstance(child._orig_mod, nn.Sequential):
+                found.append((parent, attr, child))
+    return found
+
+
+def uncompile(
+    module: nn.Module,
+) -> tuple[list[tuple[nn.Module, str, Any]], Callable[[nn.Module], nn.Module] | None]:
+    """Put each compiled ``nn.Sequential`` of ``module`` back in place of its ``OptimizedModule``.
+
+    Returns:
+        ``(undone, compile)``: what was replaced, to put back with :func:`recompile`, and a
+        function that compiles a module with the same ``torch.compile`` settings (backend, mode,
+        dynamic, fullgraph, options: the user's own compile context), or ``None`` when nothing was
+        compiled.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    undone = compiled_sequentials(module)
+    for parent, attr, compiled in undone:
+        parent._modules[attr] = compiled._orig_mod
+    if not undone:
+        return [], None
+    context = undone[0][2].dynamo_ctx
+
+    def compile_like_user(m: nn.Module) -> nn.Module:
+        return OptimizedModule(m, context)
+
+    return undone, compile_like_user
+
+
+def recompile(undone: list[tuple[nn.Module, str, Any]]) -> None:
+    """Undo :func:`uncompile`: the user's ``OptimizedModule`` wrappers back in place (after fit)."""
+    for parent, attr, compiled in undone:
+        parent._modules[attr] = compiled

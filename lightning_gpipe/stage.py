@@ -149,6 +149,32 @@ class PipelineStage(nn.Sequential):
         self._skips_in = [r for r in topology.skips if r.target == me and r.source != me]
         self._skips_out = [r for r in topology.skips if r.source == me and r.target != me]
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
+        self.__dict__["_compiled"] = (
+            None  # this stage's layers compiled (not a submodule: state_dict keys unchanged)
+        )
+
+    def compile(self, compile_fn: Any) -> None:  # type: ignore[override]
+        """Run this stage's layers through ``compile_fn(nn.Sequential of the layers)`` (e.g. ``torch.compile``).
+
+        The compiled module shares the layers (parameters, buffers); it is kept outside the
+        stage's submodules, so ``state_dict`` keys stay the user's.
+        """
+        self.__dict__["_compiled"] = compile_fn(nn.Sequential(OrderedDict(self._modules.items())))
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        """The stage's layers; inside a step, iterating raises: the pipeline runs one call per step.
+
+        Raises:
+            PipelineUsageError: iterated inside a step (``for layer in self.layers: ...``), where
+                this process holds only its stage's layers.
+        """
+        if self.active:
+            raise PipelineUsageError(
+                "the pipelined nn.Sequential was iterated inside a step (for layer in ...); under the gpipe "
+                f"strategy this process holds only stage {self.topology.stage}'s layers ({', '.join(self._modules)}) "
+                "and the pipeline runs one forward per step: call the Sequential once (self.layers(x))"
+            )
+        return iter(self._modules.values())
 
     def __getitem__(self, idx: Any) -> Any:
         """``layers[k]`` with ``k`` the layer's index in the user's whole Sequential.
@@ -196,8 +222,11 @@ class PipelineStage(nn.Sequential):
 
     def local_forward(self, input: Batch, store: MicroBatchStore | None = None) -> Any:
         """This stage's layers applied in order, as ``nn.Sequential`` would, with ``store`` for skips."""
+        compiled = self.__dict__["_compiled"]
         with use_store(store if store is not None else MicroBatchStore()):
-            for layer in self:
+            if compiled is not None:
+                return compiled(input)
+            for layer in self._modules.values():
                 input = layer(input)
         return input
 
@@ -302,7 +331,7 @@ class PipelineStage(nn.Sequential):
             names = list(self._modules)
             source = "the batch" if top.is_first else f"stage {top.stage - 1}"
             shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in x)
-            expects = _expected_input(next(iter(self), None))
+            expects = _expected_input(next(iter(self._modules.values()), None))
             raise StageError(
                 f"stage {top.stage} (layers {names[0]}..{names[-1]}) failed in {phase} of micro-batch {i} "
                 f"on input from {source} of shape [{shapes}]{expects}: {type(err).__name__}: {err}"

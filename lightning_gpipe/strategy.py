@@ -76,11 +76,19 @@ from lightning_gpipe.partition import (
     check_tied_parameters,
     cut,
     find_sequential,
+    recompile,
+    uncompile,
     uniform_balance,
 )
 from lightning_gpipe.precision import PipelineGradScaler
 from lightning_gpipe.skip import routes as skip_routes
-from lightning_gpipe.stage import CHECKPOINT_MODES, PipelineStage, StageDone, StageTopology
+from lightning_gpipe.stage import (
+    CHECKPOINT_MODES,
+    PipelineStage,
+    PipelineUsageError,
+    StageDone,
+    StageTopology,
+)
 from lightning_gpipe.timeline import Timeline, publish
 
 log = logging.getLogger(__name__)
@@ -140,6 +148,13 @@ class _GPipeStrategyLogic(_Base):
             optimizer over the whole model). ``"sharded"``: a directory written with
             ``torch.distributed.checkpoint``, each stage its own shard, loadable with any number
             of stages. Both are written atomically.
+        compile: compile every stage's layers with ``torch.compile``: ``True`` (defaults) or a dict
+            of its arguments (``{"backend": ..., "mode": ..., "dynamic": ...}``), applied after the
+            cut, as Lightning's FSDP/ModelParallel strategies compile after wrapping. A Sequential
+            the user compiled (``model.net = torch.compile(model.net, ...)``) is found too: it is cut
+            uncompiled and each stage compiled with the user's own settings; the user's wrapper is
+            back after ``fit``. A step that returns a loss without calling the pipelined Sequential
+            raises ``PipelineUsageError`` ("the pipelined module was not called").
 
     Raises:
         ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
@@ -171,6 +186,7 @@ class _GPipeStrategyLogic(_Base):
         checkpoint_format: str = "full",
         optimizer_state_factor: float = 2.0,
         deferred_batch_norm: bool = False,
+        compile: bool | dict[str, Any] = False,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -239,6 +255,16 @@ class _GPipeStrategyLogic(_Base):
         self.checkpoint_format = checkpoint_format
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.deferred_batch_norm = bool(deferred_batch_norm)
+        if not isinstance(compile, (bool, dict)):
+            raise ValueError(
+                f"compile must be a bool or a dict of torch.compile arguments (compile: {compile!r}); "
+                'e.g. compile={"backend": "inductor", "mode": "max-autotune"}'
+            )
+        self.compile = compile
+        self._uncompiled: list[
+            tuple[nn.Module, str, nn.Module]
+        ] = []  # the user's compiled wrappers, put back after fit
+        self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
         self._plain_batch_norms: list[tuple[nn.Module, str, nn.Module]] = []
         self.balance_used: list[int] | None = None
         self._failed = False
@@ -357,6 +383,10 @@ class _GPipeStrategyLogic(_Base):
             PartitionError: no unique Sequential, parameters outside it, or a balance/stage count
                 that does not fit its layers.
         """
+        undone, user_compile = uncompile(model)  # a torch.compile-d Sequential is cut, each stage compiled
+        if undone:
+            self._uncompiled += undone
+            self._user_compile = user_compile
         name, seq = find_sequential(model, self.module_name)
         stages = self.layout.stages
         if stages > 1 and not model.automatic_optimization:
@@ -475,6 +505,9 @@ class _GPipeStrategyLogic(_Base):
                 if isinstance(child, _BatchNorm) and child.track_running_stats
             ]
             convert_deferred_batch_norm(pipe)  # shares parameters and buffers with the originals
+        stage_compile = self._stage_compile()
+        if stage_compile is not None:
+            pipe.compile(stage_compile)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, pipe)
@@ -487,6 +520,13 @@ class _GPipeStrategyLogic(_Base):
             for logger in model.trainer.loggers if model._trainer is not None else ():
                 logger.log_hyperparams({"gpipe_balance": balance})
         log.info(f"gpipe: rank {rank} runs stage {stage}/{layout.stages} with layers {list(pipe._modules)}")
+
+    def _stage_compile(self) -> Any:
+        """How each stage's layers are compiled: ``compile=`` or the user's compile of the Sequential, else ``None``."""
+        if self.compile:
+            kwargs = self.compile if isinstance(self.compile, dict) else {}
+            return lambda module: torch.compile(module, **kwargs)
+        return self._user_compile
 
     def _unpartition(self) -> None:
         """Put the user's full Sequential back, loaded with every stage's trained state."""
@@ -502,6 +542,8 @@ class _GPipeStrategyLogic(_Base):
             full = self._gather_sequential_state(to_all=True)
             seq.load_state_dict(full)
         setattr(parent, attr, seq)
+        recompile(self._uncompiled)
+        self._uncompiled = []
         self._original, self._stage = None, None
 
     def _gather_sequential_state(self, to_all: bool) -> dict[str, Tensor]:
@@ -597,6 +639,13 @@ class _GPipeStrategyLogic(_Base):
         if self.deferred_batch_norm:
             commit_deferred_batch_norm(stage)  # once per mini-batch, after all its micro-batches
         if not stage.ran_forward:
+            if out is not None:
+                raise PipelineUsageError(
+                    f"the pipelined module was not called in training_step, which returned a loss (stage "
+                    f"{self.stage_index}): the step ran something other than the pipelined nn.Sequential "
+                    f"{self._seq_name!r} (a wrapper or a reference to it kept from before fit) and would train "
+                    "wrongly; call the Sequential itself (it may be torch.compile-d: the strategy compiles each stage)"
+                )
             return out
         return self._share_loss(out)
 

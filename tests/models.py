@@ -175,6 +175,9 @@ class Net(pl.LightningModule):
         scheduler: bool = False,
         two_optimizers: bool = False,
         log_first: bool = False,
+        compile_layers: dict | None = None,
+        stale_forward: bool = False,
+        iterate_layers: bool = False,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
@@ -190,6 +193,11 @@ class Net(pl.LightningModule):
             self.layers[slow["layer"]] = Slow(self.layers[slow["layer"]], slow["seconds"])
         if freeze_first:
             self.layers[0].requires_grad_(False)
+        self.iterate_layers = iterate_layers  # `for layer in self.layers:` inside the step
+        # a reference to the Sequential's forward kept from __init__: calls the whole original Sequential
+        self._stale_forward = self.layers.forward if stale_forward else None
+        if compile_layers is not None:  # the user's torch.compile of the pipelined Sequential
+            self.layers = torch.compile(self.layers, **compile_layers)
         self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
         self.losses: list[float] = []
         self.synced_losses: list[float] = []
@@ -200,6 +208,12 @@ class Net(pl.LightningModule):
         self.indices: list[list[int]] = []
 
     def forward(self, x):
+        if self.iterate_layers:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+        if self._stale_forward is not None:
+            return self._stale_forward(x)
         return self.layers(x)
 
     def _loss(self, out, y):
@@ -220,6 +234,11 @@ class Net(pl.LightningModule):
         self.shapes.append(tuple(out.shape))
         self.log("train_loss", loss, sync_dist=self.sync_dist)
         return loss
+
+    def on_train_start(self):
+        self.stage_compiled = (
+            self.layers.__dict__.get("_compiled") is not None
+        )  # a PipelineStage's compiled layers
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if "train_loss" in self.trainer.callback_metrics:

@@ -154,3 +154,21 @@ def test_cut_keeps_a_module_repeated_in_the_sequential():
     seq = nn.Sequential(nn.Linear(2, 2), act, nn.Linear(2, 2), act, nn.Linear(2, 1))
     assert [name for name, _ in cut(seq, [2, 3], 1)] == ["2", "3", "4"]
     assert cut(seq, [2, 3], 1)[1][1] is act
+
+
+def test_iterating_the_pipelined_sequential_in_a_step_raises_the_one_call_error():
+    """``for layer in self.layers:`` inside a step would run only this stage's layers (a raw shape error
+    on the next stage); it raises PipelineUsageError, as calling the Sequential twice does."""
+    from lightning_gpipe.comm import P2P
+    from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageTopology
+
+    layers = [("0", nn.Linear(6, 16)), ("1", nn.Tanh())]
+    stage = PipelineStage(
+        layers, StageTopology(0, 2, None, 1), 2, "never", P2P(torch.device("cpu")), ["0", "1", "2"]
+    )
+    assert [type(m) for m in stage] == [nn.Linear, nn.Tanh]  # outside a step: its layers
+    stage.begin_step(expect_backward=True)
+    with pytest.raises(PipelineUsageError, match=r"iterated inside a step .*call the Sequential once"):
+        for _layer in stage:
+            pass
+    stage.end_step()

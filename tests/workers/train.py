@@ -6,6 +6,7 @@ Lightning's launcher re-runs this command for the other ranks. Every rank writes
 norms, sample indices, callback metrics, best checkpoint path, stop epoch); rank 0 (a last
 stage) also writes the full trained state.
 
+A run may carry "net": Net kwargs for that run only.
 Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr, samples,
 net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
@@ -89,7 +90,8 @@ class SaveAtTrainEnd(Callback):
 
 for k, run in enumerate(spec["runs"]):
     pl.seed_everything(spec.get("seed", 0), verbose=False)
-    model = Net(kind, lr=spec.get("lr", 0.1), **net_kwargs)
+    run = dict(run)
+    model = Net(kind, lr=spec.get("lr", 0.1), **{**net_kwargs, **run.pop("net", {})})
     callbacks: list = []
     if "checkpoint" in spec.get("callbacks", {}):
         callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt{k}", **spec["callbacks"]["checkpoint"]))
@@ -106,6 +108,7 @@ for k, run in enumerate(spec["runs"]):
     checkpoint_cb = callbacks[0] if callbacks and isinstance(callbacks[0], ModelCheckpoint) else None
     record = {
         "strategy_class": type(trainer.strategy).__mro__[2].__module__,
+        "stage_compiled": getattr(model, "stage_compiled", None),
         "losses": model.losses,
         "synced_losses": model.synced_losses,
         "shapes": model.shapes,
