@@ -94,6 +94,7 @@ class _GPipeLauncherLogic(_Base):
     @override
     def _call_children_scripts(self) -> None:
         self._check_can_spawn_children()
+        check_rerunnable_command()
         self.procs = []
         self._env_before = {key: os.environ.get(key) for key in LAUNCH_ENV}
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
@@ -164,6 +165,23 @@ class _GPipeLauncherLogic(_Base):
 class GPipeLauncher(_GPipeLauncherLogic, _SubprocessScriptLauncher):
     __doc__ = _GPipeLauncherLogic.__doc__
     namespace = PYTORCH_LIGHTNING
+
+
+def check_rerunnable_command() -> None:
+    """Raise unless the other ranks can be started by re-running this process' command line.
+
+    Raises:
+        RuntimeError: the program came from ``python -c`` (``sys.argv[0] == "-c"``) or standard
+            input (``python - < script.py``, ``sys.argv[0]`` ``"-"`` or ``""``): there is no file
+            to re-run.
+    """
+    if sys.argv[0] in ("-c", "-", ""):
+        source = "python -c" if sys.argv[0] == "-c" else "standard input"
+        raise RuntimeError(
+            f"the gpipe strategy starts the other ranks by re-running this program, which came from {source} "
+            f"(sys.argv[0]: {sys.argv[0]!r}) and cannot be re-run; save it to a file and run `python file.py`, "
+            'or, in an interactive session or notebook, use Trainer(strategy="gpipe_notebook") (forked ranks)'
+        )
 
 
 def _hydra_initialized() -> bool:

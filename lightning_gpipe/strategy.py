@@ -112,7 +112,10 @@ class _GPipeStrategyLogic(_Base):
     the whole mini-batch, up to float reassociation.
 
     Args:
-        chunks: number of micro-batches M per mini-batch (≥ 1).
+        chunks: number of micro-batches M per mini-batch (≥ 1; a batch of N < M samples gives N).
+            ``None`` (the default): M = 4·K for K stages (GPipe's guidance M ≥ 4·K keeps the bubble
+            (K-1)/(M+K-1) under 20 %), capped by each batch's size. ``chunks=1`` runs the whole
+            mini-batch at once (no pipelining).
         balance: layers per stage, e.g. ``[3, 2]``, or how to choose it: ``"uniform"`` (layer
             count), ``"parameters"`` (parameter count per layer), ``"time"`` (profiled forward +
             backward seconds per layer) or ``"memory"`` (profiled activation + parameter bytes per
@@ -168,7 +171,7 @@ class _GPipeStrategyLogic(_Base):
 
     def __init__(
         self,
-        chunks: int = 1,
+        chunks: int | None = None,
         balance: list[int] | str | None = None,
         checkpoint: str = "except_last",
         module_name: str | None = None,
@@ -195,7 +198,7 @@ class _GPipeStrategyLogic(_Base):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
             raise ValueError(
                 f"chunks must be an integer >= 1 (chunks: {chunks!r}); it is the number of micro-batches"
             )
@@ -315,6 +318,11 @@ class _GPipeStrategyLogic(_Base):
     @property
     def is_last_stage(self) -> bool:
         return self.stage_index == self.layout.stages - 1
+
+    @property
+    def chunks_used(self) -> int:
+        """Micro-batches per mini-batch: ``chunks``, or 4·K (K stages) when ``chunks`` is ``None``."""
+        return self.chunks if self.chunks is not None else 4 * self.layout.stages
 
     @property
     def is_distributed(self) -> bool:
@@ -469,7 +477,7 @@ class _GPipeStrategyLogic(_Base):
                 )
             sample = captured[0]
         tensors, is_tuple = as_tensors(sample, "the sample input for balancing")
-        first = split([t.to(self.root_device) for t in tensors], self.chunks)[0]
+        first = split([t.to(self.root_device) for t in tensors], self.chunks_used)[0]
         return first if is_tuple else first[0]
 
     def _partition(self) -> None:
@@ -492,7 +500,7 @@ class _GPipeStrategyLogic(_Base):
         pipe = PipelineStage(
             cut(seq, balance, stage),
             topology,
-            self.chunks,
+            self.chunks_used,
             self.checkpoint,
             P2P(self.root_device),
             list(seq._modules),
@@ -747,8 +755,8 @@ class _GPipeStrategyLogic(_Base):
         if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
             return tensor
         group = group if group is not None else self.last_stage_group
-        if group is None or dist.get_world_size(group) == 1:
-            return tensor
+        if group is None or dist.get_rank(group) < 0 or dist.get_world_size(group) == 1:
+            return tensor  # not a last stage: no loss or metric here; the last stage's values reach it shared
         from lightning_fabric.utilities.distributed import _sync_ddp
 
         return _sync_ddp(tensor, group, reduce_op=reduce_op)
@@ -794,7 +802,7 @@ class _GPipeStrategyLogic(_Base):
         checkpoint["gpipe"] = {
             "balance": self.balance_used,
             "balance_by": self.balance,
-            "chunks": self.chunks,
+            "chunks": self.chunks_used,
             "stages": self.layout.stages,
         }
         if self.checkpoint_format == "sharded" and _distributed_is_initialized():

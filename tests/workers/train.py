@@ -109,6 +109,7 @@ for k, run in enumerate(spec["runs"]):
     record = {
         "strategy_class": type(trainer.strategy).__mro__[2].__module__,
         "stage_compiled": getattr(model, "stage_compiled", None),
+        "chunks_used": getattr(trainer.strategy, "chunks_used", None),
         "losses": model.losses,
         "synced_losses": model.synced_losses,
         "shapes": model.shapes,
