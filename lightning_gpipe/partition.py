@@ -206,3 +206,29 @@ def recompile(undone: list[tuple[nn.Module, str, Any]]) -> None:
     """Undo :func:`uncompile`: the user's ``OptimizedModule`` wrappers back in place (after fit)."""
     for parent, attr, compiled in undone:
         parent._modules[attr] = compiled
+
+
+def placement(sequential: nn.Sequential, balance: Sequence[int], ranks: Sequence[int]) -> str:
+    """Where the layers went, one line per stage: ``stage j (rank r): layers a..b, n parameters``.
+
+    Args:
+        sequential: the whole pipelined Sequential.
+        balance: layers per stage.
+        ranks: the global rank of each stage (of the first pipeline).
+    """
+    names = list(sequential._modules)
+    layers = list(sequential._modules.values())
+    total = sum(p.numel() for p in sequential.parameters())
+    lines = [f"gpipe: {len(balance)} stages over {len(names)} layers, {total:,} parameters in all"]
+    for j, (start, stop) in enumerate(stage_bounds(balance)):
+        seen: set[int] = set()
+        count = 0
+        for layer in layers[start:stop]:
+            for p in layer.parameters() if layer is not None else ():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    count += p.numel()
+        lines.append(
+            f"  stage {j} (rank {ranks[j]}): layers {names[start]}..{names[stop - 1]}, {count:,} parameters"
+        )
+    return "\n".join(lines)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections import OrderedDict
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +43,7 @@ from typing_extensions import override
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of, specialize
 from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, balance_by_time
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
+from lightning_gpipe.callbacks import adapt_callbacks, restore_callbacks
 from lightning_gpipe.checkpoint import (
     NAMES_KEY,
     PLACEHOLDER,
@@ -76,6 +79,7 @@ from lightning_gpipe.partition import (
     check_tied_parameters,
     cut,
     find_sequential,
+    placement,
     recompile,
     uncompile,
     uniform_balance,
@@ -523,6 +527,8 @@ class _GPipeStrategyLogic(_Base):
         if self.timeline:
             self._timeline = pipe.timeline = Timeline(stage, layout.stages, rank, replica)
         self.balance_used = balance
+        if self.is_global_zero:
+            rank_zero_info(placement(seq, balance, [layout.rank(0, j) for j in range(layout.stages)]))
         if isinstance(self.balance, str) and self.is_global_zero:
             rank_zero_info(f"gpipe: balance={self.balance!r} chose {balance} (layers per stage)")
             for logger in model.trainer.loggers if model._trainer is not None else ():
@@ -610,6 +616,36 @@ class _GPipeStrategyLogic(_Base):
             self.share_last_stage_metrics
         )
         trainer.callbacks.insert(0, self._metric_sharing)  # type: ignore[attr-defined]
+        assert self.lightning_module is not None
+        adapt_callbacks(
+            trainer,
+            self.lightning_module,
+            self.namespace,
+            self._seq_name,
+            self._cut_copy,
+            self.layout.replicas,
+            self.is_last_stage,
+            self.whole_model,
+        )
+
+    def _cut_copy(self, seq: nn.Sequential) -> nn.Module:
+        """This stage's part of a copy of the pipelined Sequential (a callback's copy of the module)."""
+        assert self.balance_used is not None
+        return nn.Sequential(OrderedDict(cut(seq, self.balance_used, self.stage_index)))
+
+    @contextlib.contextmanager
+    def whole_model(self) -> Iterator[None]:
+        """The module holds its whole Sequential (every stage's layers; other stages' weights are not
+        trained here) inside this context, the stage again after it. For summaries that count the model."""
+        if self._original is None or self._stage is None:
+            yield
+            return
+        parent, attr, seq = self._original
+        setattr(parent, attr, seq)
+        try:
+            yield
+        finally:
+            setattr(parent, attr, self._stage)
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
@@ -703,7 +739,24 @@ class _GPipeStrategyLogic(_Base):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return _none_if_done(self._run_step(super().predict_step, False, *args, **kwargs))
+        """The last stage's predictions, on every stage of its pipeline (as each DDP rank holds its own).
+
+        ``trainer.predict`` then returns, on every rank, the predictions of its pipeline's data
+        shard (D = 1: all of them), so ``torch.cat(trainer.predict(...))`` works everywhere.
+        Prediction writers run only on last stages (:mod:`lightning_gpipe.callbacks`), so each
+        prediction is written once per replica. With ``return_predictions=False`` nothing is sent.
+        """
+        out = _none_if_done(self._run_step(super().predict_step, False, *args, **kwargs))
+        layout = self.layout
+        module = self.lightning_module
+        if layout.stages == 1 or self._groups is None or module is None or module._trainer is None:
+            return out
+        if not module.trainer.predict_loop.return_predictions:
+            return out
+        src = layout.rank(layout.replica_of(self.global_rank), layout.stages - 1)
+        box = [tensors_to_cpu(out) if self.global_rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self._groups.pipeline)
+        return out if self.global_rank == src else box[0]
 
     @override
     def backward(
@@ -943,6 +996,8 @@ class _GPipeStrategyLogic(_Base):
             if sharing in callbacks:
                 callbacks.remove(sharing)
         restore_logging(module)
+        if module is not None and module._trainer is not None:
+            restore_callbacks(module.trainer)
         self._unpartition()
         super().teardown()
 

@@ -402,3 +402,55 @@ def alternate(make_trainer, rounds: int):
                 result = make_trainer(**quiet).validate(model, val, verbose=False)
                 losses.append(result[0]["val_loss"] if result and result[0] else None)
     return model, losses
+
+
+class Recorder(pl.loggers.Logger):
+    """A logger that keeps every ``log_metrics`` call in memory (``self.logged``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.logged.append({k: float(v) for k, v in metrics.items()})
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+class Writer(pl.callbacks.BasePredictionWriter):
+    """Keeps what it is asked to write: ``batches`` (per batch) and ``epoch`` (all predictions)."""
+
+    def __init__(self, write_interval: str = "batch_and_epoch") -> None:
+        super().__init__(write_interval)
+        self.batches: list[torch.Tensor] = []
+        self.epoch: list = []
+
+    def write_on_batch_end(
+        self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx
+    ):
+        self.batches.append(prediction.clone())
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        self.epoch.append(torch.cat(predictions))
+
+
+def feature_callbacks(names: dict) -> list:
+    """Lightning callbacks by name, from the test namespace: ``{"swa": kwargs, "ema": kwargs,
+    "throughput": kwargs, "summary": kwargs, "writer": kwargs}``."""
+    made = {
+        "swa": lambda kw: pl.callbacks.StochasticWeightAveraging(**kw),
+        "ema": lambda kw: pl.callbacks.EMAWeightAveraging(**kw),
+        "throughput": lambda kw: pl.callbacks.ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0), **kw),
+        "summary": lambda kw: pl.callbacks.ModelSummary(**kw),
+        "writer": lambda kw: Writer(**kw),
+    }
+    return [made[name](kw) for name, kw in names.items()]

@@ -6,7 +6,9 @@ Lightning's launcher re-runs this command for the other ranks. Every rank writes
 norms, sample indices, callback metrics, best checkpoint path, stop epoch); rank 0 (a last
 stage) also writes the full trained state.
 
-A run may carry "net": Net kwargs for that run only.
+A run may carry, for that run only: "net" (Net kwargs), "trainer" (Trainer kwargs), "features"
+(tests.models.feature_callbacks names), "record_logs" (a Recorder logger), "example_input"
+(example_input_array set), "predict_only" (no fit: predict on ``predict_samples`` samples).
 Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr, samples,
 net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
@@ -38,7 +40,7 @@ Callback, EarlyStopping, ModelCheckpoint = (
 import torch  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from tests.models import Net, make_data, trainer_kwargs  # noqa: E402
+from tests.models import Net, Recorder, feature_callbacks, make_data, trainer_kwargs  # noqa: E402
 
 torch.set_num_threads(1)
 out = Path(spec["out"])
@@ -66,7 +68,14 @@ extra: dict = {}
 
 
 def trainer_for(run, max_steps, callbacks=(), overrides=None):
-    kwargs = {**trainer_kwargs(max_steps), **spec.get("trainer", {}), **(overrides or {})}
+    kwargs = {
+        **trainer_kwargs(max_steps),
+        **spec.get("trainer", {}),
+        **run.pop("trainer", {}),
+        **(overrides or {}),
+    }
+    if run.pop("record_logs", False):
+        kwargs["logger"] = Recorder()
     strategy = lightning_gpipe.GPipeStrategy(**run)
     return pl.Trainer(strategy=strategy, devices=spec["devices"], callbacks=list(callbacks), **kwargs)
 
@@ -92,7 +101,10 @@ for k, run in enumerate(spec["runs"]):
     pl.seed_everything(spec.get("seed", 0), verbose=False)
     run = dict(run)
     model = Net(kind, lr=spec.get("lr", 0.1), **{**net_kwargs, **run.pop("net", {})})
-    callbacks: list = []
+    if run.pop("example_input", False):
+        model.example_input_array = torch.zeros(2, 6)
+    predict_only = run.pop("predict_only", False)
+    callbacks: list = feature_callbacks(run.pop("features", {}))
     if "checkpoint" in spec.get("callbacks", {}):
         callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt{k}", **spec["callbacks"]["checkpoint"]))
     if "early_stopping" in spec.get("callbacks", {}):
@@ -103,13 +115,14 @@ for k, run in enumerate(spec["runs"]):
     if spec.get("val"):
         val = make_data(kind, batch, 2, seed=2, indexed=indexed, samples=spec.get("val_samples"))
     trainer = trainer_for(run, steps, callbacks)
-    if spec.get("fit", True):
+    if spec.get("fit", True) and not predict_only:
         trainer.fit(model, train_data(), val)
-    checkpoint_cb = callbacks[0] if callbacks and isinstance(callbacks[0], ModelCheckpoint) else None
+    checkpoint_cb = next((c for c in callbacks if isinstance(c, ModelCheckpoint)), None)
     record = {
         "strategy_class": type(trainer.strategy).__mro__[2].__module__,
         "stage_compiled": getattr(model, "stage_compiled", None),
         "chunks_used": getattr(trainer.strategy, "chunks_used", None),
+        "logged": getattr(trainer.logger, "logged", None),
         "losses": model.losses,
         "synced_losses": model.synced_losses,
         "shapes": model.shapes,
@@ -126,8 +139,23 @@ for k, run in enumerate(spec["runs"]):
     }
     if spec.get("save"):
         trainer.save_checkpoint(out / spec["save"])
-    if spec.get("predict"):
-        record["predictions"] = trainer.predict(model, make_data(kind, batch, 2, seed=2, indexed=indexed))
+    if spec.get("predict") or predict_only:
+        record["predictions"] = trainer.predict(
+            model,
+            make_data(
+                kind,
+                spec.get("predict_batch", batch),
+                2,
+                seed=2,
+                indexed=indexed,
+                samples=spec.get("predict_samples"),
+            ),
+        )
+        record["written"] = [
+            (c.batches, c.epoch)
+            for c in trainer.callbacks
+            if hasattr(c, "write_on_batch_end") and hasattr(c, "epoch")
+        ]
     if spec.get("resume"):
         model = Net(kind, lr=spec.get("lr", 0.1), **net_kwargs)
         trainer = trainer_for(run, spec["resume"]["steps"], overrides=spec["resume"].get("trainer"))
