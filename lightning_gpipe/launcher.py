@@ -82,7 +82,7 @@ class _GPipeLauncherLogic(_Base):
         if isinstance(model, lightning_class(pl.LightningModule, self.namespace)):
             self.strategy.check_model(model)  # type: ignore[arg-type]
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            results = super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
             # This process failed: ranks it started may be waiting for it (even in the rendezvous,
             # before any connection exists to break), so they end now, not at the timeout.
@@ -90,6 +90,7 @@ class _GPipeLauncherLogic(_Base):
                 if proc.poll() is None:
                     proc.kill()
             raise
+        return self.strategy.share_evaluation_results(results, trainer)
 
     @override
     def _call_children_scripts(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from datetime import timedelta
@@ -99,6 +100,18 @@ log = logging.getLogger(__name__)
 
 
 BALANCERS = ("uniform", "parameters", "time", "memory")
+
+# balance="time"/"memory" chosen per model, (how, stages, chunks): profiled once, reused by later loops
+_CHOSEN_BALANCE: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int, int], list[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+# the loop whose first batch the profiler samples, and the step that calls the pipeline, per TrainerFn
+_LOOP_AND_STEP = {
+    "fit": ("fit_loop", "training_step"),
+    "validate": ("validate_loop", "validation_step"),
+    "test": ("test_loop", "test_step"),
+    "predict": ("predict_loop", "predict_step"),
+}
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning strategy it becomes
     _Base = ParallelStrategy
@@ -274,6 +287,7 @@ class _GPipeStrategyLogic(_Base):
         self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
         self._plain_batch_norms: list[tuple[nn.Module, str, nn.Module]] = []
         self.balance_used: list[int] | None = None
+        self._profiled = False  # whether the last partition profiled (balance="time"/"memory") or reused
         self._failed = False
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self._timeline: Timeline | None = None
@@ -422,6 +436,10 @@ class _GPipeStrategyLogic(_Base):
             return uniform
         if how == "parameters":
             return balance_by_parameters(seq, stages)
+        known = _CHOSEN_BALANCE.get(model, {}).get((how, stages, self.chunks_used))
+        self._profiled = known is None
+        if known is not None:  # profiled once per model: fit, then validate/test/predict reuse it
+            return list(known)
         chosen: list[int] | None = None
         error: str | None = None
         if self.global_rank == 0:
@@ -439,6 +457,7 @@ class _GPipeStrategyLogic(_Base):
             if error is not None:
                 raise RuntimeError(f"balance={how!r}: profiling on rank 0 failed: {error}")
         assert chosen is not None
+        _CHOSEN_BALANCE.setdefault(model, {})[(how, stages, self.chunks_used)] = list(chosen)
         return chosen
 
     def _profile_balance(
@@ -458,7 +477,12 @@ class _GPipeStrategyLogic(_Base):
         sample = model.example_input_array
         if sample is None:
             trainer = model.trainer
-            loader = trainer.fit_loop._data_source.dataloader()
+            loop, step = _LOOP_AND_STEP.get(
+                getattr(trainer.state.fn, "value", "fit"), ("fit_loop", "training_step")
+            )
+            loader = getattr(trainer, loop)._data_source.dataloader()
+            if isinstance(loader, (list, tuple)):
+                loader = loader[0]
             batch = self.batch_to_device(next(iter(loader)))
             captured: list[Any] = []
 
@@ -470,13 +494,13 @@ class _GPipeStrategyLogic(_Base):
             silence_logging(model)  # outside the loop, Lightning refuses self.log
             try:
                 with torch.no_grad(), contextlib.suppress(_Captured):
-                    model.training_step(batch, 0)
+                    getattr(model, step)(batch, 0)
             finally:
                 handle.remove()
                 restore_logging(model)
             if not captured:
                 raise ValueError(
-                    f"balance={self.balance!r} needs a sample input: training_step did not call the pipelined "
+                    f"balance={self.balance!r} needs a sample input: {step} did not call the pipelined "
                     "Sequential on the first batch; set LightningModule.example_input_array"
                 )
             sample = captured[0]
@@ -529,7 +553,7 @@ class _GPipeStrategyLogic(_Base):
         self.balance_used = balance
         if self.is_global_zero:
             rank_zero_info(placement(seq, balance, [layout.rank(0, j) for j in range(layout.stages)]))
-        if isinstance(self.balance, str) and self.is_global_zero:
+        if isinstance(self.balance, str) and self.is_global_zero and self._profiled:
             rank_zero_info(f"gpipe: balance={self.balance!r} chose {balance} (layers per stage)")
             for logger in model.trainer.loggers if model._trainer is not None else ():
                 logger.log_hyperparams({"gpipe_balance": balance})
@@ -799,6 +823,22 @@ class _GPipeStrategyLogic(_Base):
             return
         src = layout.rank(layout.replica_of(self.global_rank), layout.stages - 1)
         share_last_stage_metrics(trainer, src, self._groups.pipeline, self.root_device)
+
+    def share_evaluation_results(self, results: Any, trainer: Any) -> Any:
+        """``trainer.validate``/``test``'s return value: the last stage's, on every stage of its pipeline.
+
+        Only the last stage logs; as under DDP, every rank returns the logged metrics.
+        """
+        layout = self.layout
+        fn = getattr(getattr(trainer, "state", None), "fn", None)
+        if getattr(fn, "value", None) not in ("validate", "test") or layout.stages == 1:
+            return results
+        if self._groups is None or not _distributed_is_initialized():
+            return results
+        src = layout.rank(layout.replica_of(self.global_rank), layout.stages - 1)
+        box = [tensors_to_cpu(results) if self.global_rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self._groups.pipeline)
+        return box[0]
 
     @override
     def reduce(

@@ -192,7 +192,9 @@ def test_predict_returns_last_stage_outputs_in_order(gpipe_job):
     assert len(preds) == len(expected)
     for ours, ref in zip(preds, expected):
         assert torch.allclose(ours, ref, atol=1e-5)
-    for ours, ref in zip(results[0]["ranks"][1]["predictions"], expected):  # every rank holds them, as under DDP
+    for ours, ref in zip(
+        results[0]["ranks"][1]["predictions"], expected
+    ):  # every rank holds them, as under DDP
         assert torch.allclose(ours, ref, atol=1e-5)
 
 

@@ -8,7 +8,8 @@ stage) also writes the full trained state.
 
 A run may carry, for that run only: "net" (Net kwargs), "trainer" (Trainer kwargs), "features"
 (tests.models.feature_callbacks names), "record_logs" (a Recorder logger), "example_input"
-(example_input_array set), "predict_only" (no fit: predict on ``predict_samples`` samples).
+(example_input_array set), "predict_only" (no fit: predict on ``predict_samples`` samples),
+"validate" (trainer.validate after fit), "fit" (false: no fit).
 Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr, samples,
 net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
@@ -104,6 +105,10 @@ for k, run in enumerate(spec["runs"]):
     if run.pop("example_input", False):
         model.example_input_array = torch.zeros(2, 6)
     predict_only = run.pop("predict_only", False)
+    validate_after = run.pop(
+        "validate", False
+    )  # trainer.validate(model, val) after fit (or instead: "fit": False)
+    fit_run = run.pop("fit", True)
     callbacks: list = feature_callbacks(run.pop("features", {}))
     if "checkpoint" in spec.get("callbacks", {}):
         callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt{k}", **spec["callbacks"]["checkpoint"]))
@@ -115,8 +120,10 @@ for k, run in enumerate(spec["runs"]):
     if spec.get("val"):
         val = make_data(kind, batch, 2, seed=2, indexed=indexed, samples=spec.get("val_samples"))
     trainer = trainer_for(run, steps, callbacks)
-    if spec.get("fit", True) and not predict_only:
+    if spec.get("fit", True) and not predict_only and fit_run:
         trainer.fit(model, train_data(), val)
+    if validate_after:
+        extra["validated"] = trainer.validate(model, make_data(kind, batch, 2, seed=2), verbose=False)
     checkpoint_cb = next((c for c in callbacks if isinstance(c, ModelCheckpoint)), None)
     record = {
         "strategy_class": type(trainer.strategy).__mro__[2].__module__,
