@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pytorch_lightning as pl
 import torch.distributed as dist
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
-from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
+from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
 
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, lightning_class
@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from lightning_gpipe.strategy import GPipeStrategy
 
     _Base = _SubprocessScriptLauncher
+    _ForkBase = _MultiProcessingLauncher
 else:
-    _Base = object
+    _Base = _ForkBase = object
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,35 @@ class _GPipeLauncherLogic(_Base):
 
 class GPipeLauncher(_GPipeLauncherLogic, _SubprocessScriptLauncher):
     __doc__ = _GPipeLauncherLogic.__doc__
+    namespace = PYTORCH_LIGHTNING
+
+
+class _GPipeForkLauncherLogic(_ForkBase):
+    """Starts one process per stage by forking this one (``strategy="gpipe_notebook"``).
+
+    Lightning's ``ddp_notebook`` path (``_MultiProcessingLauncher(start_method="fork")``): works in
+    Jupyter and ``python -i``, where there is no script to re-run. Every rank, rank 0 included, is
+    a forked child; this process waits, then takes rank 0's results: the trained weights (the
+    whole model: after ``fit`` every rank holds every stage's weights), ``trainer.state`` and
+    ``callback_metrics``. As for ``ddp_notebook``, CUDA must not be initialized before the fork.
+    """
+
+    namespace: str
+
+    def __init__(self, strategy: GPipeStrategy) -> None:
+        super().__init__(strategy, start_method="fork")
+        self.strategy = strategy
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        model = args[0] if args else None
+        if isinstance(model, lightning_class(pl.LightningModule, self.namespace)):
+            self.strategy.check_model(model)  # type: ignore[arg-type]
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class GPipeForkLauncher(_GPipeForkLauncherLogic, _MultiProcessingLauncher):
+    __doc__ = _GPipeForkLauncherLogic.__doc__
     namespace = PYTORCH_LIGHTNING
 
 

@@ -28,6 +28,7 @@ from lightning_fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
+from lightning_fabric.utilities.imports import _IS_INTERACTIVE
 from lightning_fabric.utilities.seed import reset_seed
 from lightning_fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -64,7 +65,7 @@ from lightning_gpipe.checkpoint import (
 from lightning_gpipe.comm import P2P, Groups, Layout, close_at_exit, new_groups
 from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
-from lightning_gpipe.launcher import GPipeLauncher
+from lightning_gpipe.launcher import GPipeForkLauncher, GPipeLauncher
 from lightning_gpipe.metrics import (
     ShareLastStageMetrics,
     restore_logging,
@@ -175,6 +176,9 @@ class _GPipeStrategyLogic(_Base):
             uncompiled and each stage compiled with the user's own settings; the user's wrapper is
             back after ``fit``. A step that returns a loss without calling the pipelined Sequential
             raises ``PipelineUsageError`` ("the pipelined module was not called").
+        start_method: ``"popen"``: the other ranks re-run the script (Lightning's default launcher);
+            ``"fork"``: every rank is forked from this process, for Jupyter and ``python -i``
+            (``strategy="gpipe_notebook"``, as ``ddp_notebook`` for DDP).
 
     Raises:
         ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
@@ -207,6 +211,7 @@ class _GPipeStrategyLogic(_Base):
         optimizer_state_factor: float = 2.0,
         deferred_batch_norm: bool = False,
         compile: bool | dict[str, Any] = False,
+        start_method: str = "popen",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -281,6 +286,11 @@ class _GPipeStrategyLogic(_Base):
                 'e.g. compile={"backend": "inductor", "mode": "max-autotune"}'
             )
         self.compile = compile
+        if start_method not in ("popen", "fork"):
+            raise ValueError(
+                f"start_method must be 'popen' or 'fork' (start_method: {start_method!r}); 'fork' is for notebooks"
+            )
+        self.start_method = start_method
         self._uncompiled: list[
             tuple[nn.Module, str, nn.Module]
         ] = []  # the user's compiled wrappers, put back after fit
@@ -368,6 +378,15 @@ class _GPipeStrategyLogic(_Base):
             raise ValueError(
                 "Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (each stage holds different "
                 "layers); use GPipeStrategy(deferred_batch_norm=True) for full-batch running statistics"
+            )
+        if self.start_method == "fork":
+            self._launcher = specialize(GPipeForkLauncher, self.namespace)(self)
+            return
+        if _IS_INTERACTIVE and self.num_processes * self.num_nodes > 1:
+            raise RuntimeError(
+                "Trainer(strategy='gpipe') starts the other ranks by re-running the script, which an interactive "
+                "session (Jupyter, python -i) does not have; use Trainer(strategy='gpipe_notebook') (forked ranks), "
+                "or run the code as a script"
             )
         self._launcher = specialize(GPipeLauncher, self.namespace)(self, self.num_processes, self.num_nodes)
 
@@ -1047,6 +1066,13 @@ class _GPipeStrategyLogic(_Base):
         if "gpipe" not in strategy_registry:
             strategy_registry.register(
                 "gpipe", cls, description="GPipe pipeline parallelism (lightning_gpipe)"
+            )
+        if "gpipe_notebook" not in strategy_registry:
+            strategy_registry.register(
+                "gpipe_notebook",
+                cls,
+                description="GPipe pipeline parallelism, ranks forked (Jupyter, python -i)",
+                start_method="fork",
             )
 
 
