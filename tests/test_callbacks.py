@@ -102,3 +102,15 @@ def test_predictions_with_two_pipelines_follow_ddp(gpipe_job):
     assert written[1] == [] and written[3] == []
     assert torch.allclose(torch.cat(written[0]), expected[0::2], atol=1e-6)
     assert torch.allclose(torch.cat(written[2]), expected[1::2], atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_simple_and_advanced_profilers_report_every_rank(gpipe_job, tmp_path):
+    """profiler="simple" and "advanced" (2 stages): each rank writes its own report,
+    which names the strategy's steps."""
+    runs = [{"chunks": 2, "profiler": "simple"}, {"chunks": 2, "profiler": "advanced"}]
+    gpipe_job("mlp", 2, runs, steps=3)
+    for kind in ("simple", "advanced"):
+        for rank in (0, 1):
+            report = (tmp_path / "profiles" / f"fit-{kind}-{rank}.txt").read_text()
+            assert "GPipeStrategy.training_step" in report and "GPipeStrategy.backward" in report, (kind, rank)
