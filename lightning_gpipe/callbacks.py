@@ -29,6 +29,7 @@ from typing import Any
 import pytorch_lightning as pl
 from torch import nn
 
+from lightning_gpipe._compat import example_input_slot, set_example_input_slot, throughputs
 from lightning_gpipe._namespace import lightning_class
 
 _PATCHED = "_gpipe_patched"  # names of the instance attributes set on a callback, to remove at teardown
@@ -83,7 +84,7 @@ def adapt_callbacks(
             if isinstance(seq, nn.Sequential):
                 setattr(parent, attr, cut_copy(seq))
         if _is(callback, callbacks.ThroughputMonitor, namespace):
-            for throughput in callback._throughputs.values():
+            for throughput in throughputs(callback):
                 throughput.world_size = replicas
         if _is(callback, callbacks.ModelSummary, namespace) and _PATCHED not in vars(callback):
             _patch(callback, "on_fit_start", _on_whole_model(callback.on_fit_start, whole_model))
@@ -107,12 +108,12 @@ def _on_whole_model(hook: Callable[..., Any], whole_model: Callable[[], Abstract
     """``hook(trainer, pl_module)`` run while the module holds its whole Sequential, not called on its example input."""
 
     def run_on_whole_model(trainer: Any, pl_module: Any) -> Any:
-        example = pl_module._example_input_array
-        pl_module._example_input_array = None  # the whole model is not called on this rank
+        example = example_input_slot(pl_module)
+        set_example_input_slot(pl_module, None)  # the whole model is not called on this rank
         try:
             with whole_model():
                 return hook(trainer, pl_module)
         finally:
-            pl_module._example_input_array = example
+            set_example_input_slot(pl_module, example)
 
     return run_on_whole_model

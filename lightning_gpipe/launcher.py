@@ -18,17 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
+from lightning_fabric.plugins import ClusterEnvironment
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
-from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from typing_extensions import override
 
+from lightning_gpipe._compat import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, lightning_class
 
-if TYPE_CHECKING:
-    from lightning_gpipe.strategy import GPipeStrategy
-
-    _Base = _SubprocessScriptLauncher
-    _ForkBase = _MultiProcessingLauncher
+if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning launcher it becomes
+    _Base = SubprocessScriptLauncher
+    _ForkBase = MultiProcessingLauncher
 else:
     _Base = _ForkBase = object
 
@@ -56,9 +55,9 @@ _HYDRA_KEYS_SET_FOR_CHILDREN = (
 class _GPipeLauncherLogic(_Base):
     """Starts one process per stage by re-running the script (Lightning's "popen" launcher).
 
-    Before the children start, the strategy checks the model against its configuration (the
-    pipelined Sequential exists, the balance fits it), so a bad configuration fails in one
-    process, fast.
+    Before the children start, ``check(model)`` validates the model against the strategy's
+    configuration (the pipelined Sequential exists, the balance fits it), so a bad configuration
+    fails in one process, fast.
 
     Under Hydra (``@hydra.main``), child rank ``r`` runs :func:`hydra_child_command`: the script
     with this job's overrides only, ``hydra.run.dir`` set to this job's output directory and no
@@ -67,21 +66,34 @@ class _GPipeLauncherLogic(_Base):
 
     After a job, :meth:`release` undoes the launch in the launching process (the next job of a
     Hydra multirun runs in the same process and must launch afresh).
+
+    Args:
+        cluster_environment, num_processes, num_nodes: as for Lightning's subprocess launcher.
+        check: called with the LightningModule before any child starts; raises on a bad model.
+        share: ``share(results, trainer)``, called on every rank with what the Trainer's entry point
+            returned; its return value is returned instead (the last stage's results everywhere).
     """
 
-    namespace: str
+    namespace: str  # "pytorch_lightning" or "lightning" (lightning_gpipe._namespace)
 
-    def __init__(self, strategy: GPipeStrategy, num_processes: int, num_nodes: int) -> None:
-        assert strategy.cluster_environment is not None
-        super().__init__(strategy.cluster_environment, num_processes, num_nodes)
-        self.strategy = strategy
+    def __init__(
+        self,
+        cluster_environment: ClusterEnvironment,
+        num_processes: int,
+        num_nodes: int,
+        check: Callable[[pl.LightningModule], Any] | None = None,
+        share: Callable[[Any, Any], Any] | None = None,
+    ) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.check = check
+        self.share = share
         self._env_before: dict[str, str | None] | None = None
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         model = args[0] if args else None
-        if isinstance(model, lightning_class(pl.LightningModule, self.namespace)):
-            self.strategy.check_model(model)  # type: ignore[arg-type]
+        if isinstance(model, lightning_class(pl.LightningModule, self.namespace)) and self.check is not None:
+            self.check(model)  # type: ignore[arg-type]
         try:
             results = super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
@@ -91,7 +103,7 @@ class _GPipeLauncherLogic(_Base):
                 if proc.poll() is None:
                     proc.kill()
             raise
-        return self.strategy.share_evaluation_results(results, trainer)
+        return self.share(results, trainer) if self.share is not None else results
 
     @override
     def _call_children_scripts(self) -> None:
@@ -164,7 +176,7 @@ class _GPipeLauncherLogic(_Base):
             raise RuntimeError("gpipe: child ranks failed: " + "; ".join(failed))
 
 
-class GPipeLauncher(_GPipeLauncherLogic, _SubprocessScriptLauncher):
+class GPipeLauncher(_GPipeLauncherLogic, SubprocessScriptLauncher):
     __doc__ = _GPipeLauncherLogic.__doc__
     namespace = PYTORCH_LIGHTNING
 
@@ -172,28 +184,33 @@ class GPipeLauncher(_GPipeLauncherLogic, _SubprocessScriptLauncher):
 class _GPipeForkLauncherLogic(_ForkBase):
     """Starts one process per stage by forking this one (``strategy="gpipe_notebook"``).
 
-    Lightning's ``ddp_notebook`` path (``_MultiProcessingLauncher(start_method="fork")``): works in
-    Jupyter and ``python -i``, where there is no script to re-run. Every rank, rank 0 included, is
-    a forked child; this process waits, then takes rank 0's results: the trained weights (the
-    whole model: after ``fit`` every rank holds every stage's weights), ``trainer.state`` and
-    ``callback_metrics``. As for ``ddp_notebook``, CUDA must not be initialized before the fork.
+    Lightning's ``ddp_notebook`` path (its multiprocessing launcher with ``start_method="fork"``):
+    works in Jupyter and ``python -i``, where there is no script to re-run. Every rank, rank 0
+    included, is a forked child; this process waits, then takes rank 0's results: the trained
+    weights (the whole model: after ``fit`` every rank holds every stage's weights),
+    ``trainer.state`` and ``callback_metrics``. As for ``ddp_notebook``, CUDA must not be
+    initialized before the fork.
+
+    Args:
+        strategy: the strategy (Lightning's launcher reads its processes and cluster environment).
+        check: called with the LightningModule before any process starts; raises on a bad model.
     """
 
     namespace: str
 
-    def __init__(self, strategy: GPipeStrategy) -> None:
+    def __init__(self, strategy: Any, check: Callable[[pl.LightningModule], Any] | None = None) -> None:
         super().__init__(strategy, start_method="fork")
-        self.strategy = strategy
+        self.check = check
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         model = args[0] if args else None
-        if isinstance(model, lightning_class(pl.LightningModule, self.namespace)):
-            self.strategy.check_model(model)  # type: ignore[arg-type]
+        if isinstance(model, lightning_class(pl.LightningModule, self.namespace)) and self.check is not None:
+            self.check(model)  # type: ignore[arg-type]
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
 
-class GPipeForkLauncher(_GPipeForkLauncherLogic, _MultiProcessingLauncher):
+class GPipeForkLauncher(_GPipeForkLauncherLogic, MultiProcessingLauncher):
     __doc__ = _GPipeForkLauncherLogic.__doc__
     namespace = PYTORCH_LIGHTNING
 
