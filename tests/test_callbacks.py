@@ -113,4 +113,7 @@ def test_simple_and_advanced_profilers_report_every_rank(gpipe_job, tmp_path):
     for kind in ("simple", "advanced"):
         for rank in (0, 1):
             report = (tmp_path / "profiles" / f"fit-{kind}-{rank}.txt").read_text()
-            assert "GPipeStrategy.training_step" in report and "GPipeStrategy.backward" in report, (kind, rank)
+            assert "GPipeStrategy.training_step" in report and "GPipeStrategy.backward" in report, (
+                kind,
+                rank,
+            )

@@ -33,7 +33,11 @@ spec = json.loads(Path(sys.argv[1]).read_text())
 # "pytorch_lightning" (default) or "lightning.pytorch": the Trainer, module and callbacks all come from it
 os.environ["GPIPE_TEST_LIGHTNING"] = spec.get("namespace", "pytorch_lightning")
 pl = importlib.import_module(os.environ["GPIPE_TEST_LIGHTNING"])
-Callback, EarlyStopping, ModelCheckpoint = pl.Callback, pl.callbacks.EarlyStopping, pl.callbacks.ModelCheckpoint
+Callback, EarlyStopping, ModelCheckpoint = (
+    pl.Callback,
+    pl.callbacks.EarlyStopping,
+    pl.callbacks.ModelCheckpoint,
+)
 
 import lightning_gpipe  # noqa: E402
 from tests.models import Net, Recorder, feature_callbacks, make_data, trainer_kwargs  # noqa: E402
