@@ -7,6 +7,7 @@
 import importlib
 
 from lightning_gpipe import _namespace
+from lightning_gpipe.failure import StageError
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.schedule import Action, fill_drain, format_grid
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError
@@ -34,6 +35,7 @@ __all__ = [
     "PartitionError",
     "PipelineStage",
     "PipelineUsageError",
+    "StageError",
     "fill_drain",
     "format_grid",
     "strategy_class",

@@ -147,20 +147,12 @@ def test_tied_weights_across_stages_raise_before_spawn():
     assert "layers 0 and 2 share a parameter (tied weights)" in message and "stages 0 and 1" in message
 
 
-def test_cut_keeps_a_module_repeated_in_the_sequential():
-    from lightning_gpipe.partition import cut
-
-    act = nn.Tanh()
-    seq = nn.Sequential(nn.Linear(2, 2), act, nn.Linear(2, 2), act, nn.Linear(2, 1))
-    assert [name for name, _ in cut(seq, [2, 3], 1)] == ["2", "3", "4"]
-    assert cut(seq, [2, 3], 1)[1][1] is act
-
-
 def test_iterating_the_pipelined_sequential_in_a_step_raises_the_one_call_error():
     """``for layer in self.layers:`` inside a step would run only this stage's layers (a raw shape error
     on the next stage); it raises PipelineUsageError, as calling the Sequential twice does."""
     from lightning_gpipe.comm import P2P
-    from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageTopology
+    from lightning_gpipe.layout import StageTopology
+    from lightning_gpipe.stage import PipelineStage, PipelineUsageError
 
     layers = [("0", nn.Linear(6, 16)), ("1", nn.Tanh())]
     stage = PipelineStage(
