@@ -340,9 +340,9 @@ class PipelineStage(nn.Sequential):
     def _compute(self, i: int, chunks: int, x: Batch, train: bool, store: MicroBatchStore) -> Any:
         if not (train and recompute.recomputes(self.checkpoint_mode, i, chunks)):
             return self.local_forward(x, store)
-        state = ForwardState.capture(
-            self
-        )  # what this forward changes, it changes once (the recompute replays it)
+        # what this forward changes, it changes once (the recompute replays it); the layers, not the
+        # stage: iterating the stage inside a step is refused
+        state = ForwardState.capture(self._modules.values())
         if self._step_states is not None:
             self._step_states.append(state)
         return recompute.run(self.local_forward, x, store, context=lambda: self._recompute_context(i, state))
@@ -355,7 +355,7 @@ class PipelineStage(nn.Sequential):
 
     @contextmanager
     def _recompute_context(self, i: int, state: ForwardState) -> Iterator[None]:
-        with self._span("recompute", i), state.replay(self), no_accumulate():
+        with self._span("recompute", i), state.replay(self._modules.values()), no_accumulate():
             yield
 
     # -- the step outcome --------------------------------------------------------------------
