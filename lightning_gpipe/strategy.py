@@ -60,6 +60,7 @@ from lightning_gpipe.comm import P2P, Groups, Layout, close_at_exit, new_groups
 from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
 from lightning_gpipe.launcher import GPipeLauncher
+from lightning_gpipe.loading import UnsafeCheckpointError, load_structure, safe
 from lightning_gpipe.metrics import (
     ShareLastStageMetrics,
     restore_logging,
@@ -134,6 +135,13 @@ class GPipeStrategy(ParallelStrategy):
             optimizer over the whole model). ``"sharded"``: a directory written with
             ``torch.distributed.checkpoint``, each stage its own shard, loadable with any number
             of stages. Both are written atomically.
+        weights_only: how checkpoint files are unpickled when ``fit``/``validate``/``test``/
+            ``predict`` get ``ckpt_path=``: ``None`` or ``True``, torch's safe unpickler
+            (tensors, containers, primitive types; anything else is refused with
+            :class:`~lightning_gpipe.loading.UnsafeCheckpointError`, naming the file); ``False``,
+            full pickle, which runs whatever the file names (only for files you trust).
+            Lightning does not hand ``trainer.fit(weights_only=...)`` to strategies that restore
+            after setup, so the opt-in is given here.
 
     Raises:
         ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
@@ -164,6 +172,7 @@ class GPipeStrategy(ParallelStrategy):
         checkpoint_format: str = "full",
         optimizer_state_factor: float = 2.0,
         deferred_batch_norm: bool = False,
+        weights_only: bool | None = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -232,6 +241,9 @@ class GPipeStrategy(ParallelStrategy):
         self.checkpoint_format = checkpoint_format
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.deferred_batch_norm = bool(deferred_batch_norm)
+        if weights_only not in (None, True, False):
+            raise ValueError(f"weights_only must be None, True or False (weights_only: {weights_only!r})")
+        self.weights_only = weights_only
         self._plain_batch_norms: list[tuple[nn.Module, str, nn.Module]] = []
         self.balance_used: list[int] | None = None
         self._failed = False
@@ -738,11 +750,25 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint file or directory, with torch's safe unpickler unless ``weights_only=False``.
+
+        ``weights_only`` (or, when ``None``, the strategy's ``weights_only``) decides how every
+        file is unpickled, the sharded checkpoint's metadata included.
+
+        Raises:
+            UnsafeCheckpointError: the safe unpickler refuses the file (the message names it
+                and the opt-in).
+        """
+        weights_only = self.weights_only if weights_only is None else weights_only
         if is_sharded(checkpoint_path):
             module = self.lightning_module
             assert module is not None
-            return load_sharded(checkpoint_path, module, [_unwrap(o) for o in self.optimizers])
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return load_sharded(checkpoint_path, module, [_unwrap(o) for o in self.optimizers], weights_only)
+        if not os.path.isfile(
+            checkpoint_path
+        ):  # a remote path: the CheckpointIO reads it, safely unless opted out
+            return super().load_checkpoint(checkpoint_path, weights_only=safe(weights_only))
+        return load_structure(checkpoint_path, weights_only, map_location="cpu")
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -891,4 +917,4 @@ def _none_if_done(out: Any) -> Any:
     return None if out is StageDone else out
 
 
-__all__ = ["GPipeStrategy", "PartitionError"]
+__all__ = ["GPipeStrategy", "PartitionError", "UnsafeCheckpointError"]
