@@ -6,6 +6,7 @@
 
 from pytorch_lightning.strategies import StrategyRegistry
 
+from lightning_gpipe.loading import UnsafeCheckpointError, load_from_checkpoint
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.schedule import Action, fill_drain, format_grid
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError
@@ -19,6 +20,8 @@ __all__ = [
     "PartitionError",
     "PipelineStage",
     "PipelineUsageError",
+    "UnsafeCheckpointError",
     "fill_drain",
     "format_grid",
+    "load_from_checkpoint",
 ]

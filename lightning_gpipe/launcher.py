@@ -20,6 +20,7 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 if TYPE_CHECKING:
@@ -71,8 +72,8 @@ class GPipeLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         model = args[0] if args else None
-        if isinstance(model, pl.LightningModule):
-            self.strategy.check_model(model)
+        if isinstance(model, pl.LightningModule) and not is_overridden("configure_model", model):
+            self.strategy.check_model(model)  # else the Sequential may not exist yet: checked at setup
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:

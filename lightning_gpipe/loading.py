@@ -15,6 +15,7 @@ its own stage's tensors plus one tensor being read, never the whole model.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import sys
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
+import pytorch_lightning as pl
 import torch
 from torch import Tensor
 
@@ -177,3 +179,60 @@ def copy_into(
                     f"{key}: the checkpoint's tensor has shape {tuple(value.shape)}, the module's {tuple(tensor.shape)}"
                 )
             tensor.copy_(read(value))
+
+
+CHECKPOINT_SOURCE = "_gpipe_checkpoint_source"  # (path, weights_only) on a module from load_from_checkpoint
+
+
+def load_from_checkpoint(
+    cls: type[pl.LightningModule],
+    checkpoint_path: str | os.PathLike,
+    *,
+    weights_only: bool | None = None,
+    strict: bool | None = None,
+    **kwargs: Any,
+) -> pl.LightningModule:
+    """``cls.load_from_checkpoint`` for the gpipe strategy: each rank will read only its own stage's weights.
+
+    The module is built from the checkpoint's hyperparameters (and ``kwargs``) as Lightning's
+    ``load_from_checkpoint`` builds it, but no tensor data is read: its tensors stay on the meta
+    device. When a ``Trainer(strategy="gpipe")`` sets it up, each rank materializes only its
+    stage's layers and reads their values from ``checkpoint_path`` (one tensor at a time).
+
+    If ``cls`` builds its Sequential in ``configure_model``, ``__init__`` runs as usual
+    (metrics and other state real) and the layers are built on the meta device at setup.
+    Otherwise ``__init__`` runs under ``torch.device("meta")``: everything it creates is meta
+    (parameters and buffers outside the Sequential are read from the checkpoint too; create
+    torchmetrics metrics in ``setup`` or ``configure_model``, not in ``__init__``).
+
+    Args:
+        cls: the LightningModule class.
+        checkpoint_path: a full checkpoint file (``torch.save`` zip format).
+        weights_only: ``None``/``True``: torch's safe unpickler; ``False``: full pickle (only
+            for files you trust).
+        strict: as for ``load_from_checkpoint``; the keys of each stage are checked when read.
+        **kwargs: hyperparameters overriding the checkpoint's.
+
+    Returns:
+        The module, its tensors on the meta device until the strategy sets it up.
+
+    Raises:
+        UnsafeCheckpointError: the safe unpickler refuses the file (names it and the opt-in).
+        CheckpointError: the file is not in torch's zip format.
+    """
+    from pytorch_lightning.core.saving import _load_state
+    from pytorch_lightning.utilities.migration import pl_legacy_patch
+    from pytorch_lightning.utilities.migration.utils import _pl_migrate_checkpoint
+
+    with pl_legacy_patch():
+        checkpoint = LazyCheckpoint(checkpoint_path, weights_only).data
+    checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=Path(checkpoint_path))
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    deferred = cls.configure_model is not pl.LightningModule.configure_model
+    with contextlib.nullcontext() if deferred else torch.device("meta"):
+        # Lightning's own construction (hyperparameters, on_load_checkpoint, key check), tensors left unread
+        model = _load_state(cls, checkpoint, strict=False if deferred else strict, **kwargs)
+    assert isinstance(model, pl.LightningModule)
+    setattr(model, CHECKPOINT_SOURCE, (os.fspath(checkpoint_path), weights_only))
+    return model

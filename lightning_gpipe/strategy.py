@@ -9,8 +9,10 @@ stage's own optimizer on its own parameters.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
+from collections.abc import Generator
 from datetime import timedelta
 from typing import Any
 
@@ -60,7 +62,15 @@ from lightning_gpipe.comm import P2P, Groups, Layout, close_at_exit, new_groups
 from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
 from lightning_gpipe.launcher import GPipeLauncher
-from lightning_gpipe.loading import UnsafeCheckpointError, load_structure, safe
+from lightning_gpipe.loading import (
+    CHECKPOINT_SOURCE,
+    LazyCheckpoint,
+    UnsafeCheckpointError,
+    copy_into,
+    meta_tensors,
+    safe,
+)
+from lightning_gpipe.materialize import global_seed, has_meta, load_layers, materialize_layers
 from lightning_gpipe.metrics import (
     ShareLastStageMetrics,
     restore_logging,
@@ -76,6 +86,7 @@ from lightning_gpipe.partition import (
     check_tied_parameters,
     cut,
     find_sequential,
+    stage_bounds,
     uniform_balance,
 )
 from lightning_gpipe.precision import PipelineGradScaler
@@ -232,6 +243,10 @@ class GPipeStrategy(ParallelStrategy):
         self._stage: PipelineStage | None = None
         self._original: tuple[nn.Module, str, nn.Sequential] | None = None  # (parent, attr, full Sequential)
         self._seq_name = ""
+        self._lazy_checkpoint: LazyCheckpoint | None = None  # the full checkpoint being restored
+        self._stage_only = (
+            False  # the Sequential was built on the meta device: each rank holds only its stage
+        )
         self._groups: Groups | None = None
         self.gradient_clip_norm_type = float(gradient_clip_norm_type)
         if checkpoint_format not in ("full", "sharded"):
@@ -345,6 +360,27 @@ class GPipeStrategy(ParallelStrategy):
 
     # -- the model -------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Where ``Trainer.init_module`` and ``configure_model`` create tensors.
+
+        ``empty_init=True``, and ``None`` inside ``configure_model`` (which runs on every rank
+        once the processes are up): on the meta device; at setup the strategy cuts the meta
+        Sequential and materializes only this rank's stage (:mod:`lightning_gpipe.materialize`:
+        each layer initialized by its ``reset_parameters()`` from a stream seeded by the global
+        seed and the layer's index, the same for any stage count). Otherwise (``False``, or
+        ``None`` before the processes start), Lightning's default: on this rank's device.
+        The precision plugin's dtype applies either way.
+        """
+        meta = empty_init is True or (empty_init is None and _distributed_is_initialized())
+        if not meta:
+            with super().tensor_init_context(empty_init=empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
     def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
         """Find the pipelined Sequential and the balance; raise before any process starts.
 
@@ -375,6 +411,12 @@ class GPipeStrategy(ParallelStrategy):
             return uniform
         if how == "parameters":
             return balance_by_parameters(seq, stages)
+        if has_meta(seq):
+            raise ValueError(
+                f"balance={how!r} profiles the whole model on rank 0, but it was built on the meta device "
+                "(Trainer.init_module(empty_init=True) or configure_model) to hold only one stage per rank; "
+                "use balance='parameters', 'uniform' or a list of layers per stage"
+            )
         chosen: list[int] | None = None
         error: str | None = None
         if self.global_rank == 0:
@@ -446,6 +488,9 @@ class GPipeStrategy(ParallelStrategy):
         layout = self.layout
         rank, stage = self.global_rank, self.stage_index
         replica = layout.replica_of(rank)
+        self._stage_only = has_meta(seq)
+        if self._stage_only:
+            self._materialize_stage(model, name, seq, balance, stage)
         topology = StageTopology(
             stage=stage,
             stages=layout.stages,
@@ -474,6 +519,14 @@ class GPipeStrategy(ParallelStrategy):
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, pipe)
         self._stage, self._original, self._seq_name = pipe, (parent, attr, seq), name
+        left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+        if left:
+            shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
+            raise ValueError(
+                f"{len(left)} tensors outside the pipelined nn.Sequential are on the meta device ({shown}); only "
+                "the Sequential's layers are materialized per stage: create the rest outside "
+                "Trainer.init_module(empty_init=True) and configure_model's layers"
+            )
         if self.timeline:
             self._timeline = pipe.timeline = Timeline(stage, layout.stages, rank, replica)
         self.balance_used = balance
@@ -482,6 +535,27 @@ class GPipeStrategy(ParallelStrategy):
             for logger in model.trainer.loggers if model._trainer is not None else ():
                 logger.log_hyperparams({"gpipe_balance": balance})
         log.info(f"gpipe: rank {rank} runs stage {stage}/{layout.stages} with layers {list(pipe._modules)}")
+
+    def _materialize_stage(
+        self, model: pl.LightningModule, name: str, seq: nn.Sequential, balance: list[int], stage: int
+    ) -> None:
+        """Give this stage's meta layers real tensors on this rank's device; the other stages' stay meta.
+
+        A module from :func:`lightning_gpipe.load_from_checkpoint` reads them from its checkpoint;
+        otherwise each layer is initialized by :func:`lightning_gpipe.materialize.materialize_layers`
+        (its ``reset_parameters()``, from a random stream of the global seed and the layer's index).
+        """
+        layers = cut(seq, balance, stage)
+        source = getattr(model, CHECKPOINT_SOURCE, None)
+        if source is None:
+            start = stage_bounds(balance)[stage][0]
+            materialize_layers(
+                [(start + j, layer) for j, (_, layer) in enumerate(layers)], global_seed(), self.root_device
+            )
+            return
+        path, weights_only = source
+        lazy = LazyCheckpoint(path, weights_only)
+        load_layers(layers, name + ".", lazy.data.get("state_dict", {}), lazy.read, self.root_device)
 
     def _unpartition(self) -> None:
         """Put the user's full Sequential back, loaded with every stage's trained state."""
@@ -493,7 +567,7 @@ class GPipeStrategy(ParallelStrategy):
         for owner, child_name, child in self._plain_batch_norms:  # undo the deferred batch norm conversion
             setattr(owner, child_name, child)
         self._plain_batch_norms = []
-        if not self._failed and _distributed_is_initialized():
+        if not self._failed and not self._stage_only and _distributed_is_initialized():
             full = self._gather_sequential_state(to_all=True)
             seq.load_state_dict(full)
         setattr(parent, attr, seq)
@@ -768,7 +842,50 @@ class GPipeStrategy(ParallelStrategy):
             checkpoint_path
         ):  # a remote path: the CheckpointIO reads it, safely unless opted out
             return super().load_checkpoint(checkpoint_path, weights_only=safe(weights_only))
-        return load_structure(checkpoint_path, weights_only, map_location="cpu")
+        lazy = LazyCheckpoint(checkpoint_path, weights_only)
+        self._lazy_checkpoint = lazy
+        return self._stage_part(lazy)
+
+    def _stage_part(self, lazy: LazyCheckpoint) -> dict[str, Any]:
+        """The part of a full checkpoint this rank needs, its model and optimizer tensors not yet read.
+
+        Model tensors of other stages and their optimizer state are dropped unread; this stage's
+        stay meta tensors until :meth:`load_model_state_dict` / :meth:`load_optimizer_state_dict`
+        read them one at a time; everything else (loops, callbacks, schedulers) is read now.
+        """
+        checkpoint = dict(lazy.data)
+        module = self.lightning_module
+        state = checkpoint.pop("state_dict", {})
+        optimizer_states = checkpoint.pop("optimizer_states", [])
+        checkpoint = lazy.materialize(checkpoint)
+        if module is None:
+            checkpoint["state_dict"] = state
+            checkpoint["optimizer_states"] = optimizer_states
+            return checkpoint
+        wanted = set(module.state_dict())
+        checkpoint["state_dict"] = {k: v for k, v in state.items() if k in wanted}
+        mine = {name for name, _ in module.named_parameters()}
+        parts = []
+        for merged in optimizer_states:
+            merged = self._with_names(dict(merged))
+            names = merged.get(NAMES_KEY)
+            if names is not None:
+                merged["state"] = {i: v for i, v in merged.get("state", {}).items() if names[i] in mine}
+            parts.append({k: (v if k == "state" else lazy.materialize(v)) for k, v in merged.items()})
+        checkpoint["optimizer_states"] = parts
+        return checkpoint
+
+    def _with_names(self, merged: dict[str, Any]) -> dict[str, Any]:
+        """An optimizer state with its parameter names: a plain one-device one gets them in model order."""
+        if (
+            NAMES_KEY not in merged
+            and len(merged.get("param_groups", ())) == 1
+            and self._original is not None
+        ):
+            # a plain one-device checkpoint: one group over every parameter, in model order
+            prefix = self._seq_name + "."
+            merged[NAMES_KEY] = [prefix + n for n, _ in self._original[2].named_parameters()]
+        return merged
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -777,6 +894,12 @@ class GPipeStrategy(ParallelStrategy):
         assert module is not None
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
+        if self._stage is None and has_meta(module):
+            raise RuntimeError(
+                f"{type(module).__name__} was built on the meta device and each rank holds only its own stage "
+                "outside fit/validate/test; save checkpoints while the trainer runs (ModelCheckpoint, or "
+                "trainer.save_checkpoint from a callback)"
+            )
         if self._stage is None or not _distributed_is_initialized():
             return module.state_dict()
         full = self._gather_sequential_state(to_all=False)
@@ -834,17 +957,13 @@ class GPipeStrategy(ParallelStrategy):
             )
             return
         names_by_id = self._names_by_id()
+        lazy = self._lazy_checkpoint
         for optimizer, merged in zip(self.optimizers, checkpoint["optimizer_states"]):
-            if (
-                NAMES_KEY not in merged
-                and len(merged.get("param_groups", ())) == 1
-                and self._original is not None
-            ):
-                # a plain one-device checkpoint: one group over every parameter, in model order
-                prefix = self._seq_name + "."
-                merged = {**merged, NAMES_KEY: [prefix + n for n, _ in self._original[2].named_parameters()]}
+            merged = self._with_names(dict(merged))
             names = group_names(optimizer, names_by_id, missing=PLACEHOLDER)
             local = split_optimizer_state(merged, names, stateless=lambda name: PLACEHOLDER in name)
+            if lazy is not None:
+                local["state"] = {i: lazy.materialize(v) for i, v in local["state"].items()}
             optimizer.load_state_dict(local)
             _optimizer_to_device(optimizer, self.root_device)
 
@@ -857,6 +976,12 @@ class GPipeStrategy(ParallelStrategy):
         if self._stage is not None:
             wanted = set(module.state_dict())
             state = {k: v for k, v in state.items() if k in wanted}
+        lazy = self._lazy_checkpoint
+        if lazy is not None and any(True for _ in meta_tensors(state)):
+            # this stage's tensors, read from the file one at a time straight into the module's
+            target = module.state_dict()
+            copy_into(target if strict else {k: v for k, v in target.items() if k in state}, state, lazy.read)
+            return
         module.load_state_dict(state, strict=strict)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -893,6 +1018,13 @@ class GPipeStrategy(ParallelStrategy):
             if sharing in callbacks:
                 callbacks.remove(sharing)
         restore_logging(module)
+        self._lazy_checkpoint = None
+        if (
+            self._stage_only
+        ):  # Lightning moves the module to the CPU: the stage, not the other stages' meta layers
+            super().teardown()
+            self._unpartition()
+            return
         self._unpartition()
         super().teardown()
 
