@@ -15,7 +15,6 @@ its own stage's tensors plus one tensor being read, never the whole model.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import sys
@@ -129,6 +128,36 @@ class LazyCheckpoint:
         out.set_(raw.untyped_storage(), meta.storage_offset(), meta.shape, meta.stride())
         return out.requires_grad_(meta.requires_grad) if meta.requires_grad else out
 
+    def read_into(self, meta: Tensor, target: Tensor) -> None:
+        """Copy the tensor that ``meta`` stands for into ``target`` (same shape).
+
+        A contiguous CPU ``target`` of the same dtype is filled straight from the file, with no
+        buffer in between; otherwise the tensor is read (:meth:`read`) and copied.
+        """
+        if not meta.is_meta:
+            target.copy_(meta)
+            return
+        storage = meta.untyped_storage()
+        offset = getattr(storage, "_checkpoint_offset", None)
+        direct = (
+            target.device.type == "cpu"
+            and target.dtype == meta.dtype
+            and target.is_contiguous()
+            and meta.is_contiguous()
+            and target.numel() > 0
+        )
+        if not direct or offset is None:
+            target.copy_(self.read(meta))
+            return
+        start = int(offset) + int(meta.storage_offset()) * meta.element_size()
+        view = target.detach().reshape(-1).view(torch.uint8)
+        with open(self.path, "rb") as handle:
+            handle.seek(start)
+            if handle.readinto(view.numpy().data) != view.numel():
+                raise CheckpointError(
+                    f"{self.path} ends before the data of a tensor of shape {tuple(meta.shape)}"
+                )
+
     def materialize(self, obj: Any) -> Any:
         """``obj`` (part of :attr:`data`) with every meta tensor read (containers rebuilt, not changed in place)."""
         if isinstance(obj, Tensor):
@@ -160,9 +189,9 @@ def meta_tensors(obj: Any) -> Iterator[Tensor]:
 
 
 def copy_into(
-    target: Mapping[str, Tensor], source: Mapping[str, Tensor], read: Callable[[Tensor], Tensor]
+    target: Mapping[str, Tensor], source: Mapping[str, Tensor], read_into: Callable[[Tensor, Tensor], None]
 ) -> None:
-    """Copy ``source[k]`` (read with ``read`` if meta) into ``target[k]`` for every key of ``target``, one at a time.
+    """``read_into(source[k], target[k])`` for every key of ``target``, one tensor at a time.
 
     Raises:
         CheckpointError: a key of ``target`` is missing from ``source``, or shapes differ.
@@ -178,7 +207,7 @@ def copy_into(
                 raise CheckpointError(
                     f"{key}: the checkpoint's tensor has shape {tuple(value.shape)}, the module's {tuple(tensor.shape)}"
                 )
-            tensor.copy_(read(value))
+            read_into(value, tensor)
 
 
 CHECKPOINT_SOURCE = "_gpipe_checkpoint_source"  # (path, weights_only) on a module from load_from_checkpoint
@@ -199,18 +228,18 @@ def load_from_checkpoint(
     device. When a ``Trainer(strategy="gpipe")`` sets it up, each rank materializes only its
     stage's layers and reads their values from ``checkpoint_path`` (one tensor at a time).
 
-    If ``cls`` builds its Sequential in ``configure_model``, ``__init__`` runs as usual
-    (metrics and other state real) and the layers are built on the meta device at setup.
-    Otherwise ``__init__`` runs under ``torch.device("meta")``: everything it creates is meta
-    (parameters and buffers outside the Sequential are read from the checkpoint too; create
-    torchmetrics metrics in ``setup`` or ``configure_model``, not in ``__init__``).
+    ``__init__`` runs under ``torch.device("meta")``, as under ``Trainer.init_module(
+    empty_init=True)``: every tensor it creates is meta, and only the pipelined Sequential's are
+    materialized (create other tensors, e.g. torchmetrics metrics, in ``setup``). Layers built in
+    ``configure_model`` are built on the meta device at setup and read the same way.
 
     Args:
         cls: the LightningModule class.
         checkpoint_path: a full checkpoint file (``torch.save`` zip format).
         weights_only: ``None``/``True``: torch's safe unpickler; ``False``: full pickle (only
             for files you trust).
-        strict: as for ``load_from_checkpoint``; the keys of each stage are checked when read.
+        strict: as for ``load_from_checkpoint`` (``None``: the module's ``strict_loading``): the
+            module's keys must equal the checkpoint's; each stage's keys are checked again when read.
         **kwargs: hyperparameters overriding the checkpoint's.
 
     Returns:
@@ -218,7 +247,8 @@ def load_from_checkpoint(
 
     Raises:
         UnsafeCheckpointError: the safe unpickler refuses the file (names it and the opt-in).
-        CheckpointError: the file is not in torch's zip format.
+        CheckpointError: the file is not in torch's zip format, or (``strict``) its keys differ
+            from the module's.
     """
     from pytorch_lightning.core.saving import _load_state
     from pytorch_lightning.utilities.migration import pl_legacy_patch
@@ -229,10 +259,20 @@ def load_from_checkpoint(
     checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=Path(checkpoint_path))
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
-    deferred = cls.configure_model is not pl.LightningModule.configure_model
-    with contextlib.nullcontext() if deferred else torch.device("meta"):
-        # Lightning's own construction (hyperparameters, on_load_checkpoint, key check), tensors left unread
-        model = _load_state(cls, checkpoint, strict=False if deferred else strict, **kwargs)
+    with torch.device(
+        "meta"
+    ):  # Lightning's own construction (hyperparameters, on_load_checkpoint), nothing read
+        model = _load_state(cls, checkpoint, strict=False, **kwargs)
     assert isinstance(model, pl.LightningModule)
+    own = set(model.state_dict())
+    if own and (
+        strict if strict is not None else model.strict_loading
+    ):  # else the layers come in configure_model
+        saved = set(checkpoint.get("state_dict", {}))
+        if own != saved:
+            raise CheckpointError(
+                f"{os.fspath(checkpoint_path)} does not fit {cls.__name__} (missing: {sorted(own - saved)[:5]}, "
+                f"unexpected: {sorted(saved - own)[:5]}); pass strict=False to load what fits"
+            )
     setattr(model, CHECKPOINT_SOURCE, (os.fspath(checkpoint_path), weights_only))
     return model

@@ -130,14 +130,14 @@ def load_layers(
     layers: Iterable[tuple[str, nn.Module]],
     prefix: str,
     state: Mapping[str, Tensor],
-    read: Callable[[Tensor], Tensor],
+    read_into: Callable[[Tensor, Tensor], None],
     device: torch.device | str = "cpu",
 ) -> list[str]:
     """Give the meta tensors of each ``(name, layer)`` the values of a checkpoint's ``state_dict``.
 
     Every submodule with meta tensors of its own gets empty storage on ``device``; then each of
-    the layer's ``state_dict`` entries is copied from ``state[prefix + name + "." + key]`` (read
-    with ``read`` if it is a meta tensor), one tensor at a time. Layers without meta tensors keep
+    the layer's ``state_dict`` entries is filled by ``read_into(state[prefix + name + "." + key],
+    entry)`` (e.g. :meth:`lightning_gpipe.loading.LazyCheckpoint.read_into`), one tensor at a time. Layers without meta tensors keep
     their values.
 
     Returns:
@@ -155,6 +155,6 @@ def load_layers(
         for module in layer.modules():
             if has_meta(module, recurse=False):
                 module.to_empty(device=device, recurse=False)
-        copy_into({f"{prefix}{name}.{k}": v for k, v in layer.state_dict().items()}, state, read)
+        copy_into({f"{prefix}{name}.{k}": v for k, v in layer.state_dict().items()}, state, read_into)
         done.append(name)
     return done

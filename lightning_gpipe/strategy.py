@@ -555,7 +555,7 @@ class GPipeStrategy(ParallelStrategy):
             return
         path, weights_only = source
         lazy = LazyCheckpoint(path, weights_only)
-        load_layers(layers, name + ".", lazy.data.get("state_dict", {}), lazy.read, self.root_device)
+        load_layers(layers, name + ".", lazy.data.get("state_dict", {}), lazy.read_into, self.root_device)
 
     def _unpartition(self) -> None:
         """Put the user's full Sequential back, loaded with every stage's trained state."""
@@ -980,7 +980,9 @@ class GPipeStrategy(ParallelStrategy):
         if lazy is not None and any(True for _ in meta_tensors(state)):
             # this stage's tensors, read from the file one at a time straight into the module's
             target = module.state_dict()
-            copy_into(target if strict else {k: v for k, v in target.items() if k in state}, state, lazy.read)
+            copy_into(
+                target if strict else {k: v for k, v in target.items() if k in state}, state, lazy.read_into
+            )
             return
         module.load_state_dict(state, strict=strict)
 

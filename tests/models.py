@@ -390,13 +390,20 @@ def build_lazy_layers(kind: str, size: dict | None = None) -> nn.Sequential:
 
 class LazyNet(pl.LightningModule):
     """A module for the large-model path: its Sequential is built in ``configure_model`` (``deferred``) or in
-    ``__init__``; Adam; records its losses (last stage).
+    ``__init__``; Adam (or SGD with momentum); records its losses (last stage).
     """
 
-    def __init__(self, kind: str = "mlp", lr: float = 0.01, deferred: bool = True, size: dict | None = None):
+    def __init__(
+        self,
+        kind: str = "mlp",
+        lr: float = 0.01,
+        deferred: bool = True,
+        size: dict | None = None,
+        optimizer: str = "adam",
+    ):
         super().__init__()
         self.save_hyperparameters()
-        self.kind, self.lr, self.size = kind, lr, size
+        self.kind, self.lr, self.size, self.optimizer = kind, lr, size, optimizer
         self.layers = None if deferred else build_lazy_layers(kind, size)
         self.whole = [self.layers]  # the whole Sequential, kept (not as a submodule) for the tests to inspect
         self.losses: list[float] = []
@@ -420,6 +427,8 @@ class LazyNet(pl.LightningModule):
         return loss
 
     def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.checkpoint import META_FILE, load_sharded
-from lightning_gpipe.loading import UnsafeCheckpointError
+from lightning_gpipe.checkpoint import META_FILE, CheckpointError, load_sharded
+from lightning_gpipe.loading import LazyCheckpoint, UnsafeCheckpointError, copy_into, meta_tensors
 from tests.models import Net
 
 
@@ -64,3 +64,24 @@ def test_sharded_metadata_with_code_is_refused_naming_the_file_and_the_opt_in(tm
 def test_strategy_weights_only_must_be_a_bool_or_none():
     with pytest.raises(ValueError, match=r"weights_only must be None, True or False \(weights_only: 'no'\)"):
         GPipeStrategy(weights_only="no")
+
+
+def test_lazy_checkpoint_reads_only_the_tensors_asked_for(tmp_path):
+    """Structure first (meta tensors, nothing read), then each tensor from its offset: views and dtypes kept."""
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    saved = {
+        "state_dict": {"a": base, "view": base[1:, 2:5], "half": torch.randn(3, dtype=torch.bfloat16)},
+        "loops": {"step": torch.tensor(7), "name": "x"},
+    }
+    torch.save(saved, tmp_path / "c.ckpt")
+    lazy = LazyCheckpoint(tmp_path / "c.ckpt")
+    assert all(t.is_meta for t in meta_tensors(lazy.data)) and len(list(meta_tensors(lazy.data))) == 4
+    for key, tensor in saved["state_dict"].items():
+        read = lazy.read(lazy.data["state_dict"][key])
+        assert read.dtype == tensor.dtype and torch.equal(read, tensor)
+    assert lazy.materialize(lazy.data["loops"]) == {"step": torch.tensor(7), "name": "x"}
+    target = {"view": torch.zeros(3, 3)}
+    copy_into(target, lazy.data["state_dict"], lazy.read_into)
+    assert torch.equal(target["view"], base[1:, 2:5])
+    with pytest.raises(CheckpointError, match="lacks 1 tensors of this stage: missing"):
+        copy_into({"missing": torch.zeros(1)}, lazy.data["state_dict"], lazy.read_into)

@@ -70,3 +70,20 @@ def test_meta_model_materializes_only_its_stage_with_the_same_weights_for_any_st
         final = ranks[rank]["final"]
         assert max_diff(final, {k: v for k, v in reference["final"].items() if k in final}) <= 1e-6
     assert max(abs(a - b) for a, b in zip(ranks[0]["losses"], reference["losses"])) <= 1e-6
+
+
+@pytest.mark.timeout(600)
+def test_load_from_checkpoint_reads_only_each_stage_and_trains_like_one_device(stage_job, tmp_path):
+    """lightning_gpipe.load_from_checkpoint over 2 stages = Lightning's load_from_checkpoint on one device."""
+    reference = stage_job("ref", 1, reference=True, save_steps=1, then="load_from", kind="mlp", steps=3)[0]
+    ranks = stage_job("pipe", 2, build="load_from", load_from=str(tmp_path / "one.ckpt"), kind="mlp", steps=3)
+    saved = torch.load(tmp_path / "one.ckpt", weights_only=True)["state_dict"]
+    for rank, layers in ((1, [0, 2]), (0, [4])):
+        assert ranks[rank]["real_layers"] == layers
+        init = ranks[rank]["init"]
+        assert sorted(init) == sorted(k for k in saved if int(k.split(".")[1]) in layers)
+        assert max_diff(init, {k: saved[k] for k in init}) == 0
+        final = ranks[rank]["final"]
+        assert max_diff(final, {k: v for k, v in reference["final"].items() if k in final}) <= 1e-6
+    assert max(abs(a - b) for a, b in zip(ranks[0]["losses"], reference["losses"])) <= 1e-6
+

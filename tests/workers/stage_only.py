@@ -2,13 +2,15 @@
 
 Usage: python tests/workers/stage_only.py SPEC.json
 
-Spec keys: out, kind, size (transformer sizes), seed, batch, steps, lr, record ("tensors" or
+Spec keys: out, kind, size (transformer sizes), seed, batch, steps, lr, optimizer ("adam" or "sgd"), record ("tensors" or
 "stats": what each rank records of its stage's trained state).
 
 - ``reference`` (one process, plain one-device Trainer): builds the whole model eagerly and
   records how much that raised the peak RSS (``whole_mb``); then either initializes it as the
   stages would (``init="stages"``: :func:`lightning_gpipe.materialize.initialize`) and trains
-  ``steps``, or trains ``save_steps``, saves ``one.ckpt`` and resumes from it to ``steps``.
+  ``steps``, or trains ``save_steps``, saves ``one.ckpt`` and then (``then``) resumes from it to
+  ``steps`` (``"resume"``, default) or trains ``steps`` more from ``LazyNet.load_from_checkpoint``
+  (``"load_from"``).
 - otherwise (``devices`` ranks, gpipe): ``build`` is ``"init_module"`` (the module, its layers built
   in ``configure_model``, constructed under ``Trainer.init_module(empty_init=True)``),
   ``"init_module_eager"`` (layers built in ``__init__`` under it), ``"configure_model"`` (plain
@@ -46,6 +48,7 @@ spec = json.loads(Path(sys.argv[1]).read_text())
 out = Path(spec["out"])
 kind, size, seed = spec["kind"], spec.get("size"), spec.get("seed", 0)
 batch, steps, lr = spec.get("batch", 10), spec["steps"], spec.get("lr", 0.01)
+optimizer = spec.get("optimizer", "adam")
 record: dict = {"losses": []}
 MB = 2**20
 
@@ -62,10 +65,11 @@ def peak() -> float:
 
 
 def stage_state(module, how):
-    state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if not v.is_meta}
+    """This stage's tensors (copies), or ``"stats"``: their sum and norm (one tensor at a time, no copy kept)."""
+    state = {k: v for k, v in module.state_dict().items() if not v.is_meta}
     if how == "stats":
         return {k: (v.double().sum().item(), v.double().norm().item()) for k, v in state.items()}
-    return state
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
 class Record(Callback):
@@ -77,7 +81,10 @@ class Record(Callback):
 
     def on_fit_start(self, trainer, pl_module):
         record["setup_mb"] = peak() - self.baseline
-        record["init"] = stage_state(pl_module, spec.get("record", "tensors"))
+        if (
+            spec.get("record", "tensors") == "tensors"
+        ):  # ("stats" would raise the peak before the load is measured)
+            record["init"] = stage_state(pl_module, "tensors")
         holding = [(k, layer) for k, layer in enumerate(pl_module.whole[0]) if list(layer.parameters())]
         record["real_layers"] = [k for k, layer in holding if not has_meta(layer)]
 
@@ -93,9 +100,9 @@ def data():
 if spec.get("reference"):
     baseline = reset_peak()
     pl.seed_everything(seed, verbose=False)
-    model = LazyNet(kind, lr, deferred=False, size=size)
+    model = LazyNet(kind, lr, deferred=False, size=size, optimizer=optimizer)
     record["whole_mb"] = peak() - baseline
-    plain = dict(devices=1, **trainer_kwargs(steps))
+    plain = dict(devices=1, **{**trainer_kwargs(steps), "max_epochs": 3})
     if spec.get("init") == "stages":
         initialize(model.layers, seed)
         record["init"] = stage_state(model, "tensors")
@@ -107,9 +114,12 @@ if spec.get("reference"):
         trainer.save_checkpoint(out / "one.ckpt")
         del model, trainer
         gc.collect()
-        model = LazyNet(kind, lr, deferred=False, size=size)
-        trainer = pl.Trainer(callbacks=[Record(baseline)], **plain)
-        trainer.fit(model, data(), ckpt_path=out / "one.ckpt")
+        if spec.get("then") == "load_from":  # Lightning's own load_from_checkpoint, fresh optimizer
+            model = LazyNet.load_from_checkpoint(out / "one.ckpt")
+            pl.Trainer(callbacks=[Record(baseline)], **plain).fit(model, data())
+        else:  # resume
+            model = LazyNet(kind, lr, deferred=False, size=size, optimizer=optimizer)
+            pl.Trainer(callbacks=[Record(baseline)], **plain).fit(model, data(), ckpt_path=out / "one.ckpt")
     record["losses"] = model.losses
     torch.save(record, out / f"{spec['name']}_rank0.pt")
     sys.exit(0)
@@ -119,17 +129,20 @@ pl.seed_everything(seed, verbose=False)
 gc.collect()
 baseline = reset_peak()
 trainer = pl.Trainer(
-    strategy=strategy, devices=spec["devices"], callbacks=[Record(baseline)], **trainer_kwargs(steps)
+    strategy=strategy,
+    devices=spec["devices"],
+    callbacks=[Record(baseline)],
+    **{**trainer_kwargs(steps), "max_epochs": 3},  # a resumed run continues in the next epoch
 )
 build = spec["build"]
 if build == "init_module":
     with trainer.init_module(empty_init=True):
-        model = LazyNet(kind, lr, deferred=True, size=size)
+        model = LazyNet(kind, lr, deferred=True, size=size, optimizer=optimizer)
 elif build == "init_module_eager":
     with trainer.init_module(empty_init=True):
-        model = LazyNet(kind, lr, deferred=False, size=size)
+        model = LazyNet(kind, lr, deferred=False, size=size, optimizer=optimizer)
 elif build == "configure_model":
-    model = LazyNet(kind, lr, deferred=True, size=size)
+    model = LazyNet(kind, lr, deferred=True, size=size, optimizer=optimizer)
 elif build == "load_from":
     model = lightning_gpipe.load_from_checkpoint(LazyNet, spec["load_from"])
 else:
