@@ -52,7 +52,8 @@ class GPipeLauncher(_SubprocessScriptLauncher):
 
     Before the children start, the strategy checks the model against its configuration (the
     pipelined Sequential exists, the balance fits it), so a bad configuration fails in one
-    process, fast.
+    process, fast. A module that overrides ``configure_model`` may build its Sequential only
+    there, once the processes run: every rank checks it at setup instead.
 
     Under Hydra (``@hydra.main``), child rank ``r`` runs :func:`hydra_child_command`: the script
     with this job's overrides only, ``hydra.run.dir`` set to this job's output directory and no
