@@ -286,10 +286,10 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "device": args.device,
             }
         )
-    first = rows[0]["params_m"] or 1.0
-    for r in rows:
-        r["vs_first"] = round(r["params_m"] / first, 2)
-    _write(args, "table", rows)
+        first = rows[0]["params_m"] or 1.0
+        for r in rows:
+            r["vs_first"] = round(r["params_m"] / first, 2)
+        _write(args, "table", rows)  # after every row: a run cut short keeps the rows it finished
     return rows
 
 

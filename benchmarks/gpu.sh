@@ -40,10 +40,10 @@ fi
 RESULTS="${OUT:-benchmarks/results/gpu}"
 mkdir -p "$RESULTS"
 START=$(date +%s)
-if [[ -n "$SMALL" ]]; then
-  BUDGET=200; LAYERS=4; STEPS=20; VAL=10; CAP_T=900; OVH_T=300; TRAIN_T=300
-else
-  BUDGET=8192; LAYERS=8; STEPS=600; VAL=100; CAP_T=270; OVH_T=90; TRAIN_T=150
+if [[ -n "$SMALL" ]]; then  # a loaded CPU starts a process in tens of seconds
+  BUDGET=200; LAYERS=4; STEPS=20; VAL=10; CAP_T=1200; CAP_TRIAL=150; OVH_T=400; OVH_TRIAL=150; TRAIN_T=300
+else  # 450 s at most
+  BUDGET=8192; LAYERS=8; STEPS=600; VAL=100; CAP_T=250; CAP_TRIAL=100; OVH_T=80; OVH_TRIAL=38; TRAIN_T=120
 fi
 if [[ "$DEVICE" == cuda ]]; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RESULTS/device.csv" 2>/dev/null || true
@@ -52,12 +52,12 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version
 
 echo "== 1/3 capacity, K = 1: Naive-1 vs Pipeline-1 (recompute), budget $BUDGET MiB"
 timeout "$CAP_T" python benchmarks/capacity.py table --device "$DEVICE" $SMALL --rows naive 1:always \
-  --budget-mib "$BUDGET" --chunks 8 --max-layers 64 --timeout 120 --out "$RESULTS" \
+  --budget-mib "$BUDGET" --chunks 8 --max-layers 64 --timeout "$CAP_TRIAL" --out "$RESULTS" \
   || echo "capacity: did not finish within $CAP_T s (partial output above)"
 
 echo "== 2/3 recompute time overhead: one stage, M = 8, $LAYERS blocks"
 timeout "$OVH_T" python benchmarks/capacity.py overhead --device "$DEVICE" $SMALL --chunks 8 --layers "$LAYERS" \
-  --warmup 3 --timed 10 --timeout 80 --out "$RESULTS" \
+  --warmup 3 --timed 10 --timeout "$OVH_TRIAL" --out "$RESULTS" \
   || echo "overhead: did not finish within $OVH_T s"
 
 echo "== 3/3 bf16-mixed training of the main job's model, one stage"

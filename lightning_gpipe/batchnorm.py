@@ -30,7 +30,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_gpipe._compat import BatchNormBase
 
 __all__ = [
     "DeferredBatchNorm",
@@ -64,7 +65,7 @@ def is_accumulating() -> bool:
     return not getattr(_switch, "off", False)
 
 
-class DeferredBatchNorm(_BatchNorm):
+class DeferredBatchNorm(BatchNormBase):
     """BatchNorm that updates its running statistics once per mini-batch, from all its micro-batches.
 
     Args:
@@ -238,3 +239,22 @@ def commit_deferred_batch_norm(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, DeferredBatchNorm):
             m.commit()
+
+
+def defer_batch_norms(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """:func:`convert_deferred_batch_norm` on ``module``, returning ``(owner, name, original)`` of each
+    tracking BatchNorm for :func:`restore_batch_norms`."""
+    originals: list[tuple[nn.Module, str, nn.Module]] = [
+        (owner, name, child)
+        for owner in module.modules()
+        for name, child in owner.named_children()
+        if isinstance(child, BatchNormBase) and child.track_running_stats
+    ]
+    convert_deferred_batch_norm(module)  # shares parameters and buffers with the originals
+    return originals
+
+
+def restore_batch_norms(originals: list[tuple[nn.Module, str, nn.Module]]) -> None:
+    """Undo :func:`defer_batch_norms`: put the original BatchNorm layers back."""
+    for owner, name, child in originals:
+        setattr(owner, name, child)

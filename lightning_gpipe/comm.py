@@ -1,4 +1,4 @@
-"""Point-to-point transport between stages, and the rank layout of pipeline × data parallelism.
+"""Point-to-point transport between stages: the message header codec and :class:`P2P`.
 
 Every message is a fixed-size int64 *header* followed by the tensors it describes, so shapes and
 dtypes travel with the data on every step (nothing is cached from the first step). Sends are
@@ -8,22 +8,14 @@ micro-batch ``i+1`` while micro-batch ``i`` travels. Receives the stage knows ar
 micro-batch ``i+1`` arrives while the stage computes micro-batch ``i``. Transport is
 ``torch.distributed`` on the default group with global ranks: Gloo on CPU, NCCL on CUDA.
 
-Rank layout (W = P × D processes, P stages, D data-parallel replicas): replica ``d`` holds global
-ranks ``d·P … d·P+P-1`` and stage ``s`` of it sits on rank ``d·P + (P-1-s)``. The *last* stage is
-on each pipeline's lowest rank, so global rank 0 holds the real loss and metrics, and Lightning's
-rank-zero logging, progress bar and checkpoint decisions see true values.
 """
 
 from __future__ import annotations
 
-import atexit
-import gc
-import logging
 import queue
 import threading
 import time
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-log = logging.getLogger(__name__)
+__all__ = ["HEADER_SLOTS", "P2P", "Meta", "decode_header", "encode_header", "join_receives"]
 
 HEADER_SLOTS = 64
 _DTYPES: list[torch.dtype] = [
@@ -49,52 +41,6 @@ _DTYPES: list[torch.dtype] = [
     torch.complex128,
 ]
 _CODE = {dt: k for k, dt in enumerate(_DTYPES)}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where each (replica, stage) runs: ``rank = replica·P + (P-1-stage)``.
-
-    Args:
-        world_size: W, all processes.
-        pipeline_parallel_size: P, stages per pipeline; ``W % P == 0``.
-    """
-
-    world_size: int
-    pipeline_parallel_size: int
-
-    def __post_init__(self) -> None:
-        p, w = self.pipeline_parallel_size, self.world_size
-        if p < 1 or w % p:
-            raise ValueError(
-                f"the world size must be a multiple of pipeline_parallel_size (world size: {w}, "
-                f"pipeline_parallel_size: {p}); set devices × num_nodes to a multiple of it"
-            )
-
-    @property
-    def stages(self) -> int:
-        return self.pipeline_parallel_size
-
-    @property
-    def replicas(self) -> int:
-        return self.world_size // self.pipeline_parallel_size
-
-    def rank(self, replica: int, stage: int) -> int:
-        return replica * self.stages + (self.stages - 1 - stage)
-
-    def stage_of(self, rank: int) -> int:
-        return self.stages - 1 - rank % self.stages
-
-    def replica_of(self, rank: int) -> int:
-        return rank // self.stages
-
-    def data_ranks(self, stage: int) -> list[int]:
-        """Global ranks holding ``stage`` in every replica (its data-parallel group)."""
-        return [self.rank(d, stage) for d in range(self.replicas)]
-
-    def pipeline_ranks(self, replica: int) -> list[int]:
-        """Global ranks of ``replica``'s stages, in stage order."""
-        return [self.rank(replica, s) for s in range(self.stages)]
 
 
 def encode_header(tensors: Sequence[Tensor], is_tuple: bool, count: int, device: torch.device) -> Tensor:
@@ -251,92 +197,16 @@ def _wait(work: dist.Work | None) -> None:
     work.wait()
 
 
-@dataclass
-class Groups:
-    """The process groups a rank uses besides point-to-point.
-
-    Attributes:
-        pipeline: this rank's pipeline (all stages of its replica); global-norm clipping, metric sharing.
-        data: this rank's stage in every replica; gradient all-reduce.
-        last_stage_data: the last stage in every replica (``None`` on other ranks' behalf is
-            never needed: it is a group handle every rank holds); ``sync_dist`` logging, torchmetrics.
-    """
-
-    pipeline: Any
-    data: Any
-    last_stage_data: Any
-
-
-_GROUPS: dict[tuple[int, int, int], tuple[list[Any], list[Any]]] = {}
-
-
-def new_groups(layout: Layout, rank: int) -> Groups:
-    """Create every pipeline and data-parallel group (all ranks must call this, in the same order).
-
-    Groups are made once per process group and layout, so repeated ``fit``/``validate`` calls in
-    one job reuse them.
-    """
-    key = (id(dist.group.WORLD), layout.world_size, layout.stages)
-    if key not in _GROUPS:
-        pipelines = [dist.new_group(layout.pipeline_ranks(d)) for d in range(layout.replicas)]
-        datas = [dist.new_group(layout.data_ranks(s)) for s in range(layout.stages)]
-        _GROUPS[key] = (pipelines, datas)
-    pipelines, datas = _GROUPS[key]
-    return Groups(
-        pipeline=pipelines[layout.replica_of(rank)],
-        data=datas[layout.stage_of(rank)],
-        last_stage_data=datas[layout.stages - 1],
-    )
-
-
-_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
-_EXIT_HOOK = False
 _RECEIVING: set[threading.Thread] = set()  # background receive threads still running
-EXIT_WAIT_S = 30.0
-"""At exit, how long to wait for background receives still pending (after a failure), seconds."""
 
 
-def close_at_exit(holder: Any) -> None:
-    """Destroy every process group when this process exits normally, while Python still runs.
+def join_receives(timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds, all together, for background receives still running.
 
-    Left to interpreter finalization, a Gloo worker thread that is still releasing the tensors of
-    the last collective (the caller's ``wait`` has returned, the worker's clean-up has not) must
-    take the GIL to free them; during finalization that ends the thread with a forced unwind and
-    the whole process with ``terminate called without an active exception`` (SIGABRT, exit code
-    134) after a run that succeeded (pytorch/pytorch#179291 proposes the same hook in
-    ``init_process_group``). At exit this destroys the default group and, through
-    ``holder.release_groups()`` for every registered holder, drops the subgroup handles it keeps,
-    so that every group's worker threads are joined before finalization begins.
-
-    The same holds for a background receive (:meth:`P2P.expect`) still waiting when a rank leaves
-    after a failure: woken during finalization by its peer's message or closed connection, it
-    would abort the process. The hook first waits up to :data:`EXIT_WAIT_S` seconds for such
-    receives; they end when the peer sends or goes away, which the failure protocol
-    (:mod:`lightning_gpipe.failure`) makes prompt.
-
-    Args:
-        holder: an object with a ``release_groups()`` method (the strategy); held weakly.
+    Returns:
+        ``True`` when none is left running.
     """
-    global _EXIT_HOOK
-    _HOLDERS.add(holder)
-    if not _EXIT_HOOK:
-        atexit.register(_close_process_groups)
-        _EXIT_HOOK = True
-
-
-def _close_process_groups() -> None:
-    deadline = time.monotonic() + EXIT_WAIT_S
+    deadline = time.monotonic() + timeout
     for thread in list(_RECEIVING):
         thread.join(max(deadline - time.monotonic(), 0.0))
-    if any(t.is_alive() for t in _RECEIVING):
-        log.warning(
-            f"gpipe: background receives still wait for a peer after {EXIT_WAIT_S} s at exit; "
-            "this process may abort while Python shuts down"
-        )
-    release: list[Callable[[], None]] = [h.release_groups for h in list(_HOLDERS)]
-    for fn in release:
-        fn()
-    _GROUPS.clear()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()  # groups caught in reference cycles are destroyed (their threads joined) now
+    return not any(t.is_alive() for t in _RECEIVING)

@@ -8,7 +8,8 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_gpipe._compat import flatten_dense_tensors, unflatten_dense_tensors
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -39,12 +40,12 @@ def allreduce_gradients(
         size += nbytes
     pending = []
     for bucket in buckets:
-        flat = _flatten_dense_tensors(bucket)
+        flat = flatten_dense_tensors(bucket)
         pending.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
     for work, flat, bucket in pending:
         work.wait()
         flat.div_(replicas)
-        for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+        for g, reduced in zip(bucket, unflatten_dense_tensors(flat, bucket)):
             g.copy_(reduced)
 
 

@@ -14,17 +14,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
+from lightning_fabric.plugins import ClusterEnvironment
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
-from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-if TYPE_CHECKING:
-    from lightning_gpipe.strategy import GPipeStrategy
+from lightning_gpipe._compat import SubprocessScriptLauncher
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +46,13 @@ _HYDRA_KEYS_SET_FOR_CHILDREN = (
 )
 
 
-class GPipeLauncher(_SubprocessScriptLauncher):
+class GPipeLauncher(SubprocessScriptLauncher):
     """Starts one process per stage by re-running the script (Lightning's "popen" launcher).
 
-    Before the children start, the strategy checks the model against its configuration (the
-    pipelined Sequential exists, the balance fits it), so a bad configuration fails in one
-    process, fast. A module that overrides ``configure_model`` may build its Sequential only
-    there, once the processes run: every rank checks it at setup instead.
+    Before the children start, ``check(model)`` validates the model against the strategy's
+    configuration (the pipelined Sequential exists, the balance fits it), so a bad configuration
+    fails in one process, fast. A module that overrides ``configure_model`` may build its
+    Sequential only there, once the processes run: every rank checks it at setup instead.
 
     Under Hydra (``@hydra.main``), child rank ``r`` runs :func:`hydra_child_command`: the script
     with this job's overrides only, ``hydra.run.dir`` set to this job's output directory and no
@@ -62,19 +61,34 @@ class GPipeLauncher(_SubprocessScriptLauncher):
 
     After a job, :meth:`release` undoes the launch in the launching process (the next job of a
     Hydra multirun runs in the same process and must launch afresh).
+
+    Args:
+        cluster_environment, num_processes, num_nodes: as for Lightning's subprocess launcher.
+        check: called with the LightningModule before any child starts; raises on a bad model.
     """
 
-    def __init__(self, strategy: GPipeStrategy, num_processes: int, num_nodes: int) -> None:
-        assert strategy.cluster_environment is not None
-        super().__init__(strategy.cluster_environment, num_processes, num_nodes)
-        self.strategy = strategy
+    def __init__(
+        self,
+        cluster_environment: ClusterEnvironment,
+        num_processes: int,
+        num_nodes: int,
+        check: Callable[[pl.LightningModule], Any] | None = None,
+    ) -> None:
+        super().__init__(cluster_environment, num_processes, num_nodes)
+        self.check = check
         self._env_before: dict[str, str | None] | None = None
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         model = args[0] if args else None
-        if isinstance(model, pl.LightningModule) and not is_overridden("configure_model", model):
-            self.strategy.check_model(model)  # else the Sequential may not exist yet: checked at setup
+        if (
+            isinstance(model, pl.LightningModule)
+            and self.check is not None
+            and not is_overridden(
+                "configure_model", model
+            )  # else the Sequential may not exist yet: setup checks
+        ):
+            self.check(model)
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:

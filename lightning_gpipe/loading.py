@@ -27,7 +27,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor
 
-from lightning_gpipe.checkpoint import CheckpointError
+from lightning_gpipe.state.optimizer import CheckpointError
 
 OPT_IN = "weights_only=False"
 
@@ -276,3 +276,43 @@ def load_from_checkpoint(
             )
     setattr(model, CHECKPOINT_SOURCE, (os.fspath(checkpoint_path), weights_only))
     return model
+
+
+def stage_part(
+    lazy: LazyCheckpoint, module: torch.nn.Module | None, plain_names: list[str] | None
+) -> dict[str, Any]:
+    """The part of a full checkpoint a rank needs, its model and optimizer tensors not yet read.
+
+    Model tensors that ``module`` (the partitioned LightningModule) does not hold, and the
+    optimizer state of parameters it does not hold, are dropped unread; its own stay meta tensors
+    until loaded (:meth:`LazyCheckpoint.read_into`, :meth:`LazyCheckpoint.materialize`);
+    everything else (loops, callbacks, schedulers, optimizer hyperparameters) is read now.
+
+    Args:
+        lazy: the checkpoint.
+        module: the module it loads into (``None``: keep every tensor, still unread).
+        plain_names: the Sequential's parameter names in model order, for a plain one-device
+            checkpoint whose optimizer state names no parameters.
+    """
+    from lightning_gpipe.state.optimizer import NAMES_KEY
+
+    checkpoint = dict(lazy.data)
+    state = checkpoint.pop("state_dict", {})
+    optimizer_states = checkpoint.pop("optimizer_states", [])
+    checkpoint = lazy.materialize(checkpoint)
+    if module is None:
+        return {**checkpoint, "state_dict": state, "optimizer_states": optimizer_states}
+    wanted = set(module.state_dict())
+    checkpoint["state_dict"] = {k: v for k, v in state.items() if k in wanted}
+    mine = {name for name, _ in module.named_parameters()}
+    parts = []
+    for merged in optimizer_states:
+        merged = dict(merged)
+        if NAMES_KEY not in merged and len(merged.get("param_groups", ())) == 1 and plain_names is not None:
+            merged[NAMES_KEY] = plain_names  # a plain one-device checkpoint: one group, model order
+        names = merged.get(NAMES_KEY)
+        if names is not None:
+            merged["state"] = {i: v for i, v in merged.get("state", {}).items() if names[i] in mine}
+        parts.append({k: (v if k == "state" else lazy.materialize(v)) for k, v in merged.items()})
+    checkpoint["optimizer_states"] = parts
+    return checkpoint

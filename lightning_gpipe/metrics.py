@@ -18,7 +18,8 @@ import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 
-from lightning_gpipe.checkpoint import tensors_to_cpu
+from lightning_gpipe._compat import attached_trainer, checkpoint_every_n_train_steps
+from lightning_gpipe.state.optimizer import tensors_to_cpu
 
 
 def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: torch.device) -> None:
@@ -43,7 +44,7 @@ class ShareLastStageMetrics(Callback):
         self.share = share
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        if any(getattr(cb, "_every_n_train_steps", 0) for cb in trainer.checkpoint_callbacks):
+        if any(checkpoint_every_n_train_steps(cb) for cb in trainer.checkpoint_callbacks):
             self.share(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -52,6 +53,21 @@ class ShareLastStageMetrics(Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:
             self.share(trainer)
+
+
+def install_metric_sharing(trainer: pl.Trainer, share: Any) -> ShareLastStageMetrics:
+    """Put a :class:`ShareLastStageMetrics` first among ``trainer``'s callbacks and return it."""
+    callback = ShareLastStageMetrics(share)
+    trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
+    return callback
+
+
+def remove_metric_sharing(module: pl.LightningModule | None, callback: ShareLastStageMetrics | None) -> None:
+    """Undo :func:`install_metric_sharing` (and :func:`silence_logging`) on ``module``'s trainer."""
+    trainer = attached_trainer(module) if module is not None else None
+    if callback is not None and trainer is not None and callback in trainer.callbacks:  # type: ignore[attr-defined]
+        trainer.callbacks.remove(callback)  # type: ignore[attr-defined]
+    restore_logging(module)
 
 
 def sync_metrics_over(module: nn.Module | None, group: Any, member: bool) -> None:

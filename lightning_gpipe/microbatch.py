@@ -9,6 +9,7 @@ micro-batches of one sample each, never an empty one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -70,6 +71,19 @@ def batch_size(tensors: Sequence[Tensor], what: str = "pipeline input") -> int:
     if sizes[0] < 1:
         raise MicroBatchError(f"{what}: batch size is 0; the pipeline needs at least one sample")
     return sizes[0]
+
+
+def check_chunks(chunks: Any) -> int:
+    """Return ``chunks`` if it is an integer ≥ 1 (the number of micro-batches M).
+
+    Raises:
+        ValueError: anything else (a ``bool``, a float, a count below 1).
+    """
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(
+            f"chunks must be an integer >= 1 (chunks: {chunks!r}); it is the number of micro-batches"
+        )
+    return chunks
 
 
 def split(tensors: Sequence[Tensor], chunks: int) -> list[tuple[Tensor, ...]]:

@@ -1,10 +1,16 @@
-"""Find the user's pipelined ``nn.Sequential`` and cut it into stages from a balance list."""
+"""Find the user's pipelined ``nn.Sequential``, cut it into stages, and install a stage in its place."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
+
+from lightning_gpipe._compat import children, register_state_dict_hook
+from lightning_gpipe.batchnorm import defer_batch_norms, restore_batch_norms
 
 
 class PartitionError(ValueError):
@@ -61,6 +67,42 @@ def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[
         f"several nn.Sequential submodules of {type(module).__name__} hold all parameters ({names}); "
         "pass GPipeStrategy(module_name=...) to choose the one to pipeline"
     )
+
+
+def check_model(
+    model: Any, module_name: str | None, balance: list[int] | str | None, stages: int
+) -> tuple[str, nn.Sequential, list[int]]:
+    """Find the pipelined Sequential of a LightningModule and the balance to cut it with.
+
+    Args:
+        model: the LightningModule.
+        module_name: see :func:`find_sequential`.
+        balance: a list of layers per stage (checked), or anything else for the uniform split
+            (a balancer's choice is made later, :mod:`lightning_gpipe.balance.choose`).
+        stages: the number of stages P.
+
+    Returns:
+        ``(name, sequential, balance)``.
+
+    Raises:
+        PartitionError: no unique Sequential, parameters outside it, or a balance/stage count
+            that does not fit its layers.
+        ValueError: the module uses manual optimization (with more than one stage).
+    """
+    name, seq = find_sequential(model, module_name)
+    if stages > 1 and not model.automatic_optimization:
+        raise ValueError(
+            f"{type(model).__name__} uses manual optimization (automatic_optimization = False), which the gpipe "
+            "strategy does not support: on every stage but the last, training_step ends at the pipelined call, "
+            "before the user's backward and optimizer step; use automatic optimization"
+        )
+    if isinstance(balance, list):
+        check_stages(len(seq), len(balance))
+        balance = check_balance(balance, len(seq), stages)
+        check_tied_parameters(seq, balance)
+    else:
+        balance = uniform_balance(len(seq), stages)  # also checks stages against layers
+    return name, seq, balance
 
 
 def check_all_parameters_inside(module: nn.Module, name: str, sequential: nn.Sequential) -> None:
@@ -138,14 +180,14 @@ def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
 def cut(sequential: nn.Sequential, balance: Sequence[int], stage: int) -> list[tuple[str, nn.Module]]:
     """The ``(name, layer)`` pairs of stage ``stage``, names as in ``sequential``."""
     start, stop = stage_bounds(balance)[stage]
-    return list(sequential._modules.items())[start:stop]  # named_children() would drop a repeated module
+    return list(children(sequential).items())[start:stop]  # named_children() would drop a repeated module
 
 
 def check_tied_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> None:
     """Raise :class:`PartitionError` if a parameter is shared by layers that ``balance`` puts on different stages."""
-    stage_of_layer = [j for j, n in enumerate(balance) for _ in range(n)]
+    stage_of_layer = layer_stages(balance)
     owner: dict[int, int] = {}
-    for k, layer in enumerate(sequential._modules.values()):
+    for k, layer in enumerate(children(sequential).values()):
         if layer is None:
             continue
         for p in layer.parameters():
@@ -156,3 +198,66 @@ def check_tied_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> 
                     f"them on stages {stage_of_layer[first]} and {stage_of_layer[k]}; keep tied layers on one stage "
                     "(choose a balance that does) or untie them"
                 )
+
+
+def layer_stages(balance: Sequence[int]) -> list[int]:
+    """The stage of every layer: ``layer_stages([2, 1]) == [0, 0, 1]``."""
+    return [j for j, n in enumerate(balance) for _ in range(n)]
+
+
+@dataclass
+class Installed:
+    """Where a stage replaced the user's Sequential: ``parent.<attr>`` (``name`` in the model) was ``sequential``."""
+
+    name: str
+    parent: nn.Module
+    attr: str
+    sequential: nn.Sequential
+    batch_norms: list[tuple[nn.Module, str, nn.Module]]  # originals of deferred BatchNorms
+
+
+def install(model: nn.Module, name: str, stage: nn.Module, deferred_batch_norm: bool = False) -> Installed:
+    """Put ``stage`` where the Sequential ``name`` (a dotted path in ``model``) was; undo with :func:`uninstall`.
+
+    With ``deferred_batch_norm``, the stage's BatchNorms become
+    :class:`~lightning_gpipe.batchnorm.DeferredBatchNorm` (sharing parameters and buffers).
+    """
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    batch_norms = defer_batch_norms(stage) if deferred_batch_norm else []
+    installed = Installed(name, parent, attr, getattr(parent, attr), batch_norms)
+    setattr(parent, attr, stage)
+    return installed
+
+
+def uninstall(installed: Installed, state: dict[str, Any] | None = None) -> nn.Sequential:
+    """Put the user's Sequential back (its BatchNorms as they were), loaded with ``state`` if given; return it."""
+    restore_batch_norms(installed.batch_norms)
+    if state is not None:
+        installed.sequential.load_state_dict(state)
+    setattr(installed.parent, installed.attr, installed.sequential)
+    return installed.sequential
+
+
+def plain_parameter_names(installed: Installed) -> list[str]:
+    """The user's Sequential's parameter names as the model names them, in model order."""
+    return [f"{installed.name}.{n}" for n, _ in installed.sequential.named_parameters()]
+
+
+PLACEHOLDER = "_gpipe_placeholder"
+
+
+def add_placeholder_parameter(stage: nn.Module, device: torch.device) -> None:
+    """A stage without parameters (e.g. only ReLU) gets an empty one, so optimizers can be built.
+
+    It never reaches a ``state_dict``, a checkpoint or a merged optimizer state. A stage with
+    parameters is left as it is.
+    """
+    if any(True for _ in stage.parameters()):
+        return
+    stage.register_parameter(PLACEHOLDER, nn.Parameter(torch.zeros(0, device=device)))
+
+    def drop(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        state.pop(prefix + PLACEHOLDER, None)
+
+    register_state_dict_hook(stage, drop)

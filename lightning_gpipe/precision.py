@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_gpipe._compat import scaler_device, scaler_optimizer_state, scaler_scale
+
 
 class PipelineGradScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` whose found-inf decision is agreed by all ranks of ``group``.
@@ -32,7 +34,7 @@ class PipelineGradScaler(torch.amp.GradScaler):
     @classmethod
     def from_scaler(cls, scaler: torch.amp.GradScaler, group: Any = None) -> PipelineGradScaler:
         """A copy of ``scaler`` (same device, scale, growth settings and tracker) that agrees over ``group``."""
-        new = cls(scaler._device, group=group, enabled=scaler.is_enabled())
+        new = cls(scaler_device(scaler), group=group, enabled=scaler.is_enabled())
         new.load_state_dict(scaler.state_dict())
         return new
 
@@ -40,12 +42,22 @@ class PipelineGradScaler(torch.amp.GradScaler):
         super().unscale_(optimizer)
         if not self.is_enabled() or not dist.is_available() or not dist.is_initialized():
             return
-        state = self._per_optimizer_states[id(optimizer)]
-        assert self._scale is not None
-        device = self._scale.device
+        state = scaler_optimizer_state(self, optimizer)
+        scale = scaler_scale(self)
+        assert scale is not None
+        device = scale.device
         found = torch.zeros(1, dtype=torch.float32, device=device)
         for flag in state["found_inf_per_device"].values():
             found = torch.maximum(found, flag.to(device, torch.float32).reshape(1))
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         # one entry, on the scale's device: step() skips on it and update() reads it
         state["found_inf_per_device"] = {device: found}
+
+
+def install(precision_plugin: Any, clip_grad_by_norm: Any) -> None:
+    """Make Lightning's precision plugin clip by ``clip_grad_by_norm(optimizer, clip_val)`` (the global
+    norm over every stage) and agree on found-infs (a :class:`PipelineGradScaler` in place of its scaler)."""
+    precision_plugin.clip_grad_by_norm = clip_grad_by_norm
+    scaler = getattr(precision_plugin, "scaler", None)
+    if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, PipelineGradScaler):
+        precision_plugin.scaler = PipelineGradScaler.from_scaler(scaler)

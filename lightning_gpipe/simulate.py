@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from lightning_gpipe.recompute import CHECKPOINT_MODES, recomputed
+
 __all__ = [
     "CHECKPOINT_MODES",
     "Event",
@@ -46,8 +48,6 @@ __all__ = [
     "recomputed",
     "simulate",
 ]
-
-CHECKPOINT_MODES = ("always", "except_last", "never")
 
 
 class Event(NamedTuple):
@@ -118,25 +118,6 @@ def microbatch_sizes(batch_size: int, microbatches: int) -> list[int]:
     m = min(batch_size, microbatches)
     base, extra = divmod(batch_size, m)
     return [base + 1 if i < extra else base for i in range(m)]
-
-
-def recomputed(checkpoint: str, microbatches: int) -> list[bool]:
-    """Which micro-batches a stage re-materializes in backward under ``checkpoint``.
-
-    ``"always"``: all; ``"except_last"``: all but the last (its backward comes first, right
-    after its forward, so keeping its activations costs nothing extra at the peak);
-    ``"never"``: none.
-
-    Raises:
-        ValueError: unknown ``checkpoint``.
-    """
-    if checkpoint not in CHECKPOINT_MODES:
-        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES} (got {checkpoint!r})")
-    if checkpoint == "always":
-        return [True] * microbatches
-    if checkpoint == "except_last":
-        return [True] * (microbatches - 1) + [False]
-    return [False] * microbatches
 
 
 def gpipe_actions(stages: int, microbatches: int) -> list[list[tuple[str, int]]]:

@@ -13,32 +13,31 @@
   gradient from the next stage (on the last stage: split the leaves' gradients), backpropagate,
   send the input gradient to the previous stage.
 
-Recompute (GPipe section 2.3, "re-materialization") uses non-reentrant
-``torch.utils.checkpoint`` with the RNG state preserved, so dropout masks in the recompute equal
-those of the forward; BatchNorm layers do not update their running statistics a second time
-during the recompute.
+- the loss message (after the user's step): the last stage tells the others whether the step
+  has a loss, so that Lightning calls ``backward`` on every stage or on none.
+
+Which micro-batches recompute their forward is :mod:`lightning_gpipe.recompute`'s rule.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from lightning_gpipe import recompute
+from lightning_gpipe._compat import children
 from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P, Meta
+from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import Batch, as_tensors, batch_size, from_tensors, join, split
-from lightning_gpipe.skip import MicroBatchStore, Route, use_store
-
-CheckpointMode = Literal["always", "except_last", "never"]
-CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
+from lightning_gpipe.partition import cut, layer_stages
+from lightning_gpipe.skip import MicroBatchStore, routes, use_store
 
 
 class StageDone(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -58,26 +57,6 @@ class PipelineUsageError(RuntimeError):
 
 
 @dataclass
-class StageTopology:
-    """Where a stage sits: its index, the stage count and the global ranks of its neighbours."""
-
-    stage: int
-    stages: int
-    prev_rank: int | None
-    next_rank: int | None
-    ranks: tuple[int, ...] = ()  # global rank of every stage of this pipeline (for skip connections)
-    skips: tuple[Route, ...] = ()  # skip connections of the whole pipeline
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.stages - 1
-
-
-@dataclass
 class _Step:
     """What one step's forward keeps for its backward."""
 
@@ -86,29 +65,6 @@ class _Step:
     leaves: tuple[Tensor, ...] = ()  # last stage: the detached, joined outputs given to the user
     skips_in: list[dict[str, Tensor]] = field(default_factory=list)  # per micro-batch, received skips
     skips_out: list[dict[str, Tensor]] = field(default_factory=list)  # per micro-batch, skips sent on
-
-
-@contextmanager
-def _no_running_stats_update(module: nn.Module) -> Iterator[None]:
-    """During recompute, BatchNorm layers run exactly as in the forward, then get their running stats back.
-
-    The recompute must save the same tensors as the forward (``torch.utils.checkpoint`` checks), so
-    the layers keep tracking; their buffers are restored afterwards, which leaves one update per
-    micro-batch.
-    """
-    saved = [
-        (m, [b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
-        for m in module.modules()
-        if isinstance(m, _BatchNorm) and m.track_running_stats and m.training
-    ]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, copies in saved:
-                buffers = [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-                for buf, copy in zip(buffers, copies):
-                    buf.copy_(copy)
 
 
 class PipelineStage(nn.Sequential):
@@ -150,6 +106,11 @@ class PipelineStage(nn.Sequential):
         self._skips_out = [r for r in topology.skips if r.source == me and r.target != me]
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
 
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of this stage's layers, as in the user's Sequential."""
+        return list(self._modules)
+
     def __getitem__(self, idx: Any) -> Any:
         """``layers[k]`` with ``k`` the layer's index in the user's whole Sequential.
 
@@ -186,13 +147,20 @@ class PipelineStage(nn.Sequential):
     def end_step(self) -> None:
         self.active = False
 
+    def run_step(self, step: Callable[..., Any], expect_backward: bool, *args: Any, **kwargs: Any) -> Any:
+        """``step(*args, **kwargs)`` (a user step calling this stage) between :meth:`begin_step` and
+        :meth:`end_step`; :class:`StageDone` itself is returned where a non-last stage left the step."""
+        self.begin_step(expect_backward)
+        try:
+            return step(*args, **kwargs)
+        except StageDone:
+            return StageDone
+        finally:
+            self.end_step()
+
     @property
     def ran_forward(self) -> bool:
         return self.calls > 0
-
-    @property
-    def has_pending_backward(self) -> bool:
-        return self._step is not None
 
     def local_forward(self, input: Batch, store: MicroBatchStore | None = None) -> Any:
         """This stage's layers applied in order, as ``nn.Sequential`` would, with ``store`` for skips."""
@@ -276,19 +244,9 @@ class PipelineStage(nn.Sequential):
         return from_tensors(joined, out_tuple)
 
     def _compute(self, i: int, count: int, x: Batch, train: bool, store: MicroBatchStore) -> Any:
-        recompute = train and (
-            self.checkpoint_mode == "always" or (self.checkpoint_mode == "except_last" and i < count - 1)
-        )
-        if not recompute:
+        if not (train and recompute.recomputes(self.checkpoint_mode, i, count)):
             return self.local_forward(x, store)
-        return torch_checkpoint(
-            self.local_forward,
-            x,
-            store,
-            use_reentrant=False,
-            preserve_rng_state=True,
-            context_fn=lambda: (nullcontext(), self._recompute_context(i)),
-        )
+        return recompute.run(self.local_forward, x, store, context=lambda: self._recompute_context(i))
 
     @contextmanager
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Iterator[None]:
@@ -310,7 +268,7 @@ class PipelineStage(nn.Sequential):
 
     @contextmanager
     def _recompute_context(self, i: int) -> Iterator[None]:
-        with self._span("recompute", i), _no_running_stats_update(self), no_accumulate():
+        with self._span("recompute", i), recompute.no_running_stats_update(self), no_accumulate():
             yield
 
     def _forward_messages(self, count: int) -> Counter[int]:
@@ -321,6 +279,40 @@ class PipelineStage(nn.Sequential):
         expected = Counter({src: n * count for src, n in per_micro_batch.items()})
         expected[top.prev_rank] -= 1
         return expected
+
+    # -- the loss message -------------------------------------------------------------------
+
+    def share_loss(self, out: Any) -> Any:
+        """The last stage tells the others whether the step has a loss (and its value).
+
+        Call after a training step whose forward ran. On the last stage ``out`` is the user's
+        step output and is returned; it sends float64 ``[has_loss, value]`` to every other stage
+        of its pipeline. The others return that value as a scalar that requires grad (so that
+        Lightning calls ``backward`` on every stage), or ``None`` when the step has no loss (a
+        ``training_step`` returning ``None``; Lightning itself refuses that when several
+        processes run), and then drop what the forward kept.
+        """
+        top = self.topology
+        if top.stages == 1:
+            return out
+        if top.is_last:
+            loss = out.get("loss") if isinstance(out, dict) else out
+            has = isinstance(loss, Tensor)
+            value = float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else 0.0
+            message = torch.tensor([float(has), value], dtype=torch.float64, device=self.p2p.device)
+            for rank in top.ranks[:-1]:
+                self.p2p.send([message], rank)
+            if not has:
+                self.p2p.flush()
+                self.backward_skipped()
+            # else the backward's own flush waits for these sends: the drain starts now
+            return out
+        _, (message,) = self.p2p.recv(top.ranks[-1])
+        has, value = message.tolist()
+        if not has:
+            self.backward_skipped()
+            return None
+        return torch.tensor(value, device=self.p2p.device, requires_grad=True)
 
     # -- the backward drain -----------------------------------------------------------------
 
@@ -393,6 +385,21 @@ class PipelineStage(nn.Sequential):
             step.inputs[i] = step.outputs[i] = ()  # free this micro-batch
             step.skips_in[i] = step.skips_out[i] = {}
         self.p2p.flush()
+
+
+def build_stage(
+    seq: nn.Sequential,
+    balance: Sequence[int],
+    layout: Layout,
+    rank: int,
+    chunks: int,
+    checkpoint: str,
+    device: torch.device,
+) -> PipelineStage:
+    """Global rank ``rank``'s :class:`PipelineStage` of ``seq`` cut by ``balance`` (layers shared, not copied)."""
+    topology = layout.topology(rank, tuple(routes(seq, layer_stages(balance))))
+    layers = cut(seq, balance, topology.stage)
+    return PipelineStage(layers, topology, chunks, checkpoint, P2P(device), list(children(seq)))
 
 
 def _as_inputs(meta: Meta, received: list[Tensor], train: bool) -> tuple[Tensor, ...]:

@@ -1,9 +1,13 @@
-"""``GPipeStrategy``: the Lightning glue. The pipeline itself lives in :mod:`lightning_gpipe.stage`.
+"""``GPipeStrategy``: the Lightning glue. Each hook delegates to the module named for its idea.
 
 Hook order (Lightning's automatic optimization): ``training_step`` runs the user's step, whose
-call of the pipelined Sequential is the forward fill; ``backward`` runs the user's loss backward
-on the last stage and then the backward drain on every stage; ``optimizer_step`` steps each
-stage's own optimizer on its own parameters.
+call of the pipelined Sequential is the forward fill (:mod:`lightning_gpipe.stage`), then the
+loss message; ``backward`` runs the user's loss backward on the last stage and then the backward
+drain on every stage; ``optimizer_step`` steps each stage's own optimizer on its own parameters.
+Where the rest lives: rank layout (:mod:`~lightning_gpipe.layout`), process groups
+(:mod:`~lightning_gpipe.groups`), the balance (:mod:`~lightning_gpipe.balance.choose`), cutting
+and installing the stage (:mod:`~lightning_gpipe.partition`), saved state
+(:mod:`~lightning_gpipe.state`), metrics (:mod:`~lightning_gpipe.metrics`).
 """
 
 from __future__ import annotations
@@ -18,50 +22,27 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-import torch.distributed as dist
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.strategies import _StrategyRegistry
-from lightning_fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
 from lightning_fabric.utilities.seed import reset_seed
 from lightning_fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, balance_by_time
-from lightning_gpipe.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
-from lightning_gpipe.checkpoint import (
-    NAMES_KEY,
-    PLACEHOLDER,
-    SHARDED_KEY,
-    add_placeholder_parameter,
-    drop_placeholder,
-    drop_placeholder_names,
-    group_names,
-    is_sharded,
-    load_sharded,
-    merge_optimizer_states,
-    save_sharded,
-    set_sharded_optimizer_states,
-    split_optimizer_state,
-    tensors_to_cpu,
-)
-from lightning_gpipe.comm import P2P, Groups, Layout, close_at_exit, new_groups
+from lightning_gpipe import _compat, groups, metrics, partition, precision, state
+from lightning_gpipe.balance.choose import check_balance_spec, choose_balance, log_choice
+from lightning_gpipe.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
 from lightning_gpipe.launcher import GPipeLauncher
+from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
 from lightning_gpipe.loading import (
     CHECKPOINT_SOURCE,
     LazyCheckpoint,
@@ -69,35 +50,17 @@ from lightning_gpipe.loading import (
     copy_into,
     meta_tensors,
     safe,
+    stage_part,
 )
 from lightning_gpipe.materialize import global_seed, has_meta, load_layers, materialize_layers
-from lightning_gpipe.metrics import (
-    ShareLastStageMetrics,
-    restore_logging,
-    share_last_stage_metrics,
-    silence_logging,
-    sync_metrics_over,
-)
-from lightning_gpipe.microbatch import as_tensors, split
-from lightning_gpipe.partition import (
-    PartitionError,
-    check_balance,
-    check_stages,
-    check_tied_parameters,
-    cut,
-    find_sequential,
-    stage_bounds,
-    uniform_balance,
-)
-from lightning_gpipe.precision import PipelineGradScaler
-from lightning_gpipe.skip import routes as skip_routes
-from lightning_gpipe.stage import CHECKPOINT_MODES, PipelineStage, StageDone, StageTopology
+from lightning_gpipe.microbatch import check_chunks
+from lightning_gpipe.partition import PartitionError
+from lightning_gpipe.recompute import check_mode
+from lightning_gpipe.stage import PipelineStage, StageDone, build_stage
+from lightning_gpipe.state import sharded
 from lightning_gpipe.timeline import Timeline, publish
 
 log = logging.getLogger(__name__)
-
-
-BALANCERS = ("uniform", "parameters", "time", "memory")
 
 
 class GPipeStrategy(ParallelStrategy):
@@ -111,15 +74,10 @@ class GPipeStrategy(ParallelStrategy):
 
     Args:
         chunks: number of micro-batches M per mini-batch (≥ 1).
-        balance: layers per stage, e.g. ``[3, 2]``, or how to choose it: ``"uniform"`` (layer
-            count), ``"parameters"`` (parameter count per layer), ``"time"`` (profiled forward +
-            backward seconds per layer) or ``"memory"`` (profiled activation + parameter bytes per
-            layer, parameters counted ``1 + optimizer_state_factor`` times). Profiling runs once,
-            on global rank 0, on the stages' device, with one micro-batch of the first training
-            batch (or ``example_input_array``); every rank receives the result. The chosen balance
-            is logged (``gpipe_balance``) and stored in checkpoints under ``"gpipe"``.
-            ``None`` splits as evenly as possible by
-            layer count, earlier stages taking the extra layers.
+        balance: layers per stage, e.g. ``[3, 2]``; ``None`` splits as evenly as possible by layer
+            count, earlier stages taking the extra layers; or a balancer: ``"uniform"``,
+            ``"parameters"``, ``"time"`` or ``"memory"`` (:mod:`lightning_gpipe.balance.choose`).
+            The chosen balance is logged (``gpipe_balance``) and stored in checkpoints (``"gpipe"``).
         checkpoint: re-materialization per micro-batch: ``"always"``, ``"except_last"`` (the
             last micro-batch's backward comes first, so it keeps its activations) or ``"never"``.
         module_name: attribute path of the ``nn.Sequential`` to pipeline (e.g. ``"layers"``);
@@ -130,22 +88,18 @@ class GPipeStrategy(ParallelStrategy):
             as for any Lightning ``ParallelStrategy``; the Trainer fills them in.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
         timeout: ``torch.distributed`` timeout for collectives and point-to-point.
-        timeline: record every stage's forward/recompute/backward/send/recv spans
-            (:mod:`lightning_gpipe.timeline`); at the end of ``fit``, log ``pipeline/bubble`` per
-            step and write ``timeline.json`` (Chrome trace) and ``timeline.png`` (Gantt chart).
+        timeline: record every stage's spans (:mod:`lightning_gpipe.timeline`); at the end of ``fit``,
+            log ``pipeline/bubble`` per step, write ``timeline.json`` and ``timeline.png``.
         timeline_dir: where those files go (default: the trainer's ``log_dir``).
         gradient_clip_norm_type: the norm that ``Trainer(gradient_clip_val=...,
             gradient_clip_algorithm="norm")`` clips by (2.0, or ``float("inf")``), computed over
             the gradients of all stages together, as on one device.
-        deferred_batch_norm: BatchNorm layers normalise each micro-batch with its own statistics
-            but update their running statistics once per mini-batch, with the whole mini-batch's
-            statistics (:mod:`lightning_gpipe.batchnorm`; GPipe section 2.2), so they equal those
-            of the unpartitioned model trained on the full batch.
-        checkpoint_format: ``"full"``: one standard Lightning checkpoint file, gathered on rank 0
-            (the plain module loads it with ``strict=True``; optimizer states merged as one
-            optimizer over the whole model). ``"sharded"``: a directory written with
-            ``torch.distributed.checkpoint``, each stage its own shard, loadable with any number
-            of stages. Both are written atomically.
+        deferred_batch_norm: BatchNorm running statistics updated once per mini-batch, equal to
+            those of the unpartitioned model (:mod:`lightning_gpipe.batchnorm`; GPipe section 2.2).
+        optimizer_state_factor: optimizer state per parameter, in parameters (2.0: Adam's two
+            moments), for ``balance="memory"``.
+        checkpoint_format: ``"full"``: one Lightning checkpoint file, as the plain module's;
+            ``"sharded"``: a directory, one shard per stage; both atomic (:mod:`lightning_gpipe.state`).
         weights_only: how checkpoint files are unpickled when ``fit``/``validate``/``test``/
             ``predict`` get ``ckpt_path=``: ``None`` or ``True``, torch's safe unpickler
             (tensors, containers, primitive types; anything else is refused with
@@ -185,86 +139,37 @@ class GPipeStrategy(ParallelStrategy):
         deferred_batch_norm: bool = False,
         weights_only: bool | None = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(
-                f"chunks must be an integer >= 1 (chunks: {chunks!r}); it is the number of micro-batches"
-            )
-        if checkpoint not in CHECKPOINT_MODES:
-            raise ValueError(
-                f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)} (checkpoint: {checkpoint!r})"
-            )
-        if isinstance(balance, str):
-            if balance not in BALANCERS:
-                raise ValueError(
-                    f"balance must be a list of layers per stage, None, or one of "
-                    f"{', '.join(repr(b) for b in BALANCERS)} (balance: {balance!r})"
-                )
-        elif balance is not None:
-            if isinstance(balance, bytes) or not hasattr(balance, "__iter__"):
-                raise ValueError(f"balance must be a list of layers per stage or None (balance: {balance!r})")
-            bad = [b for b in balance if isinstance(b, bool) or not isinstance(b, int) or b < 1]
-            if bad or not list(balance):
-                raise ValueError(
-                    f"balance entries must be positive integers (balance: {list(balance)!r}); every stage needs a layer"
-                )
-            balance = list(balance)
-        if pipeline_parallel_size is not None and (
-            isinstance(pipeline_parallel_size, bool)
-            or not isinstance(pipeline_parallel_size, int)
-            or pipeline_parallel_size < 1
-        ):
-            raise ValueError(
-                f"pipeline_parallel_size must be an integer >= 1 or None (got {pipeline_parallel_size!r})"
-            )
-        if (
-            isinstance(balance, list)
-            and pipeline_parallel_size is not None
-            and len(balance) != pipeline_parallel_size
-        ):
-            raise ValueError(
-                f"balance has {len(balance)} stages but pipeline_parallel_size is {pipeline_parallel_size} "
-                f"(balance: {balance}); give one entry per stage"
-            )
-        self.chunks = chunks
-        self.balance = balance
-        self.checkpoint = checkpoint
+        super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
+        self.chunks = check_chunks(chunks)
+        self.checkpoint = check_mode(checkpoint)
+        self.balance = check_balance_spec(balance, pipeline_parallel_size)
+        self.pipeline_parallel_size = check_pipeline_parallel_size(pipeline_parallel_size)
+        self.checkpoint_format = state.check_format(checkpoint_format)
         self.module_name = module_name
-        self.pipeline_parallel_size = pipeline_parallel_size
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._num_nodes = 1
-        self._stage: PipelineStage | None = None
-        self._original: tuple[nn.Module, str, nn.Sequential] | None = None  # (parent, attr, full Sequential)
-        self._seq_name = ""
-        self._lazy_checkpoint: LazyCheckpoint | None = None  # the full checkpoint being restored
-        self._stage_only = (
-            False  # the Sequential was built on the meta device: each rank holds only its stage
-        )
-        self._groups: Groups | None = None
         self.gradient_clip_norm_type = float(gradient_clip_norm_type)
-        if checkpoint_format not in ("full", "sharded"):
-            raise ValueError(
-                f"checkpoint_format must be 'full' or 'sharded' (checkpoint_format: {checkpoint_format!r})"
-            )
-        self.checkpoint_format = checkpoint_format
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.deferred_batch_norm = bool(deferred_batch_norm)
         if weights_only not in (None, True, False):
             raise ValueError(f"weights_only must be None, True or False (weights_only: {weights_only!r})")
         self.weights_only = weights_only
-        self._plain_batch_norms: list[tuple[nn.Module, str, nn.Module]] = []
-        self.balance_used: list[int] | None = None
-        self._failed = False
         self.timeline, self.timeline_dir = timeline, timeline_dir
-        self._timeline: Timeline | None = None
+        self.balance_used: list[int] | None = None  # the balance the stages were cut with
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
+        self.last_grad_norm: Tensor | None = None  # total gradient norm before the last clip (inspection)
+        self.last_received_skips: list[tuple[str, int]] | None = None  # (skip, source stage), at teardown
+        self.process_group_backend = process_group_backend  # chosen by device at set-up when None
+        self._timeout = timeout
+        self.num_nodes = 1  # set by the Trainer
+        self._stage: PipelineStage | None = None
+        self._installed: partition.Installed | None = None  # where the stage replaced the user's Sequential
+        self._groups: groups.Groups | None = None
+        self._metric_sharing: metrics.ShareLastStageMetrics | None = None
+        self._timeline: Timeline | None = None
+        self._failed = False
+        self._lazy_checkpoint: LazyCheckpoint | None = None  # the full checkpoint being restored
+        self._stage_only = (
+            False  # the Sequential was built on the meta device: each rank holds only its stage
+        )
 
     # -- topology ------------------------------------------------------------------------------
 
@@ -273,14 +178,6 @@ class GPipeStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
 
     @property
     def num_processes(self) -> int:
@@ -302,11 +199,8 @@ class GPipeStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        """Lightning shards data (and syncs logs) only over data-parallel replicas.
-
-        With one replica every stage must see the user's own batches in the user's order, so
-        Lightning must not add a ``DistributedSampler``.
-        """
+        """Lightning shards data (and syncs logs) only over data-parallel replicas: with one, every
+        stage sees the user's batches in the user's order (no ``DistributedSampler``)."""
         return self.layout.replicas > 1
 
     @property
@@ -316,18 +210,27 @@ class GPipeStrategy(ParallelStrategy):
         return {"num_replicas": layout.replicas, "rank": layout.replica_of(self.global_rank)}
 
     @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        assert module is not None
+        return module
+
+    @property
+    def _torch_optimizers(self) -> list[Optimizer]:
+        return [_compat.unwrap_optimizer(o) for o in self.optimizers]
 
     @override
     def _configure_launcher(self) -> None:
         self.layout  # noqa: B018 - validates world size against pipeline_parallel_size before any spawn
-        if self._layer_sync is not None:
+        if _compat.layer_sync(self) is not None:
             raise ValueError(
                 "Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (each stage holds different "
                 "layers); use GPipeStrategy(deferred_batch_norm=True) for full-batch running statistics"
             )
-        self._launcher = GPipeLauncher(self, self.num_processes, self.num_nodes)
+        assert self.cluster_environment is not None
+        self._launcher = GPipeLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes, check=self.check_model
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -340,23 +243,11 @@ class GPipeStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        )
-        assert self.cluster_environment is not None
-        kwargs: dict[str, Any] = {"timeout": self._timeout}
-        if self.root_device.type != "cpu":
-            kwargs["device_id"] = self.root_device
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, **kwargs)
+        env, backend, device = self.cluster_environment, self.process_group_backend, self.root_device
+        self.process_group_backend = groups.connect(env, backend, self._timeout, device, self.global_rank)
         if self._groups is None:
-            self._groups = new_groups(self.layout, self.global_rank)
-        close_at_exit(self)
-        if os.environ.get("PL_GLOBAL_SEED") is None:
-            # An unseeded script: give every rank rank 0's CPU RNG state, so that a shuffling
-            # DataLoader hands every stage of a pipeline the same batches.
-            box = [torch.get_rng_state() if self.global_rank == 0 else None]
-            dist.broadcast_object_list(box, src=0)
-            torch.set_rng_state(box[0] if box[0] is not None else torch.get_rng_state())
+            self._groups = groups.new_groups(self.layout, self.global_rank)
+        groups.close_at_exit(self)
 
     # -- the model -------------------------------------------------------------------------------
 
@@ -373,7 +264,7 @@ class GPipeStrategy(ParallelStrategy):
         ``None`` before the processes start), Lightning's default: on this rank's device.
         The precision plugin's dtype applies either way.
         """
-        meta = empty_init is True or (empty_init is None and _distributed_is_initialized())
+        meta = empty_init is True or (empty_init is None and _compat.distributed_is_initialized())
         if not meta:
             with super().tensor_init_context(empty_init=empty_init):
                 yield
@@ -382,143 +273,33 @@ class GPipeStrategy(ParallelStrategy):
             yield
 
     def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
-        """Find the pipelined Sequential and the balance; raise before any process starts.
+        """Raise before any process starts if the model cannot be cut (:func:`.partition.check_model`)."""
+        return partition.check_model(model, self.module_name, self.balance, self.layout.stages)
 
-        Raises:
-            PartitionError: no unique Sequential, parameters outside it, or a balance/stage count
-                that does not fit its layers.
-        """
-        name, seq = find_sequential(model, self.module_name)
-        stages = self.layout.stages
-        if stages > 1 and not model.automatic_optimization:
+    def _partition(self) -> None:
+        """Cut the user's Sequential and put this rank's :class:`PipelineStage` in its place."""
+        model = self._module
+        name, seq, balance = self.check_model(model)
+        self._stage_only = has_meta(seq)
+        if self._stage_only and self.balance in ("time", "memory"):
             raise ValueError(
-                f"{type(model).__name__} uses manual optimization (automatic_optimization = False), which the gpipe "
-                "strategy does not support: on every stage but the last, training_step ends at the pipelined call, "
-                "before the user's backward and optimizer step; use automatic optimization"
-            )
-        if isinstance(self.balance, list):
-            check_stages(len(seq), len(self.balance))
-            balance = check_balance(self.balance, len(seq), stages)
-            check_tied_parameters(seq, balance)
-        else:
-            balance = uniform_balance(len(seq), stages)  # also checks stages against layers
-        return name, seq, balance
-
-    def _choose_balance(self, model: pl.LightningModule, seq: nn.Sequential, uniform: list[int]) -> list[int]:
-        """Resolve ``balance="parameters" | "time" | "memory"``: rank 0 decides, every rank receives."""
-        how, stages = self.balance, self.layout.stages
-        if not isinstance(how, str) or how == "uniform":
-            return uniform
-        if how == "parameters":
-            return balance_by_parameters(seq, stages)
-        if has_meta(seq):
-            raise ValueError(
-                f"balance={how!r} profiles the whole model on rank 0, but it was built on the meta device "
+                f"balance={self.balance!r} profiles the whole model on rank 0, but it was built on the meta device "
                 "(Trainer.init_module(empty_init=True) or configure_model) to hold only one stage per rank; "
                 "use balance='parameters', 'uniform' or a list of layers per stage"
             )
-        chosen: list[int] | None = None
-        error: str | None = None
-        if self.global_rank == 0:
-            try:
-                devices = [self.root_device] if self.root_device.type == "cuda" else []
-                with torch.random.fork_rng(devices=devices):  # profiling leaves the RNG streams as they were
-                    chosen = self._profile_balance(model, seq, how, stages)
-            except Exception as err:  # every rank must hear of it, or the others would wait forever
-                error = f"{type(err).__name__}: {err}"
-                raise
-            finally:
-                self.broadcast((chosen, error))
-        else:
-            chosen, error = self.broadcast((None, None))
-            if error is not None:
-                raise RuntimeError(f"balance={how!r}: profiling on rank 0 failed: {error}")
-        assert chosen is not None
-        return chosen
-
-    def _profile_balance(
-        self, model: pl.LightningModule, seq: nn.Sequential, how: str, stages: int
-    ) -> list[int]:
-        sample = self._sample_micro_batch(model, seq)
-        if how == "time":
-            return balance_by_time(seq, sample, stages, device=self.root_device)
-        factor = self.optimizer_state_factor
-        return balance_by_memory(seq, sample, stages, optimizer_factor=factor, device=self.root_device)
-
-    def _sample_micro_batch(self, model: pl.LightningModule, seq: nn.Sequential) -> Any:
-        """One micro-batch of what the pipelined Sequential receives: from ``example_input_array``,
-        else captured by running the user's ``training_step`` on the first training batch up to
-        the Sequential's call.
-        """
-        sample = model.example_input_array
-        if sample is None:
-            trainer = model.trainer
-            loader = trainer.fit_loop._data_source.dataloader()
-            batch = self.batch_to_device(next(iter(loader)))
-            captured: list[Any] = []
-
-            def capture(module: nn.Module, args: tuple[Any, ...]) -> None:
-                captured.append(args[0])
-                raise _Captured
-
-            handle = seq.register_forward_pre_hook(capture)
-            silence_logging(model)  # outside the loop, Lightning refuses self.log
-            try:
-                with torch.no_grad(), contextlib.suppress(_Captured):
-                    model.training_step(batch, 0)
-            finally:
-                handle.remove()
-                restore_logging(model)
-            if not captured:
-                raise ValueError(
-                    f"balance={self.balance!r} needs a sample input: training_step did not call the pipelined "
-                    "Sequential on the first batch; set LightningModule.example_input_array"
-                )
-            sample = captured[0]
-        tensors, is_tuple = as_tensors(sample, "the sample input for balancing")
-        first = split([t.to(self.root_device) for t in tensors], self.chunks)[0]
-        return first if is_tuple else first[0]
-
-    def _partition(self) -> None:
-        model = self.lightning_module
-        assert model is not None
-        name, seq, balance = self.check_model(model)
-        balance = self._choose_balance(model, seq, balance)
-        check_tied_parameters(seq, balance)
-        layout = self.layout
-        rank, stage = self.global_rank, self.stage_index
-        replica = layout.replica_of(rank)
-        self._stage_only = has_meta(seq)
+        balance = choose_balance(
+            self.balance, model, seq, balance, stages=self.layout.stages, chunks=self.chunks,
+            device=self.root_device, rank=self.global_rank, broadcast=self.broadcast,
+            to_device=self.batch_to_device, optimizer_state_factor=self.optimizer_state_factor,
+        )  # fmt: skip
+        partition.check_tied_parameters(seq, balance)
         if self._stage_only:
-            self._materialize_stage(model, name, seq, balance, stage)
-        topology = StageTopology(
-            stage=stage,
-            stages=layout.stages,
-            prev_rank=layout.rank(replica, stage - 1) if stage > 0 else None,
-            next_rank=layout.rank(replica, stage + 1) if stage < layout.stages - 1 else None,
-            ranks=tuple(layout.pipeline_ranks(replica)),
-            skips=tuple(skip_routes(seq, [j for j, n in enumerate(balance) for _ in range(n)])),
+            self._materialize_stage(model, name, seq, balance)
+        stage = build_stage(
+            seq, balance, self.layout, self.global_rank, self.chunks, self.checkpoint, self.root_device
         )
-        pipe = PipelineStage(
-            cut(seq, balance, stage),
-            topology,
-            self.chunks,
-            self.checkpoint,
-            P2P(self.root_device),
-            list(seq._modules),
-        )
-        if self.deferred_batch_norm:
-            self._plain_batch_norms = [
-                (owner, child_name, child)
-                for owner in pipe.modules()
-                for child_name, child in owner.named_children()
-                if isinstance(child, _BatchNorm) and child.track_running_stats
-            ]
-            convert_deferred_batch_norm(pipe)  # shares parameters and buffers with the originals
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, pipe)
-        self._stage, self._original, self._seq_name = pipe, (parent, attr, seq), name
+        self._installed = partition.install(model, name, stage, deferred_batch_norm=self.deferred_batch_norm)
+        self._stage = stage
         left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
         if left:
             shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
@@ -528,16 +309,18 @@ class GPipeStrategy(ParallelStrategy):
                 "Trainer.init_module(empty_init=True) and configure_model's layers"
             )
         if self.timeline:
-            self._timeline = pipe.timeline = Timeline(stage, layout.stages, rank, replica)
+            replica = self.layout.replica_of(self.global_rank)
+            self._timeline = stage.timeline = Timeline(
+                self.stage_index, self.layout.stages, self.global_rank, replica
+            )
         self.balance_used = balance
         if isinstance(self.balance, str) and self.is_global_zero:
-            rank_zero_info(f"gpipe: balance={self.balance!r} chose {balance} (layers per stage)")
-            for logger in model.trainer.loggers if model._trainer is not None else ():
-                logger.log_hyperparams({"gpipe_balance": balance})
-        log.info(f"gpipe: rank {rank} runs stage {stage}/{layout.stages} with layers {list(pipe._modules)}")
+            log_choice(model, self.balance, balance)
+        where = f"rank {self.global_rank} runs stage {self.stage_index}/{self.layout.stages}"
+        log.info(f"gpipe: {where} with layers {stage.layer_names}")
 
     def _materialize_stage(
-        self, model: pl.LightningModule, name: str, seq: nn.Sequential, balance: list[int], stage: int
+        self, model: pl.LightningModule, name: str, seq: nn.Sequential, balance: list[int]
     ) -> None:
         """Give this stage's meta layers real tensors on this rank's device; the other stages' stay meta.
 
@@ -545,13 +328,12 @@ class GPipeStrategy(ParallelStrategy):
         otherwise each layer is initialized by :func:`lightning_gpipe.materialize.materialize_layers`
         (its ``reset_parameters()``, from a random stream of the global seed and the layer's index).
         """
-        layers = cut(seq, balance, stage)
+        layers = partition.cut(seq, balance, self.stage_index)
         source = getattr(model, CHECKPOINT_SOURCE, None)
         if source is None:
-            start = stage_bounds(balance)[stage][0]
-            materialize_layers(
-                [(start + j, layer) for j, (_, layer) in enumerate(layers)], global_seed(), self.root_device
-            )
+            start = partition.stage_bounds(balance)[self.stage_index][0]
+            indexed = [(start + j, layer) for j, (_, layer) in enumerate(layers)]
+            materialize_layers(indexed, global_seed(), self.root_device)
             return
         path, weights_only = source
         lazy = LazyCheckpoint(path, weights_only)
@@ -559,37 +341,14 @@ class GPipeStrategy(ParallelStrategy):
 
     def _unpartition(self) -> None:
         """Put the user's full Sequential back, loaded with every stage's trained state."""
-        if self._original is None:
+        if self._installed is None or self._stage is None:
             return
-        parent, attr, seq = self._original
-        if self._stage is not None:
-            self.last_received_skips = list(self._stage.received_skips)
-        for owner, child_name, child in self._plain_batch_norms:  # undo the deferred batch norm conversion
-            setattr(owner, child_name, child)
-        self._plain_batch_norms = []
-        if not self._failed and not self._stage_only and _distributed_is_initialized():
-            full = self._gather_sequential_state(to_all=True)
-            seq.load_state_dict(full)
-        setattr(parent, attr, seq)
-        self._original, self._stage = None, None
-
-    def _gather_sequential_state(self, to_all: bool) -> dict[str, Tensor]:
-        """The pipelined Sequential's full ``state_dict`` (keys relative to it) from replica 0's stages."""
-        assert self._stage is not None
-        layout = self.layout
-        local = {k: v.detach().cpu() for k, v in self._stage.state_dict().items()}
-        mine = local if layout.replica_of(self.global_rank) == 0 else {}
-        parts: list[Any] = [None] * self.world_size
-        if to_all:
-            dist.all_gather_object(parts, mine)
-        else:
-            dist.gather_object(mine, parts if self.global_rank == 0 else None, dst=0)
-            if self.global_rank != 0:
-                return {}
-        full: dict[str, Tensor] = {}
-        for part in parts:
-            full.update(part)
-        return full
+        self.last_received_skips = list(self._stage.received_skips)
+        full = None
+        if not self._failed and not self._stage_only and _compat.distributed_is_initialized():
+            full = state.gather_sequential_state(self._stage, self.layout, self.global_rank, to_all=True)
+        partition.uninstall(self._installed, full)
+        self._installed, self._stage = None, None
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -599,34 +358,26 @@ class GPipeStrategy(ParallelStrategy):
         assert self.model is not None and self._stage is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        if self.layout.replicas > 1:  # every copy of a stage starts from replica 0's state, as under DDP
-            src = self.layout.rank(0, self.stage_index)
-            with torch.no_grad():
-                for tensor in self._stage.state_dict().values():
-                    dist.broadcast(tensor, src=src, group=self._groups.data)
-        sync_metrics_over(self.lightning_module, self._groups.last_stage_data, member=self.is_last_stage)
+        state.broadcast_from_first_replica(self._stage, self.layout, self.global_rank, self._groups.data)
+        metrics.sync_metrics_over(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
         if not self.is_last_stage:
-            silence_logging(self.lightning_module)
+            metrics.silence_logging(self.lightning_module)
         if trainer.state.fn == TrainerFn.FITTING:
-            if not any(True for _ in self._stage.parameters()):
-                add_placeholder_parameter(self._stage, self.root_device)
-            self.setup_optimizers(trainer)
-            if len(self.optimizers) > 1:
-                raise ValueError(
-                    f"configure_optimizers returned {len(self.optimizers)} optimizers; the gpipe strategy runs one "
-                    "forward and one backward per step and supports a single optimizer (use parameter groups)"
-                )
+            self._setup_optimizers(trainer)
         self.setup_precision_plugin()
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_norm  # type: ignore[method-assign]
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, PipelineGradScaler):
-            self.precision_plugin.scaler = PipelineGradScaler.from_scaler(scaler)  # type: ignore[attr-defined]
+        precision.install(self.precision_plugin, self._clip_grad_by_norm)
         if trainer.state.fn == TrainerFn.FITTING:
-            from lightning_fabric.utilities.optimizer import _optimizers_to_device
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
+        self._metric_sharing = metrics.install_metric_sharing(trainer, self.share_last_stage_metrics)
 
-            _optimizers_to_device(self.optimizers, self.root_device)
-        self._metric_sharing = ShareLastStageMetrics(self.share_last_stage_metrics)
-        trainer.callbacks.insert(0, self._metric_sharing)  # type: ignore[attr-defined]
+    def _setup_optimizers(self, trainer: pl.Trainer) -> None:
+        partition.add_placeholder_parameter(self._pipe, self.root_device)  # if it has no parameters
+        self.setup_optimizers(trainer)
+        if len(self.optimizers) > 1:
+            raise ValueError(
+                f"configure_optimizers returned {len(self.optimizers)} optimizers; the gpipe strategy runs one "
+                "forward and one backward per step and supports a single optimizer (use parameter groups)"
+            )
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
@@ -643,77 +394,34 @@ class GPipeStrategy(ParallelStrategy):
 
     # -- steps ------------------------------------------------------------------------------------
 
-    def _run_step(self, hook: Any, expect_backward: bool, *args: Any, **kwargs: Any) -> Any:
-        stage = self._stage
-        assert stage is not None
-        stage.begin_step(expect_backward)
-        try:
-            return hook(*args, **kwargs)
-        except StageDone:
-            return StageDone
-        finally:
-            stage.end_step()
+    @property
+    def _pipe(self) -> PipelineStage:
+        assert self._stage is not None, "the stage exists from setup to teardown"
+        return self._stage
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self._timeline is not None:
             self._timeline.begin_step(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
-        out = self._run_step(super().training_step, True, *args, **kwargs)
-        stage = self._stage
-        assert stage is not None
+        out = self._pipe.run_step(super().training_step, True, *args, **kwargs)
+        stage = self._pipe
         if self.deferred_batch_norm:
             commit_deferred_batch_norm(stage)  # once per mini-batch, after all its micro-batches
         if not stage.ran_forward:
             return out
-        return self._share_loss(out)
-
-    def _share_loss(self, out: Any) -> Any:
-        """The last stage tells the others whether the step has a loss (and its value).
-
-        Other stages return that value as their step output, so that Lightning calls ``backward``
-        on every stage or on none (should a ``training_step`` return ``None``; Lightning itself
-        refuses that when several processes run).
-        """
-        stage = self._stage
-        assert stage is not None
-        layout = self.layout
-        replica = layout.replica_of(self.global_rank)
-        if layout.stages == 1:
-            return out
-        if stage.topology.is_last:
-            loss = out.get("loss") if isinstance(out, dict) else out
-            has = isinstance(loss, Tensor)
-            value = float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else 0.0
-            message = torch.tensor(
-                [float(has), value],
-                dtype=torch.float64,
-                device=self.root_device,
-            )
-            for s in range(layout.stages - 1):
-                stage.p2p.send([message], layout.rank(replica, s))
-            if not has:
-                stage.p2p.flush()
-                stage.backward_skipped()
-            # else the backward's own flush waits for these sends: the drain starts now
-            return out
-        _, (message,) = stage.p2p.recv(layout.rank(replica, layout.stages - 1))
-        has, value = message.tolist()
-        if not has:
-            stage.backward_skipped()
-            return None
-        return torch.tensor(value, device=self.root_device, requires_grad=True)
+        return stage.share_loss(out)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return _none_if_done(self._run_step(super().validation_step, False, *args, **kwargs))
+        return _none_if_done(self._pipe.run_step(super().validation_step, False, *args, **kwargs))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return _none_if_done(self._run_step(super().test_step, False, *args, **kwargs))
+        return _none_if_done(self._pipe.run_step(super().test_step, False, *args, **kwargs))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return _none_if_done(self._run_step(super().predict_step, False, *args, **kwargs))
+        return _none_if_done(self._pipe.run_step(super().predict_step, False, *args, **kwargs))
 
     @override
     def backward(
@@ -721,14 +429,13 @@ class GPipeStrategy(ParallelStrategy):
     ) -> Tensor:
         """The user's loss backward (last stage), then every stage's backward drain."""
         self.pre_backward(closure_loss)
-        module = self.lightning_module
-        assert module is not None and self._stage is not None
+        module = self._module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        self._stage.backward()
+        self._pipe.backward()
         if self.layout.replicas > 1 and not self._accumulating():
             assert self._groups is not None
-            allreduce_gradients(self._stage.parameters(), self._groups.data, self.layout.replicas)
+            allreduce_gradients(self._pipe.parameters(), self._groups.data, self.layout.replicas)
         if self._timeline is not None:
             self._timeline.end_step()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
@@ -738,65 +445,41 @@ class GPipeStrategy(ParallelStrategy):
     def _accumulating(self) -> bool:
         """Whether this backward is followed by another before the optimizer step (gradient accumulation)."""
         module = self.lightning_module
-        if module is None or not module.automatic_optimization or module._trainer is None:
+        if module is None or not module.automatic_optimization or _compat.attached_trainer(module) is None:
             return False
-        return module.trainer.fit_loop._should_accumulate()
+        return _compat.should_accumulate(module.trainer)
 
     # -- collectives ----------------------------------------------------------------------------
-
-    @property
-    def last_stage_group(self) -> Any:
-        """The data-parallel group of the last stage, where losses and metrics live."""
-        return self._groups.last_stage_data if self._groups is not None else None
 
     def share_last_stage_metrics(self, trainer: pl.Trainer) -> None:
         """Give every stage of each pipeline its last stage's ``trainer.callback_metrics``."""
         layout = self.layout
-        if layout.stages == 1 or self._groups is None or not _distributed_is_initialized():
+        if layout.stages == 1 or self._groups is None or not _compat.distributed_is_initialized():
             return
         src = layout.rank(layout.replica_of(self.global_rank), layout.stages - 1)
-        share_last_stage_metrics(trainer, src, self._groups.pipeline, self.root_device)
+        metrics.share_last_stage_metrics(trainer, src, self._groups.pipeline, self.root_device)
 
     @override
     def reduce(
         self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor:
         """Reduce over the last stage's data-parallel replicas (where losses and metrics live)."""
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
-            return tensor
-        group = group if group is not None else self.last_stage_group
-        if group is None or dist.get_world_size(group) == 1:
-            return tensor
-        from lightning_fabric.utilities.distributed import _sync_ddp
-
-        return _sync_ddp(tensor, group, reduce_op=reduce_op)
+        last_stage_data = self._groups.last_stage_data if self._groups is not None else None
+        return groups.reduce(tensor, group if group is not None else last_stage_data, reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
-        if not _distributed_is_initialized():
-            return decision
-        t = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        return bool(t == self.world_size) if all else bool(t)
+        return groups.all_agree(decision, self.root_device, everyone=all)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        groups.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
+        return groups.broadcast_object(obj, src)
 
-    # -- checkpoints -----------------------------------------------------------------------------
+    # -- checkpoints (lightning_gpipe.state) -----------------------------------------------------
 
     @property
     @override
@@ -809,217 +492,117 @@ class GPipeStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Write the checkpoint (``checkpoint_format``), recording the pipeline under ``checkpoint["gpipe"]``."""
-        checkpoint["gpipe"] = {
-            "balance": self.balance_used,
-            "balance_by": self.balance,
-            "chunks": self.chunks,
-            "stages": self.layout.stages,
-        }
-        if self.checkpoint_format == "sharded" and _distributed_is_initialized():
-            module = self.lightning_module
-            assert module is not None
-            save_sharded(checkpoint, filepath, module, [_unwrap(o) for o in self.optimizers])
-            return
+        record = {"balance": self.balance_used, "balance_by": self.balance, "chunks": self.chunks}
+        checkpoint["gpipe"] = {**record, "stages": self.layout.stages}
+        if self.checkpoint_format == "sharded" and _compat.distributed_is_initialized():
+            return sharded.save_sharded(checkpoint, filepath, self._module, self._torch_optimizers)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a checkpoint file or directory, with torch's safe unpickler unless ``weights_only=False``.
+        """Read this rank's part of a checkpoint, with torch's safe unpickler unless ``weights_only=False``.
 
         ``weights_only`` (or, when ``None``, the strategy's ``weights_only``) decides how every
-        file is unpickled, the sharded checkpoint's metadata included.
+        file is unpickled, the sharded checkpoint's metadata included. A full checkpoint file is
+        read stage by stage (:func:`lightning_gpipe.loading.stage_part`): the other stages'
+        tensors are never read, this stage's are read when loaded.
 
         Raises:
             UnsafeCheckpointError: the safe unpickler refuses the file (the message names it
                 and the opt-in).
         """
         weights_only = self.weights_only if weights_only is None else weights_only
-        if is_sharded(checkpoint_path):
-            module = self.lightning_module
-            assert module is not None
-            return load_sharded(checkpoint_path, module, [_unwrap(o) for o in self.optimizers], weights_only)
+        if sharded.is_sharded(checkpoint_path):
+            return sharded.load_sharded(checkpoint_path, self._module, self._torch_optimizers, weights_only)
         if not os.path.isfile(
             checkpoint_path
         ):  # a remote path: the CheckpointIO reads it, safely unless opted out
             return super().load_checkpoint(checkpoint_path, weights_only=safe(weights_only))
-        lazy = LazyCheckpoint(checkpoint_path, weights_only)
-        self._lazy_checkpoint = lazy
-        return self._stage_part(lazy)
-
-    def _stage_part(self, lazy: LazyCheckpoint) -> dict[str, Any]:
-        """The part of a full checkpoint this rank needs, its model and optimizer tensors not yet read.
-
-        Model tensors of other stages and their optimizer state are dropped unread; this stage's
-        stay meta tensors until :meth:`load_model_state_dict` / :meth:`load_optimizer_state_dict`
-        read them one at a time; everything else (loops, callbacks, schedulers) is read now.
-        """
-        checkpoint = dict(lazy.data)
-        module = self.lightning_module
-        state = checkpoint.pop("state_dict", {})
-        optimizer_states = checkpoint.pop("optimizer_states", [])
-        checkpoint = lazy.materialize(checkpoint)
-        if module is None:
-            checkpoint["state_dict"] = state
-            checkpoint["optimizer_states"] = optimizer_states
-            return checkpoint
-        wanted = set(module.state_dict())
-        checkpoint["state_dict"] = {k: v for k, v in state.items() if k in wanted}
-        mine = {name for name, _ in module.named_parameters()}
-        parts = []
-        for merged in optimizer_states:
-            merged = self._with_names(dict(merged))
-            names = merged.get(NAMES_KEY)
-            if names is not None:
-                merged["state"] = {i: v for i, v in merged.get("state", {}).items() if names[i] in mine}
-            parts.append({k: (v if k == "state" else lazy.materialize(v)) for k, v in merged.items()})
-        checkpoint["optimizer_states"] = parts
-        return checkpoint
-
-    def _with_names(self, merged: dict[str, Any]) -> dict[str, Any]:
-        """An optimizer state with its parameter names: a plain one-device one gets them in model order."""
-        if (
-            NAMES_KEY not in merged
-            and len(merged.get("param_groups", ())) == 1
-            and self._original is not None
-        ):
-            # a plain one-device checkpoint: one group over every parameter, in model order
-            prefix = self._seq_name + "."
-            merged[NAMES_KEY] = [prefix + n for n, _ in self._original[2].named_parameters()]
-        return merged
+        self._lazy_checkpoint = LazyCheckpoint(checkpoint_path, weights_only)
+        plain = partition.plain_parameter_names(self._installed) if self._installed is not None else None
+        return stage_part(self._lazy_checkpoint, self.lightning_module, plain)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
-        module = self.lightning_module
-        assert module is not None
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
-        if self._stage is None and has_meta(module):
+        if self._stage is None and has_meta(self._module):
             raise RuntimeError(
-                f"{type(module).__name__} was built on the meta device and each rank holds only its own stage "
-                "outside fit/validate/test; save checkpoints while the trainer runs (ModelCheckpoint, or "
+                f"{type(self._module).__name__} was built on the meta device and each rank holds only its own "
+                "stage outside fit/validate/test; save checkpoints while the trainer runs (ModelCheckpoint, or "
                 "trainer.save_checkpoint from a callback)"
             )
-        if self._stage is None or not _distributed_is_initialized():
-            return module.state_dict()
-        full = self._gather_sequential_state(to_all=False)
-        if self.global_rank != 0:
-            return {}
-        prefix = self._seq_name + "."
-        state = {k: v for k, v in module.state_dict().items() if not k.startswith(prefix)}
-        state.update({prefix + k: v for k, v in full.items()})
-        return state
-
-    def _names_by_id(self) -> dict[int, str]:
-        module = self.lightning_module
-        assert module is not None
-        return {id(p): name for name, p in module.named_parameters()}
+        if self._stage is None or self._installed is None or not _compat.distributed_is_initialized():
+            return self._module.state_dict()
+        return state.user_state_dict(
+            self._module, self._stage, self._installed.name, self.layout, self.global_rank
+        )
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """On rank 0: one optimizer ``state_dict`` over the whole model, merged from every stage.
-
-        It has the layout a single optimizer over the plain module's parameters would have (see
-        :mod:`lightning_gpipe.checkpoint`), plus the parameter names, so it loads back into any
-        number of stages. Every rank takes part (a gather from replica 0's stages).
-        """
-        optimizer = _unwrap(optimizer)
+        """On rank 0: one optimizer ``state_dict`` over the whole model (:func:`.state.merged_optimizer_state`)."""
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
-        names = group_names(optimizer, self._names_by_id(), missing=PLACEHOLDER)
-        layout = self.layout
-        mine = (self.stage_index, tensors_to_cpu(optimizer.state_dict()), names)
-        parts: list[Any] = [mine]
-        if _distributed_is_initialized() and self.world_size > 1:
-            parts = [None] * self.world_size
-            dist.gather_object(
-                mine if layout.replica_of(self.global_rank) == 0 else None,
-                parts if self.global_rank == 0 else None,
-                dst=0,
-            )
-            if self.global_rank != 0:
-                return {}
-        stages = sorted((p for p in parts if p is not None), key=lambda p: p[0])
-        return merge_optimizer_states(
-            [(drop_placeholder(sd, n), drop_placeholder_names(n)) for _, sd, n in stages]
-        )
+        optimizer = _compat.unwrap_optimizer(optimizer)
+        return state.merged_optimizer_state(optimizer, self._module, self.layout, self.global_rank)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name)."""
-        from lightning_fabric.utilities.optimizer import _optimizer_to_device
-
-        if checkpoint.get(SHARDED_KEY):
-            module = self.lightning_module
-            assert module is not None
-            set_sharded_optimizer_states(
-                module, [_unwrap(o) for o in self.optimizers], checkpoint["optimizer_states"]
-            )
-            return
-        names_by_id = self._names_by_id()
+        states = checkpoint["optimizer_states"]
+        if checkpoint.get(sharded.SHARDED_KEY):
+            return sharded.set_sharded_optimizer_states(self._module, self._torch_optimizers, states)
+        plain = partition.plain_parameter_names(self._installed) if self._installed is not None else None
         lazy = self._lazy_checkpoint
-        for optimizer, merged in zip(self.optimizers, checkpoint["optimizer_states"]):
-            merged = self._with_names(dict(merged))
-            names = group_names(optimizer, names_by_id, missing=PLACEHOLDER)
-            local = split_optimizer_state(merged, names, stateless=lambda name: PLACEHOLDER in name)
-            if lazy is not None:
-                local["state"] = {i: lazy.materialize(v) for i, v in local["state"].items()}
-            optimizer.load_state_dict(local)
-            _optimizer_to_device(optimizer, self.root_device)
+        state.load_optimizer_states(
+            self._module, self._torch_optimizers, states, plain, self.root_device,
+            read=lazy.materialize if lazy is not None else None,
+        )  # fmt: skip
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Load a full checkpoint into the full or the partitioned module (keeping this stage's keys)."""
-        module = self.lightning_module
-        assert module is not None
-        state = checkpoint["state_dict"]
+        state_dict = checkpoint["state_dict"]
         if self._stage is not None:
-            wanted = set(module.state_dict())
-            state = {k: v for k, v in state.items() if k in wanted}
+            wanted = set(self._module.state_dict())
+            state_dict = {k: v for k, v in state_dict.items() if k in wanted}
         lazy = self._lazy_checkpoint
-        if lazy is not None and any(True for _ in meta_tensors(state)):
+        if lazy is not None and any(True for _ in meta_tensors(state_dict)):
             # this stage's tensors, read from the file one at a time straight into the module's
-            target = module.state_dict()
-            copy_into(
-                target if strict else {k: v for k, v in target.items() if k in state}, state, lazy.read_into
-            )
+            target = self._module.state_dict()
+            if not strict:
+                target = {k: v for k, v in target.items() if k in state_dict}
+            copy_into(target, state_dict, lazy.read_into)
             return
-        module.load_state_dict(state, strict=strict)
+        self._module.load_state_dict(state_dict, strict=strict)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     @override
     def on_train_end(self) -> None:
         """With ``timeline=True``: log ``pipeline/bubble`` and write the trace and the Gantt chart (rank 0)."""
-        if self._timeline is not None and _distributed_is_initialized():
-            trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-            self.timeline_records = publish(
-                self._timeline,
-                self.timeline_dir or trainer.log_dir,
-                trainer.loggers if self.is_global_zero else (),
-            )
+        if self._timeline is not None and _compat.distributed_is_initialized():
+            trainer = self._module.trainer
+            loggers = trainer.loggers if self.is_global_zero else ()
+            self.timeline_records = publish(self._timeline, self.timeline_dir or trainer.log_dir, loggers)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """End every rank promptly, the original error first (:mod:`lightning_gpipe.failure`)."""
         self._failed = True
-        if _distributed_is_initialized():
+        if _compat.distributed_is_initialized():
             report_and_abort(exception, f"stage {self.stage_index} (rank {self.global_rank})")
 
     def release_groups(self) -> None:
         """Drop every process-group handle this strategy and its module's metrics hold (at exit)."""
         self._groups = None
-        sync_metrics_over(self._lightning_module, None, member=True)
+        metrics.sync_metrics_over(self.lightning_module, None, member=True)
 
     @override
     def teardown(self) -> None:
-        sharing = getattr(self, "_metric_sharing", None)
-        module = self.lightning_module
-        if sharing is not None and module is not None and module._trainer is not None:
-            callbacks = module.trainer.callbacks  # type: ignore[attr-defined]
-            if sharing in callbacks:
-                callbacks.remove(sharing)
-        restore_logging(module)
+        metrics.remove_metric_sharing(self.lightning_module, self._metric_sharing)
+        self._metric_sharing = None
         self._lazy_checkpoint = None
         if (
             self._stage_only
@@ -1032,19 +615,11 @@ class GPipeStrategy(ParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: _compat.StrategyRegistry) -> None:
         if "gpipe" not in strategy_registry:
             strategy_registry.register(
                 "gpipe", cls, description="GPipe pipeline parallelism (lightning_gpipe)"
             )
-
-
-class _Captured(BaseException):  # noqa: N818 - control flow, not an error
-    """Stops the user's training_step once the sample input is captured."""
-
-
-def _unwrap(optimizer: Any) -> Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, pl.core.optimizer.LightningOptimizer) else optimizer
 
 
 def _none_if_done(out: Any) -> Any:

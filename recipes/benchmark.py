@@ -551,7 +551,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def _step_need(cfg: DictConfig, num_layers: int, checkpoint: str) -> tuple[int, int]:
     """Bytes one training step of a one-stage pipeline needs, and the parameter count."""
     from lightning_gpipe.comm import P2P
-    from lightning_gpipe.stage import PipelineStage, StageTopology
+    from lightning_gpipe.layout import StageTopology
+    from lightning_gpipe.stage import PipelineStage
 
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     assert isinstance(model_cfg, dict)

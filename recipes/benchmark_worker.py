@@ -37,10 +37,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_gpipe.comm import P2P, Layout
+from lightning_gpipe.comm import P2P
+from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import split
 from lightning_gpipe.partition import cut
-from lightning_gpipe.stage import PipelineStage, StageDone, StageTopology
+from lightning_gpipe.stage import PipelineStage, StageDone
 from lightning_gpipe.timeline import Timeline, gather, plot_gantt, step_stats, write_chrome_trace
 from recipes.memory import TensorMemoryMeter, peak_rss_bytes
 

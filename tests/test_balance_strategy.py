@@ -32,7 +32,8 @@ def test_parameters_balance_isolates_the_big_layer():
 
 def test_indexing_a_stage_uses_the_whole_sequentials_indices():
     from lightning_gpipe.comm import P2P
-    from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageTopology
+    from lightning_gpipe.layout import StageTopology
+    from lightning_gpipe.stage import PipelineStage, PipelineUsageError
 
     seq = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 3), nn.ReLU())
     stage = PipelineStage(
@@ -56,7 +57,8 @@ def test_indexing_a_stage_of_a_sequential_with_named_layers():
     from collections import OrderedDict
 
     from lightning_gpipe.comm import P2P
-    from lightning_gpipe.stage import PipelineStage, StageTopology
+    from lightning_gpipe.layout import StageTopology
+    from lightning_gpipe.stage import PipelineStage
 
     seq = nn.Sequential(OrderedDict([("inp", nn.Linear(4, 8)), ("act", nn.Tanh()), ("out", nn.Linear(8, 1))]))
     stage = PipelineStage(

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.checkpoint import META_FILE, CheckpointError, load_sharded
 from lightning_gpipe.loading import LazyCheckpoint, UnsafeCheckpointError, copy_into, meta_tensors
+from lightning_gpipe.state.optimizer import CheckpointError
+from lightning_gpipe.state.sharded import META_FILE, load_sharded
 from tests.models import Net
 
 

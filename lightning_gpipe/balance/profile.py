@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gpipe._compat import children, own_buffers, own_parameters
+
 __all__ = [
     "LayerProfile",
     "LayerProfilingError",
@@ -159,10 +161,10 @@ def _preserved(module: nn.Module, device: torch.device) -> Iterator[None]:
     params = []
     buffers = []
     for m in module.modules():
-        for name, p in m._parameters.items():
+        for name, p in own_parameters(m).items():
             if p is not None:
                 params.append((m, name, p, p.data, p.detach().clone()))
-        for name, b in m._buffers.items():
+        for name, b in own_buffers(m).items():
             if b is not None:
                 buffers.append((m, name, b, b.detach().clone()))
     try:
@@ -173,18 +175,18 @@ def _preserved(module: nn.Module, device: torch.device) -> Iterator[None]:
     finally:
         with torch.no_grad():
             for m, name, p, data, value in params:
-                m._parameters[name] = p
+                own_parameters(m)[name] = p
                 p.data = data
                 data.copy_(value)
             for m, name, b, value in buffers:
-                m._buffers[name] = b
+                own_buffers(m)[name] = b
                 b.copy_(value)
         for m, training in modes:
             m.training = training
 
 
 def _layer_names(module: nn.Sequential) -> list[str]:
-    return list(module._modules.keys())
+    return list(children(module))
 
 
 def _check_sequential(module: nn.Module) -> nn.Sequential:

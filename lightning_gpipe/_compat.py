@@ -1,0 +1,138 @@
+"""Every private Lightning and torch internal the package relies on, in one place.
+
+Checked against torch 2.13.0, pytorch-lightning / lightning-fabric 2.6. Each entry is tested in
+``tests/test_compat.py``, so that an upgrade that removes or renames one fails there, loudly,
+naming the entry, rather than deep inside a multi-process run. Nothing else in the package
+touches an underscored attribute of Lightning or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytorch_lightning as pl
+from lightning_fabric.strategies import _StrategyRegistry as StrategyRegistry
+from lightning_fabric.utilities.distributed import _distributed_is_initialized as distributed_is_initialized
+from lightning_fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device as default_process_group_backend,
+)
+from lightning_fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning_fabric.utilities.distributed import _sync_ddp as sync_ddp
+from lightning_fabric.utilities.optimizer import _optimizer_to_device as optimizer_to_device
+from lightning_fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from torch import nn
+from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
+from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
+from torch.amp import GradScaler
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+from torch.optim import Optimizer
+
+__all__ = [
+    "BatchNormBase",
+    "OVERRIDDEN",
+    "StrategyRegistry",
+    "SubprocessScriptLauncher",
+    "attached_trainer",
+    "checkpoint_every_n_train_steps",
+    "children",
+    "default_process_group_backend",
+    "distributed_is_initialized",
+    "flatten_dense_tensors",
+    "init_dist_connection",
+    "layer_sync",
+    "optimizer_to_device",
+    "optimizers_to_device",
+    "own_buffers",
+    "own_parameters",
+    "register_state_dict_hook",
+    "scaler_device",
+    "scaler_optimizer_state",
+    "scaler_scale",
+    "should_accumulate",
+    "sync_ddp",
+    "train_dataloader",
+    "unflatten_dense_tensors",
+    "unwrap_optimizer",
+]
+
+OVERRIDDEN: tuple[tuple[type, str], ...] = (
+    (pl.strategies.ParallelStrategy, "_configure_launcher"),  # GPipeStrategy overrides it
+    (pl.strategies.ParallelStrategy, "_launcher"),  # ... and sets it there
+    (SubprocessScriptLauncher, "_call_children_scripts"),  # GPipeLauncher overrides it
+    (SubprocessScriptLauncher, "_check_can_spawn_children"),  # ... and calls it
+)
+"""Private members of Lightning classes that :class:`~lightning_gpipe.GPipeStrategy` and
+:class:`~lightning_gpipe.launcher.GPipeLauncher` override, set or call on themselves."""
+
+
+# -- Lightning ----------------------------------------------------------------------------------------
+
+
+def train_dataloader(trainer: pl.Trainer) -> Any:
+    """The training dataloader the fit loop will iterate (before the loop has set it up)."""
+    return trainer.fit_loop._data_source.dataloader()
+
+
+def should_accumulate(trainer: pl.Trainer) -> bool:
+    """Whether the current backward is followed by another before the optimizer step."""
+    return bool(trainer.fit_loop._should_accumulate())
+
+
+def layer_sync(strategy: pl.strategies.ParallelStrategy) -> Any:
+    """``Trainer(sync_batchnorm=True)``'s layer sync plugin on the strategy, or ``None``."""
+    return strategy._layer_sync
+
+
+def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
+    """The module's trainer, or ``None`` (``module.trainer`` raises when there is none)."""
+    return module._trainer
+
+
+def unwrap_optimizer(optimizer: Any) -> Optimizer:
+    """The torch optimizer behind a ``LightningOptimizer`` (or ``optimizer`` itself)."""
+    return optimizer._optimizer if isinstance(optimizer, pl.core.optimizer.LightningOptimizer) else optimizer
+
+
+def checkpoint_every_n_train_steps(callback: Any) -> int:
+    """``ModelCheckpoint(every_n_train_steps=...)`` of a checkpoint callback (0 if none)."""
+    return getattr(callback, "_every_n_train_steps", 0) or 0
+
+
+# -- torch ----------------------------------------------------------------------------------------
+
+
+def children(module: nn.Module) -> dict[str, Any]:
+    """``module``'s children by name, repeated modules included (``named_children`` drops repeats)."""
+    return module._modules
+
+
+def own_parameters(module: nn.Module) -> dict[str, Any]:
+    """``module``'s own parameter slots (not its children's), writable."""
+    return module._parameters
+
+
+def own_buffers(module: nn.Module) -> dict[str, Any]:
+    """``module``'s own buffer slots (not its children's), writable."""
+    return module._buffers
+
+
+def register_state_dict_hook(module: nn.Module, hook: Callable[..., Any]) -> Any:
+    """``hook(module, state_dict, prefix, local_metadata)`` after ``module.state_dict()`` fills its keys."""
+    return module._register_state_dict_hook(hook)
+
+
+def scaler_device(scaler: GradScaler) -> str:
+    """The device type a ``GradScaler`` was built for."""
+    return scaler._device
+
+
+def scaler_optimizer_state(scaler: GradScaler, optimizer: Optimizer) -> dict[str, Any]:
+    """The scaler's per-optimizer record (``found_inf_per_device`` after ``unscale_``), writable."""
+    return scaler._per_optimizer_states[id(optimizer)]
+
+
+def scaler_scale(scaler: GradScaler) -> Any:
+    """The scaler's current scale tensor (``None`` before its first ``scale``)."""
+    return scaler._scale

@@ -1,0 +1,166 @@
+"""Saved state: what Lightning's checkpoint hooks need from a partitioned model.
+
+``full`` checkpoints look like the plain module's: the Sequential's ``state_dict`` gathered from
+every stage (:func:`gather_sequential_state`) and one optimizer state merged from every stage
+(:func:`merged_optimizer_state`, :mod:`lightning_gpipe.state.optimizer`), split back by
+parameter name on load (:func:`load_optimizer_states`): the plain module loads such a file with
+``strict=True``, and any number of stages loads it back. ``sharded`` checkpoints are directories
+written and read by every stage itself with ``torch.distributed.checkpoint``, loadable with any
+number of stages (:mod:`lightning_gpipe.state.sharded`). Both are written atomically.
+torchgpipe's ``checkpoint.py`` is recompute, which lives in :mod:`lightning_gpipe.recompute` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_gpipe._compat import distributed_is_initialized, optimizer_to_device
+from lightning_gpipe.layout import Layout
+from lightning_gpipe.partition import PLACEHOLDER
+from lightning_gpipe.state.optimizer import (
+    NAMES_KEY,
+    drop_placeholder,
+    drop_placeholder_names,
+    group_names,
+    merge_optimizer_states,
+    split_optimizer_state,
+    tensors_to_cpu,
+)
+
+__all__ = [
+    "FORMATS",
+    "broadcast_from_first_replica",
+    "check_format",
+    "gather_sequential_state",
+    "load_optimizer_states",
+    "merged_optimizer_state",
+    "user_state_dict",
+]
+
+FORMATS = ("full", "sharded")
+
+
+def check_format(checkpoint_format: str) -> str:
+    """Return ``checkpoint_format`` if it is one of :data:`FORMATS`.
+
+    Raises:
+        ValueError: any other value.
+    """
+    if checkpoint_format not in FORMATS:
+        raise ValueError(
+            f"checkpoint_format must be 'full' or 'sharded' (checkpoint_format: {checkpoint_format!r})"
+        )
+    return checkpoint_format
+
+
+def broadcast_from_first_replica(stage: nn.Module, layout: Layout, rank: int, group: Any) -> None:
+    """Every copy of a stage takes replica 0's parameters and buffers (as DDP does); ``group``: the stage's replicas."""
+    if layout.replicas == 1:
+        return
+    src = layout.rank(0, layout.stage_of(rank))
+    with torch.no_grad():
+        for tensor in stage.state_dict().values():
+            dist.broadcast(tensor, src=src, group=group)
+
+
+def gather_sequential_state(stage: nn.Module, layout: Layout, rank: int, to_all: bool) -> dict[str, Tensor]:
+    """The pipelined Sequential's full ``state_dict`` (keys relative to it, CPU) from replica 0's stages.
+
+    Every rank must call it. With ``to_all`` every rank receives it; else rank 0 does and the
+    others get ``{}``.
+    """
+    local = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
+    mine = local if layout.replica_of(rank) == 0 else {}
+    parts: list[Any] = [None] * layout.world_size
+    if to_all:
+        dist.all_gather_object(parts, mine)
+    else:
+        dist.gather_object(mine, parts if rank == 0 else None, dst=0)
+        if rank != 0:
+            return {}
+    full: dict[str, Tensor] = {}
+    for part in parts:
+        full.update(part)
+    return full
+
+
+def user_state_dict(
+    module: nn.Module, stage: nn.Module, seq_name: str, layout: Layout, rank: int
+) -> dict[str, Any]:
+    """The user's full ``state_dict`` (original parameter names) on rank 0; ``{}`` elsewhere. All ranks call it."""
+    full = gather_sequential_state(stage, layout, rank, to_all=False)
+    if rank != 0:
+        return {}
+    prefix = seq_name + "."
+    state = {k: v for k, v in module.state_dict().items() if not k.startswith(prefix)}
+    state.update({prefix + k: v for k, v in full.items()})
+    return state
+
+
+def _names_by_id(module: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+def merged_optimizer_state(
+    optimizer: Optimizer, module: nn.Module, layout: Layout, rank: int
+) -> dict[str, Any]:
+    """On rank 0: one optimizer ``state_dict`` over the whole model, merged from replica 0's stages.
+
+    It has the layout a single optimizer over the plain module's parameters would have (see
+    :mod:`lightning_gpipe.state.optimizer`), plus the parameter names, so it loads back into any
+    number of stages. Every rank takes part; ranks other than 0 get ``{}``.
+    """
+    names = group_names(optimizer, _names_by_id(module), missing=PLACEHOLDER)
+    mine = (layout.stage_of(rank), tensors_to_cpu(optimizer.state_dict()), names)
+    parts: list[Any] = [mine]
+    if distributed_is_initialized() and layout.world_size > 1:
+        parts = [None] * layout.world_size
+        dist.gather_object(
+            mine if layout.replica_of(rank) == 0 else None, parts if rank == 0 else None, dst=0
+        )
+        if rank != 0:
+            return {}
+    stages = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+    return merge_optimizer_states(
+        [(drop_placeholder(sd, n), drop_placeholder_names(n)) for _, sd, n in stages]
+    )
+
+
+def load_optimizer_states(
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    merged_states: Sequence[Any],
+    plain_names: list[str] | None,
+    device: torch.device,
+    read: Callable[[Any], Any] | None = None,
+) -> None:
+    """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name).
+
+    Args:
+        plain_names: the Sequential's parameter names (with its prefix) in model order, used for a
+            plain one-device checkpoint (one group over every parameter, no names); ``None``:
+            such checkpoints cannot be loaded.
+        read: applied to each of this stage's optimizer states before it is loaded (e.g.
+            :meth:`lightning_gpipe.loading.LazyCheckpoint.materialize`: read from the file only
+            the states this stage keeps).
+
+    Raises:
+        CheckpointError: a parameter of this stage has no state in the checkpoint, or the group
+            structure differs (:func:`lightning_gpipe.state.optimizer.split_optimizer_state`).
+    """
+    names_by_id = _names_by_id(module)
+    for optimizer, merged in zip(optimizers, merged_states):
+        if NAMES_KEY not in merged and len(merged.get("param_groups", ())) == 1 and plain_names is not None:
+            merged = {**merged, NAMES_KEY: plain_names}  # a plain one-device checkpoint, in model order
+        names = group_names(optimizer, names_by_id, missing=PLACEHOLDER)
+        local = split_optimizer_state(merged, names, stateless=lambda name: PLACEHOLDER in name)
+        if read is not None:
+            local["state"] = {i: read(v) for i, v in local["state"].items()}
+        optimizer.load_state_dict(local)
+        optimizer_to_device(optimizer, device)

@@ -1,0 +1,199 @@
+"""Every private Lightning/torch internal in ``lightning_gpipe._compat`` still exists and behaves as used.
+
+One test per entry: an upgrade that removes or changes one fails here, naming it.
+"""
+
+import inspect
+import sys
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
+from torch import nn
+
+from lightning_gpipe import _compat
+
+
+def test_every_entry_has_a_test():
+    tested = {
+        name.removeprefix("test_")
+        for name, _ in inspect.getmembers(sys.modules[__name__], inspect.isfunction)
+    }
+    assert set(_compat.__all__) <= tested, sorted(set(_compat.__all__) - tested)
+
+
+@pytest.mark.parametrize(("owner", "name"), _compat.OVERRIDDEN, ids=lambda x: getattr(x, "__name__", x))
+def test_OVERRIDDEN(owner, name):
+    if name == "_launcher":  # an instance attribute, set in Strategy.__init__
+        owner = pl.strategies.DDPStrategy()
+    assert hasattr(owner, name), f"{owner} has no {name} any more"
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(2, 1))
+        self.seen = {}
+
+    def setup(self, stage):
+        self.seen["dataloader"] = _compat.train_dataloader(self.trainer)
+        self.seen["trainer"] = _compat.attached_trainer(self)
+
+    def training_step(self, batch, batch_idx):
+        self.seen.setdefault("accumulate", []).append(_compat.should_accumulate(self.trainer))
+        return self.layers(batch).sum()
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(4, 2), batch_size=2)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    model = _Tiny()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path_factory.mktemp("fit"),
+    )  # fmt: skip
+    trainer.fit(model)
+    return model, trainer
+
+
+def test_train_dataloader(fitted):
+    model, _ = fitted
+    assert isinstance(model.seen["dataloader"], torch.utils.data.DataLoader)
+
+
+def test_should_accumulate(fitted):
+    model, _ = fitted
+    assert model.seen["accumulate"][:2] == [True, False]
+
+
+def test_attached_trainer(fitted):
+    model, trainer = fitted
+    assert model.seen["trainer"] is trainer
+    assert _compat.attached_trainer(_Tiny()) is None
+
+
+def test_layer_sync():
+    assert _compat.layer_sync(pl.strategies.DDPStrategy()) is None
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", sync_batchnorm=True, logger=False)
+    assert _compat.layer_sync(trainer.strategy) is not None
+
+
+def test_unwrap_optimizer():
+    optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    assert _compat.unwrap_optimizer(pl.core.optimizer.LightningOptimizer(optimizer)) is optimizer
+    assert _compat.unwrap_optimizer(optimizer) is optimizer
+
+
+def test_checkpoint_every_n_train_steps(tmp_path):
+    assert _compat.checkpoint_every_n_train_steps(ModelCheckpoint(tmp_path, every_n_train_steps=3)) == 3
+    assert _compat.checkpoint_every_n_train_steps(ModelCheckpoint(tmp_path)) == 0
+
+
+def test_StrategyRegistry():
+    assert isinstance(pl.strategies.StrategyRegistry, _compat.StrategyRegistry)
+
+
+def test_SubprocessScriptLauncher():
+    assert {"launch", "procs"} <= set(dir(_compat.SubprocessScriptLauncher)) | {"procs"}
+    assert "cluster_environment" in inspect.signature(_compat.SubprocessScriptLauncher).parameters
+
+
+def test_distributed_is_initialized():
+    assert _compat.distributed_is_initialized() is False
+
+
+def test_default_process_group_backend():
+    assert _compat.default_process_group_backend(torch.device("cpu")) == "gloo"
+
+
+def test_init_dist_connection():
+    parameters = inspect.signature(_compat.init_dist_connection).parameters
+    assert list(parameters)[:2] == ["cluster_environment", "torch_distributed_backend"]
+
+
+def test_sync_ddp():
+    assert {"result", "group", "reduce_op"} <= set(inspect.signature(_compat.sync_ddp).parameters)
+
+
+def test_optimizer_to_device():
+    layer = nn.Linear(1, 1)
+    optimizer = torch.optim.Adam(layer.parameters())
+    layer(torch.ones(1, 1)).sum().backward()
+    optimizer.step()
+    _compat.optimizer_to_device(optimizer, torch.device("cpu"))
+    assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values())
+
+
+def test_optimizers_to_device():
+    optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    _compat.optimizers_to_device([optimizer], torch.device("cpu"))
+
+
+def test_BatchNormBase():
+    assert all(issubclass(c, _compat.BatchNormBase) for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
+    assert not issubclass(nn.LayerNorm, _compat.BatchNormBase)
+
+
+def test_flatten_dense_tensors():
+    tensors = [torch.arange(3.0), torch.ones(2, 2)]
+    flat = _compat.flatten_dense_tensors(tensors)
+    assert flat.shape == (7,)
+
+
+def test_unflatten_dense_tensors():
+    tensors = [torch.arange(3.0), torch.ones(2, 2)]
+    back = _compat.unflatten_dense_tensors(_compat.flatten_dense_tensors(tensors), tensors)
+    assert all(torch.equal(a, b) for a, b in zip(back, tensors))
+
+
+def test_children():
+    layer = nn.Tanh()
+    seq = nn.Sequential(layer, layer)  # a repeated module: named_children() would list it once
+    assert list(_compat.children(seq)) == ["0", "1"] and len(list(seq.named_children())) == 1
+
+
+def test_own_parameters():
+    layer = nn.Linear(1, 1)
+    _compat.own_parameters(layer)["bias"] = None
+    assert layer.bias is None and set(_compat.own_parameters(layer)) == {"weight", "bias"}
+
+
+def test_own_buffers():
+    norm = nn.BatchNorm1d(2)
+    assert set(_compat.own_buffers(norm)) == {"running_mean", "running_var", "num_batches_tracked"}
+
+
+def test_register_state_dict_hook():
+    layer = nn.Linear(1, 1)
+
+    def drop(module, state, prefix, local_metadata):
+        state.pop(prefix + "bias")
+
+    _compat.register_state_dict_hook(layer, drop)
+    assert set(layer.state_dict()) == {"weight"}
+
+
+def test_scaler_device():
+    assert _compat.scaler_device(torch.amp.GradScaler("cpu")) == "cpu"
+
+
+def test_scaler_scale():
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    assert float(_compat.scaler_scale(scaler)) == 4.0
+
+
+def test_scaler_optimizer_state():
+    layer = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(layer(torch.ones(1, 1)).sum()).backward()
+    scaler.unscale_(optimizer)
+    assert "found_inf_per_device" in _compat.scaler_optimizer_state(scaler, optimizer)
