@@ -27,6 +27,7 @@ import pytorch_lightning as pl
 import torch
 from torch import Tensor
 
+from lightning_gpipe._compat import checkpoint_offset, load_module_state, migrate_checkpoint
 from lightning_gpipe.state.optimizer import CheckpointError
 
 OPT_IN = "weights_only=False"
@@ -112,7 +113,7 @@ class LazyCheckpoint:
         if not meta.is_meta:
             return meta
         storage = meta.untyped_storage()
-        offset = getattr(storage, "_checkpoint_offset", None)
+        offset = checkpoint_offset(storage)
         if offset is None:
             raise CheckpointError(
                 f"{self.path}: torch.load gave no file offset for a tensor of shape {tuple(meta.shape)}"
@@ -138,7 +139,7 @@ class LazyCheckpoint:
             target.copy_(meta)
             return
         storage = meta.untyped_storage()
-        offset = getattr(storage, "_checkpoint_offset", None)
+        offset = checkpoint_offset(storage)
         direct = (
             target.device.type == "cpu"
             and target.dtype == meta.dtype
@@ -250,19 +251,17 @@ def load_from_checkpoint(
         CheckpointError: the file is not in torch's zip format, or (``strict``) its keys differ
             from the module's.
     """
-    from pytorch_lightning.core.saving import _load_state
     from pytorch_lightning.utilities.migration import pl_legacy_patch
-    from pytorch_lightning.utilities.migration.utils import _pl_migrate_checkpoint
 
     with pl_legacy_patch():
         checkpoint = LazyCheckpoint(checkpoint_path, weights_only).data
-    checkpoint = _pl_migrate_checkpoint(checkpoint, checkpoint_path=Path(checkpoint_path))
+    checkpoint = migrate_checkpoint(checkpoint, Path(checkpoint_path))
     checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
     with torch.device(
         "meta"
     ):  # Lightning's own construction (hyperparameters, on_load_checkpoint), nothing read
-        model = _load_state(cls, checkpoint, strict=False, **kwargs)
+        model = load_module_state(cls, checkpoint, strict=False, **kwargs)
     assert isinstance(model, pl.LightningModule)
     own = set(model.state_dict())
     if own and (

@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe._compat import children
+
 
 def layer_seed(seed: int, index: int) -> int:
     """The seed of layer ``index``'s random stream: a hash of ``(seed, index)`` in ``[0, 2**63)``."""
@@ -120,7 +122,7 @@ def initialize(sequential: nn.Sequential, seed: int) -> nn.Sequential:
     Layer ``k`` gets :func:`layer_seed` ``(seed, k)``'s values, whatever the stage count.
     Meta tensors get CPU storage. Returns ``sequential``.
     """
-    for index, layer in enumerate(sequential._modules.values()):
+    for index, layer in enumerate(children(sequential).values()):
         if layer is not None:
             initialize_layer(layer, layer_seed(seed, index), only_meta=False)
     return sequential
