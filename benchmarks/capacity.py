@@ -33,9 +33,7 @@ import csv
 import json
 import os
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -173,39 +171,27 @@ def _peak_rss_bytes() -> int:
 # -- the driver --------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_trial(spec: dict[str, Any], work: Path, timeout: float) -> list[dict[str, Any]] | None:
     """One job in fresh processes (``stages`` of them, 1 for Naive-1); every rank's record, or None if it failed."""
+    from benchmarks.launch import JobTimeout, job_env, run_job
+
     work.mkdir(parents=True, exist_ok=True)
     for old in work.glob("rank*.json"):
         old.unlink()
     spec = dict(spec, out=str(work))
     path = work / "spec.json"
     path.write_text(json.dumps(spec))
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=str(ROOT))
-    env["OMP_NUM_THREADS"] = str(spec.get("threads", 1))
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK"):
-        env.pop(key, None)
+    env = job_env(threads=spec.get("threads", 1), extra={"PYTHONPATH": str(ROOT)})
     command = [sys.executable, str(Path(__file__).resolve()), "trial", str(path)]
-    proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
     try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.communicate()
+        ((code, output),) = run_job(command, env=env, cwd=ROOT, timeout=timeout)
+    except JobTimeout:
         print(f"  trial timed out after {timeout} s", flush=True)
         return None
     ranks = max(spec["stages"], 1)
     records = [json.loads(p.read_text()) for p in sorted(work.glob("rank*.json"))]
     if len(records) != ranks or any(r["error"] for r in records):
-        reason = next((r["error"] for r in records if r["error"]), f"exit code {proc.returncode}")
+        reason = next((r["error"] for r in records if r["error"]), f"exit code {code}")
         print(f"  trial failed ({reason}); last output:\n{output[-1500:]}", flush=True)
         return None
     return records

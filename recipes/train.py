@@ -6,110 +6,68 @@
     python recipes/train.py -m pipeline.chunks=1,4,8        # a sweep: one job of 2 processes per value
 
 Every process of a job runs this script (Lightning's launcher starts ranks 1.. with the job's
-own overrides; see :mod:`lightning_gpipe.launcher`) and writes into the job's output directory:
-``.hydra/config.yaml`` (rank 0), ``metrics.csv`` and ``hparams.yaml`` (CSVLogger),
-``tensorboard/`` when tensorboard is installed, and ``checkpoints/`` (best and last).
+own overrides, see :mod:`lightning_gpipe.launcher`; ``torchrun``, ``srun`` or submitit start every
+rank themselves, see :mod:`recipes.cluster`) and writes into the one output directory of the job,
+the one rank 0 resolved: ``.hydra/config.yaml`` (rank 0), ``metrics.csv`` and ``hparams.yaml``
+(CSVLogger), ``tensorboard/`` when tensorboard is installed, ``checkpoints/`` (best and last) and
+the log files ``train.log`` (rank 0) and ``train_rank<r>.log``.
 """
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import inspect
 import logging
 import math
-import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python recipes/train.py` puts recipes/, not the root, on the path
-    sys.path.insert(0, str(ROOT))
+import hydra
+import pytorch_lightning as pl
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_class, instantiate, to_absolute_path
+from omegaconf import DictConfig, OmegaConf
+from pytorch_lightning.callbacks import ModelCheckpoint, ThroughputMonitor
+from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
+from pytorch_lightning.utilities.data import extract_batch_size
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-import hydra  # noqa: E402
-import pytorch_lightning as pl  # noqa: E402
-from hydra.utils import get_class, instantiate, to_absolute_path  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-from pytorch_lightning.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger  # noqa: E402
-from torch import Tensor, nn  # noqa: E402
-from torch.nn.modules.batchnorm import _BatchNorm  # noqa: E402
+from lightning_gpipe import GPipeStrategy
+from lightning_gpipe.launcher import GPipeLauncher
+from recipes.cluster import SharedOutputDir, cluster_environment
 
-from lightning_gpipe import GPipeStrategy  # noqa: E402
-from lightning_gpipe.launcher import GPipeLauncher  # noqa: E402
-
-__all__ = ["Throughput", "build_data", "build_strategy", "main", "train"]
+__all__ = ["build_data", "build_strategy", "main", "num_devices", "summary", "train"]
 
 log = logging.getLogger(__name__)
 
 # The CSV logger writes metrics.csv into the job directory, which already holds Hydra's files.
 warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+# ThroughputMonitor counts samples and time; the recipe's modules define no FLOPs.
+warnings.filterwarnings("ignore", message=r".*you need to define a `flops_per_batch` attribute")
 
 # Keys of a data config that describe the data for the model config to read (``${data.num_classes}``)
 # and are not arguments of the data module.
 DESCRIPTIVE_KEYS = ("num_classes", "vocab_size", "channels")
 # Keys of a data config holding file-system paths, taken relative to the directory the job started in.
 PATH_KEYS = ("path", "root")
-
-
-class Throughput(Callback):
-    """Training samples per second over the wall time of training batches.
-
-    A batch's time runs from ``on_train_batch_start`` to ``on_train_batch_end``: forward,
-    backward and optimizer step, without data loading, validation or checkpointing. Its sample
-    count is the first dimension of the batch's first tensor.
-
-    Args:
-        warmup (int): batches left out at the start (start-up, first allocations) (default: 5);
-            when a run has no more batches than that, all are counted.
-
-    Attributes:
-        samples (int), seconds (float): counted after the warmup; ``all_samples``, ``all_seconds``
-            over every batch.
-    """
-
-    def __init__(self, warmup: int = 5) -> None:
-        self.warmup = warmup
-        self.samples = self.all_samples = 0
-        self.seconds = self.all_seconds = 0.0
-        self._batches = 0
-        self._start = 0.0
-
-    def on_train_batch_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
-    ) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        seconds = time.perf_counter() - self._start
-        samples = _batch_size(batch)
-        self._batches += 1
-        self.all_samples += samples
-        self.all_seconds += seconds
-        if self._batches > self.warmup:
-            self.samples += samples
-            self.seconds += seconds
-
-    @property
-    def samples_per_second(self) -> float:
-        """Samples per second after the warmup (all batches if none came after it); NaN before any."""
-        samples, seconds = (
-            (self.samples, self.seconds) if self.samples else (self.all_samples, self.all_seconds)
-        )
-        return samples / seconds if seconds > 0 else math.nan
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, Tensor):
-        return batch.shape[0] if batch.ndim else 1
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    return 0
+# Keys of the pipeline config that are the recipe's, not GPipeStrategy arguments.
+PIPELINE_RECIPE_KEYS = ("replicas",)
+# GPipeStrategy arguments the Trainer fills in: not settable from the pipeline config.
+TRAINER_FILLED = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+)
+# Metrics of the whole run (not logged by the module) that monitor.metric may name for a sweeper.
+RUN_METRICS = ("throughput", "wall_s")
+# What Lightning's ThroughputMonitor logs for training: samples per second through rank 0's pipeline.
+THROUGHPUT_KEY = "train/device/samples_per_sec"
 
 
 def build_data(cfg: DictConfig) -> pl.LightningDataModule:
@@ -150,31 +108,81 @@ def build_data(cfg: DictConfig) -> pl.LightningDataModule:
 
 
 def build_strategy(cfg: DictConfig, model: nn.Module | None = None) -> GPipeStrategy:
-    """A :class:`~lightning_gpipe.GPipeStrategy` from a pipeline config (``cfg.pipeline``).
+    """A :class:`~lightning_gpipe.GPipeStrategy` instantiated from a pipeline config (``cfg.pipeline``).
+
+    The config is ``_target_: lightning_gpipe.GPipeStrategy`` with the strategy's own argument
+    names, plus the recipe's :data:`PIPELINE_RECIPE_KEYS` (``replicas``), which are not passed.
+    ``deferred_batch_norm: null`` turns it on when ``model`` has BatchNorm layers (as GPipe does
+    for AmoebaNet). Inside a task of submitit's local executor the strategy gets
+    :class:`recipes.cluster.SubmititLocalEnvironment`.
 
     Args:
-        cfg (DictConfig): ``stages``, ``chunks``, ``balance`` (a list, or ``uniform`` /
-            ``parameters`` / ``time`` / ``memory``), ``checkpoint`` and optionally ``timeline``
-            and ``deferred_batch_norm`` (``null``: on when ``model`` has BatchNorm layers).
-        model (nn.Module | None): the LightningModule, to decide ``deferred_batch_norm``.
+        cfg (DictConfig): the pipeline config.
+        model (nn.Module | None): the LightningModule, to decide ``deferred_batch_norm: null``.
 
     Returns:
-        GPipeStrategy: with ``pipeline_parallel_size = stages``.
+        GPipeStrategy: the strategy.
+
+    Raises:
+        ValueError: for a key that is not a ``GPipeStrategy`` argument (a misspelling, or one the
+            Trainer fills in), naming the accepted ones.
     """
-    balance = cfg.balance
-    if balance is not None and not isinstance(balance, str):
-        balance = OmegaConf.to_container(balance)
-    deferred = cfg.get("deferred_batch_norm")
-    if deferred is None:  # on when the model normalises with BatchNorm (AmoebaNet), as GPipe does
-        deferred = model is not None and any(isinstance(m, _BatchNorm) for m in model.modules())
-    return GPipeStrategy(
-        chunks=int(cfg.chunks),
-        balance=balance,  # type: ignore[arg-type]
-        checkpoint=str(cfg.checkpoint),
-        pipeline_parallel_size=int(cfg.stages),
-        timeline=bool(cfg.get("timeline", False)),
-        deferred_batch_norm=bool(deferred),
-    )
+    target = get_class(cfg._target_)
+    accepted = set(inspect.signature(target).parameters) - set(TRAINER_FILLED)
+    given = {str(key) for key in cfg if not str(key).startswith("_")} - set(PIPELINE_RECIPE_KEYS)
+    unknown = sorted(given - accepted)
+    if unknown:
+        raise ValueError(
+            f"pipeline config has keys that are not {target.__name__} arguments (unknown: {unknown}); "
+            f"use {sorted(accepted)} or the recipe's {list(PIPELINE_RECIPE_KEYS)}"
+        )
+    node = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(node, dict)
+    for key in PIPELINE_RECIPE_KEYS:
+        node.pop(key, None)
+    if node.get("deferred_batch_norm") is None:  # on when the model normalises with BatchNorm (AmoebaNet)
+        node["deferred_batch_norm"] = model is not None and any(
+            isinstance(m, _BatchNorm) for m in model.modules()
+        )
+    environment = cluster_environment()
+    if environment is not None:
+        node["cluster_environment"] = environment
+    return instantiate(node, _convert_="all")
+
+
+def num_devices(cfg: DictConfig) -> int:
+    """Processes per node, ``pipeline_parallel_size × replicas / trainer.num_nodes``: the number of
+    processes comes from the pipeline config only.
+
+    Args:
+        cfg (DictConfig): the composed ``conf/train.yaml``.
+
+    Returns:
+        int: the Trainer's ``devices``.
+
+    Raises:
+        ValueError: if ``trainer.devices`` is set and disagrees, or if the processes do not divide
+            evenly over ``trainer.num_nodes``.
+    """
+    stages = int(cfg.pipeline.pipeline_parallel_size)
+    replicas = int(cfg.pipeline.get("replicas", 1))
+    nodes = int(cfg.trainer.get("num_nodes") or 1)
+    world = stages * replicas
+    shape = f"pipeline.pipeline_parallel_size × pipeline.replicas: {stages} × {replicas} = {world}"
+    if world % nodes:
+        raise ValueError(
+            f"the job's processes do not divide evenly over the nodes ({shape}, trainer.num_nodes: {nodes}); "
+            "change one of them"
+        )
+    devices = world // nodes
+    given = cfg.trainer.get("devices")
+    if given is not None and given != devices:
+        raise ValueError(
+            f"trainer.devices disagrees with the pipeline config (trainer.devices: {given}, {shape} over "
+            f"{nodes} node(s) = {devices} per node); the number of processes comes from the pipeline "
+            "config: drop trainer.devices, set pipeline.pipeline_parallel_size or pipeline.replicas"
+        )
+    return devices
 
 
 def _loggers(output_dir: Path) -> list[Logger]:
@@ -202,20 +210,38 @@ def _float(value: Any) -> float:
     return float(value.item() if isinstance(value, Tensor) else value)
 
 
+def _last_logged(path: Path, key: str) -> float:
+    """The last value of column ``key`` in a CSVLogger ``metrics.csv``; NaN if there is none."""
+    if not path.is_file():
+        return math.nan
+    with path.open() as handle:
+        values = [row[key] for row in csv.DictReader(handle) if row.get(key)]
+    return float(values[-1]) if values else math.nan
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Seed, build data, model, strategy and Trainer from ``cfg``, fit, and summarise.
 
-    Every rank runs this function. Rank 0 (the last pipeline stage) prints the summary: final
+    Every rank runs this function. Rank 0 (the last pipeline stage) logs the summary: final
     training and validation metrics, the validation unigram entropy when the data module has
-    one (a language model must go below it), training throughput, stages and chunks.
+    one (a language model must go below it), training throughput, the pipeline's shape and the
+    files the job wrote. When no validation ran (``trainer.max_steps`` below
+    ``trainer.val_check_interval``), a monitored validation metric is NaN and a warning says how
+    to get one.
+
+    Throughput is Lightning's :class:`~pytorch_lightning.callbacks.ThroughputMonitor` on rank 0
+    (``train/device/samples_per_sec`` in ``metrics.csv``, over the last ``throughput_window``
+    batches): the samples through one pipeline per second; ``throughput`` is that times
+    ``pipeline.replicas``.
 
     Args:
         cfg (DictConfig): the composed ``conf/train.yaml``.
 
     Returns:
         dict[str, float]: the Trainer's final ``callback_metrics`` (``train_loss``,
-        ``val_loss``, ...), ``best_<monitor.metric>``, ``samples_per_s``, ``stages``,
-        ``chunks``, ``wall_s`` and, for text, ``val_unigram_entropy``.
+        ``val_loss``, ...), ``best_<monitor.metric>``, ``throughput`` (samples/s, NaN when fewer
+        batches were logged than the window), ``stages``, ``replicas``, ``chunks``, ``wall_s``
+        and, for text, ``val_unigram_entropy``.
 
     Raises:
         ValueError, PartitionError: for bad sizes or pipeline settings, before any process
@@ -223,32 +249,38 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     start = time.perf_counter()
     pl.seed_everything(cfg.seed, workers=True)
-    output_dir = Path(cfg.paths.output_dir)
     datamodule = build_data(cfg.data)
     model: pl.LightningModule = instantiate(cfg.model, _convert_="all")
+    devices = num_devices(cfg)
     strategy = build_strategy(cfg.pipeline, model)
-    stages, replicas = int(cfg.pipeline.stages), int(cfg.pipeline.get("replicas", 1))
-    throughput = Throughput(warmup=int(cfg.get("throughput_warmup", 5)))
+    stages, replicas = int(cfg.pipeline.pipeline_parallel_size), int(cfg.pipeline.get("replicas", 1))
+    chdir = HydraConfig.initialized() and bool(HydraConfig.get().job.chdir)
+    shared = SharedOutputDir(cfg.paths.output_dir, chdir=chdir)
+    output_dir = shared.output_dir
+    monitor = None if cfg.monitor.metric in RUN_METRICS else cfg.monitor.metric
     checkpoint = ModelCheckpoint(
         dirpath=output_dir / "checkpoints",
         filename="epoch{epoch:03d}-step{step}",
         auto_insert_metric_name=False,
-        monitor=cfg.monitor.metric,
+        monitor=monitor,
         mode=cfg.monitor.mode,
         save_last=True,
     )
+    steps = int(cfg.trainer.max_steps)
+    window = max(2, min(int(cfg.throughput_window), steps) if steps > 0 else int(cfg.throughput_window))
+    throughput = ThroughputMonitor(batch_size_fn=extract_batch_size, window_size=window)
     loggers = _loggers(output_dir)
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
-        devices=stages * replicas,
+        devices=devices,
         strategy=strategy,
         logger=loggers,
-        callbacks=[checkpoint, throughput],
+        callbacks=[shared, checkpoint, throughput],
         default_root_dir=str(output_dir),
     )
-    pipeline = {
-        key: cfg.pipeline.get(key) for key in ("stages", "replicas", "chunks", "balance", "checkpoint")
-    }
+    node = OmegaConf.to_container(cfg.pipeline, resolve=True)
+    assert isinstance(node, dict)
+    pipeline = {k: v for k, v in node.items() if k not in ("_target_", "timeout")}
     for logger in loggers:
         logger.log_hyperparams(
             {**pipeline, "seed": cfg.seed, "model": cfg.model._target_, "data": cfg.data._target_}
@@ -263,45 +295,82 @@ def train(cfg: DictConfig) -> dict[str, float]:
         raise
     _release(trainer, failed=False)
 
+    output_dir = shared.output_dir  # rank 0's
     metrics = {key: _float(value) for key, value in trainer.callback_metrics.items()}
     if checkpoint.best_model_score is not None:
         metrics[f"best_{cfg.monitor.metric}"] = _float(checkpoint.best_model_score)
     metrics.update(
-        samples_per_s=throughput.samples_per_second,
+        throughput=_last_logged(output_dir / "metrics.csv", THROUGHPUT_KEY) * replicas,
         stages=float(stages),
+        replicas=float(replicas),
         chunks=float(cfg.pipeline.chunks),
         wall_s=time.perf_counter() - start,
     )
     if entropy is not None:
         metrics["val_unigram_entropy"] = float(entropy)
+    if cfg.monitor.metric not in metrics:
+        metrics[cfg.monitor.metric] = math.nan
+        validated = any(key.startswith("val_") for key in trainer.callback_metrics)
+        if trainer.is_global_zero and not validated:
+            log.warning(
+                f"[train] {cfg.monitor.metric} is NaN: no validation ran (trainer.max_steps: "
+                f"{cfg.trainer.max_steps}, trainer.val_check_interval: {cfg.trainer.val_check_interval}); "
+                "set trainer.val_check_interval to at most trainer.max_steps"
+            )
+        elif trainer.is_global_zero:
+            log.warning(
+                f"[train] {cfg.monitor.metric} is NaN: the module logged no such metric (logged: "
+                f"{sorted(trainer.callback_metrics)}); set monitor.metric to one of them or to throughput"
+            )
     if trainer.is_global_zero:
-        print(summary(metrics, output_dir, checkpoint.best_model_path), flush=True)
+        log.info(summary(metrics, output_dir, checkpoint.best_model_path, window))
     return metrics
 
 
-def summary(metrics: dict[str, float], output_dir: Path, best_path: str = "") -> str:
-    """The end-of-job lines: metrics, throughput, pipeline shape and where the outputs are."""
+def summary(metrics: dict[str, float], output_dir: Path, best_path: str = "", window: int = 0) -> str:
+    """The end-of-job lines: metrics, throughput, pipeline shape and the files the job wrote.
+
+    Args:
+        metrics (dict[str, float]): what :func:`train` returns.
+        output_dir (Path): the job's directory; only what exists in it is listed.
+        best_path (str): the best checkpoint's path (``""``: none).
+        window (int): batches the throughput is measured over.
+    """
     shown = sorted(k for k in metrics if k.startswith(("train_", "val_")) and k != "val_unigram_entropy")
+    rate = metrics["throughput"]
+    measured = (
+        f"{rate:,.0f} samples/s over the last {window} training batches"
+        if not math.isnan(rate)
+        else f"throughput not measured (fewer than {window} training batches logged)"
+    )
     lines = [
         f"[train] {int(metrics['stages'])} stages, {int(metrics['chunks'])} chunks: "
-        f"{metrics['samples_per_s']:,.0f} samples/s in training batches; job {metrics['wall_s']:.0f} s",
+        f"{measured}; job {metrics['wall_s']:.0f} s",
         "[train] final " + "  ".join(f"{k} {metrics[k]:.4g}" for k in shown),
     ]
-    if "val_unigram_entropy" in metrics and "val_loss" in metrics:
+    if "val_unigram_entropy" in metrics and not math.isnan(metrics.get("val_loss", math.nan)):
         lines.append(
             f"[train] val_loss {metrics['val_loss']:.4f} vs. unigram entropy "
             f"{metrics['val_unigram_entropy']:.4f} nats/byte (a context-free model's best)"
         )
-    lines.append(
-        f"[train] outputs in {output_dir}: metrics.csv, checkpoints/ (best: {Path(best_path).name or '-'})"
-    )
+    files = []
+    for path in sorted(output_dir.iterdir()) if output_dir.is_dir() else []:
+        if path.name.startswith("."):
+            continue
+        if path.name == "checkpoints" and path.is_dir():
+            saved = sorted(p.name for p in path.iterdir())
+            best = Path(best_path).name if best_path and Path(best_path).exists() else ""
+            files.append(f"checkpoints/ ({', '.join(saved)}{'; best: ' + best if best else ''})")
+        else:
+            files.append(path.name + ("/" if path.is_dir() else ""))
+    lines.append(f"[train] outputs in {output_dir}: {', '.join(files) or 'none'}")
     return "\n".join(lines)
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    """CLI entry: train and return the monitored metric (what a Hydra sweeper optimizes)."""
-    return train(cfg).get(cfg.monitor.metric, math.nan)
+    """CLI entry: train and return ``monitor.metric`` (what a Hydra sweeper optimizes; NaN if none)."""
+    return train(cfg)[cfg.monitor.metric]
 
 
 if __name__ == "__main__":

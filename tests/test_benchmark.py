@@ -1,4 +1,4 @@
-"""recipes/benchmark.py in a tiny configuration: CSV schema, timeline bubble, every run kind, capacity."""
+"""benchmarks/benchmark.py in a tiny configuration: CSV schema, timeline bubble, every run kind, capacity."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from recipes.benchmark import COLUMNS, benchmark, capacity, report
+from benchmarks.benchmark import COLUMNS, benchmark, capacity, report
 from tests._harness import ROOT, _env
 
 TINY = ["model.width=1024", "model.num_layers=4", "batch_size=512", "warmup=2", "timed=3", "threads=1"]
 
 
 def _compose(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(ROOT / "benchmarks" / "conf"), version_base="1.3"):
         return compose(config_name="benchmark", overrides=overrides)
 
 
@@ -26,7 +26,7 @@ def test_sweep_writes_csv_rows_and_bubble_falls_from_m1_to_m8(tmp_path):
     out = tmp_path / "k2.csv"
     command = [
         sys.executable,
-        "recipes/benchmark.py",
+        "benchmarks/benchmark.py",
         "-m",
         "chunks=1,8",
         "runs=[ours]",

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.launcher import LAUNCH_ENV, GPipeLauncher, hydra_child_command
-from recipes.train import Throughput, build_data, build_strategy
+from recipes.train import build_data, build_strategy, num_devices, summary
 from tests._harness import ROOT, check, run_script
 
 CONF = ROOT / "conf"
@@ -44,7 +44,7 @@ FAST = [
     "trainer.log_every_n_steps=1",
     "trainer.enable_progress_bar=false",
     "trainer.enable_model_summary=false",
-    "throughput_warmup=2",
+    "throughput_window=2",
 ]
 
 
@@ -81,7 +81,7 @@ def test_config_groups_hold_the_documented_options():
     cfg = _compose()
     assert cfg.model._target_ == "recipes.modules.LanguageModel"
     assert cfg.data._target_ == "recipes.data.ByteTextDataModule"
-    assert (cfg.pipeline.stages, cfg.trainer.accelerator) == (2, "cpu")
+    assert (cfg.pipeline.pipeline_parallel_size, cfg.trainer.accelerator) == (2, "cpu")
 
 
 @pytest.mark.parametrize("model, data", PAIRS)
@@ -107,7 +107,50 @@ def test_pipeline_config_builds_the_strategy(pipeline):
     strategy = build_strategy(cfg.pipeline)
     assert isinstance(strategy, GPipeStrategy)
     assert (strategy.chunks, strategy.balance, strategy.checkpoint) == (32, [4, 3], cfg.pipeline.checkpoint)
-    assert strategy.pipeline_parallel_size == cfg.pipeline.stages
+    assert strategy.pipeline_parallel_size == cfg.pipeline.pipeline_parallel_size
+
+
+def test_every_strategy_argument_is_settable_from_the_pipeline_config():
+    cfg = _compose(
+        "pipeline.checkpoint_format=sharded",
+        "pipeline.module_name=layers",
+        "pipeline.timeline=true",
+        "pipeline.timeline_dir=spans",
+        "pipeline.optimizer_state_factor=1.0",
+        "pipeline.timeout.minutes=5",
+        "pipeline.deferred_batch_norm=true",
+    )
+    strategy = build_strategy(cfg.pipeline)
+    assert (strategy.checkpoint_format, strategy.module_name, strategy.timeline_dir) == (
+        "sharded",
+        "layers",
+        "spans",
+    )
+    assert strategy.timeline and strategy.deferred_batch_norm and strategy.optimizer_state_factor == 1.0
+    assert strategy._timeout.total_seconds() == 300
+
+
+@pytest.mark.parametrize(
+    "key", ["pipeline.stages=4", "pipeline.checkpoint_formats=sharded", "pipeline.accelerator=cpu"]
+)
+def test_unknown_pipeline_key_is_an_error(key):
+    cfg = _compose("+" + key)
+    with pytest.raises(
+        ValueError, match=r"pipeline config has keys that are not GPipeStrategy arguments \(unknown: \['"
+    ):
+        build_strategy(cfg.pipeline)
+
+
+def test_processes_come_from_the_pipeline_config():
+    assert num_devices(_compose("pipeline.pipeline_parallel_size=3", "pipeline.replicas=2")) == 6
+    assert num_devices(_compose("pipeline.replicas=2", "trainer.num_nodes=2")) == 2
+    assert num_devices(_compose("+trainer.devices=2")) == 2  # agrees: accepted
+    with pytest.raises(
+        ValueError, match=r"trainer.devices disagrees with the pipeline config \(trainer.devices: 4, "
+    ):
+        num_devices(_compose("+trainer.devices=4"))
+    with pytest.raises(ValueError, match=r"do not divide evenly over the nodes"):
+        num_devices(_compose("pipeline.pipeline_parallel_size=3", "trainer.num_nodes=2"))
 
 
 @pytest.mark.parametrize("trainer", GROUPS["trainer"])
@@ -128,7 +171,7 @@ def test_experiments_compose_and_build(experiment, tmp_path):
     build_strategy(cfg.pipeline)
     with torch.device("meta"):  # paper-sized models: shapes only
         net = instantiate(cfg.model, _convert_="all")
-    assert len(net.layers) >= cfg.pipeline.stages
+    assert len(net.layers) >= cfg.pipeline.pipeline_parallel_size
 
 
 def _parameters(cfg) -> int:
@@ -218,13 +261,23 @@ def test_release_restores_the_environment_and_frees_the_port(user_port, monkeypa
     launcher.release()  # a second call (or one in a child rank) does nothing
 
 
-def test_throughput_counts_samples_after_the_warmup():
-    meter = Throughput(warmup=1)
-    for n in (8, 4, 4):
-        meter.on_train_batch_start(None, None, (torch.zeros(n, 3), torch.zeros(n)), 0)
-        meter.on_train_batch_end(None, None, None, (torch.zeros(n, 3), torch.zeros(n)), 0)
-    assert (meter.samples, meter.all_samples) == (8, 16)
-    assert meter.samples_per_second > 0
+def test_summary_lists_only_files_that_exist(tmp_path):
+    metrics = {"throughput": float("nan"), "stages": 2.0, "chunks": 4.0, "wall_s": 3.0, "train_loss": 1.0}
+    (tmp_path / "train.log").write_text("")
+    text = summary(metrics, tmp_path, best_path="", window=20)
+    assert text.splitlines()[-1] == f"[train] outputs in {tmp_path}: train.log"
+    assert "throughput not measured (fewer than 20 training batches logged)" in text
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_text("")
+    (tmp_path / "metrics.csv").write_text("")
+    text = summary(
+        dict(metrics, throughput=123.0), tmp_path, best_path=str(tmp_path / "gone.ckpt"), window=20
+    )
+    assert (
+        text.splitlines()[-1]
+        == f"[train] outputs in {tmp_path}: checkpoints/ (last.ckpt), metrics.csv, train.log"
+    )
+    assert "123 samples/s over the last 20 training batches" in text
 
 
 # -- end to end (2 processes per job) --------------------------------------------------------------
@@ -296,3 +349,19 @@ def test_multirun_gives_each_job_its_own_processes_and_directory(tmp_path):
     assert not any((ROOT / top / task).exists() for top in ("outputs", "multirun"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "sweep"]
     assert OmegaConf.load(sweep / "multirun.yaml").hydra.mode == "MULTIRUN"
+
+
+@pytest.mark.parametrize("trainer, gpus", [("gpu", 2), ("cpu", None)])
+def test_slurm_launcher_asks_for_one_task_per_process_of_the_job(trainer, gpus):
+    cfg = _compose(
+        "hydra/launcher=gpipe_slurm",
+        f"trainer={trainer}",
+        "pipeline.replicas=2",
+        "trainer.num_nodes=2",
+        hydra=True,
+    )
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 2, gpus)
+    local = _compose("hydra/launcher=gpipe_local", hydra=True).hydra.launcher
+    assert local._target_.endswith("LocalLauncher") and (local.nodes, local.tasks_per_node) == (1, 2)

@@ -7,13 +7,11 @@ Rank 0 writes ``alternate.pt`` with every validation loss and the final state.
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import pytorch_lightning as pl
+import torch
 
-import pytorch_lightning as pl  # noqa: E402
-import torch  # noqa: E402
-
-import lightning_gpipe  # noqa: E402
-from tests.models import alternate  # noqa: E402
+import lightning_gpipe
+from tests.models import alternate
 
 torch.set_num_threads(1)
 out, devices, chunks, rounds = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

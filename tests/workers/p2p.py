@@ -13,12 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from lightning_gpipe.comm import P2P  # noqa: E402
+from lightning_gpipe.comm import P2P
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))

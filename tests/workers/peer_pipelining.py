@@ -9,17 +9,15 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 
-import pytorch_lightning as pl  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe  # noqa: E402
-
-from lightning_gpipe.partition import cut, uniform_balance  # noqa: E402
-from tests.models import Net, make_data  # noqa: E402
+from lightning_gpipe.partition import cut, uniform_balance
+from tests.models import Net, make_data
 
 torch.set_num_threads(1)
 out, chunks, batch = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

@@ -5,15 +5,11 @@ Usage: python tests/workers/rank0_fails_early.py
 """
 
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import pytorch_lightning as pl
 
-import pytorch_lightning as pl  # noqa: E402
-
-import lightning_gpipe  # noqa: E402
-from tests.models import Net, make_data, trainer_kwargs  # noqa: E402
+import lightning_gpipe
+from tests.models import Net, make_data, trainer_kwargs
 
 
 class FailsOnLauncher(Net):

@@ -6,12 +6,10 @@ Usage (RANK/WORLD_SIZE set, 2 processes): python tests/workers/scaler.py OUT
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from lightning_gpipe.precision import PipelineGradScaler  # noqa: E402
+from lightning_gpipe.precision import PipelineGradScaler
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -21,14 +21,12 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 
-import pytorch_lightning as pl  # noqa: E402
-import torch  # noqa: E402
-from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint  # noqa: E402
-
-import lightning_gpipe  # noqa: E402
-from tests.models import Net, make_data, trainer_kwargs  # noqa: E402
+import lightning_gpipe
+from tests.models import Net, make_data, trainer_kwargs
 
 torch.set_num_threads(1)
 spec = json.loads(Path(sys.argv[1]).read_text())

@@ -1,6 +1,6 @@
-"""Worker of ``recipes/benchmark.py``: one timed run of one configuration, in its own processes.
+"""Worker of ``benchmarks/benchmark.py``: one timed run of one configuration, in its own processes.
 
-Usage: ``python -m recipes.benchmark_worker SPEC.json`` (the benchmark writes the spec). ``run``
+Usage: ``python -m benchmarks.worker SPEC.json`` (the benchmark writes the spec). ``run``
 is one of:
 
 - ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under a Lightning ``Trainer`` (Lightning's
@@ -17,7 +17,7 @@ is one of:
 ``bare`` and ``peer`` start like ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the
 benchmark). Every run takes ``warmup`` steps, then ``timed`` steps whose durations (seconds between
 consecutive step ends, optimizer step included) are reported, then, with ``memory``, one step under
-:class:`~recipes.memory.TensorMemoryMeter`. Each rank writes ``{out}/{run}_rank{r}.json``.
+:class:`~benchmarks.memory.TensorMemoryMeter`. Each rank writes ``{out}/{run}_rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -27,91 +27,22 @@ import os
 import sys
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from benchmarks.memory import TensorMemoryMeter, peak_rss_bytes
+from benchmarks.workloads import Batch, build_model, loss_fn, make_batches, summed_loss_fn
 from lightning_gpipe.comm import P2P
 from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import split
 from lightning_gpipe.partition import cut
 from lightning_gpipe.stage import PipelineStage, StageDone
 from lightning_gpipe.timeline import Timeline, gather, plot_gantt, step_stats, write_chrome_trace
-from recipes.memory import TensorMemoryMeter, peak_rss_bytes
-
-Batch = tuple[Tensor, Tensor]
-
-
-# -- the model, the data, the loss (shared with recipes/benchmark.py) ---------------------------
-
-
-class LinearGELU(nn.Module):
-    """``GELU(Linear(x))``, ``(N, width)`` → ``(N, width)``: one layer of the compute-bound stack."""
-
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(self.linear(x))
-
-
-def build_model(model: dict[str, Any]) -> nn.Sequential:
-    """``model["name"]``: ``"mlp"`` (``num_layers`` × :class:`LinearGELU` of ``width``) or
-    ``"transformer"`` (:func:`recipes.models.transformer.build_transformer`, ``num_layers`` blocks)."""
-    torch.manual_seed(0)
-    if model["name"] == "mlp":
-        return nn.Sequential(*[LinearGELU(model["width"]) for _ in range(model["num_layers"])])
-    if model["name"] == "transformer":
-        from recipes.models.transformer import build_transformer
-
-        return build_transformer(
-            model["vocab_size"],
-            model["num_layers"],
-            model["d_model"],
-            model["num_heads"],
-            model["d_ff"],
-            model["seq_len"],
-            0.0,
-        )
-    raise ValueError(f"model.name must be 'mlp' or 'transformer' (model.name: {model['name']!r})")
-
-
-def make_batches(model: dict[str, Any], batch_size: int, count: int = 2) -> list[Batch]:
-    """``count`` distinct mini-batches ``(x, y)``: mlp ``(N, width)`` floats; transformer ``(N, T)`` ids."""
-    g = torch.Generator().manual_seed(1)
-    if model["name"] == "mlp":
-        shape = (batch_size, model["width"])
-        return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(count)]
-    shape = (batch_size, model["seq_len"])
-    vocab = model["vocab_size"]
-    return [
-        (torch.randint(0, vocab, shape, generator=g), torch.randint(0, vocab, shape, generator=g))
-        for _ in range(count)
-    ]
-
-
-def loss_fn(model: dict[str, Any]) -> Callable[[Tensor, Tensor], Tensor]:
-    """The mean loss of a mini-batch: MSE (mlp) or token cross-entropy (transformer)."""
-    if model["name"] == "mlp":
-        return F.mse_loss
-    return lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
-
-
-def summed_loss_fn(model: dict[str, Any], batch_size: int) -> Callable[[Tensor, Tensor], Tensor]:
-    """Per micro-batch, its share of the mini-batch's mean loss (the peer sums micro-batch losses)."""
-    if model["name"] == "mlp":
-        return lambda out, y: F.mse_loss(out, y, reduction="sum") / (batch_size * y.shape[-1])
-    return lambda out, y: (
-        F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum") / (batch_size * y.shape[-1])
-    )
-
 
 # -- measurement helpers ---------------------------------------------------------------------------
 

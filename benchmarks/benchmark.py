@@ -3,7 +3,7 @@ bubble share, the cost model's error, and the largest model that fits a memory b
 
 ``mode=throughput`` (one configuration: model, stages K, chunks M, checkpoint mode; Hydra
 ``-m`` sweeps over any of them) runs, one after another, each in fresh processes
-(:mod:`recipes.benchmark_worker`):
+(:mod:`benchmarks.worker`):
 
 - ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under Lightning, ``timeline=True``;
 - ``bare``: the same stages driven by a plain PyTorch loop (Lightning overhead = ours vs bare);
@@ -15,7 +15,7 @@ bubble share, the cost model's error, and the largest model that fits a memory b
 
 Every run reports samples/s (``batch_size`` / median seconds between step ends over the timed
 steps; with ``repeats`` > 1 the list runs again, interleaved, and each run keeps its least
-disturbed repeat, which matters on a shared machine), the peak tensor bytes of one step per stage (:class:`recipes.memory.TensorMemoryMeter`) and
+disturbed repeat, which matters on a shared machine), the peak tensor bytes of one step per stage (:class:`benchmarks.memory.TensorMemoryMeter`) and
 peak RSS; ``ours`` and ``bare`` also the bubble share and step window from the timeline. With
 ``predict``, each stage's saved bytes are profiled layer by layer
 (:func:`lightning_gpipe.balance.profile_layers`, one micro-batch) for the cost model's activation
@@ -35,39 +35,34 @@ the meter's peak; on CUDA, ``torch.cuda.max_memory_allocated``.
 ``mode=report`` prints the tables of a CSV: per run and M, samples/s and the ratios, and the M sweep
 normalized to M=1 next to GPipe's Table 2 (K=2).
 
-Run from the repository root: ``python recipes/benchmark.py [key=value ...]`` (``conf/benchmark.yaml``).
+Run from the repository root: ``python benchmarks/benchmark.py [key=value ...]`` (``benchmarks/conf/benchmark.yaml``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import math
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import hydra
+import psutil
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from benchmarks.launch import JobTimeout, job_env, run_job
+from benchmarks.memory import TensorMemoryMeter
+from benchmarks.workloads import build_model, loss_fn, make_batches
+from lightning_gpipe.balance import balance_by_parameters, balance_by_time, profile_layers
+from lightning_gpipe.partition import check_balance, stage_bounds, uniform_balance
+from lightning_gpipe.simulate import ideal_bubble, microbatch_sizes, simulate
+
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python recipes/benchmark.py` puts recipes/, not the root, on the path
-    sys.path.insert(0, str(ROOT))
-
-import hydra  # noqa: E402
-import torch  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
-
-from lightning_gpipe.balance import balance_by_parameters, balance_by_time, profile_layers  # noqa: E402
-from lightning_gpipe.partition import check_balance, stage_bounds, uniform_balance  # noqa: E402
-from lightning_gpipe.simulate import ideal_bubble, microbatch_sizes, simulate  # noqa: E402
-from recipes.benchmark_worker import build_model, loss_fn, make_batches  # noqa: E402
-from recipes.memory import TensorMemoryMeter  # noqa: E402
 
 __all__ = ["COLUMNS", "benchmark", "capacity", "main", "report"]
 
@@ -125,93 +120,35 @@ GPIPE_TABLE2_K2 = {1: 1.0, 4: 1.7, 32: 1.8}
 # -- launching workers ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env(threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        OMP_NUM_THREADS=str(threads),
-        PYTHONUNBUFFERED="1",
-        PL_DISABLE_FORK="1",
-    )
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
-        env.pop(key, None)
-    return env
-
-
-def _cpu_busy(seconds: float = 1.0) -> float:
-    """Share of all CPUs busy over ``seconds`` (``/proc/stat``; 0 where it does not exist)."""
-
-    def sample() -> tuple[int, int]:
-        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields) - idle, sum(fields)
-
-    if not Path("/proc/stat").exists():
-        return 0.0
-    busy0, total0 = sample()
-    time.sleep(seconds)
-    busy1, total1 = sample()
-    return (busy1 - busy0) / max(1, total1 - total0)
-
-
-def _wait_for_quiet(max_wait: float, busy: float = 0.15) -> None:
-    """On a shared machine, wait up to ``max_wait`` seconds for the CPUs to be at most ``busy`` used."""
+def _wait_for_quiet(max_wait: float, busy: float = 15.0) -> None:
+    """On a shared machine, wait up to ``max_wait`` seconds for the CPUs to be at most ``busy`` % used
+    (``psutil.cpu_percent`` over one second)."""
     deadline = time.monotonic() + max_wait
-    while max_wait > 0 and time.monotonic() < deadline and _cpu_busy() > busy:
+    while max_wait > 0 and time.monotonic() < deadline and psutil.cpu_percent(interval=1.0) > busy:
         time.sleep(2.0)
 
 
 def _launch(spec: dict[str, Any], timeout: float) -> None:
-    """Run one worker job (every process in one process group each), killed after ``timeout`` seconds.
+    """Run one worker job (:func:`benchmarks.launch.run_job`), killed after ``timeout`` seconds.
+
+    ``ours``: one process, Lightning's launcher starts the other stages; ``bare``/``peer``: one
+    process per rank, started as ``torchrun`` starts them.
 
     Raises:
         RuntimeError: a process failed or timed out; the message holds the output's tail.
     """
     path = Path(spec["out"]) / f"{spec['run']}.json"
     path.write_text(json.dumps(spec))
-    command = [sys.executable, "-m", "recipes.benchmark_worker", str(path)]
-    env = _env(spec["threads"])
-    # ours: Lightning's launcher starts the other stages; bare/peer: one process per rank (torchrun-style).
-    torchrun_style = spec["run"] in ("bare", "peer")
-    ranks = spec["stages"] if torchrun_style else 1
-    procs = []
-    for rank in range(ranks):
-        rank_env = (
-            dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks)) if torchrun_style else env
-        )
-        procs.append(
-            subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env=rank_env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
-    deadline = time.monotonic() + timeout
-    outputs, failed = [], False
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                with contextlib.suppress(ProcessLookupError):  # already gone
-                    os.killpg(q.pid, signal.SIGKILL)
-            out, failed = p.communicate()[0] + f"\n[benchmark] killed after {timeout} s", True
-        outputs.append(out)
-        failed = failed or p.returncode != 0
-    if failed:
-        tail = "\n".join(o[-4000:] for o in outputs)
+    command = [sys.executable, "-m", "benchmarks.worker", str(path)]
+    ranks = spec["stages"] if spec["run"] in ("bare", "peer") else None
+    try:
+        results = run_job(command, ranks=ranks, env=job_env(spec["threads"]), cwd=ROOT, timeout=timeout)
+    except JobTimeout as err:
+        raise RuntimeError(
+            f"benchmark run {spec['run']!r} killed after {timeout} s:\n{str(err)[-8000:]}"
+        ) from None
+    if any(code != 0 for code, _ in results):
+        tail = "\n".join(out[-4000:] for _, out in results)
         raise RuntimeError(f"benchmark run {spec['run']!r} failed:\n{tail}")
 
 
@@ -747,7 +684,7 @@ def report(path: str | Path) -> str:
     return "\n".join(parts)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="benchmark")
+@hydra.main(version_base="1.3", config_path="conf", config_name="benchmark")
 def main(cfg: DictConfig) -> float | None:
     """Hydra entry: the mode's result; for ``throughput``, ours' samples/s (what a sweeper maximizes)."""
     if cfg.mode == "capacity":
