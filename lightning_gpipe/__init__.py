@@ -6,6 +6,7 @@
 
 from pytorch_lightning.strategies import StrategyRegistry
 
+from lightning_gpipe.failure import StageError
 from lightning_gpipe.loading import UnsafeCheckpointError, load_from_checkpoint
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.schedule import Action, fill_drain, format_grid
@@ -20,6 +21,7 @@ __all__ = [
     "PartitionError",
     "PipelineStage",
     "PipelineUsageError",
+    "StageError",
     "UnsafeCheckpointError",
     "fill_drain",
     "format_grid",

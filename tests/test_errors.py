@@ -145,12 +145,3 @@ def test_tied_weights_across_stages_raise_before_spawn():
 
     message = _fit_before_spawn(Tied(), balance=[2, 3])
     assert "layers 0 and 2 share a parameter (tied weights)" in message and "stages 0 and 1" in message
-
-
-def test_cut_keeps_a_module_repeated_in_the_sequential():
-    from lightning_gpipe.partition import cut
-
-    act = nn.Tanh()
-    seq = nn.Sequential(nn.Linear(2, 2), act, nn.Linear(2, 2), act, nn.Linear(2, 1))
-    assert [name for name, _ in cut(seq, [2, 3], 1)] == ["2", "3", "4"]
-    assert cut(seq, [2, 3], 1)[1][1] is act
