@@ -167,9 +167,8 @@ class GPipeStrategy(ParallelStrategy):
         self._timeline: Timeline | None = None
         self._failed = False
         self._lazy_checkpoint: LazyCheckpoint | None = None  # the full checkpoint being restored
-        self._stage_only = (
-            False  # the Sequential was built on the meta device: each rank holds only its stage
-        )
+        # the Sequential was built on the meta device: each rank holds only its stage
+        self._stage_only = False
 
     # -- topology ------------------------------------------------------------------------------
 
@@ -604,9 +603,8 @@ class GPipeStrategy(ParallelStrategy):
         metrics.remove_metric_sharing(self.lightning_module, self._metric_sharing)
         self._metric_sharing = None
         self._lazy_checkpoint = None
-        if (
-            self._stage_only
-        ):  # Lightning moves the module to the CPU: the stage, not the other stages' meta layers
+        if self._stage_only:
+            # Lightning moves the module to the CPU: first the stage alone, not the other stages' meta layers
             super().teardown()
             self._unpartition()
             return
