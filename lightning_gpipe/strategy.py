@@ -13,9 +13,11 @@ and installing the stage (:mod:`~lightning_gpipe.partition`), saved state
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import os
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +47,16 @@ from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
 from lightning_gpipe.launcher import GPipeForkLauncher, GPipeLauncher
 from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
+from lightning_gpipe.loading import (
+    CHECKPOINT_SOURCE,
+    LazyCheckpoint,
+    UnsafeCheckpointError,
+    copy_into,
+    meta_tensors,
+    safe,
+    stage_part,
+)
+from lightning_gpipe.materialize import global_seed, has_meta, load_layers, materialize_layers
 from lightning_gpipe.microbatch import check_chunks
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.recompute import check_mode
@@ -120,6 +132,13 @@ class _GPipeStrategyLogic(_Base):
         start_method: ``"popen"``: the other ranks re-run the script (Lightning's default launcher);
             ``"fork"``: every rank is forked from this process, for Jupyter and ``python -i``
             (``strategy="gpipe_notebook"``, as ``ddp_notebook`` for DDP).
+        weights_only: how checkpoint files are unpickled when ``fit``/``validate``/``test``/
+            ``predict`` get ``ckpt_path=``: ``None`` or ``True``, torch's safe unpickler
+            (tensors, containers, primitive types; anything else is refused with
+            :class:`~lightning_gpipe.loading.UnsafeCheckpointError`, naming the file); ``False``,
+            full pickle, which runs whatever the file names (only for files you trust).
+            Lightning does not hand ``trainer.fit(weights_only=...)`` to strategies that restore
+            after setup, so the opt-in is given here.
 
     Raises:
         ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
@@ -154,6 +173,7 @@ class _GPipeStrategyLogic(_Base):
         collective_timeout: float = 30.0,
         compile: bool | dict[str, Any] = False,
         start_method: str = "popen",
+        weights_only: bool | None = None,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.chunks = check_chunks(chunks) if chunks is not None else None
@@ -170,6 +190,9 @@ class _GPipeStrategyLogic(_Base):
                 f"collective_timeout must be > 0 seconds (collective_timeout: {collective_timeout!r})"
             )
         self.collective_timeout = float(collective_timeout)
+        if weights_only not in (None, True, False):
+            raise ValueError(f"weights_only must be None, True or False (weights_only: {weights_only!r})")
+        self.weights_only = weights_only
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self.balance_used: list[int] | None = None  # the balance the stages were cut with
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
@@ -204,6 +227,9 @@ class _GPipeStrategyLogic(_Base):
         """Set by the Trainer's connector first: the strategy takes the class of the Trainer's namespace."""
         adopt(self, namespace_of(accelerator))
         self._accelerator = accelerator
+        self._lazy_checkpoint: LazyCheckpoint | None = None  # the full checkpoint being restored
+        # the Sequential was built on the meta device: each rank holds only its stage
+        self._stage_only = False
 
     # -- topology ------------------------------------------------------------------------------
 
@@ -303,6 +329,27 @@ class _GPipeStrategyLogic(_Base):
 
     # -- the model -------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Where ``Trainer.init_module`` and ``configure_model`` create tensors.
+
+        ``empty_init=True``, and ``None`` inside ``configure_model`` (which runs on every rank
+        once the processes are up): on the meta device; at setup the strategy cuts the meta
+        Sequential and materializes only this rank's stage (:mod:`lightning_gpipe.materialize`:
+        each layer initialized by its ``reset_parameters()`` from a stream seeded by the global
+        seed and the layer's index, the same for any stage count). Otherwise (``False``, or
+        ``None`` before the processes start), Lightning's default: on this rank's device.
+        The precision plugin's dtype applies either way.
+        """
+        meta = empty_init is True or (empty_init is None and _compat.distributed_is_initialized())
+        if not meta:
+            with super().tensor_init_context(empty_init=empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
     def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
         """Raise before any process starts if the model cannot be cut (:func:`.partition.check_model`).
 
@@ -319,15 +366,25 @@ class _GPipeStrategyLogic(_Base):
         """Cut the user's Sequential and put this rank's :class:`PipelineStage` in its place."""
         model = self._module
         name, seq, balance = self.check_model(model)
+        self._stage_only = has_meta(seq)
+        if self._stage_only and self.balance in ("time", "memory"):
+            raise ValueError(
+                f"balance={self.balance!r} profiles the whole model on rank 0, but it was built on the meta device "
+                "(Trainer.init_module(empty_init=True) or configure_model) to hold only one stage per rank; "
+                "use balance='parameters', 'uniform' or a list of layers per stage"
+            )
         balance = choose_balance(
             self.balance, model, seq, balance, stages=self.layout.stages, chunks=self.chunks_used,
             device=self.root_device, rank=self.global_rank, broadcast=self.broadcast,
             to_device=self.batch_to_device, optimizer_state_factor=self.optimizer_state_factor,
         )  # fmt: skip
         partition.check_tied_parameters(seq, balance)
-        # every stage starts from global rank 0's weights (replicas d > 0 then take replica 0's in setup)
-        stages = [partition.cut(seq, balance, s) for s in range(self.layout.stages)]
-        send_rank0_state(stages, self.layout, self.global_rank, P2P(self.root_device))
+        if self._stage_only:
+            self._materialize_stage(model, name, seq, balance)
+        else:
+            # every stage starts from global rank 0's weights (replicas d > 0 then take replica 0's in setup)
+            stages = [partition.cut(seq, balance, s) for s in range(self.layout.stages)]
+            send_rank0_state(stages, self.layout, self.global_rank, P2P(self.root_device))
         stage = build_stage(
             seq, balance, self.layout, self.global_rank, self.chunks_used, self.checkpoint, self.root_device
         )
@@ -336,6 +393,14 @@ class _GPipeStrategyLogic(_Base):
         if stage_compile is not None:
             stage.compile(stage_compile)
         self._stage = stage
+        left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+        if left:
+            shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
+            raise ValueError(
+                f"{len(left)} tensors outside the pipelined nn.Sequential are on the meta device ({shown}); only "
+                "the Sequential's layers are materialized per stage: create the rest outside "
+                "Trainer.init_module(empty_init=True) and configure_model's layers"
+            )
         if self.timeline:
             replica = self.layout.replica_of(self.global_rank)
             self._timeline = stage.timeline = Timeline(
@@ -352,13 +417,33 @@ class _GPipeStrategyLogic(_Base):
         where = f"rank {self.global_rank} runs stage {self.stage_index}/{self.layout.stages}"
         log.info(f"gpipe: {where} with layers {stage.layer_names}")
 
+    def _materialize_stage(
+        self, model: pl.LightningModule, name: str, seq: nn.Sequential, balance: list[int]
+    ) -> None:
+        """Give this stage's meta layers real tensors on this rank's device; the other stages' stay meta.
+
+        A module from :func:`lightning_gpipe.load_from_checkpoint` reads them from its checkpoint;
+        otherwise each layer is initialized by :func:`lightning_gpipe.materialize.materialize_layers`
+        (its ``reset_parameters()``, from a random stream of the global seed and the layer's index).
+        """
+        layers = partition.cut(seq, balance, self.stage_index)
+        source = getattr(model, CHECKPOINT_SOURCE, None)
+        if source is None:
+            start = partition.stage_bounds(balance)[self.stage_index][0]
+            indexed = [(start + j, layer) for j, (_, layer) in enumerate(layers)]
+            materialize_layers(indexed, global_seed(), self.root_device)
+            return
+        path, weights_only = source
+        lazy = LazyCheckpoint(path, weights_only)
+        load_layers(layers, name + ".", lazy.data.get("state_dict", {}), lazy.read_into, self.root_device)
+
     def _unpartition(self) -> None:
         """Put the user's full Sequential back, loaded with every stage's trained state."""
         if self._installed is None or self._stage is None:
             return
         self.last_received_skips = list(self._stage.received_skips)
         full = None
-        if not self._failed and _compat.distributed_is_initialized():
+        if not self._failed and not self._stage_only and _compat.distributed_is_initialized():
             self._arrive("gathering the model's state (end of fit)")
             full = state.gather_sequential_state(self._stage, self.layout, self.global_rank, to_all=True)
         partition.uninstall(self._installed, full)
@@ -612,15 +697,39 @@ class _GPipeStrategyLogic(_Base):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read this rank's part of a checkpoint, with torch's safe unpickler unless ``weights_only=False``.
+
+        ``weights_only`` (or, when ``None``, the strategy's ``weights_only``) decides how every
+        file is unpickled, the sharded checkpoint's metadata included. A full checkpoint file is
+        read stage by stage (:func:`lightning_gpipe.loading.stage_part`): the other stages'
+        tensors are never read, this stage's are read when loaded.
+
+        Raises:
+            UnsafeCheckpointError: the safe unpickler refuses the file (the message names it
+                and the opt-in).
+        """
+        weights_only = self.weights_only if weights_only is None else weights_only
         if sharded.is_sharded(checkpoint_path):
-            return sharded.load_sharded(checkpoint_path, self._module, self._torch_optimizers)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return sharded.load_sharded(checkpoint_path, self._module, self._torch_optimizers, weights_only)
+        if not os.path.isfile(
+            checkpoint_path
+        ):  # a remote path: the CheckpointIO reads it, safely unless opted out
+            return super().load_checkpoint(checkpoint_path, weights_only=safe(weights_only))
+        self._lazy_checkpoint = LazyCheckpoint(checkpoint_path, weights_only)
+        plain = partition.plain_parameter_names(self._installed) if self._installed is not None else None
+        return stage_part(self._lazy_checkpoint, self.lightning_module, plain)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
+        if self._stage is None and has_meta(self._module):
+            raise RuntimeError(
+                f"{type(self._module).__name__} was built on the meta device and each rank holds only its own "
+                "stage outside fit/validate/test; save checkpoints while the trainer runs (ModelCheckpoint, or "
+                "trainer.save_checkpoint from a callback)"
+            )
         if self._stage is None or self._installed is None or not _compat.distributed_is_initialized():
             return self._module.state_dict()
         self._arrive("gathering the model's state (save_checkpoint)")
@@ -646,7 +755,11 @@ class _GPipeStrategyLogic(_Base):
         if checkpoint.get(sharded.SHARDED_KEY):
             return sharded.set_sharded_optimizer_states(self._module, self._torch_optimizers, states)
         plain = partition.plain_parameter_names(self._installed) if self._installed is not None else None
-        state.load_optimizer_states(self._module, self._torch_optimizers, states, plain, self.root_device)
+        lazy = self._lazy_checkpoint
+        state.load_optimizer_states(
+            self._module, self._torch_optimizers, states, plain, self.root_device,
+            read=lazy.materialize if lazy is not None else None,
+        )  # fmt: skip
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -655,6 +768,14 @@ class _GPipeStrategyLogic(_Base):
         if self._stage is not None:
             wanted = set(self._module.state_dict())
             state_dict = {k: v for k, v in state_dict.items() if k in wanted}
+        lazy = self._lazy_checkpoint
+        if lazy is not None and any(True for _ in meta_tensors(state_dict)):
+            # this stage's tensors, read from the file one at a time straight into the module's
+            target = self._module.state_dict()
+            if not strict:
+                target = {k: v for k, v in target.items() if k in state_dict}
+            copy_into(target, state_dict, lazy.read_into)
+            return
         self._module.load_state_dict(state_dict, strict=strict)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -686,6 +807,12 @@ class _GPipeStrategyLogic(_Base):
             restore_callbacks(module.trainer)
         metrics.remove_metric_sharing(self.lightning_module, self._metric_sharing)
         self._metric_sharing = None
+        self._lazy_checkpoint = None
+        if self._stage_only:
+            # Lightning moves the module to the CPU: first the stage alone, not the other stages' meta layers
+            super().teardown()
+            self._unpartition()
+            return
         self._unpartition()
         super().teardown()
 
@@ -714,4 +841,4 @@ def _none_if_done(out: Any) -> Any:
     return None if out is StageDone else out
 
 
-__all__ = ["GPipeStrategy", "PartitionError"]
+__all__ = ["GPipeStrategy", "PartitionError", "UnsafeCheckpointError"]

@@ -591,3 +591,68 @@ def feature_callbacks(names: dict) -> list:
         "writer": lambda kw: Writer(**kw),
     }
     return [made[name](kw) for name, kw in names.items()]
+
+
+def build_lazy_layers(kind: str, size: dict | None = None) -> nn.Sequential:
+    """Layers of :class:`LazyNet`: ``"mlp"`` (as :class:`Net`'s) or a decoder-only ``"transformer"``."""
+    if kind == "transformer":
+        from recipes.models.transformer import build_transformer
+
+        return build_transformer(**(size or {}))
+    return build_layers(kind)
+
+
+class LazyNet(pl.LightningModule):
+    """A module for the large-model path: its Sequential is built in ``configure_model`` (``deferred``) or in
+    ``__init__``; Adam (or SGD with momentum); records its losses (last stage).
+    """
+
+    def __init__(
+        self,
+        kind: str = "mlp",
+        lr: float = 0.01,
+        deferred: bool = True,
+        size: dict | None = None,
+        optimizer: str = "adam",
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.kind, self.lr, self.size, self.optimizer = kind, lr, size, optimizer
+        self.layers = None if deferred else build_lazy_layers(kind, size)
+        self.whole = [self.layers]  # the whole Sequential, kept (not as a submodule) for the tests to inspect
+        self.losses: list[float] = []
+
+    def configure_model(self):
+        if self.layers is None:
+            self.layers = build_lazy_layers(self.kind, self.size)
+            self.whole = [self.layers]
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        if self.kind == "transformer":
+            loss = F.cross_entropy(out.flatten(0, -2), y.flatten())
+        else:
+            loss = F.mse_loss(out, y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def make_lazy_data(kind: str, batch: int, steps: int, size: dict | None = None, seed: int = 1):
+    """Data for :class:`LazyNet`: ``make_data("mlp")``, or random token ids (inputs, next tokens)."""
+    if kind != "transformer":
+        return make_data(kind, batch, steps, seed=seed)
+    size = size or {}
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(
+        0, size.get("vocab_size", 256), (batch * steps, size.get("seq_len", 64) + 1), generator=g
+    )
+    return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=batch, shuffle=False)

@@ -12,7 +12,7 @@ torchgpipe's ``checkpoint.py`` is recompute, which lives in :mod:`lightning_gpip
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -139,6 +139,7 @@ def load_optimizer_states(
     merged_states: Sequence[Any],
     plain_names: list[str] | None,
     device: torch.device,
+    read: Callable[[Any], Any] | None = None,
 ) -> None:
     """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name).
 
@@ -146,6 +147,9 @@ def load_optimizer_states(
         plain_names: the Sequential's parameter names (with its prefix) in model order, used for a
             plain one-device checkpoint (one group over every parameter, no names); ``None``:
             such checkpoints cannot be loaded.
+        read: applied to each of this stage's optimizer states before it is loaded (e.g.
+            :meth:`lightning_gpipe.loading.LazyCheckpoint.materialize`: read from the file only
+            the states this stage keeps).
 
     Raises:
         CheckpointError: a parameter of this stage has no state in the checkpoint, or the group
@@ -159,5 +163,7 @@ def load_optimizer_states(
         local = split_optimizer_state(
             merged, names, stateless=lambda name: PLACEHOLDER in name, local_groups=optimizer.param_groups
         )
+        if read is not None:
+            local["state"] = {i: read(v) for i, v in local["state"].items()}
         optimizer.load_state_dict(local)
         optimizer_to_device(optimizer, device)
