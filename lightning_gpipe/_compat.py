@@ -45,7 +45,6 @@ __all__ = [
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "attached_trainer",
-    "checkpoint_every_n_train_steps",
     "checkpoint_offset",
     "children",
     "default_process_group_backend",
@@ -126,11 +125,6 @@ def unwrap_optimizer(optimizer: Any) -> Optimizer:
     """The torch optimizer behind a ``LightningOptimizer`` (or ``optimizer`` itself)."""
     names = ("pytorch_lightning.core.optimizer", "lightning.pytorch.core.optimizer")  # either namespace
     return optimizer._optimizer if type(optimizer).__module__ in names else optimizer
-
-
-def checkpoint_every_n_train_steps(callback: Any) -> int:
-    """``ModelCheckpoint(every_n_train_steps=...)`` of a checkpoint callback (0 if none)."""
-    return getattr(callback, "_every_n_train_steps", 0) or 0
 
 
 def example_input_slot(module: pl.LightningModule) -> Any:

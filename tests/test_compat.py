@@ -9,7 +9,6 @@ import sys
 import pytest
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 
 from lightning_gpipe import _compat
@@ -89,11 +88,6 @@ def test_unwrap_optimizer():
     optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
     assert _compat.unwrap_optimizer(pl.core.optimizer.LightningOptimizer(optimizer)) is optimizer
     assert _compat.unwrap_optimizer(optimizer) is optimizer
-
-
-def test_checkpoint_every_n_train_steps(tmp_path):
-    assert _compat.checkpoint_every_n_train_steps(ModelCheckpoint(tmp_path, every_n_train_steps=3)) == 3
-    assert _compat.checkpoint_every_n_train_steps(ModelCheckpoint(tmp_path)) == 0
 
 
 def test_StrategyRegistry():
