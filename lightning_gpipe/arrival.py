@@ -163,3 +163,16 @@ def watch_signals(grace: float, on_signal: Callable[[int], None] | None = None) 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
+
+
+def check_collective_timeout(collective_timeout: float) -> float:
+    """``collective_timeout`` as a float.
+
+    Raises:
+        ValueError: it is not > 0 seconds.
+    """
+    if not collective_timeout > 0:
+        raise ValueError(
+            f"collective_timeout must be > 0 seconds (collective_timeout: {collective_timeout!r})"
+        )
+    return float(collective_timeout)

@@ -29,6 +29,7 @@ from lightning_gpipe._compat import (
     init_dist_connection,
     sync_ddp,
 )
+from lightning_gpipe.arrival import arrive
 from lightning_gpipe.comm import join_receives
 from lightning_gpipe.layout import Layout
 
@@ -68,6 +69,13 @@ def connect(
     return backend
 
 
+def arrive_all(operation: str, timeout: float) -> None:
+    """Every rank reaches ``operation`` within ``timeout`` seconds, or it fails naming those missing
+    (:func:`lightning_gpipe.arrival.arrive`); nothing to wait for outside ``torch.distributed``."""
+    if distributed_is_initialized():
+        arrive(operation, timeout)
+
+
 def barrier(device: torch.device) -> None:
     """Wait for every rank (on NCCL, on ``device``)."""
     if not distributed_is_initialized():
@@ -85,6 +93,17 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src, group=group)
     return box[0]
+
+
+def from_last_stage(obj: Any, layout: Layout, rank: int, group: Any) -> Any:
+    """``obj`` of ``rank``'s pipeline's last stage, on every stage of the pipeline (``group``; tensors on CPU)."""
+    from lightning_gpipe.state.optimizer import tensors_to_cpu
+
+    if layout.stages == 1 or group is None or not distributed_is_initialized():
+        return obj
+    src = layout.rank(layout.replica_of(rank), layout.stages - 1)
+    shared = broadcast_object(tensors_to_cpu(obj) if rank == src else None, src, group)
+    return obj if rank == src else shared
 
 
 def reduce(tensor: Any, group: Any, reduce_op: Any = "mean") -> Any:

@@ -23,8 +23,9 @@ from lightning_fabric.plugins.environments.lightning import find_free_network_po
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
+from lightning_gpipe import _compat
 from lightning_gpipe._compat import MultiProcessingLauncher, SubprocessScriptLauncher
-from lightning_gpipe._namespace import PYTORCH_LIGHTNING, lightning_class
+from lightning_gpipe._namespace import PYTORCH_LIGHTNING, lightning_class, specialize
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning launcher it becomes
     _Base = SubprocessScriptLauncher
@@ -221,6 +222,49 @@ class _GPipeForkLauncherLogic(_ForkBase):
 class GPipeForkLauncher(_GPipeForkLauncherLogic, MultiProcessingLauncher):
     __doc__ = _GPipeForkLauncherLogic.__doc__
     namespace = PYTORCH_LIGHTNING
+
+
+def check_start_method(start_method: str) -> str:
+    """``start_method`` as given.
+
+    Raises:
+        ValueError: it is not ``"popen"`` or ``"fork"``.
+    """
+    if start_method not in ("popen", "fork"):
+        raise ValueError(
+            f"start_method must be 'popen' or 'fork' (start_method: {start_method!r}); 'fork' is for notebooks"
+        )
+    return start_method
+
+
+def new_launcher(strategy: Any) -> GPipeLauncher | GPipeForkLauncher:
+    """The launcher of a ``GPipeStrategy`` (its ``start_method``), in the strategy's Lightning namespace.
+
+    Raises:
+        ValueError: ``Trainer(sync_batchnorm=True)``.
+        RuntimeError: ``start_method="popen"`` with several processes in an interactive session.
+    """
+    if _compat.layer_sync(strategy) is not None:
+        raise ValueError(
+            "Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (each stage holds different "
+            "layers); use GPipeStrategy(deferred_batch_norm=True) for full-batch running statistics"
+        )
+    if strategy.start_method == "fork":
+        return specialize(GPipeForkLauncher, strategy.namespace)(strategy, check=strategy.check_model)
+    if _compat.IS_INTERACTIVE and strategy.num_processes * strategy.num_nodes > 1:
+        raise RuntimeError(
+            "Trainer(strategy='gpipe') starts the other ranks by re-running the script, which an interactive "
+            "session (Jupyter, python -i) does not have; use Trainer(strategy='gpipe_notebook') (forked ranks), "
+            "or run the code as a script"
+        )
+    assert strategy.cluster_environment is not None
+    return specialize(GPipeLauncher, strategy.namespace)(
+        strategy.cluster_environment,
+        strategy.num_processes,
+        strategy.num_nodes,
+        check=strategy.check_model,
+        share=strategy.share_evaluation_results,
+    )
 
 
 def check_rerunnable_command() -> None:

@@ -315,3 +315,37 @@ def stage_part(
         parts.append({k: (v if k == "state" else lazy.materialize(v)) for k, v in merged.items()})
     checkpoint["optimizer_states"] = parts
     return checkpoint
+
+
+def check_weights_only(weights_only: bool | None) -> bool | None:
+    """``weights_only`` as given.
+
+    Raises:
+        ValueError: it is not ``None``, ``True`` or ``False``.
+    """
+    if weights_only not in (None, True, False):
+        raise ValueError(f"weights_only must be None, True or False (weights_only: {weights_only!r})")
+    return weights_only
+
+
+def load_model_state(
+    module: torch.nn.Module,
+    state_dict: Mapping[str, Any],
+    strict: bool,
+    lazy: LazyCheckpoint | None,
+    partitioned: bool,
+) -> None:
+    """Load a full checkpoint's ``state_dict`` into ``module`` (when ``partitioned``, only the keys it holds).
+
+    Entries still unread (meta tensors of ``lazy``) are read one at a time straight into the module's tensors.
+    """
+    if partitioned:
+        wanted = set(module.state_dict())
+        state_dict = {k: v for k, v in state_dict.items() if k in wanted}
+    if lazy is not None and any(True for _ in meta_tensors(state_dict)):
+        target = module.state_dict()
+        if not strict:
+            target = {k: v for k, v in target.items() if k in state_dict}
+        copy_into(target, state_dict, lazy.read_into)
+        return
+    module.load_state_dict(state_dict, strict=strict)

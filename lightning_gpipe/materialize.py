@@ -30,6 +30,7 @@ import hashlib
 import itertools
 import os
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -160,3 +161,62 @@ def load_layers(
         copy_into({f"{prefix}{name}.{k}": v for k, v in layer.state_dict().items()}, state, read_into)
         done.append(name)
     return done
+
+
+def check_stage_only_balance(balance: Any) -> None:
+    """Refuse a profiling balancer for a model built on the meta device (each rank holds one stage).
+
+    Raises:
+        ValueError: ``balance`` is ``"time"`` or ``"memory"``.
+    """
+    if balance in ("time", "memory"):
+        raise ValueError(
+            f"balance={balance!r} profiles the whole model on rank 0, but it was built on the meta device "
+            "(Trainer.init_module(empty_init=True) or configure_model) to hold only one stage per rank; "
+            "use balance='parameters', 'uniform' or a list of layers per stage"
+        )
+
+
+def materialize_stage(
+    model: nn.Module,
+    name: str,
+    sequential: nn.Sequential,
+    balance: list[int],
+    stage: int,
+    device: torch.device,
+) -> None:
+    """Give stage ``stage``'s meta layers real tensors on ``device``; the other stages' stay meta.
+
+    A module from :func:`lightning_gpipe.load_from_checkpoint` reads them from its checkpoint;
+    otherwise each layer is initialized by :func:`materialize_layers` (its ``reset_parameters()``,
+    from a random stream of the global seed and the layer's index).
+    """
+    from lightning_gpipe.loading import CHECKPOINT_SOURCE, LazyCheckpoint
+    from lightning_gpipe.partition import cut, stage_bounds
+
+    layers = cut(sequential, balance, stage)
+    source = getattr(model, CHECKPOINT_SOURCE, None)
+    if source is None:
+        start = stage_bounds(balance)[stage][0]
+        indexed = [(start + j, layer) for j, (_, layer) in enumerate(layers)]
+        materialize_layers(indexed, global_seed(), device)
+        return
+    path, weights_only = source
+    lazy = LazyCheckpoint(path, weights_only)
+    load_layers(layers, name + ".", lazy.data.get("state_dict", {}), lazy.read_into, device)
+
+
+def check_nothing_meta(model: nn.Module) -> None:
+    """Raise if a tensor outside the pipelined Sequential is still on the meta device (after the cut).
+
+    Raises:
+        ValueError: naming up to five such tensors.
+    """
+    left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if left:
+        shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
+        raise ValueError(
+            f"{len(left)} tensors outside the pipelined nn.Sequential are on the meta device ({shown}); only "
+            "the Sequential's layers are materialized per stage: create the rest outside "
+            "Trainer.init_module(empty_init=True) and configure_model's layers"
+        )

@@ -104,6 +104,13 @@ def silence_logging(module: pl.LightningModule | None) -> None:
         module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
 
 
+def metrics_on_last_stage(module: pl.LightningModule | None, group: Any, last_stage: bool) -> None:
+    """The module's metrics sync over the last stage's replicas (``group``); other stages log nothing."""
+    sync_metrics_over(module, group, last_stage)
+    if not last_stage:
+        silence_logging(module)
+
+
 def restore_logging(module: pl.LightningModule | None) -> None:
     """Undo :func:`silence_logging`."""
     if module is not None:

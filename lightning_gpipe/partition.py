@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -310,6 +311,19 @@ def uninstall(installed: Installed, state: dict[str, Any] | None = None) -> nn.S
         installed.sequential.load_state_dict(state)
     setattr(installed.parent, installed.attr, installed.sequential)
     return installed.sequential
+
+
+@contextlib.contextmanager
+def whole_sequential(installed: Installed | None, stage: nn.Module | None) -> Iterator[None]:
+    """The model holds the user's whole Sequential in place of ``stage`` inside this context, the stage after it."""
+    if installed is None or stage is None:
+        yield
+        return
+    setattr(installed.parent, installed.attr, installed.sequential)
+    try:
+        yield
+    finally:
+        setattr(installed.parent, installed.attr, stage)
 
 
 def plain_parameter_names(installed: Installed) -> list[str]:

@@ -97,6 +97,32 @@ def send_rank0_state(
             t.copy_(value)
 
 
+def start_stage(
+    model: nn.Module,
+    name: str,
+    sequential: nn.Sequential,
+    balance: list[int],
+    layout: Layout,
+    rank: int,
+    device: torch.device,
+    stage_only: bool,
+) -> None:
+    """Give ``rank``'s stage of ``sequential`` (``name`` in ``model``) its starting weights.
+
+    ``stage_only`` (built on the meta device): this stage's layers are materialized on ``device``
+    (:func:`lightning_gpipe.materialize.materialize_stage`); otherwise every stage takes global rank
+    0's weights (:func:`send_rank0_state`; replicas ``d > 0`` then take replica 0's in setup).
+    """
+    from lightning_gpipe.materialize import materialize_stage
+    from lightning_gpipe.partition import cut
+
+    if stage_only:
+        materialize_stage(model, name, sequential, balance, layout.stage_of(rank), device)
+        return
+    stages = [cut(sequential, balance, s) for s in range(layout.stages)]
+    send_rank0_state(stages, layout, rank, P2P(device))
+
+
 def share_rng_state(rank: int) -> None:
     """Set this process's ``torch`` (CPU), ``random`` and ``numpy`` generators to global rank 0's states.
 

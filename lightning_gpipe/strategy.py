@@ -13,11 +13,10 @@ and installing the stage (:mod:`~lightning_gpipe.partition`), saved state
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -37,33 +36,34 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gpipe import _compat, groups, metrics, partition, precision, state
-from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of, specialize
-from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, watch_signals
+from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
+from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, check_collective_timeout, watch_signals
 from lightning_gpipe.balance.choose import check_balance_spec, choose_balance, log_choice, profiled
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.callbacks import adapt_callbacks, restore_callbacks
-from lightning_gpipe.comm import P2P
 from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
-from lightning_gpipe.launcher import GPipeForkLauncher, GPipeLauncher
+from lightning_gpipe.launcher import check_start_method, new_launcher
 from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
 from lightning_gpipe.loading import (
-    CHECKPOINT_SOURCE,
     LazyCheckpoint,
     UnsafeCheckpointError,
-    copy_into,
-    meta_tensors,
+    check_weights_only,
+    load_model_state,
     safe,
     stage_part,
 )
-from lightning_gpipe.materialize import global_seed, has_meta, load_layers, materialize_layers
+from lightning_gpipe.materialize import (
+    check_nothing_meta,
+    check_stage_only_balance,
+    has_meta,
+)
 from lightning_gpipe.microbatch import check_chunks
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.recompute import check_mode
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageDone, build_stage
-from lightning_gpipe.start_state import send_rank0_state
+from lightning_gpipe.start_state import start_stage
 from lightning_gpipe.state import sharded
-from lightning_gpipe.state.optimizer import tensors_to_cpu
 from lightning_gpipe.timeline import Timeline, publish
 
 log = logging.getLogger(__name__)
@@ -185,14 +185,8 @@ class _GPipeStrategyLogic(_Base):
         self.gradient_clip_norm_type = float(gradient_clip_norm_type)
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.deferred_batch_norm = bool(deferred_batch_norm)
-        if not collective_timeout > 0:
-            raise ValueError(
-                f"collective_timeout must be > 0 seconds (collective_timeout: {collective_timeout!r})"
-            )
-        self.collective_timeout = float(collective_timeout)
-        if weights_only not in (None, True, False):
-            raise ValueError(f"weights_only must be None, True or False (weights_only: {weights_only!r})")
-        self.weights_only = weights_only
+        self.collective_timeout = check_collective_timeout(collective_timeout)
+        self.weights_only = check_weights_only(weights_only)
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self.balance_used: list[int] | None = None  # the balance the stages were cut with
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
@@ -208,15 +202,12 @@ class _GPipeStrategyLogic(_Base):
         self._timeline: Timeline | None = None
         self._failed = False
         self.compile = partition.check_compile(compile)
-        self._uncompiled: list[
-            tuple[nn.Module, str, Any]
-        ] = []  # the user's compiled wrappers, back after fit
+        # the user's compiled wrappers, back after fit
+        self._uncompiled: list[tuple[nn.Module, str, Any]] = []
         self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
-        if start_method not in ("popen", "fork"):
-            raise ValueError(
-                f"start_method must be 'popen' or 'fork' (start_method: {start_method!r}); 'fork' is for notebooks"
-            )
-        self.start_method = start_method
+        self.start_method = check_start_method(start_method)
+        self._lazy_checkpoint: LazyCheckpoint | None = None  # the full checkpoint being restored
+        self._stage_only = False  # built on the meta device: each rank holds only its stage
 
     @property
     def accelerator(self) -> Any:
@@ -227,9 +218,6 @@ class _GPipeStrategyLogic(_Base):
         """Set by the Trainer's connector first: the strategy takes the class of the Trainer's namespace."""
         adopt(self, namespace_of(accelerator))
         self._accelerator = accelerator
-        self._lazy_checkpoint: LazyCheckpoint | None = None  # the full checkpoint being restored
-        # the Sequential was built on the meta device: each rank holds only its stage
-        self._stage_only = False
 
     # -- topology ------------------------------------------------------------------------------
 
@@ -281,34 +269,18 @@ class _GPipeStrategyLogic(_Base):
         return module
 
     @property
+    def _plain_names(self) -> list[str] | None:
+        """The user's Sequential's parameter names, in model order, while the stage is installed."""
+        return partition.plain_parameter_names(self._installed) if self._installed is not None else None
+
+    @property
     def _torch_optimizers(self) -> list[Optimizer]:
         return [_compat.unwrap_optimizer(o) for o in self.optimizers]
 
     @override
     def _configure_launcher(self) -> None:
         self.layout  # noqa: B018 - validates world size against pipeline_parallel_size before any spawn
-        if _compat.layer_sync(self) is not None:
-            raise ValueError(
-                "Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (each stage holds different "
-                "layers); use GPipeStrategy(deferred_batch_norm=True) for full-batch running statistics"
-            )
-        if self.start_method == "fork":
-            self._launcher = specialize(GPipeForkLauncher, self.namespace)(self, check=self.check_model)
-            return
-        if _compat.IS_INTERACTIVE and self.num_processes * self.num_nodes > 1:
-            raise RuntimeError(
-                "Trainer(strategy='gpipe') starts the other ranks by re-running the script, which an interactive "
-                "session (Jupyter, python -i) does not have; use Trainer(strategy='gpipe_notebook') (forked ranks), "
-                "or run the code as a script"
-            )
-        assert self.cluster_environment is not None
-        self._launcher = specialize(GPipeLauncher, self.namespace)(
-            self.cluster_environment,
-            self.num_processes,
-            self.num_nodes,
-            check=self.check_model,
-            share=self.share_evaluation_results,
-        )
+        self._launcher = new_launcher(self)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -367,24 +339,17 @@ class _GPipeStrategyLogic(_Base):
         model = self._module
         name, seq, balance = self.check_model(model)
         self._stage_only = has_meta(seq)
-        if self._stage_only and self.balance in ("time", "memory"):
-            raise ValueError(
-                f"balance={self.balance!r} profiles the whole model on rank 0, but it was built on the meta device "
-                "(Trainer.init_module(empty_init=True) or configure_model) to hold only one stage per rank; "
-                "use balance='parameters', 'uniform' or a list of layers per stage"
-            )
+        if self._stage_only:
+            check_stage_only_balance(self.balance)
         balance = choose_balance(
             self.balance, model, seq, balance, stages=self.layout.stages, chunks=self.chunks_used,
             device=self.root_device, rank=self.global_rank, broadcast=self.broadcast,
             to_device=self.batch_to_device, optimizer_state_factor=self.optimizer_state_factor,
         )  # fmt: skip
         partition.check_tied_parameters(seq, balance)
-        if self._stage_only:
-            self._materialize_stage(model, name, seq, balance)
-        else:
-            # every stage starts from global rank 0's weights (replicas d > 0 then take replica 0's in setup)
-            stages = [partition.cut(seq, balance, s) for s in range(self.layout.stages)]
-            send_rank0_state(stages, self.layout, self.global_rank, P2P(self.root_device))
+        start_stage(
+            model, name, seq, balance, self.layout, self.global_rank, self.root_device, self._stage_only
+        )
         stage = build_stage(
             seq, balance, self.layout, self.global_rank, self.chunks_used, self.checkpoint, self.root_device
         )
@@ -393,49 +358,24 @@ class _GPipeStrategyLogic(_Base):
         if stage_compile is not None:
             stage.compile(stage_compile)
         self._stage = stage
-        left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
-        if left:
-            shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
-            raise ValueError(
-                f"{len(left)} tensors outside the pipelined nn.Sequential are on the meta device ({shown}); only "
-                "the Sequential's layers are materialized per stage: create the rest outside "
-                "Trainer.init_module(empty_init=True) and configure_model's layers"
-            )
+        check_nothing_meta(model)
+        self.balance_used = balance
+        self._describe(model, seq, balance)
+
+    def _describe(self, model: pl.LightningModule, seq: nn.Sequential, balance: list[int]) -> None:
+        """Start the stage's timeline (``timeline=True``); log the placement, the balance chosen and this stage."""
         if self.timeline:
             replica = self.layout.replica_of(self.global_rank)
-            self._timeline = stage.timeline = Timeline(
+            self._timeline = self._pipe.timeline = Timeline(
                 self.stage_index, self.layout.stages, self.global_rank, replica
             )
-        self.balance_used = balance
         if self.is_global_zero:
-            layout = self.layout
-            rank_zero_info(
-                partition.placement(seq, balance, [layout.rank(0, j) for j in range(layout.stages)])
-            )
+            ranks = [self.layout.rank(0, j) for j in range(self.layout.stages)]
+            rank_zero_info(partition.placement(seq, balance, ranks))
         if isinstance(self.balance, str) and self.is_global_zero and profiled(model):
             log_choice(model, self.balance, balance)
         where = f"rank {self.global_rank} runs stage {self.stage_index}/{self.layout.stages}"
-        log.info(f"gpipe: {where} with layers {stage.layer_names}")
-
-    def _materialize_stage(
-        self, model: pl.LightningModule, name: str, seq: nn.Sequential, balance: list[int]
-    ) -> None:
-        """Give this stage's meta layers real tensors on this rank's device; the other stages' stay meta.
-
-        A module from :func:`lightning_gpipe.load_from_checkpoint` reads them from its checkpoint;
-        otherwise each layer is initialized by :func:`lightning_gpipe.materialize.materialize_layers`
-        (its ``reset_parameters()``, from a random stream of the global seed and the layer's index).
-        """
-        layers = partition.cut(seq, balance, self.stage_index)
-        source = getattr(model, CHECKPOINT_SOURCE, None)
-        if source is None:
-            start = partition.stage_bounds(balance)[self.stage_index][0]
-            indexed = [(start + j, layer) for j, (_, layer) in enumerate(layers)]
-            materialize_layers(indexed, global_seed(), self.root_device)
-            return
-        path, weights_only = source
-        lazy = LazyCheckpoint(path, weights_only)
-        load_layers(layers, name + ".", lazy.data.get("state_dict", {}), lazy.read_into, self.root_device)
+        log.info(f"gpipe: {where} with layers {self._pipe.layer_names}")
 
     def _unpartition(self) -> None:
         """Put the user's full Sequential back, loaded with every stage's trained state."""
@@ -459,9 +399,7 @@ class _GPipeStrategyLogic(_Base):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         state.broadcast_from_first_replica(self._stage, self.layout, self.global_rank, self._groups.data)
-        metrics.sync_metrics_over(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
-        if not self.is_last_stage:
-            metrics.silence_logging(self.lightning_module)
+        metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -469,15 +407,10 @@ class _GPipeStrategyLogic(_Base):
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         self._metric_sharing = metrics.install_metric_sharing(trainer, self.share_last_stage_metrics)
+        name = self._installed.name if self._installed is not None else ""
+        replicas, last = self.layout.replicas, self.is_last_stage
         adapt_callbacks(
-            trainer,
-            self._module,
-            self.namespace,
-            self._installed.name if self._installed is not None else "",
-            self._cut_copy,
-            self.layout.replicas,
-            self.is_last_stage,
-            self.whole_model,
+            trainer, self._module, self.namespace, name, self._cut_copy, replicas, last, self.whole_model
         )
 
     def _cut_copy(self, seq: nn.Sequential) -> nn.Module:
@@ -485,19 +418,10 @@ class _GPipeStrategyLogic(_Base):
         assert self.balance_used is not None
         return nn.Sequential(OrderedDict(partition.cut(seq, self.balance_used, self.stage_index)))
 
-    @contextlib.contextmanager
-    def whole_model(self) -> Iterator[None]:
+    def whole_model(self) -> contextlib.AbstractContextManager[None]:
         """The module holds its whole Sequential (every stage's layers; other stages' weights are not
         trained here) inside this context, the stage again after it. For summaries that count the model."""
-        installed = self._installed
-        if installed is None or self._stage is None:
-            yield
-            return
-        setattr(installed.parent, installed.attr, installed.sequential)
-        try:
-            yield
-        finally:
-            setattr(installed.parent, installed.attr, self._stage)
+        return partition.whole_sequential(self._installed, self._stage)
 
     def _setup_optimizers(self, trainer: pl.Trainer) -> None:
         partition.add_placeholder_parameter(self._pipe, self.root_device)  # if none is trainable
@@ -583,14 +507,8 @@ class _GPipeStrategyLogic(_Base):
 
     def _from_last_stage(self, obj: Any) -> Any:
         """``obj`` of this pipeline's last stage, on every stage of the pipeline (tensors on CPU)."""
-        layout = self.layout
-        if layout.stages == 1 or self._groups is None or not _compat.distributed_is_initialized():
-            return obj
-        src = layout.rank(layout.replica_of(self.global_rank), layout.stages - 1)
-        shared = groups.broadcast_object(
-            tensors_to_cpu(obj) if self.global_rank == src else None, src, self._groups.pipeline
-        )
-        return obj if self.global_rank == src else shared
+        pipeline = self._groups.pipeline if self._groups is not None else None
+        return groups.from_last_stage(obj, self.layout, self.global_rank, pipeline)
 
     def share_evaluation_results(self, results: Any, trainer: Any) -> Any:
         """``trainer.validate``/``test``'s return value: the last stage's, on every stage of its pipeline.
@@ -660,20 +578,17 @@ class _GPipeStrategyLogic(_Base):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
-        if _compat.distributed_is_initialized():
-            self._arrive("reduce_boolean_decision")
+        groups.arrive_all("reduce_boolean_decision", self.collective_timeout)
         return groups.all_agree(decision, self.root_device, everyone=all)
 
     @override
     def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        if _compat.distributed_is_initialized():
-            self._arrive(f"barrier {name!r}" if name else "barrier")
+        groups.arrive_all(f"barrier {name!r}" if name else "barrier", self.collective_timeout)
         groups.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if _compat.distributed_is_initialized():
-            self._arrive("broadcast")
+        groups.arrive_all("broadcast", self.collective_timeout)
         return groups.broadcast_object(obj, src)
 
     # -- checkpoints (lightning_gpipe.state) -----------------------------------------------------
@@ -716,7 +631,7 @@ class _GPipeStrategyLogic(_Base):
         ):  # a remote path: the CheckpointIO reads it, safely unless opted out
             return super().load_checkpoint(checkpoint_path, weights_only=safe(weights_only))
         self._lazy_checkpoint = LazyCheckpoint(checkpoint_path, weights_only)
-        plain = partition.plain_parameter_names(self._installed) if self._installed is not None else None
+        plain = self._plain_names
         return stage_part(self._lazy_checkpoint, self.lightning_module, plain)
 
     @override
@@ -724,17 +639,9 @@ class _GPipeStrategyLogic(_Base):
         """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
-        if self._stage is None and has_meta(self._module):
-            raise RuntimeError(
-                f"{type(self._module).__name__} was built on the meta device and each rank holds only its own "
-                "stage outside fit/validate/test; save checkpoints while the trainer runs (ModelCheckpoint, or "
-                "trainer.save_checkpoint from a callback)"
-            )
-        if self._stage is None or self._installed is None or not _compat.distributed_is_initialized():
-            return self._module.state_dict()
-        self._arrive("gathering the model's state (save_checkpoint)")
-        return state.user_state_dict(
-            self._module, self._stage, self._installed.name, self.layout, self.global_rank
+        name = self._installed.name if self._installed is not None else None
+        return state.module_state_dict(
+            self._module, self._stage, name, self.layout, self.global_rank, self._arrive
         )
 
     @override
@@ -745,7 +652,7 @@ class _GPipeStrategyLogic(_Base):
         optimizer = _compat.unwrap_optimizer(optimizer)
         if _compat.distributed_is_initialized() and self.layout.world_size > 1:
             self._arrive("gathering optimizer states (save_checkpoint)")
-        order = partition.plain_parameter_names(self._installed) if self._installed is not None else None
+        order = self._plain_names
         return state.merged_optimizer_state(optimizer, self._module, self.layout, self.global_rank, order)
 
     @override
@@ -754,7 +661,7 @@ class _GPipeStrategyLogic(_Base):
         states = checkpoint["optimizer_states"]
         if checkpoint.get(sharded.SHARDED_KEY):
             return sharded.set_sharded_optimizer_states(self._module, self._torch_optimizers, states)
-        plain = partition.plain_parameter_names(self._installed) if self._installed is not None else None
+        plain = self._plain_names
         lazy = self._lazy_checkpoint
         state.load_optimizer_states(
             self._module, self._torch_optimizers, states, plain, self.root_device,
@@ -764,19 +671,8 @@ class _GPipeStrategyLogic(_Base):
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Load a full checkpoint into the full or the partitioned module (keeping this stage's keys)."""
-        state_dict = checkpoint["state_dict"]
-        if self._stage is not None:
-            wanted = set(self._module.state_dict())
-            state_dict = {k: v for k, v in state_dict.items() if k in wanted}
-        lazy = self._lazy_checkpoint
-        if lazy is not None and any(True for _ in meta_tensors(state_dict)):
-            # this stage's tensors, read from the file one at a time straight into the module's
-            target = self._module.state_dict()
-            if not strict:
-                target = {k: v for k, v in target.items() if k in state_dict}
-            copy_into(target, state_dict, lazy.read_into)
-            return
-        self._module.load_state_dict(state_dict, strict=strict)
+        partitioned = self._stage is not None
+        load_model_state(self._module, checkpoint["state_dict"], strict, self._lazy_checkpoint, partitioned)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -824,12 +720,8 @@ class _GPipeStrategyLogic(_Base):
                 "gpipe", cls, description="GPipe pipeline parallelism (lightning_gpipe)"
             )
         if "gpipe_notebook" not in strategy_registry:
-            strategy_registry.register(
-                "gpipe_notebook",
-                cls,
-                description="GPipe pipeline parallelism, ranks forked (Jupyter, python -i)",
-                start_method="fork",
-            )
+            description = "GPipe pipeline parallelism, ranks forked (Jupyter, python -i)"
+            strategy_registry.register("gpipe_notebook", cls, description=description, start_method="fork")
 
 
 class GPipeStrategy(_GPipeStrategyLogic, ParallelStrategy):

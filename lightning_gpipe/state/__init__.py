@@ -40,6 +40,7 @@ __all__ = [
     "gather_sequential_state",
     "load_optimizer_states",
     "merged_optimizer_state",
+    "module_state_dict",
     "user_state_dict",
 ]
 
@@ -101,6 +102,34 @@ def user_state_dict(
     state = {k: v for k, v in module.state_dict().items() if not k.startswith(prefix)}
     state.update({prefix + k: v for k, v in full.items()})
     return state
+
+
+def module_state_dict(
+    module: nn.Module,
+    stage: nn.Module | None,
+    seq_name: str | None,
+    layout: Layout,
+    rank: int,
+    arrive: Callable[[str], None],
+) -> dict[str, Any]:
+    """The model's full ``state_dict`` (original parameter names) for a checkpoint: on rank 0, gathered from
+    every stage of ``stage`` (installed as ``seq_name``) after ``arrive(operation)``; the module's own without a stage.
+
+    Raises:
+        RuntimeError: without a stage, the module holds meta tensors (built on the meta device, one stage per rank).
+    """
+    from lightning_gpipe.materialize import has_meta
+
+    if stage is None and has_meta(module):
+        raise RuntimeError(
+            f"{type(module).__name__} was built on the meta device and each rank holds only its own "
+            "stage outside fit/validate/test; save checkpoints while the trainer runs (ModelCheckpoint, or "
+            "trainer.save_checkpoint from a callback)"
+        )
+    if stage is None or seq_name is None or not distributed_is_initialized():
+        return module.state_dict()
+    arrive("gathering the model's state (save_checkpoint)")
+    return user_state_dict(module, stage, seq_name, layout, rank)
 
 
 def _names_by_id(module: nn.Module) -> dict[int, str]:
