@@ -1,5 +1,8 @@
 """Every rank starts from global rank 0: its weights, as every DDP replica does, and its random state.
 
+A model built on the meta device (each rank holds only its stage) starts instead from its own
+stage's layers, materialized on the rank (:func:`start_stage`, :mod:`lightning_gpipe.materialize`).
+
 **Random state.** A seeded script run on one device draws its shuffled batches from the global
 generators in the state the script left them. Every rank here runs the same script, but only rank
 0 (the process the user started) is guaranteed to have run it exactly as on one device, so

@@ -5,9 +5,12 @@ call of the pipelined Sequential is the forward fill (:mod:`lightning_gpipe.stag
 loss message; ``backward`` runs the user's loss backward on the last stage and then the backward
 drain on every stage; ``optimizer_step`` steps each stage's own optimizer on its own parameters.
 Where the rest lives: rank layout (:mod:`~lightning_gpipe.layout`), process groups
-(:mod:`~lightning_gpipe.groups`), the balance (:mod:`~lightning_gpipe.balance.choose`), cutting
-and installing the stage (:mod:`~lightning_gpipe.partition`), saved state
-(:mod:`~lightning_gpipe.state`), metrics (:mod:`~lightning_gpipe.metrics`).
+(:mod:`~lightning_gpipe.groups`, bounded by :mod:`~lightning_gpipe.arrival`), the balance
+(:mod:`~lightning_gpipe.balance.choose`), cutting and installing the stage
+(:mod:`~lightning_gpipe.partition`), its starting weights (:mod:`~lightning_gpipe.start_state`,
+:mod:`~lightning_gpipe.materialize`), saved state (:mod:`~lightning_gpipe.state`) and reading it
+(:mod:`~lightning_gpipe.loading`), metrics (:mod:`~lightning_gpipe.metrics`), the launcher
+(:mod:`~lightning_gpipe.launcher`).
 """
 
 from __future__ import annotations
