@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe import _compat, groups, metrics, partition, precision, state
+from lightning_gpipe import _compat, groups, loading, metrics, partition, precision, state
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, check_collective_timeout, watch_signals
 from lightning_gpipe.balance.choose import check_balance_spec, choose_balance, log_choice, profiled
@@ -48,19 +48,8 @@ from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
 from lightning_gpipe.launcher import check_start_method, new_launcher
 from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
-from lightning_gpipe.loading import (
-    LazyCheckpoint,
-    UnsafeCheckpointError,
-    check_weights_only,
-    load_model_state,
-    safe,
-    stage_part,
-)
-from lightning_gpipe.materialize import (
-    check_nothing_meta,
-    check_stage_only_balance,
-    has_meta,
-)
+from lightning_gpipe.loading import UnsafeCheckpointError
+from lightning_gpipe.materialize import check_nothing_meta, check_stage_only_balance, has_meta
 from lightning_gpipe.microbatch import check_chunks
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.recompute import check_mode
@@ -189,7 +178,7 @@ class _GPipeStrategyLogic(_Base):
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.deferred_batch_norm = bool(deferred_batch_norm)
         self.collective_timeout = check_collective_timeout(collective_timeout)
-        self.weights_only = check_weights_only(weights_only)
+        self.weights_only = loading.check_weights_only(weights_only)
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self.balance_used: list[int] | None = None  # the balance the stages were cut with
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
@@ -209,7 +198,7 @@ class _GPipeStrategyLogic(_Base):
         self._uncompiled: list[tuple[nn.Module, str, Any]] = []
         self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
         self.start_method = check_start_method(start_method)
-        self._lazy_checkpoint: LazyCheckpoint | None = None  # the full checkpoint being restored
+        self._lazy_checkpoint: loading.LazyCheckpoint | None = None  # the full checkpoint being restored
         self._stage_only = False  # built on the meta device: each rank holds only its stage
 
     @property
@@ -632,10 +621,10 @@ class _GPipeStrategyLogic(_Base):
         if not os.path.isfile(
             checkpoint_path
         ):  # a remote path: the CheckpointIO reads it, safely unless opted out
-            return super().load_checkpoint(checkpoint_path, weights_only=safe(weights_only))
-        self._lazy_checkpoint = LazyCheckpoint(checkpoint_path, weights_only)
+            return super().load_checkpoint(checkpoint_path, weights_only=loading.safe(weights_only))
+        self._lazy_checkpoint = loading.LazyCheckpoint(checkpoint_path, weights_only)
         plain = self._plain_names
-        return stage_part(self._lazy_checkpoint, self.lightning_module, plain)
+        return loading.stage_part(self._lazy_checkpoint, self.lightning_module, plain)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -675,7 +664,9 @@ class _GPipeStrategyLogic(_Base):
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Load a full checkpoint into the full or the partitioned module (keeping this stage's keys)."""
         partitioned = self._stage is not None
-        load_model_state(self._module, checkpoint["state_dict"], strict, self._lazy_checkpoint, partitioned)
+        loading.load_model_state(
+            self._module, checkpoint["state_dict"], strict, self._lazy_checkpoint, partitioned
+        )
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
