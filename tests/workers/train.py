@@ -42,6 +42,7 @@ Callback, EarlyStopping, ModelCheckpoint = (
 )
 
 import lightning_gpipe  # noqa: E402
+from lightning_gpipe import _compat  # noqa: E402
 from tests.models import Net, Recorder, feature_callbacks, make_data, trainer_kwargs  # noqa: E402
 
 torch.set_num_threads(1)
@@ -169,6 +170,9 @@ for k, run in enumerate(spec["runs"]):
     if validate_after:
         extra["validated"] = trainer.validate(model, make_data(kind, batch, 2, seed=2), verbose=False)
     checkpoint_cb = next((c for c in callbacks if isinstance(c, ModelCheckpoint)), None)
+    layers = model.layers  # the user's torch.compile wrapper is back after fit: iterate what it compiles
+    if isinstance(layers, _compat.OptimizedModule):
+        layers = _compat.compiled_module(layers)
     record = {
         "strategy_class": type(trainer.strategy).__mro__[2].__module__,
         "stage_compiled": getattr(model, "stage_compiled", None),
@@ -188,7 +192,7 @@ for k, run in enumerate(spec["runs"]):
         "lrs": model.lrs,
         "step_lrs": model.step_lrs,
         "received_skips": getattr(trainer.strategy, "last_received_skips", None),
-        "effects": {k: layer.effects() for k, layer in enumerate(model.layers) if hasattr(layer, "effects")},
+        "effects": {k: layer.effects() for k, layer in enumerate(layers) if hasattr(layer, "effects")},
         "rng_after": torch.rand(4),
     }
     if spec.get("save"):
