@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe import _compat, groups, metrics, partition, precision, state
+from lightning_gpipe import _compat, groups, metrics, partition, precision, state, tied
 from lightning_gpipe.balance.choose import check_balance_spec, choose_balance, log_choice
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.failure import report_and_abort
@@ -138,6 +138,8 @@ class GPipeStrategy(ParallelStrategy):
         self._stage: PipelineStage | None = None
         self._installed: partition.Installed | None = None  # where the stage replaced the user's Sequential
         self._groups: groups.Groups | None = None
+        self.tied: list[tied.Tied] = []  # parameters shared by layers on different stages
+        self._tied_groups: tied.TiedGroups | None = None
         self._metric_sharing: metrics.ShareLastStageMetrics | None = None
         self._timeline: Timeline | None = None
         self._failed = False
@@ -240,6 +242,7 @@ class GPipeStrategy(ParallelStrategy):
             seq, balance, self.layout, self.global_rank, self.chunks, self.checkpoint, self.root_device
         )
         self._installed = partition.install(model, name, stage, deferred_batch_norm=self.deferred_batch_norm)
+        self.tied = tied.find_tied(seq, balance)
         self._stage = stage
         if self.timeline:
             replica = self.layout.replica_of(self.global_rank)
@@ -259,7 +262,9 @@ class GPipeStrategy(ParallelStrategy):
         self.last_received_skips = list(self._stage.received_skips)
         full = None
         if not self._failed and _compat.distributed_is_initialized():
-            full = state.gather_sequential_state(self._stage, self.layout, self.global_rank, to_all=True)
+            full = state.gather_sequential_state(
+                self._stage, self.layout, self.global_rank, to_all=True, tied=self.tied
+            )
         partition.uninstall(self._installed, full)
         self._installed, self._stage = None, None
 
@@ -272,6 +277,9 @@ class GPipeStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         state.broadcast_from_first_replica(self._stage, self.layout, self.global_rank, self._groups.data)
+        if self.tied and _compat.distributed_is_initialized():
+            self._tied_groups = tied.new_tied_groups(self.tied, self._stage, self.layout, self.global_rank)
+            tied.broadcast_tied(self._tied_groups)  # the copies start equal
         metrics.sync_metrics_over(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
         if not self.is_last_stage:
             metrics.silence_logging(self.lightning_module)
@@ -296,8 +304,14 @@ class GPipeStrategy(ParallelStrategy):
         """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
         assert self._groups is not None
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        counted = tied.norm_parameters(params, self._tied_groups, self.stage_index)  # a tied parameter once
         self.last_grad_norm = clip_grad_norm_(
-            params, float(clip_val), self.gradient_clip_norm_type, self._groups.pipeline, self.root_device
+            params,
+            float(clip_val),
+            self.gradient_clip_norm_type,
+            self._groups.pipeline,
+            self.root_device,
+            counted,
         )
 
     @override
@@ -346,6 +360,10 @@ class GPipeStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._pipe.backward()
+        if self._tied_groups is not None and not self._accumulating():
+            tied.sum_tied_gradients(
+                self._tied_groups
+            )  # before clipping and the step; once per optimizer step
         if self.layout.replicas > 1 and not self._accumulating():
             assert self._groups is not None
             allreduce_gradients(self._pipe.parameters(), self._groups.data, self.layout.replicas)
@@ -425,7 +443,7 @@ class GPipeStrategy(ParallelStrategy):
         if self._stage is None or self._installed is None or not _compat.distributed_is_initialized():
             return self._module.state_dict()
         return state.user_state_dict(
-            self._module, self._stage, self._installed.name, self.layout, self.global_rank
+            self._module, self._stage, self._installed.name, self.layout, self.global_rank, self.tied
         )
 
     @override
@@ -434,7 +452,9 @@ class GPipeStrategy(ParallelStrategy):
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
         optimizer = _compat.unwrap_optimizer(optimizer)
-        return state.merged_optimizer_state(optimizer, self._module, self.layout, self.global_rank)
+        return state.merged_optimizer_state(
+            optimizer, self._module, self.layout, self.global_rank, self._tied_aliases()
+        )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -443,7 +463,17 @@ class GPipeStrategy(ParallelStrategy):
         if checkpoint.get(sharded.SHARDED_KEY):
             return sharded.set_sharded_optimizer_states(self._module, self._torch_optimizers, states)
         plain = partition.plain_parameter_names(self._installed) if self._installed is not None else None
-        state.load_optimizer_states(self._module, self._torch_optimizers, states, plain, self.root_device)
+        state.load_optimizer_states(
+            self._module, self._torch_optimizers, states, plain, self.root_device, self._tied_aliases()
+        )
+
+    def _tied_aliases(self) -> dict[str, str | None]:
+        """This stage's names (in the model) of tied parameters: the owner's name, or ``None`` on the owner."""
+        if self._installed is None:
+            return {}
+        prefix = self._installed.name + "."
+        aliases = tied.canonical_name(self.tied, self.stage_index)
+        return {prefix + k: None if v is None else prefix + v for k, v in aliases.items()}
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -12,7 +12,7 @@ torchgpipe's ``checkpoint.py`` is recompute, which lives in :mod:`lightning_gpip
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from lightning_gpipe.state.optimizer import (
     split_optimizer_state,
     tensors_to_cpu,
 )
+from lightning_gpipe.tied import Tied, alias_tied_state
 
 __all__ = [
     "FORMATS",
@@ -69,11 +70,14 @@ def broadcast_from_first_replica(stage: nn.Module, layout: Layout, rank: int, gr
             dist.broadcast(tensor, src=src, group=group)
 
 
-def gather_sequential_state(stage: nn.Module, layout: Layout, rank: int, to_all: bool) -> dict[str, Tensor]:
+def gather_sequential_state(
+    stage: nn.Module, layout: Layout, rank: int, to_all: bool, tied: Sequence[Tied] = ()
+) -> dict[str, Tensor]:
     """The pipelined Sequential's full ``state_dict`` (keys relative to it, CPU) from replica 0's stages.
 
     Every rank must call it. With ``to_all`` every rank receives it; else rank 0 does and the
-    others get ``{}``.
+    others get ``{}``. Every key of a ``tied`` parameter holds one tensor, its owner stage's
+    (saved once, as the plain module's shared parameter is).
     """
     local = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
     mine = local if layout.replica_of(rank) == 0 else {}
@@ -87,14 +91,14 @@ def gather_sequential_state(stage: nn.Module, layout: Layout, rank: int, to_all:
     full: dict[str, Tensor] = {}
     for part in parts:
         full.update(part)
-    return full
+    return alias_tied_state(full, tied)
 
 
 def user_state_dict(
-    module: nn.Module, stage: nn.Module, seq_name: str, layout: Layout, rank: int
+    module: nn.Module, stage: nn.Module, seq_name: str, layout: Layout, rank: int, tied: Sequence[Tied] = ()
 ) -> dict[str, Any]:
     """The user's full ``state_dict`` (original parameter names) on rank 0; ``{}`` elsewhere. All ranks call it."""
-    full = gather_sequential_state(stage, layout, rank, to_all=False)
+    full = gather_sequential_state(stage, layout, rank, to_all=False, tied=tied)
     if rank != 0:
         return {}
     prefix = seq_name + "."
@@ -108,15 +112,26 @@ def _names_by_id(module: nn.Module) -> dict[int, str]:
 
 
 def merged_optimizer_state(
-    optimizer: Optimizer, module: nn.Module, layout: Layout, rank: int
+    optimizer: Optimizer,
+    module: nn.Module,
+    layout: Layout,
+    rank: int,
+    tied_aliases: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """On rank 0: one optimizer ``state_dict`` over the whole model, merged from replica 0's stages.
 
     It has the layout a single optimizer over the plain module's parameters would have (see
     :mod:`lightning_gpipe.state.optimizer`), plus the parameter names, so it loads back into any
     number of stages. Every rank takes part; ranks other than 0 get ``{}``.
+
+    Args:
+        tied_aliases: this stage's names of tied parameters (:func:`lightning_gpipe.tied.canonical_name`,
+            with the model's prefix); a copy the stage does not own (a name mapped to its owner's)
+            is left out, so the parameter appears once, where the plain module lists it.
     """
+    copies = {k for k, v in (tied_aliases or {}).items() if v is not None}
     names = group_names(optimizer, _names_by_id(module), missing=PLACEHOLDER)
+    names = [[PLACEHOLDER if n in copies else n for n in group] for group in names]  # dropped below
     mine = (layout.stage_of(rank), tensors_to_cpu(optimizer.state_dict()), names)
     parts: list[Any] = [mine]
     if distributed_is_initialized() and layout.world_size > 1:
@@ -138,6 +153,7 @@ def load_optimizer_states(
     merged_states: Sequence[Any],
     plain_names: list[str] | None,
     device: torch.device,
+    tied_aliases: Mapping[str, str | None] | None = None,
 ) -> None:
     """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name).
 
@@ -145,6 +161,7 @@ def load_optimizer_states(
         plain_names: the Sequential's parameter names (with its prefix) in model order, used for a
             plain one-device checkpoint (one group over every parameter, no names); ``None``:
             such checkpoints cannot be loaded.
+        tied_aliases: see :func:`merged_optimizer_state`; a tied copy takes its owner's state.
 
     Raises:
         CheckpointError: a parameter of this stage has no state in the checkpoint, or the group
@@ -155,6 +172,7 @@ def load_optimizer_states(
         if NAMES_KEY not in merged and len(merged.get("param_groups", ())) == 1 and plain_names is not None:
             merged = {**merged, NAMES_KEY: plain_names}  # a plain one-device checkpoint, in model order
         names = group_names(optimizer, names_by_id, missing=PLACEHOLDER)
+        names = [[(tied_aliases or {}).get(n) or n for n in group] for group in names]
         local = split_optimizer_state(merged, names, stateless=lambda name: PLACEHOLDER in name)
         optimizer.load_state_dict(local)
         optimizer_to_device(optimizer, device)

@@ -32,7 +32,7 @@ torch.set_num_threads(1)
 spec = json.loads(Path(sys.argv[1]).read_text())
 out = Path(spec["out"])
 net_kwargs = dict(spec.get("net", {}))
-for key in ("record_grads", "call_twice", "fail", "slow", "wrong_shape"):
+for key in ("record_grads", "record_params", "call_twice", "fail", "slow", "wrong_shape"):
     if key in spec:
         net_kwargs[key] = spec[key]
 steps, batch, kind = spec.get("steps", 5), spec.get("batch", 10), spec["kind"]
@@ -107,6 +107,7 @@ for k, run in enumerate(spec["runs"]):
         "current_epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "lrs": model.lrs,
+        "params": model.params,
         "received_skips": getattr(trainer.strategy, "last_received_skips", None),
     }
     if spec.get("save"):
