@@ -59,8 +59,10 @@ from benchmarks.launch import JobTimeout, job_env, run_job
 from benchmarks.memory import TensorMemoryMeter
 from benchmarks.workloads import build_model, loss_fn, make_batches
 from lightning_gpipe.balance import balance_by_parameters, balance_by_time, profile_layers
+from lightning_gpipe.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.partition import check_balance, stage_bounds, uniform_balance
-from lightning_gpipe.simulate import ideal_bubble, microbatch_sizes, simulate
+from lightning_gpipe.schedule import ideal_bubble
+from lightning_gpipe.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,6 +6,7 @@
 
 from pytorch_lightning.strategies import StrategyRegistry
 
+from lightning_gpipe.failure import StageError
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.schedule import Action, fill_drain, format_grid
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError
@@ -19,6 +20,7 @@ __all__ = [
     "PartitionError",
     "PipelineStage",
     "PipelineUsageError",
+    "StageError",
     "fill_drain",
     "format_grid",
 ]

@@ -7,7 +7,6 @@ micro-batch ``i+1`` while micro-batch ``i`` travels. Receives the stage knows ar
 (:meth:`P2P.expect`: the rest of a phase's micro-batches) are taken in the background, so that
 micro-batch ``i+1`` arrives while the stage computes micro-batch ``i``. Transport is
 ``torch.distributed`` on the default group with global ranks: Gloo on CPU, NCCL on CUDA.
-
 """
 
 from __future__ import annotations
@@ -43,13 +42,13 @@ _DTYPES: list[torch.dtype] = [
 _CODE = {dt: k for k, dt in enumerate(_DTYPES)}
 
 
-def encode_header(tensors: Sequence[Tensor], is_tuple: bool, count: int, device: torch.device) -> Tensor:
-    """Pack ``[count, is_tuple, n, (dtype, requires_grad, ndim, *shape) × n]`` into int64 slots.
+def encode_header(tensors: Sequence[Tensor], is_tuple: bool, chunks: int, device: torch.device) -> Tensor:
+    """Pack ``[chunks, is_tuple, n, (dtype, requires_grad, ndim, *shape) × n]`` into int64 slots.
 
     Raises:
         ValueError: the description does not fit in :data:`HEADER_SLOTS` slots.
     """
-    fields = [count, int(is_tuple), len(tensors)]
+    fields = [chunks, int(is_tuple), len(tensors)]
     for t in tensors:
         if t.dtype not in _CODE:
             raise ValueError(f"cannot send a tensor of dtype {t.dtype} between stages")
@@ -66,23 +65,23 @@ def encode_header(tensors: Sequence[Tensor], is_tuple: bool, count: int, device:
 
 @dataclass(frozen=True)
 class Meta:
-    """What a header says: micro-batch count, tuple-ness and each tensor's (shape, dtype, requires_grad)."""
+    """What a header says: the number of micro-batches M, tuple-ness and each tensor's (shape, dtype, requires_grad)."""
 
-    count: int
+    chunks: int
     is_tuple: bool
     specs: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
 
 
 def decode_header(header: Tensor) -> Meta:
     h = header.tolist()
-    count, is_tuple, n = h[0], bool(h[1]), h[2]
+    chunks, is_tuple, n = h[0], bool(h[1]), h[2]
     specs, k = [], 3
     for _ in range(n):
         code, rg, ndim = h[k], bool(h[k + 1]), h[k + 2]
         shape = tuple(h[k + 3 : k + 3 + ndim])
         specs.append((shape, _DTYPES[code], rg))
         k += 3 + ndim
-    return Meta(count, is_tuple, tuple(specs))
+    return Meta(chunks, is_tuple, tuple(specs))
 
 
 class P2P:
@@ -91,7 +90,8 @@ class P2P:
     Receives are posted when :meth:`recv` asks, unless :meth:`expect` announced them: then a
     background thread per source takes the announced messages in order (each one's header, then its
     tensors) while the stage computes, and :meth:`recv` hands them out. The message *count* must
-    be exact: a receive left posted would take a message meant for a later phase.
+    be exact: a receive left posted would take a message meant for a later phase. The stage
+    derives it from its schedule's actions (:func:`lightning_gpipe.schedule.messages`).
 
     Args:
         device: where received tensors are allocated (the stage's device).
@@ -105,9 +105,9 @@ class P2P:
         self._pending: list[tuple[dist.Work, object]] = []
         self._inboxes: dict[int, _Inbox] = {}
 
-    def send(self, tensors: Sequence[Tensor], dst: int, *, is_tuple: bool = True, count: int = 0) -> None:
+    def send(self, tensors: Sequence[Tensor], dst: int, *, is_tuple: bool = True, chunks: int = 0) -> None:
         """Post an asynchronous send of a header and ``tensors`` to ``dst``; waits happen in :meth:`flush`."""
-        header = encode_header(tensors, is_tuple, count, self.device)
+        header = encode_header(tensors, is_tuple, chunks, self.device)
         payload = [header] + [t.detach().contiguous() for t in tensors]
         for t in payload:
             work = dist.isend(t, dst)

@@ -1,5 +1,8 @@
 """A failure on one rank ends every rank promptly, with the original error shown first.
 
+An error in a stage's layers is re-raised as a :class:`StageError` that names the stage, its
+layers, the micro-batch and the input's shapes (:func:`naming_errors`).
+
 Pipeline jobs hang when one rank dies while another waits in a receive. The rank that fails
 prints its error, tagged with its stage, before anything else happens; then it tears down its
 process group, which breaks the connections its peers wait on, so they fail within moments
@@ -12,12 +15,59 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
 
 import torch.distributed as dist
+from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+
+
+class StageError(RuntimeError):
+    """A layer of a stage raised; the message names the stage, its layers and the input's shapes."""
+
+
+@contextmanager
+def naming_errors(
+    stage: int,
+    layers: Sequence[str],
+    first_layer: nn.Module | None,
+    phase: str,
+    i: int,
+    x: Sequence[Tensor],
+    keep: tuple[type[BaseException], ...] = (),
+) -> Iterator[None]:
+    """Re-raise an error of stage ``stage``'s layers in ``phase`` (forward, backward) of micro-batch ``i``
+    as a :class:`StageError` naming the stage, its layers, the input ``x``'s shapes and what
+    ``first_layer`` expects; :class:`StageError` and the types in ``keep`` pass unchanged."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, (StageError, *keep)):
+            raise
+        source = "the batch" if stage == 0 else f"stage {stage - 1}"
+        shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in x)
+        raise StageError(
+            f"stage {stage} (layers {layers[0]}..{layers[-1]}) failed in {phase} of micro-batch {i} "
+            f"on input from {source} of shape [{shapes}]{_expected_input(first_layer)}: {type(err).__name__}: {err}"
+        ) from err
+
+
+def _expected_input(layer: Any) -> str:
+    """What a stage's first layer expects, when the layer says (Linear, Conv, Embedding, norms)."""
+    for attr, what in (
+        ("in_features", "(*, {})"),
+        ("in_channels", "(N, {}, ...)"),
+        ("num_features", "(N, {}, ...)"),
+    ):
+        value = getattr(layer, attr, None)
+        if isinstance(value, int):
+            return f"; its first layer ({type(layer).__name__}) expects {what.format(value)}"
+    return ""
 
 
 def is_peer_loss(exception: BaseException) -> bool:

@@ -1,7 +1,7 @@
 """Where every stage runs: the rank layout of pipeline × data parallelism, and one stage's place in it.
 
-W = P × D processes run P stages in D data-parallel replicas. Replica ``d`` holds global ranks
-``d·P … d·P+P-1`` and stage ``s`` of it sits on rank ``d·P + (P-1-s)``: the *last* stage is on
+W = K × D processes run K stages in D data-parallel replicas. Replica ``d`` holds global ranks
+``d·K … d·K+K-1`` and stage ``s`` of it sits on rank ``d·K + (K-1-s)``: the *last* stage is on
 each pipeline's lowest rank, so global rank 0 holds the real loss and metrics, and Lightning's
 rank-zero logging, progress bar and checkpoint decisions see true values.
 """
@@ -29,11 +29,11 @@ def check_pipeline_parallel_size(size: Any) -> int | None:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each (replica, stage) runs: ``rank = replica·P + (P-1-stage)``.
+    """Where each (replica, stage) runs: ``rank = replica·K + (K-1-stage)``.
 
     Args:
         world_size: W, all processes.
-        pipeline_parallel_size: P, stages per pipeline; ``W % P == 0``.
+        pipeline_parallel_size: K, stages per pipeline; ``W % K == 0``.
 
     Raises:
         ValueError: ``pipeline_parallel_size`` below 1 or not a divisor of ``world_size``.

@@ -79,7 +79,7 @@ def check_model(
         module_name: see :func:`find_sequential`.
         balance: a list of layers per stage (checked), or anything else for the uniform split
             (a balancer's choice is made later, :mod:`lightning_gpipe.balance.choose`).
-        stages: the number of stages P.
+        stages: the number of stages K.
 
     Returns:
         ``(name, sequential, balance)``.

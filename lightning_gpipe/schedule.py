@@ -1,9 +1,9 @@
-"""The GPipe fill-drain schedule, as data.
+"""Pipeline schedules as data: what each stage runs, in order, and the messages each action implies.
 
-An :class:`Action` is ``(kind, micro_batch)`` printed like ``F2`` or ``B0``. A schedule is, for
-every stage ``j``, the list of its actions at clock steps ``0 .. 2(M+K-1)-1``, with ``None``
-where the stage idles (a bubble). For K=3 stages and M=4 micro-batches (Huang et al. 2019,
-figure 2c)::
+An :class:`Action` is ``(kind, micro_batch)`` printed like ``F2`` or ``B0``. A schedule is a
+*grid*: for every clock step, one cell per stage ``j`` holding that stage's action or ``None``
+where it idles (a bubble). GPipe's fill-drain for K=3 stages and M=4 micro-batches (Huang et
+al. 2019, figure 2c)::
 
     step  stage0  stage1  stage2
        0  F0      .       .
@@ -21,14 +21,45 @@ figure 2c)::
 
 Forward ``i`` on stage ``j`` runs at step ``i + j``; backwards run in reverse micro-batch
 order, ``B i`` on stage ``j`` at step ``(M + K - 1) + (M - 1 - i) + (K - 1 - j)``. The bubble
-share is ``(K - 1) / (M + K - 1)``. Each stage's executor consumes its own column in order
-(:func:`stage_actions`); the clock only matters for printing, validation and simulation.
+share is ``(K - 1) / (M + K - 1)``.
+
+Everything that runs a schedule reads it from here: each stage's executor
+(:class:`lightning_gpipe.stage.PipelineStage`) consumes its own column in order
+(:func:`stage_actions`), receiving and sending exactly the messages :func:`receives` and
+:func:`sends` name and announcing their count (:func:`messages`) to its transport; the cost
+model (:mod:`lightning_gpipe.simulate`) plays the same columns; :func:`format_grid` prints them.
+A schedule is one function ``(stages, chunks) -> Grid`` (see :data:`SCHEDULES`); the clock only
+matters for printing, validation and simulation.
+
+Phases: under Lightning's automatic optimization the user's loss exists only once the user's
+``training_step`` has returned, and every backward's gradient starts at it, so a stage's column
+runs in two phases, cut before its first backward (:func:`split_phases`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Grid",
+    "Transfer",
+    "bubble_share",
+    "fill_drain",
+    "format_grid",
+    "ideal_bubble",
+    "messages",
+    "needs_loss",
+    "receives",
+    "sends",
+    "split_phases",
+    "stage_actions",
+    "validate",
+]
 
 Kind = Literal["F", "B"]
 
@@ -47,6 +78,34 @@ class Action:
 Grid = list[list[Action | None]]  # grid[step][stage]
 
 
+class SkipRoute(Protocol):
+    """A skip connection (:class:`lightning_gpipe.skip.Route`): stashed on ``source``, popped on ``target``."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def source(self) -> int: ...
+
+    @property
+    def target(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message an action receives or sends.
+
+    Attributes:
+        peer: the other stage's index.
+        skip: ``None`` for the stage boundary's tensors (activations in a forward, their
+            gradients in a backward); else the name of a skip connection (its tensor in a
+            forward, its gradient in a backward).
+    """
+
+    peer: int
+    skip: str | None = None
+
+
 def fill_drain(stages: int, chunks: int) -> Grid:
     """The GPipe schedule as a ``step × stage`` grid (``None`` is a bubble).
 
@@ -57,8 +116,7 @@ def fill_drain(stages: int, chunks: int) -> Grid:
     Raises:
         ValueError: ``stages`` or ``chunks`` below 1.
     """
-    if stages < 1 or chunks < 1:
-        raise ValueError(f"stages and chunks must be >= 1 (stages: {stages}, chunks: {chunks})")
+    _check_counts(stages, chunks)
     k, m = stages, chunks
     half = m + k - 1
     grid: Grid = [[None] * k for _ in range(2 * half)]
@@ -69,9 +127,102 @@ def fill_drain(stages: int, chunks: int) -> Grid:
     return grid
 
 
+def _check_counts(stages: int, chunks: int) -> None:
+    if stages < 1 or chunks < 1:
+        raise ValueError(f"stages and chunks must be >= 1 (stages: {stages}, chunks: {chunks})")
+
+
+SCHEDULES: dict[str, Callable[[int, int], Grid]] = {"fill_drain": fill_drain}
+"""Every schedule by name: a function ``(stages, chunks) -> Grid``."""
+
+
 def stage_actions(grid: Grid, stage: int) -> list[Action]:
     """Stage ``stage``'s actions in execution order, bubbles dropped."""
     return [row[stage] for row in grid if row[stage] is not None]  # type: ignore[misc]
+
+
+def needs_loss(action: Action, stage: int, stages: int) -> bool:
+    """Whether ``action`` needs the user's loss: a backward on the last stage."""
+    return action.kind == "B" and stage == stages - 1
+
+
+def split_phases(actions: Sequence[Action]) -> tuple[list[Action], list[Action]]:
+    """``(forward phase, backward phase)`` of a stage's column: cut before its first backward.
+
+    Every backward's gradient starts at the user's loss, which under Lightning's automatic
+    optimization exists only once the user's ``training_step`` has returned: the forward phase
+    runs inside that step, the backward phase inside Lightning's ``backward``.
+    """
+    cut = next((k for k, a in enumerate(actions) if a.kind == "B"), len(actions))
+    return list(actions[:cut]), list(actions[cut:])
+
+
+def receives(action: Action, stage: int, stages: int, skips: Iterable[SkipRoute] = ()) -> list[Transfer]:
+    """The messages ``action`` on ``stage`` receives, in the order it takes them.
+
+    Forward: the stage input from the previous stage, then each skip popped here from its
+    stashing stage. Backward: the output's gradient from the next stage, then the gradient of
+    each skip stashed here from its popping stage. (On the last stage the output's gradient
+    comes from the user's loss, not a message.) At run time a gradient message flows only for
+    tensors that require a gradient.
+    """
+    skips = list(skips)
+    if action.kind == "F":
+        first = [Transfer(stage - 1)] if stage > 0 else []
+        return first + [Transfer(r.source, r.name) for r in skips if r.target == stage and r.source != stage]
+    first = [Transfer(stage + 1)] if stage < stages - 1 else []
+    return first + [Transfer(r.target, r.name) for r in skips if r.source == stage and r.target != stage]
+
+
+def sends(action: Action, stage: int, stages: int, skips: Iterable[SkipRoute] = ()) -> list[Transfer]:
+    """The messages ``action`` on ``stage`` sends, in order: the mirror of :func:`receives`.
+
+    Forward: the output to the next stage, then each skip stashed here to its popping stage.
+    Backward: the input's gradient to the previous stage, then the gradient of each skip popped
+    here to its stashing stage.
+    """
+    skips = list(skips)
+    if action.kind == "F":
+        first = [Transfer(stage + 1)] if stage < stages - 1 else []
+        return first + [Transfer(r.target, r.name) for r in skips if r.source == stage and r.target != stage]
+    first = [Transfer(stage - 1)] if stage > 0 else []
+    return first + [Transfer(r.source, r.name) for r in skips if r.target == stage and r.source != stage]
+
+
+def messages(
+    actions: Iterable[Action],
+    stage: int,
+    stages: int,
+    skips: Iterable[SkipRoute] = (),
+    flows: Callable[[Action, Transfer], bool] = lambda action, transfer: True,
+) -> Counter[int]:
+    """How many messages ``actions`` receive from each peer stage (for the transport's announcements).
+
+    Args:
+        flows: whether a transfer really carries a message at run time (a gradient flows only
+            for tensors that require one); default: all do.
+    """
+    skips = list(skips)
+    return Counter(t.peer for a in actions for t in receives(a, stage, stages, skips) if flows(a, t))
+
+
+def ideal_bubble(stages: int, chunks: int) -> float:
+    """Bubble share of fill-drain with equal stages and free communication: ``(K-1)/(M+K-1)``.
+
+    It equals :func:`bubble_share` of :func:`fill_drain` ``(K, M)``.
+
+    Args:
+        stages: number of stages ``K >= 1``.
+        chunks: number of micro-batches ``M >= 1``.
+
+    Returns:
+        The idle fraction of stage time, in ``[0, 1)``.
+
+    Raises:
+        ValueError: ``stages`` or ``chunks`` below 1.
+    """
+    _check_counts(stages, chunks)
+    return (stages - 1) / (chunks + stages - 1)
 
 
 def validate(grid: Grid) -> None:

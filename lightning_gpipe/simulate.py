@@ -12,9 +12,11 @@ time, a backward as long as a forward here)::
     stage 2: .  .  F0 F1 F2 F3 B3 B2 B1 B0 .  .
 
 Each stage idles ``K-1`` of ``M+K-1`` slots in each direction: the bubble share
-``(K-1)/(M+K-1)`` (``ideal_bubble``). ``simulate`` does not use that formula: it plays the
-schedule action by action, so unequal stages, communication delays and re-materialization
-come out right.
+``(K-1)/(M+K-1)`` (:func:`lightning_gpipe.schedule.ideal_bubble`). ``simulate`` does not use
+that formula: it plays each stage's column of :func:`lightning_gpipe.schedule.fill_drain` action
+by action, with the transfers :func:`lightning_gpipe.schedule.sends` names and the recompute rule
+of :mod:`lightning_gpipe.recompute` (the same data the stages execute), so unequal stages,
+communication delays and re-materialization come out right.
 
 Model, in seconds and bytes:
 
@@ -35,19 +37,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lightning_gpipe.recompute import CHECKPOINT_MODES, recomputed
+from lightning_gpipe import schedule
+from lightning_gpipe.microbatch import sizes as microbatch_sizes
+from lightning_gpipe.recompute import recomputed
+from lightning_gpipe.schedule import Action
 
-__all__ = [
-    "CHECKPOINT_MODES",
-    "Event",
-    "Simulation",
-    "gpipe_actions",
-    "ideal_bubble",
-    "microbatch_sizes",
-    "peak_activation_memory",
-    "recomputed",
-    "simulate",
-]
+__all__ = ["Event", "Simulation", "peak_activation_memory", "simulate"]
 
 
 class Event(NamedTuple):
@@ -85,53 +80,9 @@ class Simulation:
     timeline: list[list[Event]] | None = None
 
 
-def ideal_bubble(stages: int, microbatches: int) -> float:
-    """Bubble share of GPipe with equal stages and free communication: ``(K-1)/(M+K-1)``.
-
-    Args:
-        stages (int): number of stages ``K >= 1``.
-        microbatches (int): number of micro-batches ``M >= 1``.
-
-    Returns:
-        float: idle fraction of stage time, in ``[0, 1)``.
-
-    Raises:
-        ValueError: ``stages < 1`` or ``microbatches < 1``.
-    """
-    _check_count("stages", stages)
-    _check_count("microbatches", microbatches)
-    return (stages - 1) / (microbatches + stages - 1)
-
-
-def microbatch_sizes(batch_size: int, microbatches: int) -> list[int]:
-    """Sizes of the micro-batches of a mini-batch of ``batch_size`` samples.
-
-    Near-equal, larger first (like ``torch.tensor_split``), and only ``batch_size``
-    micro-batches when ``batch_size < microbatches``: ``microbatch_sizes(10, 4) == [3, 3, 2,
-    2]``, ``microbatch_sizes(2, 4) == [1, 1]``.
-
-    Raises:
-        ValueError: ``batch_size < 1`` or ``microbatches < 1``.
-    """
-    _check_count("batch_size", batch_size)
-    _check_count("microbatches", microbatches)
-    m = min(batch_size, microbatches)
-    base, extra = divmod(batch_size, m)
-    return [base + 1 if i < extra else base for i in range(m)]
-
-
-def gpipe_actions(stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
-    """The fill-drain schedule as data: per stage, its ordered ``(kind, micro-batch)`` actions.
-
-    Every stage runs ``F0 .. F(M-1)`` then ``B(M-1) .. B0``.
-    """
-    order = [("F", i) for i in range(microbatches)] + [("B", i) for i in reversed(range(microbatches))]
-    return [list(order) for _ in range(stages)]
-
-
 def peak_activation_memory(
     stages: int,
-    microbatches: int,
+    chunks: int,
     batch_size: int,
     activation_bytes: float | Sequence[float],
     input_bytes: float | Sequence[float] = 0.0,
@@ -155,7 +106,7 @@ def peak_activation_memory(
 
     Args:
         stages (int): number of stages ``K``.
-        microbatches (int): number of micro-batches ``M`` (fewer if ``N < M``).
+        chunks (int): number of micro-batches ``M`` (fewer if ``N < M``).
         batch_size (int): mini-batch size ``N``.
         activation_bytes: ``a_k``, bytes per sample that stage k keeps for backward without
             re-materialization; a scalar or ``K`` values.
@@ -173,7 +124,7 @@ def peak_activation_memory(
             long, or an unknown ``checkpoint``.
     """
     _check_count("stages", stages)
-    sizes = microbatch_sizes(batch_size, microbatches)
+    sizes = microbatch_sizes(batch_size, chunks)
     a = _per_stage("activation_bytes", activation_bytes, stages)
     b = _per_stage("input_bytes", input_bytes, stages)
     recompute = recomputed(checkpoint, len(sizes))
@@ -194,7 +145,7 @@ def peak_activation_memory(
 
 def simulate(
     stages: int,
-    microbatches: int,
+    chunks: int,
     forward: float | Sequence[float],
     backward: float | Sequence[float],
     *,
@@ -211,7 +162,7 @@ def simulate(
 
     Args:
         stages (int): number of stages ``K``.
-        microbatches (int): number of micro-batches ``M`` (``min(M, N)`` are played when a
+        chunks (int): number of micro-batches ``M`` (``min(M, N)`` are played when a
             ``batch_size`` ``N`` is given).
         forward: seconds of one micro-batch's forward on each stage; a scalar or ``K``
             values.
@@ -237,7 +188,7 @@ def simulate(
         Simulation: step time, bubble share, busy time, peak activation bytes, timeline.
 
     Raises:
-        TypeError: ``stages``, ``microbatches`` or ``batch_size`` is not an ``int``.
+        TypeError: ``stages``, ``chunks`` or ``batch_size`` is not an ``int``.
         ValueError: a count below 1, a negative or non-finite time or size, a list of the
             wrong length, ``bandwidth <= 0``, or an unknown ``checkpoint``.
 
@@ -247,8 +198,8 @@ def simulate(
         (33.0, 0.2727)
     """
     _check_count("stages", stages)
-    _check_count("microbatches", microbatches)
-    m = microbatches if batch_size is None else len(microbatch_sizes(batch_size, microbatches))
+    _check_count("chunks", chunks)
+    m = chunks if batch_size is None else len(microbatch_sizes(batch_size, chunks))
     f = _per_stage("forward", forward, stages)
     bw = _per_stage("backward", backward, stages)
     size = _per_stage("boundary_bytes", boundary_bytes, stages - 1)
@@ -258,37 +209,38 @@ def simulate(
     recompute = recomputed(checkpoint, m)
     transfer = [s / bandwidth if s > 0 else 0.0 for s in size]
 
-    actions = gpipe_actions(stages, m)
+    columns = [schedule.stage_actions(schedule.fill_drain(stages, m), j) for j in range(stages)]
+    loss_known = schedule.split_phases(columns[-1])[0][-1]  # the last stage's forward phase is done
     events: list[list[Event]] = [[] for _ in range(stages)]
     free = [0.0] * stages  # when each stage finishes its current work
     # link_free[d][j]: when boundary j is free in direction d (0: forward j -> j+1, 1: back)
     link_free = [[0.0] * (stages - 1) for _ in range(2)]
-    arrived: dict[tuple[str, int, int], float] = {}  # (kind, i, j) -> input ready on stage j
-    for i in range(m):
-        arrived[("F", i, 0)] = 0.0
+    arrived: dict[tuple[Action, int], float] = {  # (action, stage j) -> its input is ready on stage j
+        (a, j): 0.0
+        for j, column in enumerate(columns)
+        for a in column
+        if not schedule.receives(a, j, stages) and not schedule.needs_loss(a, j, stages)
+    }
     next_action = [0] * stages
 
-    def send(kind: str, i: int, j: int, ready: float) -> None:
-        """Stage j finished ``kind`` of micro-batch i at ``ready``; deliver to the neighbour."""
-        if kind == "F" and j + 1 < stages:
-            start = max(ready, link_free[0][j])
-            link_free[0][j] = start + transfer[j]
-            arrived[("F", i, j + 1)] = start + transfer[j] + latency
-        elif kind == "F" and i == m - 1:  # last stage: all forwards done, the loss is known
-            for k in range(m):
-                arrived[("B", k, stages - 1)] = ready
-        elif kind == "B" and j > 0:
-            start = max(ready, link_free[1][j - 1])
-            link_free[1][j - 1] = start + transfer[j - 1]
-            arrived[("B", i, j - 1)] = start + transfer[j - 1] + latency
+    def send(action: Action, j: int, ready: float) -> None:
+        """Stage j finished ``action`` at ``ready``; deliver what it sends (:func:`.schedule.sends`)."""
+        for t in schedule.sends(action, j, stages):
+            d, link = (0, j) if t.peer > j else (1, t.peer)
+            start = max(ready, link_free[d][link])
+            link_free[d][link] = start + transfer[link]
+            arrived[(action, t.peer)] = start + transfer[link] + latency
+        if j == stages - 1 and action == loss_known:  # the loss is known: the drain can start
+            arrived.update({(a, j): ready for a in columns[j] if schedule.needs_loss(a, j, stages)})
 
-    remaining = sum(len(a) for a in actions)
+    remaining = sum(len(column) for column in columns)
     while remaining:
         progressed = False
         for j in range(stages):
-            while next_action[j] < len(actions[j]):
-                kind, i = actions[j][next_action[j]]
-                ready = arrived.get((kind, i, j))
+            while next_action[j] < len(columns[j]):
+                action = columns[j][next_action[j]]
+                kind, i = action.kind, action.i
+                ready = arrived.get((action, j))
                 if ready is None:
                     break  # waits for another stage
                 start = max(free[j], ready)
@@ -298,11 +250,11 @@ def simulate(
                 end = start + (f[j] if kind == "F" else bw[j])
                 events[j].append(Event(kind, i, start, end))
                 free[j] = end
-                send(kind, i, j, end)
+                send(action, j, end)
                 next_action[j] += 1
                 remaining -= 1
                 progressed = True
-        if not progressed:  # pragma: no cover - the GPipe order cannot deadlock
+        if not progressed:  # pragma: no cover - a valid schedule cannot deadlock
             raise RuntimeError(f"schedule deadlocked with {remaining} actions left")
 
     step_time = max(free)
@@ -310,9 +262,7 @@ def simulate(
     bubble = 1.0 - sum(busy) / (stages * step_time) if step_time > 0 else 0.0
     memory = None
     if batch_size is not None:
-        memory = peak_activation_memory(
-            stages, microbatches, batch_size, activation_bytes, input_bytes, checkpoint
-        )
+        memory = peak_activation_memory(stages, chunks, batch_size, activation_bytes, input_bytes, checkpoint)
     return Simulation(
         step_time=step_time,
         bubble=bubble,

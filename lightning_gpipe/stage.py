@@ -1,22 +1,28 @@
 """One pipeline stage: the module that replaces the user's ``nn.Sequential`` on each rank.
 
 :class:`PipelineStage` holds only this rank's layers, under their original names (so its
-``state_dict`` keys are the user's), and runs this stage's column of the fill-drain schedule
-(:mod:`lightning_gpipe.schedule`):
+``state_dict`` keys are the user's), and executes this stage's column of a schedule
+(:mod:`lightning_gpipe.schedule`, :func:`~lightning_gpipe.schedule.fill_drain` by default) in
+order, in two phases (:func:`~lightning_gpipe.schedule.split_phases`):
 
-- forward (inside the user's step): split or receive micro-batches, compute each one
-  (recomputable under ``torch.utils.checkpoint``), send it on. The last stage returns the whole
-  mini-batch's output, micro-batches concatenated, as leaves detached from the pipeline's graph
-  so that the user's loss backpropagates only to them; the other stages raise :class:`StageDone`
-  to leave the user's step.
-- backward (when Lightning calls ``backward``): in reverse micro-batch order, receive the output
-  gradient from the next stage (on the last stage: split the leaves' gradients), backpropagate,
-  send the input gradient to the previous stage.
+- forward phase (inside the user's step, when it calls the Sequential): the first stage splits
+  the mini-batch into micro-batches, the others learn M from the first message's header; then
+  each action runs. ``F i``: receive micro-batch ``i`` (and its skips), compute it (recomputable
+  under ``torch.utils.checkpoint``), send it on. The last stage returns the whole mini-batch's
+  output, micro-batches concatenated, as leaves detached from the pipeline's graph so that the
+  user's loss backpropagates only to them; the other stages raise :class:`StageDone` to leave
+  the user's step.
+- the loss message (after the user's step, :meth:`PipelineStage.share_loss`): the last stage
+  tells the others whether the step has a loss, so that Lightning calls ``backward`` on every
+  stage or on none.
+- backward phase (when Lightning calls ``backward``): ``B i``: receive the output's gradient
+  (on the last stage: split the leaves' gradients), backpropagate, send the input's gradient.
 
-- the loss message (after the user's step): the last stage tells the others whether the step
-  has a loss, so that Lightning calls ``backward`` on every stage or on none.
-
-Which micro-batches recompute their forward is :mod:`lightning_gpipe.recompute`'s rule.
+Every receive and send is one that :func:`~lightning_gpipe.schedule.receives` and
+:func:`~lightning_gpipe.schedule.sends` name for the action, and each phase announces to the
+transport the messages it will receive, counted from its actions
+(:func:`~lightning_gpipe.schedule.messages`). Which micro-batches recompute their forward is
+:mod:`lightning_gpipe.recompute`'s rule.
 """
 
 from __future__ import annotations
@@ -25,18 +31,21 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe import recompute
+from lightning_gpipe import recompute, schedule
 from lightning_gpipe._compat import children
 from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P, Meta
+from lightning_gpipe.failure import naming_errors
 from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import Batch, as_tensors, batch_size, from_tensors, join, split
 from lightning_gpipe.partition import cut, layer_stages
+from lightning_gpipe.schedule import Action, Grid
 from lightning_gpipe.skip import MicroBatchStore, routes, use_store
 
 
@@ -48,23 +57,27 @@ class StageDone(BaseException):  # noqa: N818 - a control-flow signal, not an er
     """
 
 
-class StageError(RuntimeError):
-    """A layer of a stage raised; the message names the stage, its layers and the input's shapes."""
-
-
 class PipelineUsageError(RuntimeError):
     """The pipelined module was used in a way the pipeline cannot run (e.g. called twice in a step)."""
 
 
 @dataclass
-class _Step:
-    """What one step's forward keeps for its backward."""
+class _Run:
+    """One step's execution state: the micro-batches and what the forward keeps for the backward."""
 
-    inputs: list[tuple[Tensor, ...]] = field(default_factory=list)
-    outputs: list[tuple[Tensor, ...]] = field(default_factory=list)
+    train: bool
+    chunks: int
+    micro_batches: list[tuple[Tensor, ...]] = field(default_factory=list)  # first stage: the split input
+    in_tuple: bool = False
+    first: tuple[Meta, list[Tensor]] | None = None  # other stages: micro-batch 0's message, taken early
+    out_tuple: bool = False
+    inputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
+    outputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
+    skips_in: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # received skips
+    skips_out: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # skips sent on
     leaves: tuple[Tensor, ...] = ()  # last stage: the detached, joined outputs given to the user
-    skips_in: list[dict[str, Tensor]] = field(default_factory=list)  # per micro-batch, received skips
-    skips_out: list[dict[str, Tensor]] = field(default_factory=list)  # per micro-batch, skips sent on
+    leaf_grads: list[tuple[Tensor, ...]] | None = None  # last stage: the leaves' gradients per micro-batch
+    backward: list[Action] = field(default_factory=list)  # the backward phase's actions
 
 
 class PipelineStage(nn.Sequential):
@@ -76,6 +89,8 @@ class PipelineStage(nn.Sequential):
         chunks: number of micro-batches M (≥ 1).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         p2p: the transport.
+        names: layer names of the user's whole Sequential (for indexing by its indices).
+        schedule: ``(stages, chunks) -> Grid`` (default: :func:`~lightning_gpipe.schedule.fill_drain`).
 
     Shapes: the first stage takes ``(N, *)`` (or a tuple of such) and splits it into
     ``min(M, N) × (≈N/M, *)``; the last stage returns ``(N, *)`` outputs.
@@ -89,6 +104,7 @@ class PipelineStage(nn.Sequential):
         checkpoint: str,
         p2p: P2P,
         names: Sequence[str] | None = None,
+        schedule: Callable[[int, int], Grid] = schedule.fill_drain,
     ) -> None:
         super().__init__(OrderedDict(layers))
         self.names = list(names) if names is not None else [n for n, _ in layers]  # of the whole Sequential
@@ -98,12 +114,12 @@ class PipelineStage(nn.Sequential):
         self.p2p = p2p
         self.expect_backward = False  # set by the strategy around training_step
         self.active = False  # set by the strategy around every step
+        self.schedule = schedule
         self.calls = 0
-        self._step: _Step | None = None
-        self.timeline: Any = None  # a lightning_gpipe.timeline.Timeline, or None
-        me = topology.stage
-        self._skips_in = [r for r in topology.skips if r.target == me and r.source != me]
-        self._skips_out = [r for r in topology.skips if r.source == me and r.target != me]
+        self._step: _Run | None = None
+        self.timeline: Any = (
+            None  # a lightning_gpipe.timeline.Timeline (anything with span(kind, i)), or None
+        )
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
 
     @property
@@ -135,7 +151,7 @@ class PipelineStage(nn.Sequential):
         """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on the timeline."""
         return self.timeline.span(kind, i) if self.timeline is not None else nullcontext()
 
-    # -- the forward fill -------------------------------------------------------------------
+    # -- the forward phase ------------------------------------------------------------------
 
     def begin_step(self, expect_backward: bool) -> None:
         """Called by the strategy before a user step; ``expect_backward`` for training steps."""
@@ -183,102 +199,109 @@ class PipelineStage(nn.Sequential):
         self.calls += 1
         top = self.topology
         train = self.expect_backward and torch.is_grad_enabled()
-        step = _Step() if train else None
-
+        taken: Counter[int] = Counter()
         if top.is_first:
             tensors, in_tuple = as_tensors(input, "input of the pipelined nn.Sequential")
             micro_batches = split(tensors, self.chunks)
-        count: int | None = len(micro_batches) if top.is_first else None
-        outputs: list[tuple[Tensor, ...]] = []
-        out_tuple = False
-        i = 0
-        while count is None or i < count:
-            if top.is_first:
-                x, x_tuple = micro_batches[i], in_tuple
-            else:
-                assert top.prev_rank is not None
-                with self._span("recv", i):
-                    meta, received = self.p2p.recv(top.prev_rank)
-                count = meta.count
-                if i == 0:  # the rest of this forward's messages arrive while the stage computes
-                    for src, n in self._forward_messages(count).items():
-                        self.p2p.expect(src, n)
-                x, x_tuple = _as_inputs(meta, received, train), meta.is_tuple
-            assert count is not None
-            store = MicroBatchStore()
-            for route in self._skips_in:
-                with self._span("recv", i):
-                    meta, (skip,) = self.p2p.recv(top.ranks[route.source])
-                store[route.name] = _as_inputs(meta, [skip], train)[0]
-                self.received_skips.append((route.name, route.source))
-            with self._span("forward", i), self._naming_errors("forward", i, x):
-                y = self._compute(i, count, from_tensors(x, x_tuple), train, store)
-            y_tensors, out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
-            if step is not None:
-                step.inputs.append(x)
-                step.outputs.append(y_tensors)
-                step.skips_in.append({r.name: store[r.name] for r in self._skips_in})
-                step.skips_out.append({r.name: store[r.name] for r in self._skips_out})
-            if top.is_last:
-                outputs.append(y_tensors)
-            else:  # the output first, then the skips: the order in which the next stage receives them
-                assert top.next_rank is not None
-                with self._span("send", i):
-                    self.p2p.send(y_tensors, top.next_rank, is_tuple=out_tuple, count=count)
-            for route in self._skips_out:
-                with self._span("send", i):
-                    self.p2p.send([store[route.name]], top.ranks[route.target], count=count)
-            i += 1
-
-        self._step = step
+            run = _Run(train, len(micro_batches), micro_batches, in_tuple)
+        else:  # M comes with the first message
+            with self._span("recv", 0):
+                first = self.p2p.recv(self._rank(top.stage - 1))
+            run = _Run(train, first[0].chunks, first=first)
+            taken[top.stage - 1] = 1
+        column = schedule.stage_actions(self.schedule(top.stages, run.chunks), top.stage)
+        forward, run.backward = schedule.split_phases(column)
+        self._announce(schedule.messages(forward, top.stage, top.stages, top.skips) - taken)
+        for action in forward:  # the rest of this phase's messages arrive while the stage computes
+            self._execute(action, run)
+        self._step = run if train else None
         if not top.is_last:
             self.p2p.flush()
             raise StageDone
+        outputs = [run.outputs[i] for i in range(run.chunks)]
         batch_size(
             outputs[0], f"output of the last pipeline stage ({top.stage})"
         )  # a scalar cannot be joined
         joined = join(outputs)
-        if step is not None:
-            joined = tuple(t.detach().requires_grad_(t.requires_grad) for t in joined)
-            step.leaves = joined
-        return from_tensors(joined, out_tuple)
+        if train:
+            joined = run.leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in joined)
+        return from_tensors(joined, run.out_tuple)
 
-    def _compute(self, i: int, count: int, x: Batch, train: bool, store: MicroBatchStore) -> Any:
-        if not (train and recompute.recomputes(self.checkpoint_mode, i, count)):
+    def _execute(self, action: Action, run: _Run) -> None:
+        """Run one action of this stage's column: ``F i`` or ``B i``."""
+        if action.kind == "F":
+            self._forward_one(action, run)
+        else:
+            self._backward_one(action, run)
+
+    def _forward_one(self, action: Action, run: _Run) -> None:
+        """``F i``: receive micro-batch ``i`` and its skips, compute it, send it and its skips on."""
+        top, i = self.topology, action.i
+        x, x_tuple = (run.micro_batches[i], run.in_tuple) if top.is_first else ((), False)
+        store = MicroBatchStore()
+        received = schedule.receives(action, top.stage, top.stages, top.skips)
+        for t in received:
+            meta, tensors = self._receive(t, i, run)
+            if t.skip is None:
+                x, x_tuple = _as_inputs(meta, tensors, run.train), meta.is_tuple
+            else:
+                store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
+                self.received_skips.append((t.skip, t.peer))
+        with self._span("forward", i), self._naming_errors("forward", i, x):
+            y = self._compute(i, run.chunks, from_tensors(x, x_tuple), run.train, store)
+        y_tensors, run.out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
+        sent = schedule.sends(action, top.stage, top.stages, top.skips)
+        if run.train:
+            run.inputs[i] = x
+            run.skips_in[i] = {t.skip: store[t.skip] for t in received if t.skip is not None}
+            run.skips_out[i] = {t.skip: store[t.skip] for t in sent if t.skip is not None}
+        if run.train or top.is_last:
+            run.outputs[i] = y_tensors
+        for t in sent:  # the output first, then the skips: the order in which they are received
+            payload = y_tensors if t.skip is None else (store[t.skip],)
+            with self._span("send", i):
+                self.p2p.send(
+                    payload,
+                    self._rank(t.peer),
+                    is_tuple=run.out_tuple or t.skip is not None,
+                    chunks=run.chunks,
+                )
+
+    def _receive(self, t: schedule.Transfer, i: int, run: _Run) -> tuple[Meta, list[Tensor]]:
+        if t.skip is None and run.first is not None:
+            first, run.first = run.first, None
+            return first
+        with self._span("recv", i):
+            return self.p2p.recv(self._rank(t.peer))
+
+    def _rank(self, stage: int) -> int:
+        """The global rank of stage ``stage`` of this pipeline."""
+        top = self.topology
+        neighbour = (
+            top.prev_rank if stage == top.stage - 1 else top.next_rank if stage == top.stage + 1 else None
+        )
+        return neighbour if neighbour is not None else top.ranks[stage]
+
+    def _announce(self, messages: Counter[int]) -> None:
+        """Tell the transport how many messages this phase still receives from each stage."""
+        for stage, n in messages.items():
+            self.p2p.expect(self._rank(stage), n)
+
+    def _compute(self, i: int, chunks: int, x: Batch, train: bool, store: MicroBatchStore) -> Any:
+        if not (train and recompute.recomputes(self.checkpoint_mode, i, chunks)):
             return self.local_forward(x, store)
         return recompute.run(self.local_forward, x, store, context=lambda: self._recompute_context(i))
 
-    @contextmanager
-    def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Iterator[None]:
-        """Re-raise an error of this stage's layers as a :class:`StageError` naming stage, layers and shapes."""
-        try:
-            yield
-        except (StageError, PipelineUsageError):
-            raise
-        except Exception as err:
-            top = self.topology
-            names = list(self._modules)
-            source = "the batch" if top.is_first else f"stage {top.stage - 1}"
-            shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in x)
-            expects = _expected_input(next(iter(self), None))
-            raise StageError(
-                f"stage {top.stage} (layers {names[0]}..{names[-1]}) failed in {phase} of micro-batch {i} "
-                f"on input from {source} of shape [{shapes}]{expects}: {type(err).__name__}: {err}"
-            ) from err
+    def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
+        """Errors of this stage's layers re-raised as a :class:`~lightning_gpipe.failure.StageError`."""
+        first = next(iter(self), None)
+        top = self.topology
+        return naming_errors(top.stage, self.layer_names, first, phase, i, x, keep=(PipelineUsageError,))
 
     @contextmanager
     def _recompute_context(self, i: int) -> Iterator[None]:
         with self._span("recompute", i), recompute.no_running_stats_update(self), no_accumulate():
             yield
-
-    def _forward_messages(self, count: int) -> Counter[int]:
-        """Messages still to come, per source rank, in a forward whose first input has arrived."""
-        top = self.topology
-        assert top.prev_rank is not None
-        per_micro_batch = Counter([top.prev_rank] + [top.ranks[r.source] for r in self._skips_in])
-        expected = Counter({src: n * count for src, n in per_micro_batch.items()})
-        expected[top.prev_rank] -= 1
-        return expected
 
     # -- the loss message -------------------------------------------------------------------
 
@@ -314,77 +337,62 @@ class PipelineStage(nn.Sequential):
             return None
         return torch.tensor(value, device=self.p2p.device, requires_grad=True)
 
-    # -- the backward drain -----------------------------------------------------------------
-
-    def _backward_messages(self, step: _Step) -> Counter[int]:
-        """Gradient messages a backward will receive, per source rank (the order :meth:`backward` takes them)."""
-        top = self.topology
-        expected: Counter[int] = Counter()
-        for i, y in enumerate(step.outputs):
-            if not top.is_last and any(t.requires_grad for t in y):
-                assert top.next_rank is not None
-                expected[top.next_rank] += 1
-            for route in self._skips_out:
-                if step.skips_out[i][route.name].requires_grad:
-                    expected[top.ranks[route.target]] += 1
-        return expected
+    # -- the backward phase -----------------------------------------------------------------
 
     def backward_skipped(self) -> None:
         """The step has no loss (the user's step returned ``None``): drop what the forward kept."""
         self._step = None
 
     def backward(self) -> None:
-        """Run this stage's backwards in reverse micro-batch order; a no-op if no forward needs one."""
-        step, self._step = self._step, None
-        if step is None:
+        """Run this stage's backward phase (in reverse micro-batch order under fill-drain); a no-op
+        if no forward needs one."""
+        run, self._step = self._step, None
+        if run is None:
             return
         top = self.topology
-        count = len(step.outputs)
-        if top.is_last:
-            sizes = [o[0].shape[0] for o in step.outputs]
-            grads = [
+        flows = partial(_flows, run)
+        self._announce(schedule.messages(run.backward, top.stage, top.stages, top.skips, flows))
+        for action in run.backward:
+            self._execute(action, run)
+        self.p2p.flush()
+
+    def _backward_one(self, action: Action, run: _Run) -> None:
+        """``B i``: receive the gradients of micro-batch ``i``'s outputs, backpropagate, send its inputs' gradients."""
+        top, i = self.topology, action.i
+        y_grad = [t for t in run.outputs[i] if t.requires_grad]
+        dy = [g[i] for g in self._leaf_grads(run)] if top.is_last else []
+        for t in schedule.receives(action, top.stage, top.stages, top.skips):
+            if not _flows(run, action, t):
+                continue
+            with self._span("recv", i):
+                _, grads = self.p2p.recv(self._rank(t.peer))
+            if t.skip is None:
+                dy = grads
+            else:  # the gradient of a skip this stage sent on comes straight back
+                y_grad, dy = [*y_grad, run.skips_out[i][t.skip]], [*dy, *grads]
+        if y_grad:
+            with self._span("backward", i), self._naming_errors("backward", i, run.inputs[i]):
+                torch.autograd.backward(y_grad, dy)
+        for t in schedule.sends(action, top.stage, top.stages, top.skips):
+            sources = run.inputs[i] if t.skip is None else (run.skips_in[i][t.skip],)
+            x_grad = [x for x in sources if x.requires_grad]
+            if x_grad:
+                dx = [x.grad if x.grad is not None else torch.zeros_like(x) for x in x_grad]
+                with self._span("send", i):
+                    self.p2p.send(dx, self._rank(t.peer), chunks=run.chunks)
+        run.inputs[i] = run.outputs[i] = ()  # free this micro-batch
+        run.skips_in[i] = run.skips_out[i] = {}
+
+    def _leaf_grads(self, run: _Run) -> list[tuple[Tensor, ...]]:
+        """Last stage: the gradients the user's loss left on the leaves, split per micro-batch."""
+        if run.leaf_grads is None:
+            sizes = [run.outputs[i][0].shape[0] for i in range(run.chunks)]
+            run.leaf_grads = [
                 (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).split(sizes)
-                for leaf in step.leaves
+                for leaf in run.leaves
                 if leaf.requires_grad
             ]
-        for src, n in self._backward_messages(step).items():
-            self.p2p.expect(src, n)
-        for i in reversed(range(count)):
-            y = step.outputs[i]
-            y_grad = [t for t in y if t.requires_grad]
-            skips_out = [(r, step.skips_out[i][r.name]) for r in self._skips_out]
-            if top.is_last:
-                dy = [g[i] for g in grads]
-            elif y_grad:
-                assert top.next_rank is not None
-                with self._span("recv", i):
-                    _, dy = self.p2p.recv(top.next_rank)
-            else:
-                dy = []
-            for route, skip in skips_out:  # gradients of skips this stage sent on come straight back
-                if skip.requires_grad:
-                    with self._span("recv", i):
-                        _, (skip_grad,) = self.p2p.recv(top.ranks[route.target])
-                    y_grad, dy = [*y_grad, skip], [*dy, skip_grad]
-            if y_grad:
-                with self._span("backward", i), self._naming_errors("backward", i, step.inputs[i]):
-                    torch.autograd.backward(y_grad, dy)
-            if not top.is_first:
-                x_grad = [t for t in step.inputs[i] if t.requires_grad]
-                if x_grad:
-                    assert top.prev_rank is not None
-                    dx = [t.grad if t.grad is not None else torch.zeros_like(t) for t in x_grad]
-                    with self._span("send", i):
-                        self.p2p.send(dx, top.prev_rank, count=count)
-            for route in self._skips_in:
-                skip = step.skips_in[i][route.name]
-                if skip.requires_grad:
-                    grad = skip.grad if skip.grad is not None else torch.zeros_like(skip)
-                    with self._span("send", i):
-                        self.p2p.send([grad], top.ranks[route.source], count=count)
-            step.inputs[i] = step.outputs[i] = ()  # free this micro-batch
-            step.skips_in[i] = step.skips_out[i] = {}
-        self.p2p.flush()
+        return run.leaf_grads
 
 
 def build_stage(
@@ -402,22 +410,19 @@ def build_stage(
     return PipelineStage(layers, topology, chunks, checkpoint, P2P(device), list(children(seq)))
 
 
+def _flows(run: _Run, action: Action, t: schedule.Transfer) -> bool:
+    """Whether ``t``, received by ``action``, carries a message in this run: a backward receives a
+    gradient only for tensors it sent that require one."""
+    if action.kind == "F":
+        return True
+    if t.skip is None:
+        return any(y.requires_grad for y in run.outputs[action.i])
+    return run.skips_out[action.i][t.skip].requires_grad
+
+
 def _as_inputs(meta: Meta, received: list[Tensor], train: bool) -> tuple[Tensor, ...]:
     """Received activations: floating tensors the sender tracks gradients for get ``requires_grad``."""
     return tuple(
         t.requires_grad_(train and rg and t.is_floating_point())
         for t, (_, _, rg) in zip(received, meta.specs)
     )
-
-
-def _expected_input(layer: nn.Module | None) -> str:
-    """What the stage's first layer expects, when the layer says (Linear, Conv, Embedding, norms)."""
-    for attr, what in (
-        ("in_features", "(*, {})"),
-        ("in_channels", "(N, {}, ...)"),
-        ("num_features", "(N, {}, ...)"),
-    ):
-        value = getattr(layer, attr, None)
-        if isinstance(value, int):
-            return f"; its first layer ({type(layer).__name__}) expects {what.format(value)}"
-    return ""

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 class GPipeStrategy(ParallelStrategy):
     """GPipe pipeline parallelism (Huang et al. 2019, arXiv 1811.06965) as a Lightning strategy.
 
-    The LightningModule's ``nn.Sequential`` is cut into P consecutive stages, one per process;
+    The LightningModule's ``nn.Sequential`` is cut into K consecutive stages, one per process;
     each mini-batch ``(N, *)`` is split into ``chunks × (≈N/chunks, *)`` micro-batches that
     stream through the stages (fill-drain); gradients accumulate over the micro-batches and one
     synchronous optimizer step follows. The result equals training the unpartitioned module on
@@ -68,8 +68,8 @@ class GPipeStrategy(ParallelStrategy):
             last micro-batch's backward comes first, so it keeps its activations) or ``"never"``.
         module_name: attribute path of the ``nn.Sequential`` to pipeline (e.g. ``"layers"``);
             ``None`` finds the only ``nn.Sequential`` holding every parameter.
-        pipeline_parallel_size: stages per pipeline P; the world (``devices × num_nodes``) holds
-            ``W / P`` data-parallel replicas. ``None``: P = W.
+        pipeline_parallel_size: stages per pipeline K; the world (``devices × num_nodes``) holds
+            ``W / K`` data-parallel replicas. ``None``: K = W.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
             as for any Lightning ``ParallelStrategy``; the Trainer fills them in.
         process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
@@ -158,7 +158,7 @@ class GPipeStrategy(ParallelStrategy):
 
     @property
     def layout(self) -> Layout:
-        """The rank layout: P stages × D replicas, last stage on each pipeline's lowest rank."""
+        """The rank layout: K stages × D replicas, last stage on each pipeline's lowest rank."""
         world = max(self.num_nodes * self.num_processes, 1)
         return Layout(world, self.pipeline_parallel_size or world)
 
@@ -360,10 +360,8 @@ class GPipeStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._pipe.backward()
-        if self._tied_groups is not None and not self._accumulating():
-            tied.sum_tied_gradients(
-                self._tied_groups
-            )  # before clipping and the step; once per optimizer step
+        if self._tied_groups is not None and not self._accumulating():  # once per optimizer step
+            tied.sum_tied_gradients(self._tied_groups)  # before clipping and the step
         if self.layout.replicas > 1 and not self._accumulating():
             assert self._groups is not None
             allreduce_gradients(self._pipe.parameters(), self._groups.data, self.layout.replicas)

@@ -108,12 +108,12 @@ def test_solve_rejects_fewer_than_one_partition(partitions):
         solve([1.0, 2.0], partitions)
 
 
-def test_more_partitions_than_layers_names_both_numbers_and_the_fix():
+def test_more_stages_than_layers_names_both_numbers_and_the_fix():
     with pytest.raises(ValueError) as info:
         solve([1.0, 2.0, 3.0], 5)
     message = str(info.value)
-    assert "partitions: 5" in message and "layers: 3" in message
-    assert "at most 3 partitions" in message
+    assert "stages: 5" in message and "layers: 3" in message
+    assert "at most 3 stages" in message
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf])
@@ -131,7 +131,7 @@ def test_uniform_balance_puts_larger_stages_first():
     assert uniform_balance(10, 4) == [3, 3, 2, 2]
     assert uniform_balance(8, 4) == [2, 2, 2, 2]
     assert uniform_balance(3, 3) == [1, 1, 1]
-    with pytest.raises(ValueError, match="partitions: 4, layers: 3"):
+    with pytest.raises(ValueError, match="stages: 4, layers: 3"):
         uniform_balance(3, 4)
     with pytest.raises(ValueError, match="at least 1"):
         uniform_balance(3, 0)
@@ -290,7 +290,16 @@ def test_profile_rejects_bad_arguments():
         profile_layers(nn.Linear(2, 2), torch.randn(1, 2))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="timeout"):
         profile_layers(model, torch.randn(1, 2), timeout=-1.0)
-    with pytest.raises(ValueError, match="partitions: 2, layers: 1"):
+    with pytest.raises(ValueError, match="stages: 2, layers: 1"):
         balance_by_time(model, torch.randn(1, 2), 2)
     with pytest.raises(ValueError, match="optimizer_factor"):
         balance_by_memory(model, torch.randn(1, 2), 1, optimizer_factor=-1.0)
+
+
+def test_parameters_balance_isolates_the_big_layer():
+    from lightning_gpipe.balance import balance_by_parameters
+
+    seq = nn.Sequential(
+        nn.Linear(4, 4), nn.Linear(4, 400), nn.Linear(400, 400), nn.Linear(400, 4), nn.Linear(4, 4)
+    )
+    assert balance_by_parameters(seq, 3) == [2, 1, 2]

@@ -148,12 +148,3 @@ def test_a_buffer_shared_across_stages_is_refused_before_spawn():
     message = _fit_before_spawn(Tied(), balance=[2, 3])
     assert "the buffer '0.running_mean' is shared by layers on stages [0, 1]" in message
     assert "keep the layers sharing it on one stage" in message
-
-
-def test_cut_keeps_a_module_repeated_in_the_sequential():
-    from lightning_gpipe.partition import cut
-
-    act = nn.Tanh()
-    seq = nn.Sequential(nn.Linear(2, 2), act, nn.Linear(2, 2), act, nn.Linear(2, 1))
-    assert [name for name, _ in cut(seq, [2, 3], 1)] == ["2", "3", "4"]
-    assert cut(seq, [2, 3], 1)[1][1] is act

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_gpipe.microbatch import MicroBatchError, as_tensors, join, split
+from lightning_gpipe.microbatch import MicroBatchError, as_tensors, join, sizes, split
 
 
 @pytest.mark.parametrize(
@@ -37,3 +37,17 @@ def test_bad_batches_raise_clear_errors():
         split((torch.zeros(0, 3),), 2)
     with pytest.raises(ValueError, match="chunks must be >= 1"):
         split((torch.zeros(4),), 0)
+
+
+@pytest.mark.parametrize(("n", "chunks"), [(10, 4), (2, 4), (8, 8), (7, 3), (1, 1), (9, 2)])
+def test_split_sizes_follow_the_one_rule(n, chunks):
+    parts = split([torch.zeros(n, 2)], chunks)
+    assert [p[0].shape[0] for p in parts] == sizes(n, chunks)
+    assert sizes(10, 4) == [3, 3, 2, 2] and sizes(2, 4) == [1, 1]
+
+
+def test_sizes_reject_bad_counts():
+    with pytest.raises(TypeError, match="chunks must be an int"):
+        sizes(4, 2.0)
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        sizes(0, 2)

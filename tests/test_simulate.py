@@ -8,14 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_gpipe.simulate import (
-    Event,
-    gpipe_actions,
-    ideal_bubble,
-    microbatch_sizes,
-    peak_activation_memory,
-    simulate,
-)
+from lightning_gpipe.microbatch import sizes as microbatch_sizes
+from lightning_gpipe.schedule import ideal_bubble
+from lightning_gpipe.simulate import Event, peak_activation_memory, simulate
 
 
 def test_equal_stages_give_the_ideal_bubble_and_step_time():
@@ -27,10 +22,10 @@ def test_equal_stages_give_the_ideal_bubble_and_step_time():
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3, 5])
-@pytest.mark.parametrize("microbatches", [1, 2, 4, 7])
-def test_simulated_bubble_equals_ideal_bubble_for_equal_stages(stages, microbatches):
-    sim = simulate(stages, microbatches, forward=0.5, backward=1.0, checkpoint="never")
-    assert sim.bubble == pytest.approx(ideal_bubble(stages, microbatches))
+@pytest.mark.parametrize("chunks", [1, 2, 4, 7])
+def test_simulated_bubble_equals_ideal_bubble_for_equal_stages(stages, chunks):
+    sim = simulate(stages, chunks, forward=0.5, backward=1.0, checkpoint="never")
+    assert sim.bubble == pytest.approx(ideal_bubble(stages, chunks))
 
 
 def test_one_stage_has_no_bubble():
@@ -129,7 +124,7 @@ def test_memory_with_recompute_holds_boundary_inputs_plus_one_microbatch():
     assert peak_activation_memory(1, 4, 16, 100.0, 10.0, "except_last") == [12 * 10 + 4 * 100]
 
 
-def test_memory_estimate_through_simulate_and_with_fewer_samples_than_microbatches():
+def test_memory_estimate_through_simulate_and_with_fewer_samples_than_chunks():
     sim = simulate(
         2, 4, 1.0, 1.0, checkpoint="always", batch_size=16, activation_bytes=100.0, input_bytes=10.0
     )
@@ -145,10 +140,6 @@ def test_memory_estimate_through_simulate_and_with_fewer_samples_than_microbatch
     assert few.step_time == 2 * (1.0 + 1.0 + 1.0)
 
 
-def test_schedule_actions_are_fill_then_drain_in_reverse():
-    assert gpipe_actions(2, 3) == [[("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]] * 2
-
-
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -160,12 +151,12 @@ def test_schedule_actions_are_fill_then_drain_in_reverse():
         ({"latency": -0.1}, ValueError, "latency"),
         ({"boundary_bytes": [1.0, 2.0]}, ValueError, "boundary_bytes needs 1 values"),
         ({"stages": 0}, ValueError, "stages"),
-        ({"microbatches": 2.0}, TypeError, "microbatches"),
+        ({"chunks": 2.0}, TypeError, "chunks"),
         ({"batch_size": 0}, ValueError, "batch_size"),
     ],
 )
 def test_bad_arguments_are_rejected(kwargs, error, match):
-    arguments = {"stages": 2, "microbatches": 2, "forward": 1.0, "backward": 1.0} | kwargs
+    arguments = {"stages": 2, "chunks": 2, "forward": 1.0, "backward": 1.0} | kwargs
     with pytest.raises(error, match=match):
         simulate(**arguments)
 
@@ -177,14 +168,14 @@ def test_bad_arguments_are_rejected(kwargs, error, match):
         min_size=1,
         max_size=5,
     ),
-    microbatches=st.integers(1, 8),
+    chunks=st.integers(1, 8),
     checkpoint=st.sampled_from(["always", "except_last", "never"]),
 )
-def test_step_time_respects_the_critical_path_and_the_slowest_stage(times, microbatches, checkpoint):
+def test_step_time_respects_the_critical_path_and_the_slowest_stage(times, chunks, checkpoint):
     forward = [f for f, _ in times]
     backward = [b for _, b in times]
-    sim = simulate(len(times), microbatches, forward, backward, checkpoint=checkpoint)
-    slowest = max(microbatches * (f + b) for f, b in times)
+    sim = simulate(len(times), chunks, forward, backward, checkpoint=checkpoint)
+    slowest = max(chunks * (f + b) for f, b in times)
     one_microbatch = sum(f + b for f, b in times)
     assert sim.step_time >= slowest * (1 - 1e-12)
     assert sim.step_time >= one_microbatch * (1 - 1e-12)

@@ -35,6 +35,7 @@ from lightning_gpipe.balance.profile import (
     profile_sizes,
     profile_times,
 )
+from lightning_gpipe.microbatch import sizes
 
 __all__ = [
     "LayerProfile",
@@ -51,34 +52,34 @@ __all__ = [
 ]
 
 
-def _check_layers(module: nn.Module, partitions: int) -> None:
-    """Raises before any profiling if ``module`` or ``partitions`` cannot work."""
+def _check_layers(module: nn.Module, stages: int) -> None:
+    """Raises before any profiling if ``module`` or ``stages`` cannot work."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(f"module must be an nn.Sequential (got {type(module).__name__})")
-    blockpartition.validate_costs([0.0] * len(module), partitions)
+    blockpartition.validate_costs([0.0] * len(module), stages)
 
 
-def balance_cost(costs: Sequence[float], partitions: int) -> list[int]:
+def balance_cost(costs: Sequence[float], stages: int) -> list[int]:
     """Balance minimising the largest stage cost for given per-layer costs.
 
     Args:
         costs (Sequence[float]): non-negative cost of each layer in model order, shape
             ``(L,)``, in any additive unit (seconds, bytes, parameter counts).
-        partitions (int): number of stages ``K``, ``1 <= K <= L``.
+        stages (int): number of stages ``K``, ``1 <= K <= L``.
 
     Returns:
         list[int]: layers per stage, ``K`` entries, each ``>= 1``, summing to ``L``. Ties
         are broken as documented in ``blockpartition``.
 
     Raises:
-        TypeError: ``partitions`` is not an ``int``.
-        ValueError: ``partitions < 1``, more partitions than layers, or a negative, NaN or
+        TypeError: ``stages`` is not an ``int``.
+        ValueError: ``stages < 1``, more stages than layers, or a negative, NaN or
             infinite cost.
     """
-    return blockpartition.solve(costs, partitions)
+    return blockpartition.solve(costs, stages)
 
 
-def uniform_balance(num_layers: int, partitions: int) -> list[int]:
+def uniform_balance(num_layers: int, stages: int) -> list[int]:
     """Balance that is as even as possible by layer count, ignoring costs.
 
     Stages differ by at most one layer; the larger stages come **first**
@@ -87,23 +88,22 @@ def uniform_balance(num_layers: int, partitions: int) -> list[int]:
 
     Args:
         num_layers (int): number of layers ``L``.
-        partitions (int): number of stages ``K``, ``1 <= K <= L``.
+        stages (int): number of stages ``K``, ``1 <= K <= L``.
 
     Returns:
         list[int]: layers per stage.
 
     Raises:
-        TypeError: ``num_layers`` or ``partitions`` is not an ``int``.
-        ValueError: ``partitions < 1`` or more partitions than layers.
+        TypeError: ``num_layers`` or ``stages`` is not an ``int``.
+        ValueError: ``stages < 1`` or more stages than layers.
     """
     if isinstance(num_layers, bool) or not isinstance(num_layers, int):
         raise TypeError(f"num_layers must be an int (got {type(num_layers).__name__}: {num_layers!r})")
-    blockpartition.validate_costs([0.0] * max(num_layers, 0), partitions)
-    base, extra = divmod(num_layers, partitions)
-    return [base + 1 if j < extra else base for j in range(partitions)]
+    blockpartition.validate_costs([0.0] * max(num_layers, 0), stages)
+    return sizes(num_layers, stages)  # the near-equal split, larger first (stages <= num_layers here)
 
 
-def balance_by_parameters(module: nn.Sequential, partitions: int) -> list[int]:
+def balance_by_parameters(module: nn.Sequential, stages: int) -> list[int]:
     """Balance minimising the largest number of parameter elements per stage.
 
     No data needed; a good proxy for memory when parameters and optimizer state dominate.
@@ -111,23 +111,23 @@ def balance_by_parameters(module: nn.Sequential, partitions: int) -> list[int]:
 
     Args:
         module (nn.Sequential): the model, ``L`` layers.
-        partitions (int): number of stages ``K``, ``1 <= K <= L``.
+        stages (int): number of stages ``K``, ``1 <= K <= L``.
 
     Returns:
         list[int]: layers per stage.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Sequential``, or ``partitions`` is not an int.
-        ValueError: ``partitions < 1`` or more partitions than layers.
+        TypeError: ``module`` is not an ``nn.Sequential``, or ``stages`` is not an int.
+        ValueError: ``stages < 1`` or more stages than layers.
     """
-    _check_layers(module, partitions)
-    return blockpartition.solve(layer_parameters(module), partitions)
+    _check_layers(module, stages)
+    return blockpartition.solve(layer_parameters(module), stages)
 
 
 def balance_by_time(
     module: nn.Sequential,
     sample: Sample,
-    partitions: int,
+    stages: int,
     *,
     timeout: float = 1.0,
     device: torch.device | str | None = None,
@@ -142,7 +142,7 @@ def balance_by_time(
         module (nn.Sequential): the model, ``L`` layers; restored after profiling.
         sample: a micro-batch as a stage will see it: a tensor ``(N/M, *)`` or a tuple of
             tensors, batch along dim 0.
-        partitions (int): number of stages ``K``, ``1 <= K <= L``.
+        stages (int): number of stages ``K``, ``1 <= K <= L``.
         timeout (float): seconds of measured passes (default: 1.0).
         device: where to profile (default: the sample's device).
 
@@ -150,19 +150,19 @@ def balance_by_time(
         list[int]: layers per stage.
 
     Raises:
-        TypeError: bad ``module``/``sample``/``partitions`` types.
-        ValueError: ``partitions < 1``, more partitions than layers, ``timeout < 0``.
+        TypeError: bad ``module``/``sample``/``stages`` types.
+        ValueError: ``stages < 1``, more stages than layers, ``timeout < 0``.
         LayerProfilingError: a layer raised; the message names it, the cause is chained.
     """
-    _check_layers(module, partitions)
+    _check_layers(module, stages)
     costs = profile_times(module, sample, timeout=timeout, device=device)
-    return blockpartition.solve(costs, partitions)
+    return blockpartition.solve(costs, stages)
 
 
 def balance_by_memory(
     module: nn.Sequential,
     sample: Sample,
-    partitions: int,
+    stages: int,
     *,
     optimizer_factor: float = 3.0,
     device: torch.device | str | None = None,
@@ -178,7 +178,7 @@ def balance_by_memory(
         sample: a tensor ``(n, *)`` or tuple of tensors, batch along dim 0. Activations
             scale with ``n``: use the whole mini-batch (``N``) without re-materialization,
             about one micro-batch (``N/M``) with ``checkpoint="always"``.
-        partitions (int): number of stages ``K``, ``1 <= K <= L``.
+        stages (int): number of stages ``K``, ``1 <= K <= L``.
         optimizer_factor (float): gradient + optimizer-state bytes per parameter byte: 1 for
             SGD, 2 for SGD with momentum, 3 for Adam/AdamW (default: 3.0).
         device: where to profile (default: the sample's device).
@@ -187,14 +187,14 @@ def balance_by_memory(
         list[int]: layers per stage.
 
     Raises:
-        TypeError: bad ``module``/``sample``/``partitions`` types.
-        ValueError: ``partitions < 1``, more partitions than layers, negative
+        TypeError: bad ``module``/``sample``/``stages`` types.
+        ValueError: ``stages < 1``, more stages than layers, negative
             ``optimizer_factor``.
         LayerProfilingError: a layer raised; the message names it, the cause is chained.
     """
-    _check_layers(module, partitions)
+    _check_layers(module, stages)
     costs = profile_sizes(module, sample, optimizer_factor=optimizer_factor, device=device)
-    return blockpartition.solve(costs, partitions)
+    return blockpartition.solve(costs, stages)
 
 
 balance_by_size = balance_by_memory

@@ -1,19 +1,19 @@
 """Exact min-max partition of a sequence of layer costs into contiguous stages.
 
 The problem: cut ``costs`` (one non-negative number per layer, in model order) into
-``partitions`` contiguous, non-empty blocks so that the largest block sum (the slowest or
+``stages`` contiguous, non-empty blocks so that the largest block sum (the slowest or
 largest pipeline stage) is as small as possible. torchgpipe solves it with the
 block-partition algorithm of Bárány & Grinberg; here it is solved by dynamic programming
 over suffixes, which is exact, short, and fast enough for the layer counts of real
 pipelines (hundreds of layers).
 
-Ties are broken deterministically. Among all partitions, ``solve`` returns the one with the
+Ties are broken deterministically. Among all partitionings, ``solve`` returns the one with the
 smallest key
 
 1. the stage costs sorted in descending order, compared lexicographically — so the largest
    stage is minimal first, then the second largest, and so on;
 2. then the stage sizes (layer counts) sorted in descending order — the most even layer
-   counts among equally costly partitions (this matters for zero-cost layers such as
+   counts among equally costly partitionings (this matters for zero-cost layers such as
    activations);
 3. then the balance list itself, the lexicographically largest — larger stages first, so
    that equal costs give the same balance as ``uniform_balance``.
@@ -35,30 +35,30 @@ __all__ = ["solve", "stage_costs", "validate_costs"]
 _Key = tuple[tuple[float, ...], tuple[int, ...], tuple[int, ...]]
 
 
-def validate_costs(costs: Sequence[float], partitions: int) -> list[float]:
-    """Checks ``costs`` and ``partitions`` and returns the costs as a list of floats.
+def validate_costs(costs: Sequence[float], stages: int) -> list[float]:
+    """Checks ``costs`` and ``stages`` and returns the costs as a list of floats.
 
     Args:
         costs (Sequence[float]): cost of each layer, in model order.
-        partitions (int): number of stages.
+        stages (int): number of stages.
 
     Returns:
         list[float]: the costs, converted to ``float``.
 
     Raises:
-        TypeError: ``partitions`` is not an ``int``.
-        ValueError: ``partitions < 1``, more partitions than layers, or a cost that is
+        TypeError: ``stages`` is not an ``int``.
+        ValueError: ``stages < 1``, more stages than layers, or a cost that is
             negative, NaN or infinite.
     """
-    if isinstance(partitions, bool) or not isinstance(partitions, int):
-        raise TypeError(f"partitions must be an int (got {type(partitions).__name__}: {partitions!r})")
-    if partitions < 1:
-        raise ValueError(f"partitions must be at least 1 (got {partitions})")
+    if isinstance(stages, bool) or not isinstance(stages, int):
+        raise TypeError(f"stages must be an int (got {type(stages).__name__}: {stages!r})")
+    if stages < 1:
+        raise ValueError(f"stages must be at least 1 (got {stages})")
     values = [float(c) for c in costs]
-    if partitions > len(values):
+    if stages > len(values):
         raise ValueError(
-            f"more partitions than layers (partitions: {partitions}, layers: {len(values)}); "
-            f"every stage needs at least one layer: use at most {len(values)} partitions "
+            f"more stages than layers (stages: {stages}, layers: {len(values)}); "
+            f"every stage needs at least one layer: use at most {len(values)} stages "
             f"or split the model into more layers"
         )
     for index, value in enumerate(values):
@@ -85,34 +85,34 @@ def _insert_descending(values: tuple, value: float | int) -> tuple:
     return values[:index] + (value,) + values[index:]
 
 
-def solve(costs: Sequence[float], partitions: int) -> list[int]:
-    """Splits ``costs`` into ``partitions`` contiguous blocks minimising the largest block sum.
+def solve(costs: Sequence[float], stages: int) -> list[int]:
+    """Splits ``costs`` into ``stages`` contiguous blocks minimising the largest block sum.
 
     Exact dynamic programming over suffixes: ``best[j][a]`` is the best key (see the module
     docstring) for cutting layers ``a..L-1`` into ``j`` stages. Time ``O(K·L²)`` in the worst
-    case for ``L`` layers and ``K`` partitions; a candidate first stage stops growing as soon
+    case for ``L`` layers and ``K`` stages; a candidate first stage stops growing as soon
     as its cost exceeds the best largest stage found so far, so typical inputs run much
     faster.
 
     Args:
         costs (Sequence[float]): cost of each layer (seconds, bytes, parameter counts: any
             additive, non-negative unit), in model order. Shape: ``(L,)``.
-        partitions (int): number of stages ``K``, ``1 <= K <= L``.
+        stages (int): number of stages ``K``, ``1 <= K <= L``.
 
     Returns:
         list[int]: the balance, layers per stage: ``K`` integers, each ``>= 1``, summing to
         ``L``.
 
     Raises:
-        TypeError: ``partitions`` is not an ``int``.
-        ValueError: ``partitions < 1``, ``partitions > len(costs)``, or a negative, NaN or
+        TypeError: ``stages`` is not an ``int``.
+        ValueError: ``stages < 1``, ``stages > len(costs)``, or a negative, NaN or
             infinite cost.
 
     Example:
         >>> solve([1, 1, 10, 1, 1], 3)
         [2, 1, 2]
     """
-    values = validate_costs(costs, partitions)
+    values = validate_costs(costs, stages)
     n = len(values)
 
     # best[a]: best key for layers a..n-1 split into the current number of stages j.
@@ -122,7 +122,7 @@ def solve(costs: Sequence[float], partitions: int) -> list[int]:
         total = sum(values[a:])
         best[a] = ((total,), (n - a,), (a - n,))
 
-    for j in range(2, partitions + 1):
+    for j in range(2, stages + 1):
         new: list[_Key | None] = [None] * (n + 1)
         # a suffix starting at a needs at least j layers
         for a in range(n - j + 1):

@@ -36,11 +36,11 @@ messages = [
 if mode == "order":
     if rank == 0:
         for k, m in enumerate(messages[:6]):
-            p2p.send(m, 1, count=k)
+            p2p.send(m, 1, chunks=k)
         p2p.flush()
         dist.barrier()
         for k, m in enumerate(messages[6:], start=6):
-            p2p.send(m, 1, count=k)
+            p2p.send(m, 1, chunks=k)
         p2p.flush()
         torch.save(messages, out / "sent.pt")
     else:
@@ -48,7 +48,7 @@ if mode == "order":
         got = [p2p.recv(0) for _ in range(6)]
         dist.barrier()
         got += [p2p.recv(0) for _ in range(2)]
-        torch.save([(meta.count, tensors) for meta, tensors in got], out / "received.pt")
+        torch.save([(meta.chunks, tensors) for meta, tensors in got], out / "received.pt")
 elif mode == "peer_exits":
     if rank == 0:
         p2p.send(messages[0], 1)

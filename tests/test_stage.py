@@ -1,0 +1,237 @@
+"""The stage executor: indexing by the whole Sequential's indices, and the schedule it runs.
+
+The executor tests run K stages in one process over a fake transport (no torch.distributed):
+every stage's forward phase in stage order, the loss, every stage's backward phase in reverse
+stage order. Sends never block, so this order completes any fill-drain step.
+"""
+
+import json
+from collections import Counter, OrderedDict, defaultdict, deque
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe import StageError
+from lightning_gpipe.balance import uniform_balance
+from lightning_gpipe.comm import P2P, decode_header, encode_header
+from lightning_gpipe.layout import Layout, StageTopology
+from lightning_gpipe.schedule import fill_drain, format_grid, messages, stage_actions
+from lightning_gpipe.skip import Pop, Stash
+from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageDone, build_stage
+from tests._harness import check, run_ranks
+
+
+def test_indexing_a_stage_uses_the_whole_sequentials_indices():
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 3), nn.ReLU())
+    stage = PipelineStage(
+        list(seq.named_children())[2:],
+        StageTopology(1, 2, 0, None),
+        1,
+        "never",
+        P2P(torch.device("cpu")),
+        list(seq._modules),
+    )
+    assert stage[2] is seq[2] and stage[-1] is seq[3]
+    with pytest.raises(
+        PipelineUsageError, match="layer 0 of the pipelined nn.Sequential lives on another stage"
+    ):
+        stage[0]
+    with pytest.raises(PipelineUsageError, match="slicing"):
+        stage[1:]
+
+
+def test_indexing_a_stage_of_a_sequential_with_named_layers():
+    seq = nn.Sequential(OrderedDict([("inp", nn.Linear(4, 8)), ("act", nn.Tanh()), ("out", nn.Linear(8, 1))]))
+    stage = PipelineStage(
+        list(seq.named_children())[1:],
+        StageTopology(1, 2, 0, None),
+        1,
+        "never",
+        P2P(torch.device("cpu")),
+        list(seq._modules),
+    )
+    assert stage[-1] is seq.out and stage[1] is seq.act
+
+
+# -- the executor over a fake transport ----------------------------------------------------------
+
+
+class FakeNetwork:
+    """Queues between ranks; messages are encoded and decoded with the real header codec."""
+
+    def __init__(self) -> None:
+        self.queues: defaultdict[tuple[int, int], deque] = defaultdict(deque)
+
+
+class FakeP2P:
+    """The :class:`~lightning_gpipe.comm.P2P` interface over a :class:`FakeNetwork`, checking announcements.
+
+    Like the real transport, announcing from a rank whose earlier announcement is not all taken
+    is an error. ``announced`` and ``received`` count messages per source rank.
+    """
+
+    def __init__(self, network: FakeNetwork, rank: int) -> None:
+        self.network, self.rank, self.device = network, rank, torch.device("cpu")
+        self.left: Counter[int] = Counter()  # announced messages not yet taken, per source
+        self.announced: Counter[int] = Counter()
+        self.received: Counter[int] = Counter()
+
+    def send(self, tensors, dst, *, is_tuple=True, chunks=0):
+        meta = decode_header(encode_header(tensors, is_tuple, chunks, self.device))
+        self.network.queues[(self.rank, dst)].append((meta, [t.detach().clone() for t in tensors]))
+
+    def expect(self, src, messages):
+        assert self.left[src] == 0, f"messages announced from rank {src} are still to be received"
+        self.left[src] = messages
+        self.announced[src] += messages
+
+    def recv(self, src):
+        if self.left[src]:
+            self.left[src] -= 1
+        self.received[src] += 1
+        return self.network.queues[(src, self.rank)].popleft()
+
+    def flush(self):
+        pass
+
+    def phase(self):
+        """What this phase announced and received (counts reset); every announced message must be taken."""
+        assert not +self.left, f"announced but never received: {+self.left}"
+        done = (+self.announced, +self.received)
+        self.announced, self.received = Counter(), Counter()
+        return done
+
+
+class Recorder:
+    """Stands in for the timeline: keeps the forward and backward spans, in order."""
+
+    def __init__(self):
+        self.actions = []
+
+    @contextmanager
+    def span(self, kind, i):
+        if kind in ("forward", "backward"):
+            self.actions.append(f"{kind[0].upper()}{i}")
+        yield
+
+
+def _step(seq, balance, chunks, x, y, checkpoint="except_last"):
+    """One training step of ``seq`` cut by ``balance`` into stages over a fake network.
+
+    Returns the stages in stage order, the loss, and per stage ``(announced, received)`` per
+    source rank in its forward phase and in its backward phase.
+    """
+    k, network = len(balance), FakeNetwork()
+    stages = []
+    for stage_index in range(k):
+        rank = Layout(k, k).rank(0, stage_index)
+        stage = build_stage(seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"))
+        stage.p2p, stage.timeline = FakeP2P(network, rank), Recorder()
+        stages.append(stage)
+    forward, backward = {}, {}
+    out = None
+    for stage in stages:
+        result = stage.run_step(stage, True, x)
+        assert (result is StageDone) == (not stage.topology.is_last)
+        out = result if stage.topology.is_last else out
+        forward[stage.topology.stage] = stage.p2p.phase()
+    loss = nn.functional.mse_loss(out, y)
+    for stage in reversed(stages):  # the last stage sends the loss message before the others take it
+        assert stage.share_loss(loss if stage.topology.is_last else None) is not None
+        if not stage.topology.is_last:
+            assert stage.p2p.phase() == (Counter(), Counter({stage.topology.ranks[-1]: 1}))  # unannounced
+    loss.backward()
+    for stage in reversed(stages):
+        stage.backward()
+        backward[stage.topology.stage] = stage.p2p.phase()
+    return stages, loss, forward, backward
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_executor_runs_exactly_the_fill_drain_column_and_announces_every_message(k, m):
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    stages, _, forward, backward = _step(seq, uniform_balance(3, k), m, x, y)
+    grid = fill_drain(k, m)
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        assert stage.timeline.actions == [str(a) for a in stage_actions(grid, j)], (
+            f"stage {j}\n{format_grid(grid)}"
+        )
+        previous = Counter({top.prev_rank: m}) if top.prev_rank is not None else Counter()
+        following = Counter({top.next_rank: m}) if top.next_rank is not None else Counter()
+        first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
+        assert forward[j] == (previous - first, previous)  # the first message comes before M is known
+        assert backward[j] == (following, following)
+
+
+def _by_rank(topology, counts):
+    return Counter({topology.ranks[stage]: n for stage, n in counts.items()})
+
+
+def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
+    torch.manual_seed(0)
+    seq = nn.Sequential(
+        Stash("a", nn.Linear(4, 6)),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        Stash("b", nn.Tanh()),
+        Pop("a"),
+        nn.Linear(6, 6),
+        Pop("b"),
+        nn.Linear(6, 2),
+    )
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    plain = [p.detach().clone() for p in seq.parameters()]
+    reference = nn.functional.mse_loss(seq(x), y)
+    reference.backward()
+    expected = [p.grad.clone() for p in seq.parameters()]
+    seq.zero_grad()
+    with torch.no_grad():
+        for p, v in zip(seq.parameters(), plain):
+            p.copy_(v)
+    stages, loss, forward, backward = _step(seq, [2, 3, 3], 3, x, y, checkpoint="always")
+    assert torch.allclose(loss, reference)
+    for p, g in zip(seq.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+    skips = stages[0].topology.skips
+    assert {(r.name, r.source, r.target) for r in skips} == {("a", 0, 1), ("b", 1, 2)}
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        column = stage_actions(fill_drain(3, 3), j)
+        assert stage.timeline.actions == [str(a) for a in column]
+        f, b = column[:3], column[3:]
+        assert forward[j][1] == _by_rank(top, messages(f, j, 3, skips))
+        assert (
+            backward[j] == (_by_rank(top, messages(b, j, 3, skips)),) * 2
+        )  # every skip's gradient flows here
+    assert stages[2].received_skips == [("b", 1)] * 3 and stages[1].received_skips == [("a", 0)] * 3
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_every_rank_of_a_run_executes_exactly_its_fill_drain_column(tmp_path, k):
+    """K processes over torch.distributed, M in {1, 3, 4}: the recorded actions are the schedule's."""
+    for result in run_ranks("tests/workers/schedule_run.py", k, str(tmp_path), "1", "3", "4", timeout=240):
+        check(result)
+    for rank in range(k):
+        recorded = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sorted(map(int, recorded)) == [1, 3, 4]
+        for m, run in recorded.items():
+            expected = [str(a) for a in stage_actions(fill_drain(k, int(m)), run["stage"])]
+            assert run["actions"] == expected, f"K={k}, M={m}, stage {run['stage']}"
+
+
+def test_an_error_in_a_stages_layers_names_the_stage_the_micro_batch_and_the_shapes():
+    seq = nn.Sequential(nn.Linear(16, 4), nn.Tanh())
+    stage = build_stage(seq, [2], Layout(1, 1), 0, 2, "never", torch.device("cpu"))
+    with pytest.raises(StageError) as info:
+        stage.run_step(stage, True, torch.zeros(4, 17))
+    message = str(info.value)
+    assert "stage 0 (layers 0..1) failed in forward of micro-batch 0 on input from the batch" in message
+    assert "of shape [(2, 17) float32]; its first layer (Linear) expects (*, 16)" in message
+    assert isinstance(info.value.__cause__, RuntimeError)

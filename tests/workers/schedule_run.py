@@ -1,0 +1,59 @@
+"""Worker: one training step of bare pipeline stages per M, recording the actions each stage ran.
+
+Usage: python tests/workers/schedule_run.py OUT M [M ...] (torchrun-style env: RANK, WORLD_SIZE)
+Every rank runs its stage of a small MLP (K = WORLD_SIZE stages) through one training step for
+each M, with a recorder in place of the timeline, and writes ``OUT/rank<r>.json``: for each M,
+the stage index and the ``F``/``B`` actions the stage executed, in order.
+"""
+
+import json
+import sys
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gpipe.balance import uniform_balance
+from lightning_gpipe.layout import Layout
+from lightning_gpipe.stage import build_stage
+
+
+class Recorder:
+    """Stands in for the timeline: keeps the forward and backward spans, in order."""
+
+    def __init__(self) -> None:
+        self.actions: list[str] = []
+
+    @contextmanager
+    def span(self, kind: str, i: int):
+        if kind in ("forward", "backward"):
+            self.actions.append(f"{kind[0].upper()}{i}")
+        yield
+
+
+out, chunks = Path(sys.argv[1]), [int(m) for m in sys.argv[2:]]
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+x, y = torch.randn(8, 4), torch.randn(8, 4)
+recorded = {}
+for m in chunks:
+    stage = build_stage(
+        seq, uniform_balance(3, world), Layout(world, world), rank, m, "except_last", torch.device("cpu")
+    )
+    stage.timeline = recorder = Recorder()
+    out_ = stage.run_step(stage, True, x)
+    loss = nn.functional.mse_loss(out_, y) if stage.topology.is_last else None
+    shared = stage.share_loss(loss)
+    if loss is not None:
+        loss.backward()
+    assert shared is not None
+    stage.backward()
+    recorded[m] = {"stage": stage.topology.stage, "actions": recorder.actions}
+(out / f"rank{rank}.json").write_text(json.dumps(recorded))
+dist.barrier()
+dist.destroy_process_group()
