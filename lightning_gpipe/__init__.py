@@ -4,15 +4,30 @@
 ``Trainer(strategy="gpipe", devices=4)`` works.
 """
 
-from pytorch_lightning.strategies import StrategyRegistry
+import importlib
 
+from lightning_gpipe import _namespace
 from lightning_gpipe.failure import StageError
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.schedule import Action, fill_drain, format_grid
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError
 from lightning_gpipe.strategy import GPipeStrategy
 
-GPipeStrategy.register_strategies(StrategyRegistry)
+
+def strategy_class(namespace: str = "pytorch_lightning") -> type[GPipeStrategy]:
+    """The ``GPipeStrategy`` class of a Lightning namespace: ``"pytorch_lightning"`` or ``"lightning"``.
+
+    ``GPipeStrategy`` itself works with both Trainers (an instance takes its Trainer's namespace);
+    subclass this one to customise the strategy for ``import lightning as L``.
+    """
+    return _namespace.specialize(GPipeStrategy, namespace)
+
+
+for _ns in _namespace.installed():  # "gpipe" in each installed namespace's StrategyRegistry
+    strategy_class(_ns).register_strategies(
+        importlib.import_module(_namespace.translate("pytorch_lightning.strategies", _ns)).StrategyRegistry
+    )
+_namespace.register_twins(GPipeStrategy)
 
 __all__ = [
     "Action",
@@ -23,4 +38,5 @@ __all__ = [
     "StageError",
     "fill_drain",
     "format_grid",
+    "strategy_class",
 ]

@@ -19,10 +19,13 @@ from lightning_fabric.utilities.distributed import (
 )
 from lightning_fabric.utilities.distributed import _init_dist_connection as init_dist_connection
 from lightning_fabric.utilities.distributed import _sync_ddp as sync_ddp
+from lightning_fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE
 from lightning_fabric.utilities.optimizer import _optimizer_to_device as optimizer_to_device
 from lightning_fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncher
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
 from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
 from torch.amp import GradScaler
@@ -33,6 +36,13 @@ __all__ = [
     "BatchNormBase",
     "OVERRIDDEN",
     "StrategyRegistry",
+    "IS_INTERACTIVE",
+    "OptimizedModule",
+    "compile_like",
+    "compiled_module",
+    "example_input_slot",
+    "throughputs",
+    "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "attached_trainer",
     "checkpoint_every_n_train_steps",
@@ -47,6 +57,8 @@ __all__ = [
     "own_buffers",
     "own_parameters",
     "register_state_dict_hook",
+    "running_loop_data",
+    "set_example_input_slot",
     "scaler_device",
     "scaler_optimizer_state",
     "scaler_scale",
@@ -75,6 +87,23 @@ def train_dataloader(trainer: pl.Trainer) -> Any:
     return trainer.fit_loop._data_source.dataloader()
 
 
+# the running loop (by TrainerFn value), and the LightningModule step that loop calls
+_LOOPS = {
+    "fit": ("fit_loop", "training_step"),
+    "validate": ("validate_loop", "validation_step"),
+    "test": ("test_loop", "test_step"),
+    "predict": ("predict_loop", "predict_step"),
+}
+
+
+def running_loop_data(trainer: Any) -> tuple[str, Any]:
+    """``(step name, dataloader)`` of the loop the Trainer runs now (before the loop has set it up);
+    the first of several dataloaders."""
+    loop, step = _LOOPS.get(getattr(trainer.state.fn, "value", "fit"), _LOOPS["fit"])
+    loader = getattr(trainer, loop)._data_source.dataloader()
+    return step, loader[0] if isinstance(loader, (list, tuple)) else loader
+
+
 def should_accumulate(trainer: pl.Trainer) -> bool:
     """Whether the current backward is followed by another before the optimizer step."""
     return bool(trainer.fit_loop._should_accumulate())
@@ -92,12 +121,28 @@ def attached_trainer(module: pl.LightningModule) -> pl.Trainer | None:
 
 def unwrap_optimizer(optimizer: Any) -> Optimizer:
     """The torch optimizer behind a ``LightningOptimizer`` (or ``optimizer`` itself)."""
-    return optimizer._optimizer if isinstance(optimizer, pl.core.optimizer.LightningOptimizer) else optimizer
+    names = ("pytorch_lightning.core.optimizer", "lightning.pytorch.core.optimizer")  # either namespace
+    return optimizer._optimizer if type(optimizer).__module__ in names else optimizer
 
 
 def checkpoint_every_n_train_steps(callback: Any) -> int:
     """``ModelCheckpoint(every_n_train_steps=...)`` of a checkpoint callback (0 if none)."""
     return getattr(callback, "_every_n_train_steps", 0) or 0
+
+
+def example_input_slot(module: pl.LightningModule) -> Any:
+    """The module's ``example_input_array`` as stored (its property setter refuses ``None``)."""
+    return module._example_input_array
+
+
+def set_example_input_slot(module: pl.LightningModule, value: Any) -> None:
+    """Store ``value`` (``None`` included) as the module's ``example_input_array``."""
+    module._example_input_array = value
+
+
+def throughputs(monitor: Any) -> list[Any]:
+    """A ``ThroughputMonitor``'s ``Throughput`` objects (their ``world_size`` is writable)."""
+    return list(monitor._throughputs.values())
 
 
 # -- torch ----------------------------------------------------------------------------------------
@@ -136,3 +181,13 @@ def scaler_optimizer_state(scaler: GradScaler, optimizer: Optimizer) -> dict[str
 def scaler_scale(scaler: GradScaler) -> Any:
     """The scaler's current scale tensor (``None`` before its first ``scale``)."""
     return scaler._scale
+
+
+def compiled_module(compiled: OptimizedModule) -> nn.Module:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles."""
+    return compiled._orig_mod  # type: ignore[return-value]
+
+
+def compile_like(compiled: OptimizedModule, module: nn.Module) -> nn.Module:
+    """``module`` compiled with ``compiled``'s own ``torch.compile`` context (backend, mode, dynamic, options)."""
+    return OptimizedModule(module, compiled.dynamo_ctx)

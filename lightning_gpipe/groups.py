@@ -80,12 +80,12 @@ def barrier(device: torch.device) -> None:
         dist.barrier()
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` from global rank ``src`` on every rank (picklable objects)."""
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (default: all; picklable objects)."""
     if not distributed_is_initialized():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src)
+    dist.broadcast_object_list(box, src, group=group)
     return box[0]
 
 
@@ -93,8 +93,8 @@ def reduce(tensor: Any, group: Any, reduce_op: Any = "mean") -> Any:
     """``tensor`` reduced over ``group`` (Lightning's ``_sync_ddp``); as it is without a group to reduce over."""
     if not isinstance(tensor, torch.Tensor) or not distributed_is_initialized():
         return tensor
-    if group is None or dist.get_world_size(group) == 1:
-        return tensor
+    if group is None or dist.get_rank(group) < 0 or dist.get_world_size(group) == 1:
+        return tensor  # not a member (a stage without losses or metrics: they reach it shared), or alone
     return sync_ddp(tensor, group, reduce_op=reduce_op)
 
 

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
@@ -22,7 +22,14 @@ from lightning_fabric.plugins import ClusterEnvironment
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from typing_extensions import override
 
-from lightning_gpipe._compat import SubprocessScriptLauncher
+from lightning_gpipe._compat import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_gpipe._namespace import PYTORCH_LIGHTNING, lightning_class
+
+if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning launcher it becomes
+    _Base = SubprocessScriptLauncher
+    _ForkBase = MultiProcessingLauncher
+else:
+    _Base = _ForkBase = object
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,7 @@ _HYDRA_KEYS_SET_FOR_CHILDREN = (
 )
 
 
-class GPipeLauncher(SubprocessScriptLauncher):
+class _GPipeLauncherLogic(_Base):
     """Starts one process per stage by re-running the script (Lightning's "popen" launcher).
 
     Before the children start, ``check(model)`` validates the model against the strategy's
@@ -63,7 +70,11 @@ class GPipeLauncher(SubprocessScriptLauncher):
     Args:
         cluster_environment, num_processes, num_nodes: as for Lightning's subprocess launcher.
         check: called with the LightningModule before any child starts; raises on a bad model.
+        share: ``share(results, trainer)``, called on every rank with what the Trainer's entry point
+            returned; its return value is returned instead (the last stage's results everywhere).
     """
+
+    namespace: str  # "pytorch_lightning" or "lightning" (lightning_gpipe._namespace)
 
     def __init__(
         self,
@@ -71,18 +82,20 @@ class GPipeLauncher(SubprocessScriptLauncher):
         num_processes: int,
         num_nodes: int,
         check: Callable[[pl.LightningModule], Any] | None = None,
+        share: Callable[[Any, Any], Any] | None = None,
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.check = check
+        self.share = share
         self._env_before: dict[str, str | None] | None = None
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         model = args[0] if args else None
-        if isinstance(model, pl.LightningModule) and self.check is not None:
-            self.check(model)
+        if isinstance(model, lightning_class(pl.LightningModule, self.namespace)) and self.check is not None:
+            self.check(model)  # type: ignore[arg-type]
         try:
-            return super().launch(function, *args, trainer=trainer, **kwargs)
+            results = super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
             # This process failed: ranks it started may be waiting for it (even in the rendezvous,
             # before any connection exists to break), so they end now, not at the timeout.
@@ -90,10 +103,12 @@ class GPipeLauncher(SubprocessScriptLauncher):
                 if proc.poll() is None:
                     proc.kill()
             raise
+        return self.share(results, trainer) if self.share is not None else results
 
     @override
     def _call_children_scripts(self) -> None:
         self._check_can_spawn_children()
+        check_rerunnable_command()
         self.procs = []
         self._env_before = {key: os.environ.get(key) for key in LAUNCH_ENV}
         os.environ["MASTER_ADDR"] = self.cluster_environment.main_address
@@ -159,6 +174,62 @@ class GPipeLauncher(SubprocessScriptLauncher):
         self._env_before, self.procs = None, []
         if failed:
             raise RuntimeError("gpipe: child ranks failed: " + "; ".join(failed))
+
+
+class GPipeLauncher(_GPipeLauncherLogic, SubprocessScriptLauncher):
+    __doc__ = _GPipeLauncherLogic.__doc__
+    namespace = PYTORCH_LIGHTNING
+
+
+class _GPipeForkLauncherLogic(_ForkBase):
+    """Starts one process per stage by forking this one (``strategy="gpipe_notebook"``).
+
+    Lightning's ``ddp_notebook`` path (its multiprocessing launcher with ``start_method="fork"``):
+    works in Jupyter and ``python -i``, where there is no script to re-run. Every rank, rank 0
+    included, is a forked child; this process waits, then takes rank 0's results: the trained
+    weights (the whole model: after ``fit`` every rank holds every stage's weights),
+    ``trainer.state`` and ``callback_metrics``. As for ``ddp_notebook``, CUDA must not be
+    initialized before the fork.
+
+    Args:
+        strategy: the strategy (Lightning's launcher reads its processes and cluster environment).
+        check: called with the LightningModule before any process starts; raises on a bad model.
+    """
+
+    namespace: str
+
+    def __init__(self, strategy: Any, check: Callable[[pl.LightningModule], Any] | None = None) -> None:
+        super().__init__(strategy, start_method="fork")
+        self.check = check
+
+    @override
+    def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
+        model = args[0] if args else None
+        if isinstance(model, lightning_class(pl.LightningModule, self.namespace)) and self.check is not None:
+            self.check(model)  # type: ignore[arg-type]
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+
+class GPipeForkLauncher(_GPipeForkLauncherLogic, MultiProcessingLauncher):
+    __doc__ = _GPipeForkLauncherLogic.__doc__
+    namespace = PYTORCH_LIGHTNING
+
+
+def check_rerunnable_command() -> None:
+    """Raise unless the other ranks can be started by re-running this process' command line.
+
+    Raises:
+        RuntimeError: the program came from ``python -c`` (``sys.argv[0] == "-c"``) or standard
+            input (``python - < script.py``, ``sys.argv[0]`` ``"-"`` or ``""``): there is no file
+            to re-run.
+    """
+    if sys.argv[0] in ("-c", "-", ""):
+        source = "python -c" if sys.argv[0] == "-c" else "standard input"
+        raise RuntimeError(
+            f"the gpipe strategy starts the other ranks by re-running this program, which came from {source} "
+            f"(sys.argv[0]: {sys.argv[0]!r}) and cannot be re-run; save it to a file and run `python file.py`, "
+            'or, in an interactive session or notebook, use Trainer(strategy="gpipe_notebook") (forked ranks)'
+        )
 
 
 def _hydra_initialized() -> bool:

@@ -10,7 +10,7 @@ logging calls on the other stages (in epoch-end hooks) are dropped.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -19,7 +19,13 @@ from pytorch_lightning.callbacks import Callback
 from torch import nn
 
 from lightning_gpipe._compat import attached_trainer, checkpoint_every_n_train_steps
+from lightning_gpipe._namespace import PYTORCH_LIGHTNING, namespace_of, specialize
 from lightning_gpipe.state.optimizer import tensors_to_cpu
+
+if TYPE_CHECKING:
+    _Base = Callback
+else:
+    _Base = object
 
 
 def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: torch.device) -> None:
@@ -33,7 +39,7 @@ def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: 
         metrics.update({k: v.to(device) for k, v in (box[0] or {}).items()})
 
 
-class ShareLastStageMetrics(Callback):
+class _ShareLastStageMetricsLogic(_Base):
     """Runs first among callbacks and calls ``share()`` where Lightning's callbacks read metrics.
 
     Args:
@@ -55,9 +61,14 @@ class ShareLastStageMetrics(Callback):
             self.share(trainer)
 
 
+class ShareLastStageMetrics(_ShareLastStageMetricsLogic, Callback):
+    __doc__ = _ShareLastStageMetricsLogic.__doc__
+    namespace = PYTORCH_LIGHTNING
+
+
 def install_metric_sharing(trainer: pl.Trainer, share: Any) -> ShareLastStageMetrics:
-    """Put a :class:`ShareLastStageMetrics` first among ``trainer``'s callbacks and return it."""
-    callback = ShareLastStageMetrics(share)
+    """Put a :class:`ShareLastStageMetrics` (of the Trainer's namespace) first among ``trainer``'s callbacks."""
+    callback = specialize(ShareLastStageMetrics, namespace_of(trainer) or PYTORCH_LIGHTNING)(share)
     trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
     return callback
 

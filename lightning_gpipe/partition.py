@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_gpipe._compat import children, register_state_dict_hook
+from lightning_gpipe._compat import (
+    OptimizedModule,
+    children,
+    compile_like,
+    compiled_module,
+    register_state_dict_hook,
+)
 from lightning_gpipe.batchnorm import defer_batch_norms, restore_batch_norms
 
 
@@ -194,6 +200,73 @@ def check_tied_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> 
     check_tied_buffers(sequential, balance)
 
 
+def compiled_sequentials(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+    """Every ``torch.compile``-d ``nn.Sequential`` inside ``module``: ``(parent, attribute, compiled)``.
+
+    ``model.net = torch.compile(model.net)`` puts an ``OptimizedModule`` in the model whose
+    ``forward`` runs the original Sequential's code: the pipeline must cut and replace that
+    Sequential (see :func:`uncompile`) and compile each stage instead.
+    """
+    found: list[tuple[nn.Module, str, Any]] = []
+    for parent in module.modules():
+        for attr, child in children(parent).items():
+            if isinstance(child, OptimizedModule) and isinstance(compiled_module(child), nn.Sequential):
+                found.append((parent, attr, child))
+    return found
+
+
+def uncompile(
+    module: nn.Module,
+) -> tuple[list[tuple[nn.Module, str, Any]], Callable[[nn.Module], nn.Module] | None]:
+    """Put each compiled ``nn.Sequential`` of ``module`` back in place of its ``OptimizedModule``.
+
+    Returns:
+        ``(undone, compile)``: what was replaced, to put back with :func:`recompile`, and a
+        function that compiles a module with the same ``torch.compile`` settings (backend, mode,
+        dynamic, fullgraph, options: the user's own compile context), or ``None`` when nothing was
+        compiled.
+    """
+    undone = compiled_sequentials(module)
+    for parent, attr, compiled in undone:
+        children(parent)[attr] = compiled_module(compiled)
+    if not undone:
+        return [], None
+    first = undone[0][2]
+    return undone, lambda m: compile_like(first, m)
+
+
+def recompile(undone: list[tuple[nn.Module, str, Any]]) -> None:
+    """Undo :func:`uncompile`: the user's ``OptimizedModule`` wrappers back in place (after fit)."""
+    for parent, attr, compiled in undone:
+        children(parent)[attr] = compiled
+
+
+def placement(sequential: nn.Sequential, balance: Sequence[int], ranks: Sequence[int]) -> str:
+    """Where the layers went, one line per stage: ``stage j (rank r): layers a..b, n parameters``.
+
+    Args:
+        sequential: the whole pipelined Sequential.
+        balance: layers per stage.
+        ranks: the global rank of each stage (of the first pipeline).
+    """
+    names = list(sequential._modules)
+    layers = list(sequential._modules.values())
+    total = sum(p.numel() for p in sequential.parameters())
+    lines = [f"gpipe: {len(balance)} stages over {len(names)} layers, {total:,} parameters in all"]
+    for j, (start, stop) in enumerate(stage_bounds(balance)):
+        seen: set[int] = set()
+        count = 0
+        for layer in layers[start:stop]:
+            for p in layer.parameters() if layer is not None else ():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    count += p.numel()
+        lines.append(
+            f"  stage {j} (rank {ranks[j]}): layers {names[start]}..{names[stop - 1]}, {count:,} parameters"
+        )
+    return "\n".join(lines)
+
+
 def layer_stages(balance: Sequence[int]) -> list[int]:
     """The stage of every layer: ``layer_stages([2, 1]) == [0, 0, 1]``."""
     return [j for j, n in enumerate(balance) for _ in range(n)]
@@ -255,3 +328,28 @@ def add_placeholder_parameter(stage: nn.Module, device: torch.device) -> None:
         state.pop(prefix + PLACEHOLDER, None)
 
     register_state_dict_hook(stage, drop)
+
+
+def check_compile(compile: Any) -> bool | dict[str, Any]:
+    """Validate ``GPipeStrategy(compile=...)``: a bool or a dict of ``torch.compile`` arguments.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if not isinstance(compile, (bool, dict)):
+        raise ValueError(
+            f"compile must be a bool or a dict of torch.compile arguments (compile: {compile!r}); "
+            'e.g. compile={"backend": "inductor", "mode": "max-autotune"}'
+        )
+    return compile
+
+
+def stage_compiler(
+    compile: bool | dict[str, Any], user_compile: Callable[[nn.Module], nn.Module] | None
+) -> Callable[[nn.Module], nn.Module] | None:
+    """How each stage's layers are compiled: ``compile=`` (``torch.compile`` with those arguments), else
+    like the user's compiled Sequential (:func:`uncompile`), else ``None`` (not compiled)."""
+    if compile:
+        kwargs = compile if isinstance(compile, dict) else {}
+        return lambda module: torch.compile(module, **kwargs)  # type: ignore[return-value]
+    return user_compile

@@ -121,6 +121,32 @@ class PipelineStage(nn.Sequential):
             None  # a lightning_gpipe.timeline.Timeline (anything with span(kind, i)), or None
         )
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
+        self.__dict__["_compiled"] = (
+            None  # this stage's layers compiled (not a submodule: state_dict keys unchanged)
+        )
+
+    def compile(self, compile_fn: Any) -> None:  # type: ignore[override]
+        """Run this stage's layers through ``compile_fn(nn.Sequential of the layers)`` (e.g. ``torch.compile``).
+
+        The compiled module shares the layers (parameters, buffers); it is kept outside the
+        stage's submodules, so ``state_dict`` keys stay the user's.
+        """
+        self.__dict__["_compiled"] = compile_fn(nn.Sequential(OrderedDict(self._modules.items())))
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        """The stage's layers; inside a step, iterating raises: the pipeline runs one call per step.
+
+        Raises:
+            PipelineUsageError: iterated inside a step (``for layer in self.layers: ...``), where
+                this process holds only its stage's layers.
+        """
+        if self.active:
+            raise PipelineUsageError(
+                "the pipelined nn.Sequential was iterated inside a step (for layer in ...); under the gpipe "
+                f"strategy this process holds only stage {self.topology.stage}'s layers ({', '.join(self._modules)}) "
+                "and the pipeline runs one forward per step: call the Sequential once (self.layers(x))"
+            )
+        return iter(self._modules.values())
 
     @property
     def layer_names(self) -> list[str]:
@@ -180,8 +206,11 @@ class PipelineStage(nn.Sequential):
 
     def local_forward(self, input: Batch, store: MicroBatchStore | None = None) -> Any:
         """This stage's layers applied in order, as ``nn.Sequential`` would, with ``store`` for skips."""
+        compiled = self.__dict__["_compiled"]
         with use_store(store if store is not None else MicroBatchStore()):
-            for layer in self:
+            if compiled is not None:
+                return compiled(input)
+            for layer in self._modules.values():
                 input = layer(input)
         return input
 
@@ -294,7 +323,7 @@ class PipelineStage(nn.Sequential):
 
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
         """Errors of this stage's layers re-raised as a :class:`~lightning_gpipe.failure.StageError`."""
-        first = next(iter(self), None)
+        first = next(iter(self._modules.values()), None)  # iter(self) refuses inside a step
         top = self.topology
         return naming_errors(top.stage, self.layer_names, first, phase, i, x, keep=(PipelineUsageError,))
 

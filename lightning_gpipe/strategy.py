@@ -12,9 +12,12 @@ and installing the stage (:mod:`~lightning_gpipe.partition`), saved state
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import OrderedDict
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -26,30 +29,38 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gpipe import _compat, groups, metrics, partition, precision, state, tied
-from lightning_gpipe.balance.choose import check_balance_spec, choose_balance, log_choice
+from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of, specialize
+from lightning_gpipe.balance.choose import check_balance_spec, choose_balance, log_choice, profiled
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm
+from lightning_gpipe.callbacks import adapt_callbacks, restore_callbacks
 from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
-from lightning_gpipe.launcher import GPipeLauncher
+from lightning_gpipe.launcher import GPipeForkLauncher, GPipeLauncher
 from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
 from lightning_gpipe.microbatch import check_chunks
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.recompute import check_mode
-from lightning_gpipe.stage import PipelineStage, StageDone, build_stage
+from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageDone, build_stage
 from lightning_gpipe.state import sharded
+from lightning_gpipe.state.optimizer import tensors_to_cpu
 from lightning_gpipe.timeline import Timeline, publish
 
 log = logging.getLogger(__name__)
 
+if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning strategy it becomes
+    _Base = ParallelStrategy
+else:
+    _Base = object
 
-class GPipeStrategy(ParallelStrategy):
+
+class _GPipeStrategyLogic(_Base):
     """GPipe pipeline parallelism (Huang et al. 2019, arXiv 1811.06965) as a Lightning strategy.
 
     The LightningModule's ``nn.Sequential`` is cut into K consecutive stages, one per process;
@@ -58,8 +69,15 @@ class GPipeStrategy(ParallelStrategy):
     synchronous optimizer step follows. The result equals training the unpartitioned module on
     the whole mini-batch, up to float reassociation.
 
+    One definition serves both Lightning namespaces (:mod:`lightning_gpipe._namespace`):
+    ``GPipeStrategy`` is the ``pytorch_lightning`` class; ``L.Trainer`` (``import lightning as L``)
+    accepts an instance too, which then takes the ``lightning.pytorch`` class.
+
     Args:
-        chunks: number of micro-batches M per mini-batch (≥ 1).
+        chunks: number of micro-batches M per mini-batch (≥ 1; a batch of N < M samples gives N).
+            ``None`` (the default): M = 4·K for K stages (GPipe's guidance M ≥ 4·K keeps the bubble
+            (K-1)/(M+K-1) under 20 %), capped by each batch's size. ``chunks=1`` runs the whole
+            mini-batch at once (no pipelining).
         balance: layers per stage, e.g. ``[3, 2]``; ``None`` splits as evenly as possible by layer
             count, earlier stages taking the extra layers; or a balancer: ``"uniform"``,
             ``"parameters"``, ``"time"`` or ``"memory"`` (:mod:`lightning_gpipe.balance.choose`).
@@ -86,6 +104,16 @@ class GPipeStrategy(ParallelStrategy):
             moments), for ``balance="memory"``.
         checkpoint_format: ``"full"``: one Lightning checkpoint file, as the plain module's;
             ``"sharded"``: a directory, one shard per stage; both atomic (:mod:`lightning_gpipe.state`).
+        compile: compile every stage's layers with ``torch.compile``: ``True`` (defaults) or a dict
+            of its arguments (``{"backend": ..., "mode": ..., "dynamic": ...}``), applied after the
+            cut, as Lightning's FSDP/ModelParallel strategies compile after wrapping. A Sequential
+            the user compiled (``model.net = torch.compile(model.net, ...)``) is found too: it is cut
+            uncompiled and each stage compiled with the user's own settings; the user's wrapper is
+            back after ``fit``. A step that returns a loss without calling the pipelined Sequential
+            raises ``PipelineUsageError`` ("the pipelined module was not called").
+        start_method: ``"popen"``: the other ranks re-run the script (Lightning's default launcher);
+            ``"fork"``: every rank is forked from this process, for Jupyter and ``python -i``
+            (``strategy="gpipe_notebook"``, as ``ddp_notebook`` for DDP).
 
     Raises:
         ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
@@ -95,10 +123,11 @@ class GPipeStrategy(ParallelStrategy):
     """
 
     strategy_name = "gpipe"
+    namespace: str  # "pytorch_lightning" or "lightning" (lightning_gpipe._namespace)
 
     def __init__(
         self,
-        chunks: int = 1,
+        chunks: int | None = None,
         balance: list[int] | str | None = None,
         checkpoint: str = "except_last",
         module_name: str | None = None,
@@ -116,9 +145,11 @@ class GPipeStrategy(ParallelStrategy):
         checkpoint_format: str = "full",
         optimizer_state_factor: float = 2.0,
         deferred_batch_norm: bool = False,
+        compile: bool | dict[str, Any] = False,
+        start_method: str = "popen",
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        self.chunks = check_chunks(chunks)
+        self.chunks = check_chunks(chunks) if chunks is not None else None
         self.checkpoint = check_mode(checkpoint)
         self.balance = check_balance_spec(balance, pipeline_parallel_size)
         self.pipeline_parallel_size = check_pipeline_parallel_size(pipeline_parallel_size)
@@ -143,6 +174,26 @@ class GPipeStrategy(ParallelStrategy):
         self._metric_sharing: metrics.ShareLastStageMetrics | None = None
         self._timeline: Timeline | None = None
         self._failed = False
+        self.compile = partition.check_compile(compile)
+        self._uncompiled: list[
+            tuple[nn.Module, str, Any]
+        ] = []  # the user's compiled wrappers, back after fit
+        self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
+        if start_method not in ("popen", "fork"):
+            raise ValueError(
+                f"start_method must be 'popen' or 'fork' (start_method: {start_method!r}); 'fork' is for notebooks"
+            )
+        self.start_method = start_method
+
+    @property
+    def accelerator(self) -> Any:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: Any) -> None:
+        """Set by the Trainer's connector first: the strategy takes the class of the Trainer's namespace."""
+        adopt(self, namespace_of(accelerator))
+        self._accelerator = accelerator
 
     # -- topology ------------------------------------------------------------------------------
 
@@ -169,6 +220,11 @@ class GPipeStrategy(ParallelStrategy):
     @property
     def is_last_stage(self) -> bool:
         return self.stage_index == self.layout.stages - 1
+
+    @property
+    def chunks_used(self) -> int:
+        """Micro-batches per mini-batch: ``chunks``, or 4·K (K stages) when ``chunks`` is ``None``."""
+        return self.chunks if self.chunks is not None else 4 * self.layout.stages
 
     @property
     def is_distributed(self) -> bool:
@@ -200,9 +256,22 @@ class GPipeStrategy(ParallelStrategy):
                 "Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (each stage holds different "
                 "layers); use GPipeStrategy(deferred_batch_norm=True) for full-batch running statistics"
             )
+        if self.start_method == "fork":
+            self._launcher = specialize(GPipeForkLauncher, self.namespace)(self, check=self.check_model)
+            return
+        if _compat.IS_INTERACTIVE and self.num_processes * self.num_nodes > 1:
+            raise RuntimeError(
+                "Trainer(strategy='gpipe') starts the other ranks by re-running the script, which an interactive "
+                "session (Jupyter, python -i) does not have; use Trainer(strategy='gpipe_notebook') (forked ranks), "
+                "or run the code as a script"
+            )
         assert self.cluster_environment is not None
-        self._launcher = GPipeLauncher(
-            self.cluster_environment, self.num_processes, self.num_nodes, check=self.check_model
+        self._launcher = specialize(GPipeLauncher, self.namespace)(
+            self.cluster_environment,
+            self.num_processes,
+            self.num_nodes,
+            check=self.check_model,
+            share=self.share_evaluation_results,
         )
 
     def set_world_ranks(self) -> None:
@@ -225,7 +294,15 @@ class GPipeStrategy(ParallelStrategy):
     # -- the model -------------------------------------------------------------------------------
 
     def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
-        """Raise before any process starts if the model cannot be cut (:func:`.partition.check_model`)."""
+        """Raise before any process starts if the model cannot be cut (:func:`.partition.check_model`).
+
+        A ``torch.compile``-d Sequential is replaced by the Sequential itself first
+        (:func:`.partition.uncompile`); each stage is compiled with the user's settings instead.
+        """
+        undone, user_compile = partition.uncompile(model)
+        if undone:
+            self._uncompiled += undone
+            self._user_compile = user_compile
         return partition.check_model(model, self.module_name, self.balance, self.layout.stages)
 
     def _partition(self) -> None:
@@ -233,16 +310,19 @@ class GPipeStrategy(ParallelStrategy):
         model = self._module
         name, seq, balance = self.check_model(model)
         balance = choose_balance(
-            self.balance, model, seq, balance, stages=self.layout.stages, chunks=self.chunks,
+            self.balance, model, seq, balance, stages=self.layout.stages, chunks=self.chunks_used,
             device=self.root_device, rank=self.global_rank, broadcast=self.broadcast,
             to_device=self.batch_to_device, optimizer_state_factor=self.optimizer_state_factor,
         )  # fmt: skip
         partition.check_tied_parameters(seq, balance)
         stage = build_stage(
-            seq, balance, self.layout, self.global_rank, self.chunks, self.checkpoint, self.root_device
+            seq, balance, self.layout, self.global_rank, self.chunks_used, self.checkpoint, self.root_device
         )
         self._installed = partition.install(model, name, stage, deferred_batch_norm=self.deferred_batch_norm)
         self.tied = tied.find_tied(seq, balance)
+        stage_compile = partition.stage_compiler(self.compile, self._user_compile)
+        if stage_compile is not None:
+            stage.compile(stage_compile)
         self._stage = stage
         if self.timeline:
             replica = self.layout.replica_of(self.global_rank)
@@ -250,7 +330,12 @@ class GPipeStrategy(ParallelStrategy):
                 self.stage_index, self.layout.stages, self.global_rank, replica
             )
         self.balance_used = balance
-        if isinstance(self.balance, str) and self.is_global_zero:
+        if self.is_global_zero:
+            layout = self.layout
+            rank_zero_info(
+                partition.placement(seq, balance, [layout.rank(0, j) for j in range(layout.stages)])
+            )
+        if isinstance(self.balance, str) and self.is_global_zero and profiled(model):
             log_choice(model, self.balance, balance)
         where = f"rank {self.global_rank} runs stage {self.stage_index}/{self.layout.stages}"
         log.info(f"gpipe: {where} with layers {stage.layer_names}")
@@ -266,7 +351,8 @@ class GPipeStrategy(ParallelStrategy):
                 self._stage, self.layout, self.global_rank, to_all=True, tied=self.tied
             )
         partition.uninstall(self._installed, full)
-        self._installed, self._stage = None, None
+        partition.recompile(self._uncompiled)
+        self._installed, self._stage, self._uncompiled = None, None, []
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -290,6 +376,35 @@ class GPipeStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         self._metric_sharing = metrics.install_metric_sharing(trainer, self.share_last_stage_metrics)
+        adapt_callbacks(
+            trainer,
+            self._module,
+            self.namespace,
+            self._installed.name if self._installed is not None else "",
+            self._cut_copy,
+            self.layout.replicas,
+            self.is_last_stage,
+            self.whole_model,
+        )
+
+    def _cut_copy(self, seq: nn.Sequential) -> nn.Module:
+        """This stage's part of a copy of the pipelined Sequential (a callback's copy of the module)."""
+        assert self.balance_used is not None
+        return nn.Sequential(OrderedDict(partition.cut(seq, self.balance_used, self.stage_index)))
+
+    @contextlib.contextmanager
+    def whole_model(self) -> Iterator[None]:
+        """The module holds its whole Sequential (every stage's layers; other stages' weights are not
+        trained here) inside this context, the stage again after it. For summaries that count the model."""
+        installed = self._installed
+        if installed is None or self._stage is None:
+            yield
+            return
+        setattr(installed.parent, installed.attr, installed.sequential)
+        try:
+            yield
+        finally:
+            setattr(installed.parent, installed.attr, self._stage)
 
     def _setup_optimizers(self, trainer: pl.Trainer) -> None:
         partition.add_placeholder_parameter(self._pipe, self.root_device)  # if it has no parameters
@@ -335,6 +450,14 @@ class GPipeStrategy(ParallelStrategy):
         if self.deferred_batch_norm:
             commit_deferred_batch_norm(stage)  # once per mini-batch, after all its micro-batches
         if not stage.ran_forward:
+            if out is not None:
+                name = self._installed.name if self._installed is not None else "?"
+                raise PipelineUsageError(
+                    f"the pipelined module was not called in training_step, which returned a loss (stage "
+                    f"{self.stage_index}): the step ran something other than the pipelined nn.Sequential "
+                    f"{name!r} (a wrapper or a reference to it kept from before fit) and would train "
+                    "wrongly; call the Sequential itself (it may be torch.compile-d: the strategy compiles each stage)"
+                )
             return out
         return stage.share_loss(out)
 
@@ -348,7 +471,39 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return _none_if_done(self._pipe.run_step(super().predict_step, False, *args, **kwargs))
+        """The last stage's predictions, on every stage of its pipeline (as each DDP rank holds its own).
+
+        ``trainer.predict`` then returns, on every rank, the predictions of its pipeline's data
+        shard (D = 1: all of them), so ``torch.cat(trainer.predict(...))`` works everywhere.
+        Prediction writers run only on last stages (:mod:`lightning_gpipe.callbacks`), so each
+        prediction is written once per replica. With ``return_predictions=False`` nothing is sent.
+        """
+        out = _none_if_done(self._pipe.run_step(super().predict_step, False, *args, **kwargs))
+        module = self._module
+        if _compat.attached_trainer(module) is None or not module.trainer.predict_loop.return_predictions:
+            return out
+        return self._from_last_stage(out)
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """``obj`` of this pipeline's last stage, on every stage of the pipeline (tensors on CPU)."""
+        layout = self.layout
+        if layout.stages == 1 or self._groups is None or not _compat.distributed_is_initialized():
+            return obj
+        src = layout.rank(layout.replica_of(self.global_rank), layout.stages - 1)
+        shared = groups.broadcast_object(
+            tensors_to_cpu(obj) if self.global_rank == src else None, src, self._groups.pipeline
+        )
+        return obj if self.global_rank == src else shared
+
+    def share_evaluation_results(self, results: Any, trainer: Any) -> Any:
+        """``trainer.validate``/``test``'s return value: the last stage's, on every stage of its pipeline.
+
+        Only the last stage logs; as under DDP, every rank returns the logged metrics.
+        """
+        fn = getattr(getattr(trainer, "state", None), "fn", None)
+        if getattr(fn, "value", None) not in ("validate", "test"):
+            return results
+        return self._from_last_stage(results)
 
     @override
     def backward(
@@ -421,7 +576,7 @@ class GPipeStrategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         """Write the checkpoint (``checkpoint_format``), recording the pipeline under ``checkpoint["gpipe"]``."""
-        record = {"balance": self.balance_used, "balance_by": self.balance, "chunks": self.chunks}
+        record = {"balance": self.balance_used, "balance_by": self.balance, "chunks": self.chunks_used}
         checkpoint["gpipe"] = {**record, "stages": self.layout.stages}
         if self.checkpoint_format == "sharded" and _compat.distributed_is_initialized():
             return sharded.save_sharded(checkpoint, filepath, self._module, self._torch_optimizers)
@@ -506,6 +661,9 @@ class GPipeStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and _compat.attached_trainer(module) is not None:
+            restore_callbacks(module.trainer)
         metrics.remove_metric_sharing(self.lightning_module, self._metric_sharing)
         self._metric_sharing = None
         self._unpartition()
@@ -518,6 +676,18 @@ class GPipeStrategy(ParallelStrategy):
             strategy_registry.register(
                 "gpipe", cls, description="GPipe pipeline parallelism (lightning_gpipe)"
             )
+        if "gpipe_notebook" not in strategy_registry:
+            strategy_registry.register(
+                "gpipe_notebook",
+                cls,
+                description="GPipe pipeline parallelism, ranks forked (Jupyter, python -i)",
+                start_method="fork",
+            )
+
+
+class GPipeStrategy(_GPipeStrategyLogic, ParallelStrategy):
+    __doc__ = _GPipeStrategyLogic.__doc__
+    namespace = PYTORCH_LIGHTNING
 
 
 def _none_if_done(out: Any) -> Any:

@@ -10,7 +10,8 @@ from tests._harness import check, run_script
 def gpipe_job(tmp_path):
     """Run tests/workers/train.py on a spec.
 
-    Returns ``(results, grads)``: per run, rank 0's record (with ``ranks``: every rank's record),
+    Returns ``(results, grads)``: per run, rank 0's record (with ``ranks``: every rank's record,
+    ``output``: the job's stdout and stderr),
     and per run the gradients each rank recorded.
     """
 
@@ -18,12 +19,12 @@ def gpipe_job(tmp_path):
         spec = dict(spec, kind=kind, devices=devices, runs=runs, out=str(tmp_path))
         path = tmp_path / "spec.json"
         path.write_text(json.dumps(spec))
-        check(run_script("tests/workers/train.py", str(path), timeout=timeout))
+        output = check(run_script("tests/workers/train.py", str(path), timeout=timeout))
         ranks = [
             [torch.load(tmp_path / f"run{k}_rank{r}.pt", weights_only=False) for r in range(devices)]
             for k in range(len(runs))
         ]
-        results = [dict(per_rank[0], ranks=per_rank) for per_rank in ranks]
+        results = [dict(per_rank[0], ranks=per_rank, output=output) for per_rank in ranks]
         grads = [[record["grads"] for record in per_rank] for per_rank in ranks]
         return results, grads
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import time
 
-import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
@@ -12,6 +13,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpipe.skip import Pop, Stash
+
+# The Lightning namespace the models and Trainers come from: "pytorch_lightning" (default) or
+# "lightning.pytorch" (``import lightning as L``); workers set it from their spec.
+LIGHTNING = os.environ.get("GPIPE_TEST_LIGHTNING", "pytorch_lightning")
+pl = importlib.import_module(LIGHTNING)
 
 
 class Mix(nn.Module):
@@ -174,6 +180,9 @@ class Net(pl.LightningModule):
         two_optimizers: bool = False,
         log_first: bool = False,
         record_params: bool = False,
+        compile_layers: dict | None = None,
+        stale_forward: bool = False,
+        iterate_layers: bool = False,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
@@ -191,6 +200,11 @@ class Net(pl.LightningModule):
             self.layers[slow["layer"]] = Slow(self.layers[slow["layer"]], slow["seconds"])
         if freeze_first:
             self.layers[0].requires_grad_(False)
+        self.iterate_layers = iterate_layers  # `for layer in self.layers:` inside the step
+        # a reference to the Sequential's forward kept from __init__: calls the whole original Sequential
+        self._stale_forward = self.layers.forward if stale_forward else None
+        if compile_layers is not None:  # the user's torch.compile of the pipelined Sequential
+            self.layers = torch.compile(self.layers, **compile_layers)
         self.acc = torchmetrics.classification.MulticlassAccuracy(num_classes=3, average="micro")
         self.losses: list[float] = []
         self.synced_losses: list[float] = []
@@ -201,6 +215,12 @@ class Net(pl.LightningModule):
         self.indices: list[list[int]] = []
 
     def forward(self, x):
+        if self.iterate_layers:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+        if self._stale_forward is not None:
+            return self._stale_forward(x)
         return self.layers(x)
 
     def _loss(self, out, y):
@@ -221,6 +241,11 @@ class Net(pl.LightningModule):
         self.shapes.append(tuple(out.shape))
         self.log("train_loss", loss, sync_dist=self.sync_dist)
         return loss
+
+    def on_train_start(self):
+        self.stage_compiled = (
+            self.layers.__dict__.get("_compiled") is not None
+        )  # a PipelineStage's compiled layers
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.record_params:
@@ -387,3 +412,55 @@ def alternate(make_trainer, rounds: int):
                 result = make_trainer(**quiet).validate(model, val, verbose=False)
                 losses.append(result[0]["val_loss"] if result and result[0] else None)
     return model, losses
+
+
+class Recorder(pl.loggers.Logger):
+    """A logger that keeps every ``log_metrics`` call in memory (``self.logged``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_metrics(self, metrics, step=None) -> None:
+        self.logged.append({k: float(v) for k, v in metrics.items()})
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+
+class Writer(pl.callbacks.BasePredictionWriter):
+    """Keeps what it is asked to write: ``batches`` (per batch) and ``epoch`` (all predictions)."""
+
+    def __init__(self, write_interval: str = "batch_and_epoch") -> None:
+        super().__init__(write_interval)
+        self.batches: list[torch.Tensor] = []
+        self.epoch: list = []
+
+    def write_on_batch_end(
+        self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx
+    ):
+        self.batches.append(prediction.clone())
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        self.epoch.append(torch.cat(predictions))
+
+
+def feature_callbacks(names: dict) -> list:
+    """Lightning callbacks by name, from the test namespace: ``{"swa": kwargs, "ema": kwargs,
+    "throughput": kwargs, "summary": kwargs, "writer": kwargs}``."""
+    made = {
+        "swa": lambda kw: pl.callbacks.StochasticWeightAveraging(**kw),
+        "ema": lambda kw: pl.callbacks.EMAWeightAveraging(**kw),
+        "throughput": lambda kw: pl.callbacks.ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0), **kw),
+        "summary": lambda kw: pl.callbacks.ModelSummary(**kw),
+        "writer": lambda kw: Writer(**kw),
+    }
+    return [made[name](kw) for name, kw in names.items()]

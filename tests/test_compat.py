@@ -197,3 +197,54 @@ def test_scaler_optimizer_state():
     scaler.scale(layer(torch.ones(1, 1)).sum()).backward()
     scaler.unscale_(optimizer)
     assert "found_inf_per_device" in _compat.scaler_optimizer_state(scaler, optimizer)
+
+
+def test_running_loop_data(fitted):
+    model, trainer = fitted
+    step, loader = _compat.running_loop_data(trainer)  # the last loop the trainer ran: fit
+    assert step == "training_step" and isinstance(loader, torch.utils.data.DataLoader)
+
+
+def test_IS_INTERACTIVE():
+    assert _compat.IS_INTERACTIVE is False  # pytest is not an interactive session
+
+
+def test_MultiProcessingLauncher():
+    params = inspect.signature(_compat.MultiProcessingLauncher).parameters
+    assert {"strategy", "start_method"} <= set(params)
+    assert hasattr(_compat.MultiProcessingLauncher, "is_interactive_compatible")
+
+
+def test_OptimizedModule():
+    assert isinstance(torch.compile(nn.Linear(2, 2)), _compat.OptimizedModule)
+
+
+def test_compiled_module():
+    layer = nn.Linear(2, 2)
+    assert _compat.compiled_module(torch.compile(layer)) is layer
+
+
+def test_compile_like():
+    compiled = torch.compile(nn.Linear(2, 2), backend="eager")
+    again = _compat.compile_like(compiled, nn.Linear(2, 3))
+    assert isinstance(again, _compat.OptimizedModule) and again(torch.ones(1, 2)).shape == (1, 3)
+
+
+def test_example_input_slot():
+    model = _Tiny()
+    model.example_input_array = torch.ones(1, 2)
+    assert torch.equal(_compat.example_input_slot(model), torch.ones(1, 2))
+
+
+def test_set_example_input_slot():
+    model = _Tiny()
+    model.example_input_array = torch.ones(1, 2)
+    _compat.set_example_input_slot(model, None)
+    assert model.example_input_array is None
+
+
+def test_throughputs():
+    from pytorch_lightning.callbacks import ThroughputMonitor
+
+    monitor = ThroughputMonitor(batch_size_fn=len)
+    assert _compat.throughputs(monitor) == []  # filled in setup, one per running stage

@@ -148,3 +148,50 @@ def test_a_buffer_shared_across_stages_is_refused_before_spawn():
     message = _fit_before_spawn(Tied(), balance=[2, 3])
     assert "the buffer '0.running_mean' is shared by layers on stages [0, 1]" in message
     assert "keep the layers sharing it on one stage" in message
+
+
+def test_iterating_the_pipelined_sequential_in_a_step_raises_the_one_call_error():
+    """``for layer in self.layers:`` inside a step would run only this stage's layers (a raw shape error
+    on the next stage); it raises PipelineUsageError, as calling the Sequential twice does."""
+    from lightning_gpipe.comm import P2P
+    from lightning_gpipe.layout import StageTopology
+    from lightning_gpipe.stage import PipelineStage, PipelineUsageError
+
+    layers = [("0", nn.Linear(6, 16)), ("1", nn.Tanh())]
+    stage = PipelineStage(
+        layers, StageTopology(0, 2, None, 1), 2, "never", P2P(torch.device("cpu")), ["0", "1", "2"]
+    )
+    assert [type(m) for m in stage] == [nn.Linear, nn.Tanh]  # outside a step: its layers
+    stage.begin_step(expect_backward=True)
+    with pytest.raises(PipelineUsageError, match=r"iterated inside a step .*call the Sequential once"):
+        for _layer in stage:
+            pass
+    stage.end_step()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["-c", "stdin"])
+def test_python_c_and_stdin_scripts_get_a_clear_error(how):
+    """``python -c "..."`` and ``python - < script.py`` cannot be re-run for the other ranks: clear error, fast."""
+    import subprocess
+    import sys
+
+    from tests._harness import ROOT, _env
+
+    code = (
+        "import pytorch_lightning as pl, lightning_gpipe\n"
+        "from tests.models import Net, make_data, trainer_kwargs\n"
+        "pl.Trainer(strategy='gpipe', devices=2, **trainer_kwargs(1)).fit(Net('mlp'), make_data('mlp', 10, 1))\n"
+    )
+    args = [sys.executable, "-c", code] if how == "-c" else [sys.executable, "-"]
+    proc = subprocess.run(
+        args,
+        input=None if how == "-c" else code,
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode != 0
+    assert "cannot be re-run; save it to a file and run `python file.py`" in proc.stderr, proc.stderr[-3000:]

@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_, global_grad_norm
-from tests._harness import free_port
 
 
 @pytest.fixture
 def world():
-    store = dist.TCPStore("127.0.0.1", free_port(), 1, True)
+    store = dist.TCPStore("127.0.0.1", find_free_network_port(), 1, True)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
         yield dist.group.WORLD

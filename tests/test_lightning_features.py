@@ -39,8 +39,10 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
 
 
 @pytest.mark.timeout(300)
-def test_checkpoint_and_early_stopping_agree_on_every_rank(gpipe_job, tmp_path):
-    """val_loss is logged only on the last stage; every rank stops at the same epoch as one device."""
+@pytest.mark.parametrize("namespace", ["pytorch_lightning", "lightning.pytorch"])
+def test_checkpoint_and_early_stopping_agree_on_every_rank(gpipe_job, tmp_path, namespace):
+    """val_loss is logged only on the last stage; every rank stops at the same epoch as one device
+    (``pytorch_lightning`` and ``import lightning as L``: Trainer, module and callbacks of that namespace)."""
     es = {"monitor": "val_loss", "patience": 1, "mode": "max"}  # val_loss falls: stops after 2 epochs
     mc = {"monitor": "val_loss", "save_top_k": 1}
     extra = {"max_epochs": 6, "max_steps": -1, "enable_checkpointing": True}
@@ -61,8 +63,10 @@ def test_checkpoint_and_early_stopping_agree_on_every_rank(gpipe_job, tmp_path):
         val=True,
         trainer=extra,
         callbacks={"checkpoint": mc, "early_stopping": es},
+        namespace=namespace,
     )
     ranks = results[0]["ranks"]
+    assert {r["strategy_class"].split(".")[0] for r in ranks} == {namespace.split(".")[0]}
     assert {r["current_epoch"] for r in ranks} == {ref_trainer.current_epoch}
     assert ranks[0]["best_model_path"] == ranks[1]["best_model_path"]
     assert ranks[0]["best_model_path"].endswith(
@@ -188,7 +192,10 @@ def test_predict_returns_last_stage_outputs_in_order(gpipe_job):
     assert len(preds) == len(expected)
     for ours, ref in zip(preds, expected):
         assert torch.allclose(ours, ref, atol=1e-5)
-    assert all(p is None for p in results[0]["ranks"][1]["predictions"])
+    for ours, ref in zip(
+        results[0]["ranks"][1]["predictions"], expected
+    ):  # every rank holds them, as under DDP
+        assert torch.allclose(ours, ref, atol=1e-5)
 
 
 @pytest.mark.timeout(400)

@@ -29,12 +29,18 @@ def reference():
     return train_single_device("mlp", seed=0, steps=5, batch=10)
 
 
-def _check_runs(gpipe_job, reference, stages, runs):
+def _check_runs(gpipe_job, reference, stages, runs, namespace="pytorch_lightning"):
     results, _ = gpipe_job(
-        "mlp", stages, [{"chunks": m, "checkpoint": c} for m, c in runs], steps=5, batch=10
+        "mlp",
+        stages,
+        [{"checkpoint": c} if m is None else {"chunks": m, "checkpoint": c} for m, c in runs],
+        steps=5,
+        batch=10,
+        namespace=namespace,
     )
     ref_state = reference.state_dict()
     for (m, c), result in zip(runs, results):
+        assert {r["strategy_class"].split(".")[0] for r in result["ranks"]} == {namespace.split(".")[0]}
         assert len(result["losses"]) == 5
         loss_diff = max(abs(a - b) for a, b in zip(result["losses"], reference.losses))
         assert loss_diff <= 1e-5, f"K={stages} M={m} checkpoint={c}: losses differ by {loss_diff}"
@@ -44,6 +50,7 @@ def _check_runs(gpipe_job, reference, stages, runs):
             assert record["callback_metrics"]["train_loss"] == pytest.approx(reference.losses[-1], abs=1e-5)
         param_diff = max_diff(result["state"], ref_state)
         assert param_diff <= 1e-5, f"K={stages} M={m} checkpoint={c}: parameters differ by {param_diff}"
+    return results
 
 
 @pytest.mark.timeout(300)
@@ -51,6 +58,19 @@ def _check_runs(gpipe_job, reference, stages, runs):
 def test_pipeline_matches_single_device(gpipe_job, reference, stages):
     """Batch 10 (not divisible by 3 or 4), 5 SGD+momentum steps: losses and parameters within 1e-5."""
     _check_runs(gpipe_job, reference, stages, COVERING[stages])
+
+
+@pytest.mark.timeout(300)
+def test_import_lightning_namespace_matches_single_device(gpipe_job, reference):
+    """``import lightning as L``: L.Trainer, L.LightningModule and the same GPipeStrategy (2 stages)
+    train like pytorch_lightning on one device; the strategy runs on lightning.pytorch's base.
+    The default ``chunks`` pipelines (M = 4·K = 8, capped by the batch of 10) with the same result,
+    and the job prints no warning about collectives on ranks outside their group."""
+    results = _check_runs(
+        gpipe_job, reference, 2, [*COVERING[2], (None, "except_last")], namespace="lightning.pytorch"
+    )
+    assert [r["chunks_used"] for r in results] == [1, 3, 4, 8]
+    assert "does not belong to the given group" not in results[0]["output"]
 
 
 @pytest.mark.slow

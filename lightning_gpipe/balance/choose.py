@@ -12,6 +12,7 @@ every rank receives the result, so every rank cuts the same stages.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_gpipe._compat import attached_trainer, train_dataloader
+from lightning_gpipe._compat import attached_trainer, running_loop_data
 from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, balance_by_time
 from lightning_gpipe.metrics import restore_logging, silence_logging
 from lightning_gpipe.microbatch import as_tensors, split
@@ -95,6 +96,11 @@ def choose_balance(
         return uniform
     if how == "parameters":
         return balance_by_parameters(seq, stages)
+    key = (how, stages, chunks)
+    known = _CHOSEN.get(model, {}).get(key)
+    _PROFILED[model] = known is None
+    if known is not None:  # profiled once per model: fit, then validate/test/predict reuse the balance
+        return list(known)
     chosen: list[int] | None = None
     error: str | None = None
     if rank == 0:
@@ -118,7 +124,13 @@ def choose_balance(
         if error is not None:
             raise RuntimeError(f"balance={how!r}: profiling on rank 0 failed: {error}")
     assert chosen is not None
+    _CHOSEN.setdefault(model, {})[key] = list(chosen)
     return chosen
+
+
+def profiled(model: nn.Module) -> bool:
+    """Whether the last :func:`choose_balance` for ``model`` profiled (``False``: it reused a choice)."""
+    return _PROFILED.get(model, False)
 
 
 def log_choice(model: pl.LightningModule, how: str, balance: list[int]) -> None:
@@ -127,6 +139,13 @@ def log_choice(model: pl.LightningModule, how: str, balance: list[int]) -> None:
     trainer = attached_trainer(model)
     for logger in trainer.loggers if trainer is not None else ():
         logger.log_hyperparams({"gpipe_balance": balance})
+
+
+# balance="time"/"memory" chosen per model and (how, stages, chunks): profiled once, reused by later loops
+_CHOSEN: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, int, int], list[int]]] = (
+    weakref.WeakKeyDictionary()
+)
+_PROFILED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 class _Captured(BaseException):  # noqa: N818 - control flow, not an error
@@ -142,8 +161,9 @@ def sample_micro_batch(
     to_device: Callable[[Any], Any],
 ) -> Any:
     """One micro-batch of what the pipelined Sequential receives: from ``example_input_array``,
-    else captured by running the user's ``training_step`` on the first training batch up to
-    the Sequential's call.
+    else captured by running the user's step on the first batch of the running loop (``fit``:
+    ``training_step`` on the training data; ``validate``/``test``/``predict``: that loop's step
+    on its data) up to the Sequential's call.
 
     Raises:
         ValueError: ``training_step`` did not call the Sequential and there is no
@@ -151,7 +171,8 @@ def sample_micro_batch(
     """
     sample = model.example_input_array
     if sample is None:
-        batch = to_device(next(iter(train_dataloader(model.trainer))))
+        step, loader = running_loop_data(model.trainer)
+        batch = to_device(next(iter(loader)))
         captured: list[Any] = []
 
         def capture(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -162,13 +183,13 @@ def sample_micro_batch(
         silence_logging(model)  # outside the loop, Lightning refuses self.log
         try:
             with torch.no_grad(), contextlib.suppress(_Captured):
-                model.training_step(batch, 0)
+                getattr(model, step)(batch, 0)
         finally:
             handle.remove()
             restore_logging(model)
         if not captured:
             raise ValueError(
-                f"balance={how!r} needs a sample input: training_step did not call the pipelined "
+                f"balance={how!r} needs a sample input: {step} did not call the pipelined "
                 "Sequential on the first batch; set LightningModule.example_input_array"
             )
         sample = captured[0]

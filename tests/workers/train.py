@@ -6,7 +6,12 @@ Lightning's launcher re-runs this command for the other ranks. Every rank writes
 norms, sample indices, callback metrics, best checkpoint path, stop epoch); rank 0 (a last
 stage) also writes the full trained state.
 
-Spec keys: kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr, samples,
+A run may carry, for that run only: "net" (Net kwargs), "trainer" (Trainer kwargs), "features"
+(tests.models.feature_callbacks names), "record_logs" (a Recorder logger), "example_input"
+(example_input_array set), "predict_only" (no fit: predict on ``predict_samples`` samples),
+"validate" (trainer.validate after fit), "fit" (false: no fit), "profiler" ("simple" or
+"advanced": reports in ``out/profiles``).
+Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr, samples,
 net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
 save (checkpoint file to write after fit), save_at_train_end (written inside fit, while the
@@ -16,20 +21,28 @@ at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), p
 """
 
 import atexit
+import importlib
 import json
 import os
 import sys
 from pathlib import Path
 
-import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import Callback, EarlyStopping, ModelCheckpoint
 
-import lightning_gpipe
-from tests.models import Net, make_data, trainer_kwargs
+spec = json.loads(Path(sys.argv[1]).read_text())
+# "pytorch_lightning" (default) or "lightning.pytorch": the Trainer, module and callbacks all come from it
+os.environ["GPIPE_TEST_LIGHTNING"] = spec.get("namespace", "pytorch_lightning")
+pl = importlib.import_module(os.environ["GPIPE_TEST_LIGHTNING"])
+Callback, EarlyStopping, ModelCheckpoint = (
+    pl.Callback,
+    pl.callbacks.EarlyStopping,
+    pl.callbacks.ModelCheckpoint,
+)
+
+import lightning_gpipe  # noqa: E402
+from tests.models import Net, Recorder, feature_callbacks, make_data, trainer_kwargs  # noqa: E402
 
 torch.set_num_threads(1)
-spec = json.loads(Path(sys.argv[1]).read_text())
 out = Path(spec["out"])
 net_kwargs = dict(spec.get("net", {}))
 for key in ("record_grads", "record_params", "call_twice", "fail", "slow", "wrong_shape"):
@@ -55,7 +68,18 @@ extra: dict = {}
 
 
 def trainer_for(run, max_steps, callbacks=(), overrides=None):
-    kwargs = {**trainer_kwargs(max_steps), **spec.get("trainer", {}), **(overrides or {})}
+    kwargs = {
+        **trainer_kwargs(max_steps),
+        **spec.get("trainer", {}),
+        **run.pop("trainer", {}),
+        **(overrides or {}),
+    }
+    if run.pop("record_logs", False):
+        kwargs["logger"] = Recorder()
+    profiler = run.pop("profiler", None)  # "simple" | "advanced": a report file per rank in out/profiles
+    if profiler is not None:
+        kinds = {"simple": pl.profilers.SimpleProfiler, "advanced": pl.profilers.AdvancedProfiler}
+        kwargs["profiler"] = kinds[profiler](dirpath=out / "profiles", filename=profiler)
     strategy = lightning_gpipe.GPipeStrategy(**run)
     return pl.Trainer(strategy=strategy, devices=spec["devices"], callbacks=list(callbacks), **kwargs)
 
@@ -79,8 +103,16 @@ class SaveAtTrainEnd(Callback):
 
 for k, run in enumerate(spec["runs"]):
     pl.seed_everything(spec.get("seed", 0), verbose=False)
-    model = Net(kind, lr=spec.get("lr", 0.1), **net_kwargs)
-    callbacks: list = []
+    run = dict(run)
+    model = Net(kind, lr=spec.get("lr", 0.1), **{**net_kwargs, **run.pop("net", {})})
+    if run.pop("example_input", False):
+        model.example_input_array = torch.zeros(2, 6)
+    predict_only = run.pop("predict_only", False)
+    validate_after = run.pop(
+        "validate", False
+    )  # trainer.validate(model, val) after fit (or instead: "fit": False)
+    fit_run = run.pop("fit", True)
+    callbacks: list = feature_callbacks(run.pop("features", {}))
     if "checkpoint" in spec.get("callbacks", {}):
         callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt{k}", **spec["callbacks"]["checkpoint"]))
     if "early_stopping" in spec.get("callbacks", {}):
@@ -91,10 +123,16 @@ for k, run in enumerate(spec["runs"]):
     if spec.get("val"):
         val = make_data(kind, batch, 2, seed=2, indexed=indexed, samples=spec.get("val_samples"))
     trainer = trainer_for(run, steps, callbacks)
-    if spec.get("fit", True):
+    if spec.get("fit", True) and not predict_only and fit_run:
         trainer.fit(model, train_data(), val)
-    checkpoint_cb = callbacks[0] if callbacks and isinstance(callbacks[0], ModelCheckpoint) else None
+    if validate_after:
+        extra["validated"] = trainer.validate(model, make_data(kind, batch, 2, seed=2), verbose=False)
+    checkpoint_cb = next((c for c in callbacks if isinstance(c, ModelCheckpoint)), None)
     record = {
+        "strategy_class": type(trainer.strategy).__mro__[2].__module__,
+        "stage_compiled": getattr(model, "stage_compiled", None),
+        "chunks_used": getattr(trainer.strategy, "chunks_used", None),
+        "logged": getattr(trainer.logger, "logged", None),
         "losses": model.losses,
         "synced_losses": model.synced_losses,
         "shapes": model.shapes,
@@ -112,8 +150,23 @@ for k, run in enumerate(spec["runs"]):
     }
     if spec.get("save"):
         trainer.save_checkpoint(out / spec["save"])
-    if spec.get("predict"):
-        record["predictions"] = trainer.predict(model, make_data(kind, batch, 2, seed=2, indexed=indexed))
+    if spec.get("predict") or predict_only:
+        record["predictions"] = trainer.predict(
+            model,
+            make_data(
+                kind,
+                spec.get("predict_batch", batch),
+                2,
+                seed=2,
+                indexed=indexed,
+                samples=spec.get("predict_samples"),
+            ),
+        )
+        record["written"] = [
+            (c.batches, c.epoch)
+            for c in trainer.callbacks
+            if hasattr(c, "write_on_batch_end") and hasattr(c, "epoch")
+        ]
     if spec.get("resume"):
         model = Net(kind, lr=spec.get("lr", 0.1), **net_kwargs)
         trainer = trainer_for(run, spec["resume"]["steps"], overrides=spec["resume"].get("trainer"))
