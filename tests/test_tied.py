@@ -60,3 +60,32 @@ def test_tied_embedding_and_head_train_like_one_device(gpipe_job, tmp_path, stag
     model = Net("tied")
     model.load_state_dict(saved, strict=True)
     assert model.layers[4].weight is model.layers[0].weight
+
+
+@pytest.mark.timeout(400)
+def test_tied_checkpoint_holds_one_optimizer_state_and_resumes_like_one_device(gpipe_job, tmp_path):
+    """Save after 2 steps over 3 stages (inside fit and after): the optimizer state lists the tied weight once,
+    where one device does;
+    resuming to step 5 (its copy on the last stage takes the owner's state) equals the same resume on one device."""
+    results, _ = gpipe_job(
+        "tied", 3, [{"chunks": 3}], steps=2, save="two.ckpt", save_at_train_end="inside.ckpt",
+        resume={"ckpt": str(tmp_path / "two.ckpt"), "steps": 5}, trainer={"max_epochs": 3},
+    )  # fmt: skip
+    ckpt = torch.load(tmp_path / "two.ckpt", weights_only=False)
+    _, trainer = train_single_device("tied", 0, steps=2, return_trainer=True, trainer_extra={"max_epochs": 3})
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    one = torch.load(tmp_path / "one.ckpt", weights_only=False)
+    assert max_diff(ckpt["state_dict"], one["state_dict"]) <= 1e-5
+    plain = one["optimizer_states"][0]
+    inside = torch.load(tmp_path / "inside.ckpt", weights_only=False)  # written while partitioned
+    for saved in (ckpt, inside):
+        mine = saved["optimizer_states"][0]
+        assert mine["param_groups"][0]["params"] == plain["param_groups"][0]["params"] == [0, 1, 2]
+        assert mine["gpipe_param_names"] == ["layers.0.weight", "layers.2.weight", "layers.2.bias"]
+        for k in plain["state"]:
+            torch.testing.assert_close(mine["state"][k], plain["state"][k], rtol=0, atol=1e-5)
+    resumed = train_single_device(
+        "tied", 0, steps=5, ckpt_path=str(tmp_path / "one.ckpt"), trainer_extra={"max_epochs": 3}
+    )
+    assert max(abs(a - b) for a, b in zip(results[0]["resumed_losses"], resumed.losses)) <= 1e-5
+    assert max_diff(results[0]["state"], resumed.state_dict()) <= 1e-5

@@ -142,6 +142,11 @@ def merged_optimizer_state(
         if rank != 0:
             return {}
     stages = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+    seen: set[str] = set()
+    for _, _, stage_names in stages:  # a tied copy named as its owner (after fit, the module is whole): once
+        for group in stage_names:
+            group[:] = [PLACEHOLDER if n in seen else n for n in group]
+            seen.update(group)
     return merge_optimizer_states(
         [(drop_placeholder(sd, n), drop_placeholder_names(n)) for _, sd, n in stages]
     )
