@@ -8,6 +8,7 @@ import importlib
 
 from lightning_gpipe import _namespace
 from lightning_gpipe.failure import StageError
+from lightning_gpipe.loading import UnsafeCheckpointError, load_from_checkpoint
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.schedule import Action, fill_drain, format_grid
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError
@@ -36,7 +37,9 @@ __all__ = [
     "PipelineStage",
     "PipelineUsageError",
     "StageError",
+    "UnsafeCheckpointError",
     "fill_drain",
     "format_grid",
     "strategy_class",
+    "load_from_checkpoint",
 ]

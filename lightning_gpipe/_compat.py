@@ -46,12 +46,15 @@ __all__ = [
     "SubprocessScriptLauncher",
     "attached_trainer",
     "checkpoint_every_n_train_steps",
+    "checkpoint_offset",
     "children",
     "default_process_group_backend",
     "distributed_is_initialized",
     "flatten_dense_tensors",
     "init_dist_connection",
     "layer_sync",
+    "load_module_state",
+    "migrate_checkpoint",
     "optimizer_to_device",
     "optimizers_to_device",
     "own_buffers",
@@ -191,3 +194,25 @@ def compiled_module(compiled: OptimizedModule) -> nn.Module:
 def compile_like(compiled: OptimizedModule, module: nn.Module) -> nn.Module:
     """``module`` compiled with ``compiled``'s own ``torch.compile`` context (backend, mode, dynamic, options)."""
     return OptimizedModule(module, compiled.dynamo_ctx)
+
+
+def checkpoint_offset(storage: Any) -> int | None:
+    """Byte offset in the file of a storage that ``torch.load(map_location="meta")`` read (``None``: unknown)."""
+    offset = getattr(storage, "_checkpoint_offset", None)
+    return None if offset is None else int(offset)
+
+
+def load_module_state(
+    cls: type, checkpoint: dict[str, Any], strict: bool | None = None, **kwargs: Any
+) -> Any:
+    """Lightning's construction of a module from a checkpoint dict (``load_from_checkpoint`` without the file)."""
+    from pytorch_lightning.core.saving import _load_state
+
+    return _load_state(cls, checkpoint, strict=strict, **kwargs)
+
+
+def migrate_checkpoint(checkpoint: dict[str, Any], path: Any) -> dict[str, Any]:
+    """Lightning's upgrade of an older checkpoint dict, as ``load_from_checkpoint`` applies it."""
+    from pytorch_lightning.utilities.migration.utils import _pl_migrate_checkpoint
+
+    return _pl_migrate_checkpoint(checkpoint, checkpoint_path=path)

@@ -83,10 +83,14 @@ def report_and_abort(exception: BaseException, where: str) -> None:
         where: e.g. ``"stage 1 (rank 1)"``.
     """
     if is_peer_loss(exception):
+        from lightning_gpipe.arrival import failure_note
+
+        note = failure_note()
         _prefix_message(
             exception,
-            f"[lightning_gpipe] {where} stopped because another rank of the job failed; that rank's "
-            "error is printed above, tagged [lightning_gpipe]. Connection error: ",
+            f"[lightning_gpipe] {where} stopped because another rank of the job failed"
+            + (f" ({note})" if note else "")
+            + "; that rank's error is printed above, tagged [lightning_gpipe]. Connection error: ",
         )
     else:
         # the tag first, then the traceback: the other ranks may end this process before it exits

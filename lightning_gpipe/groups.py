@@ -14,7 +14,6 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
-import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,9 +50,9 @@ log = logging.getLogger(__name__)
 def connect(
     cluster_environment: Any, backend: str | None, timeout: timedelta | None, device: torch.device, rank: int
 ) -> str:
-    """Initialize the default process group (Lightning's rendezvous), then share rank 0's CPU RNG
-    state when the script is unseeded, so that a shuffling DataLoader hands every stage of a
-    pipeline the same batches.
+    """Initialize the default process group (Lightning's rendezvous), then give every rank rank 0's
+    random state (:func:`lightning_gpipe.start_state.share_rng_state`; nothing is re-seeded), so that
+    a shuffling DataLoader hands every stage the batches the script draws on one device.
 
     Returns:
         The backend: ``backend``, or by default the one Lightning picks for ``device``.
@@ -63,10 +62,9 @@ def connect(
     if device.type != "cpu":
         kwargs["device_id"] = device
     init_dist_connection(cluster_environment, backend, **kwargs)
-    if os.environ.get("PL_GLOBAL_SEED") is None:
-        box = [torch.get_rng_state() if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        torch.set_rng_state(box[0] if box[0] is not None else torch.get_rng_state())
+    from lightning_gpipe.start_state import share_rng_state
+
+    share_rng_state(rank)
     return backend
 
 

@@ -20,6 +20,7 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 from lightning_fabric.plugins import ClusterEnvironment
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from pytorch_lightning.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from lightning_gpipe._compat import MultiProcessingLauncher, SubprocessScriptLauncher
@@ -57,7 +58,8 @@ class _GPipeLauncherLogic(_Base):
 
     Before the children start, ``check(model)`` validates the model against the strategy's
     configuration (the pipelined Sequential exists, the balance fits it), so a bad configuration
-    fails in one process, fast.
+    fails in one process, fast. A module that overrides ``configure_model`` may build its
+    Sequential only there, once the processes run: every rank checks it at setup instead.
 
     Under Hydra (``@hydra.main``), child rank ``r`` runs :func:`hydra_child_command`: the script
     with this job's overrides only, ``hydra.run.dir`` set to this job's output directory and no
@@ -92,7 +94,13 @@ class _GPipeLauncherLogic(_Base):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         model = args[0] if args else None
-        if isinstance(model, lightning_class(pl.LightningModule, self.namespace)) and self.check is not None:
+        module_class = lightning_class(pl.LightningModule, self.namespace)
+        if (
+            isinstance(model, module_class)
+            and self.check is not None
+            # with configure_model the Sequential may not exist yet: setup checks it
+            and not is_overridden("configure_model", model, parent=module_class)
+        ):
             self.check(model)  # type: ignore[arg-type]
         try:
             results = super().launch(function, *args, trainer=trainer, **kwargs)

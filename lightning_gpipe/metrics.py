@@ -2,10 +2,12 @@
 
 Only the last stage of a pipeline computes the user's loss, metrics and ``self.log`` calls.
 Lightning's callbacks run on every rank, though, and ``ModelCheckpoint(monitor=...)``,
-``EarlyStopping`` and metric-monitoring LR schedulers must decide the same everywhere. Here the
-last stage's ``trainer.callback_metrics`` are broadcast over each pipeline before those
-callbacks run; torchmetrics metrics sync over the last stage's data-parallel replicas only;
-logging calls on the other stages (in epoch-end hooks) are dropped.
+``EarlyStopping`` and metric-monitoring LR schedulers must decide the same everywhere. After
+every step the last stage's outcome reaches the other stages (:mod:`lightning_gpipe.outcome`);
+the epoch-level values (``on_epoch=True`` aggregates, computed at the end of a training or
+validation epoch) are broadcast over each pipeline here, before the epoch-end callbacks run.
+torchmetrics metrics sync over the last stage's data-parallel replicas only; logging calls on the
+other stages (in epoch-end hooks) are dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 
-from lightning_gpipe._compat import attached_trainer, checkpoint_every_n_train_steps
+from lightning_gpipe._compat import attached_trainer
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, namespace_of, specialize
 from lightning_gpipe.state.optimizer import tensors_to_cpu
 
@@ -40,7 +42,7 @@ def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: 
 
 
 class _ShareLastStageMetricsLogic(_Base):
-    """Runs first among callbacks and calls ``share()`` where Lightning's callbacks read metrics.
+    """Runs first among callbacks and calls ``share()`` where Lightning's epoch-end callbacks read metrics.
 
     Args:
         share: shares the last stage's ``callback_metrics`` with the rest of the pipeline.
@@ -48,10 +50,6 @@ class _ShareLastStageMetricsLogic(_Base):
 
     def __init__(self, share: Any) -> None:
         self.share = share
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any, **kwargs: Any) -> None:
-        if any(checkpoint_every_n_train_steps(cb) for cb in trainer.checkpoint_callbacks):
-            self.share(trainer)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.share(trainer)

@@ -315,12 +315,13 @@ PLACEHOLDER = "_gpipe_placeholder"
 
 
 def add_placeholder_parameter(stage: nn.Module, device: torch.device) -> None:
-    """A stage without parameters (e.g. only ReLU) gets an empty one, so optimizers can be built.
+    """A stage without trainable parameters (only ReLU, or all frozen) gets an empty one, so that
+    ``configure_optimizers`` as written (even ``filter(lambda p: p.requires_grad, ...)``) builds.
 
-    It never reaches a ``state_dict``, a checkpoint or a merged optimizer state. A stage with
-    parameters is left as it is.
+    It never reaches a ``state_dict``, a checkpoint or a merged optimizer state, and loads never
+    need it. A stage with a trainable parameter is left as it is.
     """
-    if any(True for _ in stage.parameters()):
+    if any(p.requires_grad for p in stage.parameters()):
         return
     stage.register_parameter(PLACEHOLDER, nn.Parameter(torch.zeros(0, device=device)))
 
@@ -328,6 +329,13 @@ def add_placeholder_parameter(stage: nn.Module, device: torch.device) -> None:
         state.pop(prefix + PLACEHOLDER, None)
 
     register_state_dict_hook(stage, drop)
+
+    def fill(
+        module: nn.Module, state: dict[str, Any], prefix: str, *args: Any
+    ) -> None:  # loads never carry it
+        state.setdefault(prefix + PLACEHOLDER, getattr(module, PLACEHOLDER))
+
+    stage.register_load_state_dict_pre_hook(fill)
 
 
 def check_compile(compile: Any) -> bool | dict[str, Any]:

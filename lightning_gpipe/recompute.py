@@ -2,25 +2,22 @@
 
 A recomputed micro-batch keeps only its stage input during the fill; its forward runs again
 under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout masks in the
-recompute equal those of the forward) when its backward is due. BatchNorm layers do not update
-their running statistics a second time during the recompute. torchgpipe calls this module
+recompute equal those of the forward) when its backward is due. The recompute runs on the
+module state its forward saw and changes nothing (BatchNorm running statistics, other buffers,
+attributes: :mod:`lightning_gpipe.effects`, which the stage applies through ``context``). torchgpipe calls this module
 ``checkpoint.py``; here ``checkpoint=`` names the policy and saved files live in
 :mod:`lightning_gpipe.state`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import torch
-from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from lightning_gpipe._compat import BatchNormBase
-
-__all__ = ["CHECKPOINT_MODES", "check_mode", "no_running_stats_update", "recomputed", "recomputes", "run"]
+__all__ = ["CHECKPOINT_MODES", "check_mode", "recomputed", "recomputes", "run"]
 
 CHECKPOINT_MODES: tuple[str, ...] = ("always", "except_last", "never")
 """``"always"``: every micro-batch; ``"except_last"``: all but the last (its backward comes first,
@@ -66,26 +63,3 @@ def run(
         preserve_rng_state=True,
         context_fn=lambda: (nullcontext(), context()),
     )
-
-
-@contextmanager
-def no_running_stats_update(module: nn.Module) -> Iterator[None]:
-    """During recompute, BatchNorm layers run exactly as in the forward, then get their running stats back.
-
-    The recompute must save the same tensors as the forward (``torch.utils.checkpoint`` checks), so
-    the layers keep tracking; their buffers are restored afterwards, which leaves one update per
-    micro-batch.
-    """
-    saved = [
-        (m, [b.clone() for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None])
-        for m in module.modules()
-        if isinstance(m, BatchNormBase) and m.track_running_stats and m.training
-    ]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for m, copies in saved:
-                buffers = [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
-                for buf, copy in zip(buffers, copies):
-                    buf.copy_(copy)

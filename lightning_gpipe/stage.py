@@ -12,9 +12,10 @@ order, in two phases (:func:`~lightning_gpipe.schedule.split_phases`):
   output, micro-batches concatenated, as leaves detached from the pipeline's graph so that the
   user's loss backpropagates only to them; the other stages raise :class:`StageDone` to leave
   the user's step.
-- the loss message (after the user's step, :meth:`PipelineStage.share_loss`): the last stage
-  tells the others whether the step has a loss, so that Lightning calls ``backward`` on every
-  stage or on none.
+- the step outcome (after the user's step, :meth:`PipelineStage.share_outcome`,
+  :mod:`lightning_gpipe.outcome`): the last stage tells the others whether the step has a loss,
+  so that Lightning calls ``backward`` on every stage or on none, with
+  ``trainer.callback_metrics`` and ``should_stop``.
 - backward phase (when Lightning calls ``backward``): ``B i``: receive the output's gradient
   (on the last stage: split the leaves' gradients), backpropagate, send the input's gradient.
 
@@ -22,7 +23,8 @@ Every receive and send is one that :func:`~lightning_gpipe.schedule.receives` an
 :func:`~lightning_gpipe.schedule.sends` name for the action, and each phase announces to the
 transport the messages it will receive, counted from its actions
 (:func:`~lightning_gpipe.schedule.messages`). Which micro-batches recompute their forward is
-:mod:`lightning_gpipe.recompute`'s rule.
+:mod:`lightning_gpipe.recompute`'s rule; the recompute runs on the module state its forward saw
+and changes nothing (:mod:`lightning_gpipe.effects`).
 """
 
 from __future__ import annotations
@@ -41,9 +43,11 @@ from lightning_gpipe import recompute, schedule
 from lightning_gpipe._compat import children
 from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P, Meta
+from lightning_gpipe.effects import ForwardState
 from lightning_gpipe.failure import naming_errors
 from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import Batch, as_tensors, batch_size, from_tensors, join, split
+from lightning_gpipe.outcome import OutcomeChannel, apply_outcome, outcome_of
 from lightning_gpipe.partition import cut, layer_stages
 from lightning_gpipe.schedule import Action, Grid
 from lightning_gpipe.skip import MicroBatchStore, routes, use_store
@@ -116,6 +120,9 @@ class PipelineStage(nn.Sequential):
         self.active = False  # set by the strategy around every step
         self.schedule = schedule
         self.calls = 0
+        self.configuring = False  # set by the strategy around configure_optimizers
+        self._step_states: list[ForwardState] | None = None  # this forward's recomputed micro-batches
+        self.outcomes = OutcomeChannel(p2p, p2p.device)
         self._step: _Run | None = None
         self.timeline: Any = (
             None  # a lightning_gpipe.timeline.Timeline (anything with span(kind, i)), or None
@@ -156,17 +163,27 @@ class PipelineStage(nn.Sequential):
     def __getitem__(self, idx: Any) -> Any:
         """``layers[k]`` with ``k`` the layer's index in the user's whole Sequential.
 
+        While the optimizers are configured (``configure_optimizers``), a layer on another stage is
+        an empty module and a slice an ``nn.Sequential`` of this stage's layers within it, so that
+        one-device code such as ``{"params": self.layers[-1].parameters(), "lr": ...}`` builds the
+        same groups, empty where the stage holds none of their layers.
+
         Raises:
-            PipelineUsageError: layer ``k`` lives on another stage, or ``idx`` is a slice.
+            PipelineUsageError: otherwise, layer ``k`` lives on another stage, or ``idx`` is a slice.
         """
         if isinstance(idx, slice):
+            if self.configuring:
+                wanted = self.names[idx]
+                return nn.Sequential(OrderedDict((n, m) for n, m in self._modules.items() if n in wanted))
             raise PipelineUsageError(
-                "slicing the pipelined nn.Sequential is not supported under the gpipe strategy: each process "
-                f"holds only its stage's layers ({', '.join(self._modules)})"
+                "slicing the pipelined nn.Sequential is not supported under the gpipe strategy outside "
+                f"configure_optimizers: each process holds only its stage's layers ({', '.join(self._modules)})"
             )
         index = int(idx) + len(self.names) if int(idx) < 0 else int(idx)
         if 0 <= index < len(self.names) and self.names[index] in self._modules:
             return self._modules[self.names[index]]
+        if self.configuring and 0 <= index < len(self.names):
+            return nn.Module()  # held by another stage: no parameters here
         raise PipelineUsageError(
             f"layer {idx} of the pipelined nn.Sequential lives on another stage: this process runs stage "
             f"{self.topology.stage}, which holds layers {', '.join(self._modules)}; access a layer only "
@@ -229,6 +246,7 @@ class PipelineStage(nn.Sequential):
         top = self.topology
         train = self.expect_backward and torch.is_grad_enabled()
         taken: Counter[int] = Counter()
+        self._step_states = [] if train else None
         if top.is_first:
             tensors, in_tuple = as_tensors(input, "input of the pipelined nn.Sequential")
             micro_batches = split(tensors, self.chunks)
@@ -244,6 +262,9 @@ class PipelineStage(nn.Sequential):
         for action in forward:  # the rest of this phase's messages arrive while the stage computes
             self._execute(action, run)
         self._step = run if train else None
+        for state in self._step_states or ():
+            state.prune()  # tensors the fill left unchanged need no copy through the backward
+        self._step_states = None
         if not top.is_last:
             self.p2p.flush()
             raise StageDone
@@ -319,7 +340,12 @@ class PipelineStage(nn.Sequential):
     def _compute(self, i: int, chunks: int, x: Batch, train: bool, store: MicroBatchStore) -> Any:
         if not (train and recompute.recomputes(self.checkpoint_mode, i, chunks)):
             return self.local_forward(x, store)
-        return recompute.run(self.local_forward, x, store, context=lambda: self._recompute_context(i))
+        # what this forward changes, it changes once (the recompute replays it); the layers, not the
+        # stage: iterating the stage inside a step is refused
+        state = ForwardState.capture(self._modules.values())
+        if self._step_states is not None:
+            self._step_states.append(state)
+        return recompute.run(self.local_forward, x, store, context=lambda: self._recompute_context(i, state))
 
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
         """Errors of this stage's layers re-raised as a :class:`~lightning_gpipe.failure.StageError`."""
@@ -328,43 +354,44 @@ class PipelineStage(nn.Sequential):
         return naming_errors(top.stage, self.layer_names, first, phase, i, x, keep=(PipelineUsageError,))
 
     @contextmanager
-    def _recompute_context(self, i: int) -> Iterator[None]:
-        with self._span("recompute", i), recompute.no_running_stats_update(self), no_accumulate():
+    def _recompute_context(self, i: int, state: ForwardState) -> Iterator[None]:
+        with self._span("recompute", i), state.replay(self._modules.values()), no_accumulate():
             yield
 
-    # -- the loss message -------------------------------------------------------------------
+    # -- the step outcome --------------------------------------------------------------------
 
-    def share_loss(self, out: Any) -> Any:
-        """The last stage tells the others whether the step has a loss (and its value).
+    def share_outcome(self, out: Any, trainer: Any, training: bool) -> Any:
+        """The last stage sends its step outcome to the other stages, which install it (:mod:`lightning_gpipe.outcome`).
 
-        Call after a training step whose forward ran. On the last stage ``out`` is the user's
-        step output and is returned; it sends float64 ``[has_loss, value]`` to every other stage
-        of its pipeline. The others return that value as a scalar that requires grad (so that
-        Lightning calls ``backward`` on every stage), or ``None`` when the step has no loss (a
-        ``training_step`` returning ``None``; Lightning itself refuses that when several
-        processes run), and then drop what the forward kept.
+        Call after a step whose forward ran, before Lightning runs any hook. On the last stage
+        ``out`` is the user's step output and is returned; it sends whether the step has a loss
+        (and its value), ``trainer.should_stop`` and ``trainer.callback_metrics`` to every other
+        stage of its pipeline. After a training step the others return the loss value as a scalar
+        that requires grad (so that Lightning calls ``backward`` on every stage), or ``None`` when
+        the step has no loss (a ``training_step`` returning ``None``; Lightning itself refuses that
+        when several processes run), and then drop what the forward kept.
         """
         top = self.topology
         if top.stages == 1:
             return out
+        self.outcomes.p2p = self.p2p  # the stage's transport, whichever it holds now
         if top.is_last:
-            loss = out.get("loss") if isinstance(out, dict) else out
-            has = isinstance(loss, Tensor)
-            value = float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else 0.0
-            message = torch.tensor([float(has), value], dtype=torch.float64, device=self.p2p.device)
+            outcome = outcome_of(trainer, out if training else None)
             for rank in top.ranks[:-1]:
-                self.p2p.send([message], rank)
-            if not has:
+                self.outcomes.send(outcome, rank)
+            if not (training and outcome.has_loss):
                 self.p2p.flush()
                 self.backward_skipped()
             # else the backward's own flush waits for these sends: the drain starts now
             return out
-        _, (message,) = self.p2p.recv(top.ranks[-1])
-        has, value = message.tolist()
-        if not has:
+        outcome = self.outcomes.receive(top.ranks[-1])
+        apply_outcome(trainer, outcome)
+        if not training:
+            return out
+        if not outcome.has_loss:
             self.backward_skipped()
             return None
-        return torch.tensor(value, device=self.p2p.device, requires_grad=True)
+        return torch.tensor(outcome.loss, device=self.p2p.device, requires_grad=True)
 
     # -- the backward phase -----------------------------------------------------------------
 

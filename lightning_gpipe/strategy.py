@@ -13,9 +13,11 @@ and installing the stage (:mod:`~lightning_gpipe.partition`), saved state
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import os
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,6 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.utilities.seed import reset_seed
 from lightning_fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.plugins.precision import Precision
@@ -37,17 +38,30 @@ from typing_extensions import override
 
 from lightning_gpipe import _compat, groups, metrics, partition, precision, state, tied
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of, specialize
+from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, watch_signals
 from lightning_gpipe.balance.choose import check_balance_spec, choose_balance, log_choice, profiled
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.callbacks import adapt_callbacks, restore_callbacks
+from lightning_gpipe.comm import P2P
 from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
 from lightning_gpipe.launcher import GPipeForkLauncher, GPipeLauncher
 from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
+from lightning_gpipe.loading import (
+    CHECKPOINT_SOURCE,
+    LazyCheckpoint,
+    UnsafeCheckpointError,
+    copy_into,
+    meta_tensors,
+    safe,
+    stage_part,
+)
+from lightning_gpipe.materialize import global_seed, has_meta, load_layers, materialize_layers
 from lightning_gpipe.microbatch import check_chunks
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.recompute import check_mode
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageDone, build_stage
+from lightning_gpipe.start_state import send_rank0_state
 from lightning_gpipe.state import sharded
 from lightning_gpipe.state.optimizer import tensors_to_cpu
 from lightning_gpipe.timeline import Timeline, publish
@@ -104,6 +118,10 @@ class _GPipeStrategyLogic(_Base):
             moments), for ``balance="memory"``.
         checkpoint_format: ``"full"``: one Lightning checkpoint file, as the plain module's;
             ``"sharded"``: a directory, one shard per stage; both atomic (:mod:`lightning_gpipe.state`).
+        collective_timeout: seconds every rank waits for the others at an operation that needs them
+            all (barriers, broadcasts, ``reduce_boolean_decision``, gathering state for a checkpoint,
+            sharing epoch metrics) before it fails with :class:`lightning_gpipe.arrival.CollectiveTimeout`
+            naming the operation and the ranks that did not arrive (:mod:`lightning_gpipe.arrival`).
         compile: compile every stage's layers with ``torch.compile``: ``True`` (defaults) or a dict
             of its arguments (``{"backend": ..., "mode": ..., "dynamic": ...}``), applied after the
             cut, as Lightning's FSDP/ModelParallel strategies compile after wrapping. A Sequential
@@ -114,6 +132,13 @@ class _GPipeStrategyLogic(_Base):
         start_method: ``"popen"``: the other ranks re-run the script (Lightning's default launcher);
             ``"fork"``: every rank is forked from this process, for Jupyter and ``python -i``
             (``strategy="gpipe_notebook"``, as ``ddp_notebook`` for DDP).
+        weights_only: how checkpoint files are unpickled when ``fit``/``validate``/``test``/
+            ``predict`` get ``ckpt_path=``: ``None`` or ``True``, torch's safe unpickler
+            (tensors, containers, primitive types; anything else is refused with
+            :class:`~lightning_gpipe.loading.UnsafeCheckpointError`, naming the file); ``False``,
+            full pickle, which runs whatever the file names (only for files you trust).
+            Lightning does not hand ``trainer.fit(weights_only=...)`` to strategies that restore
+            after setup, so the opt-in is given here.
 
     Raises:
         ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
@@ -145,8 +170,10 @@ class _GPipeStrategyLogic(_Base):
         checkpoint_format: str = "full",
         optimizer_state_factor: float = 2.0,
         deferred_batch_norm: bool = False,
+        collective_timeout: float = 30.0,
         compile: bool | dict[str, Any] = False,
         start_method: str = "popen",
+        weights_only: bool | None = None,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.chunks = check_chunks(chunks) if chunks is not None else None
@@ -158,6 +185,14 @@ class _GPipeStrategyLogic(_Base):
         self.gradient_clip_norm_type = float(gradient_clip_norm_type)
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.deferred_batch_norm = bool(deferred_batch_norm)
+        if not collective_timeout > 0:
+            raise ValueError(
+                f"collective_timeout must be > 0 seconds (collective_timeout: {collective_timeout!r})"
+            )
+        self.collective_timeout = float(collective_timeout)
+        if weights_only not in (None, True, False):
+            raise ValueError(f"weights_only must be None, True or False (weights_only: {weights_only!r})")
+        self.weights_only = weights_only
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self.balance_used: list[int] | None = None  # the balance the stages were cut with
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
@@ -194,6 +229,9 @@ class _GPipeStrategyLogic(_Base):
         """Set by the Trainer's connector first: the strategy takes the class of the Trainer's namespace."""
         adopt(self, namespace_of(accelerator))
         self._accelerator = accelerator
+        self._lazy_checkpoint: LazyCheckpoint | None = None  # the full checkpoint being restored
+        # the Sequential was built on the meta device: each rank holds only its stage
+        self._stage_only = False
 
     # -- topology ------------------------------------------------------------------------------
 
@@ -283,15 +321,36 @@ class _GPipeStrategyLogic(_Base):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        reset_seed()
         self.set_world_ranks()
         env, backend, device = self.cluster_environment, self.process_group_backend, self.root_device
         self.process_group_backend = groups.connect(env, backend, self._timeout, device, self.global_rank)
         if self._groups is None:
             self._groups = groups.new_groups(self.layout, self.global_rank)
         groups.close_at_exit(self)
+        watch_signals(SIGNAL_GRACE_S, on_signal=self._forward_signal)
 
     # -- the model -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Where ``Trainer.init_module`` and ``configure_model`` create tensors.
+
+        ``empty_init=True``, and ``None`` inside ``configure_model`` (which runs on every rank
+        once the processes are up): on the meta device; at setup the strategy cuts the meta
+        Sequential and materializes only this rank's stage (:mod:`lightning_gpipe.materialize`:
+        each layer initialized by its ``reset_parameters()`` from a stream seeded by the global
+        seed and the layer's index, the same for any stage count). Otherwise (``False``, or
+        ``None`` before the processes start), Lightning's default: on this rank's device.
+        The precision plugin's dtype applies either way.
+        """
+        meta = empty_init is True or (empty_init is None and _compat.distributed_is_initialized())
+        if not meta:
+            with super().tensor_init_context(empty_init=empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
         """Raise before any process starts if the model cannot be cut (:func:`.partition.check_model`).
@@ -309,12 +368,25 @@ class _GPipeStrategyLogic(_Base):
         """Cut the user's Sequential and put this rank's :class:`PipelineStage` in its place."""
         model = self._module
         name, seq, balance = self.check_model(model)
+        self._stage_only = has_meta(seq)
+        if self._stage_only and self.balance in ("time", "memory"):
+            raise ValueError(
+                f"balance={self.balance!r} profiles the whole model on rank 0, but it was built on the meta device "
+                "(Trainer.init_module(empty_init=True) or configure_model) to hold only one stage per rank; "
+                "use balance='parameters', 'uniform' or a list of layers per stage"
+            )
         balance = choose_balance(
             self.balance, model, seq, balance, stages=self.layout.stages, chunks=self.chunks_used,
             device=self.root_device, rank=self.global_rank, broadcast=self.broadcast,
             to_device=self.batch_to_device, optimizer_state_factor=self.optimizer_state_factor,
         )  # fmt: skip
         partition.check_tied_parameters(seq, balance)
+        if self._stage_only:
+            self._materialize_stage(model, name, seq, balance)
+        else:
+            # every stage starts from global rank 0's weights (replicas d > 0 then take replica 0's in setup)
+            stages = [partition.cut(seq, balance, s) for s in range(self.layout.stages)]
+            send_rank0_state(stages, self.layout, self.global_rank, P2P(self.root_device))
         stage = build_stage(
             seq, balance, self.layout, self.global_rank, self.chunks_used, self.checkpoint, self.root_device
         )
@@ -324,6 +396,14 @@ class _GPipeStrategyLogic(_Base):
         if stage_compile is not None:
             stage.compile(stage_compile)
         self._stage = stage
+        left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+        if left:
+            shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
+            raise ValueError(
+                f"{len(left)} tensors outside the pipelined nn.Sequential are on the meta device ({shown}); only "
+                "the Sequential's layers are materialized per stage: create the rest outside "
+                "Trainer.init_module(empty_init=True) and configure_model's layers"
+            )
         if self.timeline:
             replica = self.layout.replica_of(self.global_rank)
             self._timeline = stage.timeline = Timeline(
@@ -340,13 +420,34 @@ class _GPipeStrategyLogic(_Base):
         where = f"rank {self.global_rank} runs stage {self.stage_index}/{self.layout.stages}"
         log.info(f"gpipe: {where} with layers {stage.layer_names}")
 
+    def _materialize_stage(
+        self, model: pl.LightningModule, name: str, seq: nn.Sequential, balance: list[int]
+    ) -> None:
+        """Give this stage's meta layers real tensors on this rank's device; the other stages' stay meta.
+
+        A module from :func:`lightning_gpipe.load_from_checkpoint` reads them from its checkpoint;
+        otherwise each layer is initialized by :func:`lightning_gpipe.materialize.materialize_layers`
+        (its ``reset_parameters()``, from a random stream of the global seed and the layer's index).
+        """
+        layers = partition.cut(seq, balance, self.stage_index)
+        source = getattr(model, CHECKPOINT_SOURCE, None)
+        if source is None:
+            start = partition.stage_bounds(balance)[self.stage_index][0]
+            indexed = [(start + j, layer) for j, (_, layer) in enumerate(layers)]
+            materialize_layers(indexed, global_seed(), self.root_device)
+            return
+        path, weights_only = source
+        lazy = LazyCheckpoint(path, weights_only)
+        load_layers(layers, name + ".", lazy.data.get("state_dict", {}), lazy.read_into, self.root_device)
+
     def _unpartition(self) -> None:
         """Put the user's full Sequential back, loaded with every stage's trained state."""
         if self._installed is None or self._stage is None:
             return
         self.last_received_skips = list(self._stage.received_skips)
         full = None
-        if not self._failed and _compat.distributed_is_initialized():
+        if not self._failed and not self._stage_only and _compat.distributed_is_initialized():
+            self._arrive("gathering the model's state (end of fit)")
             full = state.gather_sequential_state(
                 self._stage, self.layout, self.global_rank, to_all=True, tied=self.tied
             )
@@ -407,8 +508,12 @@ class _GPipeStrategyLogic(_Base):
             setattr(installed.parent, installed.attr, self._stage)
 
     def _setup_optimizers(self, trainer: pl.Trainer) -> None:
-        partition.add_placeholder_parameter(self._pipe, self.root_device)  # if it has no parameters
-        self.setup_optimizers(trainer)
+        partition.add_placeholder_parameter(self._pipe, self.root_device)  # if none is trainable
+        self._pipe.configuring = True  # layers of other stages are empty there (PipelineStage.__getitem__)
+        try:
+            self.setup_optimizers(trainer)
+        finally:
+            self._pipe.configuring = False
         if len(self.optimizers) > 1:
             raise ValueError(
                 f"configure_optimizers returned {len(self.optimizers)} optimizers; the gpipe strategy runs one "
@@ -459,15 +564,21 @@ class _GPipeStrategyLogic(_Base):
                     "wrongly; call the Sequential itself (it may be torch.compile-d: the strategy compiles each stage)"
                 )
             return out
-        return stage.share_loss(out)
+        return stage.share_outcome(out, _compat.attached_trainer(self._module), training=True)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return _none_if_done(self._pipe.run_step(super().validation_step, False, *args, **kwargs))
+        return self._eval_step(super().validation_step, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return _none_if_done(self._pipe.run_step(super().test_step, False, *args, **kwargs))
+        return self._eval_step(super().test_step, *args, **kwargs)
+
+    def _eval_step(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
+        out = _none_if_done(self._pipe.run_step(hook, False, *args, **kwargs))
+        if not self._pipe.ran_forward:
+            return out
+        return self._pipe.share_outcome(out, _compat.attached_trainer(self._module), training=False)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -535,12 +646,24 @@ class _GPipeStrategyLogic(_Base):
 
     # -- collectives ----------------------------------------------------------------------------
 
+    def _arrive(self, operation: str, ranks: list[int] | None = None) -> None:
+        """Fail within ``collective_timeout`` seconds, naming the ranks missing, if some never reach ``operation``."""
+        arrive(operation, self.collective_timeout, ranks)
+
+    def _forward_signal(self, signum: int) -> None:
+        """On SIGTERM/SIGINT, the launching rank passes the signal on to the ranks it started."""
+        kill = getattr(self._launcher, "kill", None)
+        if callable(kill):
+            kill(signum)
+
     def share_last_stage_metrics(self, trainer: pl.Trainer) -> None:
         """Give every stage of each pipeline its last stage's ``trainer.callback_metrics``."""
         layout = self.layout
         if layout.stages == 1 or self._groups is None or not _compat.distributed_is_initialized():
             return
-        src = layout.rank(layout.replica_of(self.global_rank), layout.stages - 1)
+        replica = layout.replica_of(self.global_rank)
+        src = layout.rank(replica, layout.stages - 1)
+        self._arrive(f"sharing epoch metrics over pipeline {replica}", layout.pipeline_ranks(replica))
         metrics.share_last_stage_metrics(trainer, src, self._groups.pipeline, self.root_device)
 
     @override
@@ -553,14 +676,20 @@ class _GPipeStrategyLogic(_Base):
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
+        if _compat.distributed_is_initialized():
+            self._arrive("reduce_boolean_decision")
         return groups.all_agree(decision, self.root_device, everyone=all)
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        if _compat.distributed_is_initialized():
+            self._arrive(f"barrier {name!r}" if name else "barrier")
         groups.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if _compat.distributed_is_initialized():
+            self._arrive("broadcast")
         return groups.broadcast_object(obj, src)
 
     # -- checkpoints (lightning_gpipe.state) -----------------------------------------------------
@@ -584,17 +713,42 @@ class _GPipeStrategyLogic(_Base):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read this rank's part of a checkpoint, with torch's safe unpickler unless ``weights_only=False``.
+
+        ``weights_only`` (or, when ``None``, the strategy's ``weights_only``) decides how every
+        file is unpickled, the sharded checkpoint's metadata included. A full checkpoint file is
+        read stage by stage (:func:`lightning_gpipe.loading.stage_part`): the other stages'
+        tensors are never read, this stage's are read when loaded.
+
+        Raises:
+            UnsafeCheckpointError: the safe unpickler refuses the file (the message names it
+                and the opt-in).
+        """
+        weights_only = self.weights_only if weights_only is None else weights_only
         if sharded.is_sharded(checkpoint_path):
-            return sharded.load_sharded(checkpoint_path, self._module, self._torch_optimizers)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            return sharded.load_sharded(checkpoint_path, self._module, self._torch_optimizers, weights_only)
+        if not os.path.isfile(
+            checkpoint_path
+        ):  # a remote path: the CheckpointIO reads it, safely unless opted out
+            return super().load_checkpoint(checkpoint_path, weights_only=safe(weights_only))
+        self._lazy_checkpoint = LazyCheckpoint(checkpoint_path, weights_only)
+        plain = partition.plain_parameter_names(self._installed) if self._installed is not None else None
+        return stage_part(self._lazy_checkpoint, self.lightning_module, plain)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
+        if self._stage is None and has_meta(self._module):
+            raise RuntimeError(
+                f"{type(self._module).__name__} was built on the meta device and each rank holds only its own "
+                "stage outside fit/validate/test; save checkpoints while the trainer runs (ModelCheckpoint, or "
+                "trainer.save_checkpoint from a callback)"
+            )
         if self._stage is None or self._installed is None or not _compat.distributed_is_initialized():
             return self._module.state_dict()
+        self._arrive("gathering the model's state (save_checkpoint)")
         return state.user_state_dict(
             self._module, self._stage, self._installed.name, self.layout, self.global_rank, self.tied
         )
@@ -605,8 +759,11 @@ class _GPipeStrategyLogic(_Base):
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
         optimizer = _compat.unwrap_optimizer(optimizer)
+        if _compat.distributed_is_initialized() and self.layout.world_size > 1:
+            self._arrive("gathering optimizer states (save_checkpoint)")
+        order = partition.plain_parameter_names(self._installed) if self._installed is not None else None
         return state.merged_optimizer_state(
-            optimizer, self._module, self.layout, self.global_rank, self._tied_aliases()
+            optimizer, self._module, self.layout, self.global_rank, order, self._tied_aliases()
         )
 
     @override
@@ -616,9 +773,11 @@ class _GPipeStrategyLogic(_Base):
         if checkpoint.get(sharded.SHARDED_KEY):
             return sharded.set_sharded_optimizer_states(self._module, self._torch_optimizers, states)
         plain = partition.plain_parameter_names(self._installed) if self._installed is not None else None
+        lazy = self._lazy_checkpoint
         state.load_optimizer_states(
-            self._module, self._torch_optimizers, states, plain, self.root_device, self._tied_aliases()
-        )
+            self._module, self._torch_optimizers, states, plain, self.root_device,
+            tied_aliases=self._tied_aliases(), read=lazy.materialize if lazy is not None else None,
+        )  # fmt: skip
 
     def _tied_aliases(self) -> dict[str, str | None]:
         """This stage's names (in the model) of tied parameters: the owner's name, or ``None`` on the owner."""
@@ -635,6 +794,14 @@ class _GPipeStrategyLogic(_Base):
         if self._stage is not None:
             wanted = set(self._module.state_dict())
             state_dict = {k: v for k, v in state_dict.items() if k in wanted}
+        lazy = self._lazy_checkpoint
+        if lazy is not None and any(True for _ in meta_tensors(state_dict)):
+            # this stage's tensors, read from the file one at a time straight into the module's
+            target = self._module.state_dict()
+            if not strict:
+                target = {k: v for k, v in target.items() if k in state_dict}
+            copy_into(target, state_dict, lazy.read_into)
+            return
         self._module.load_state_dict(state_dict, strict=strict)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -666,6 +833,12 @@ class _GPipeStrategyLogic(_Base):
             restore_callbacks(module.trainer)
         metrics.remove_metric_sharing(self.lightning_module, self._metric_sharing)
         self._metric_sharing = None
+        self._lazy_checkpoint = None
+        if self._stage_only:
+            # Lightning moves the module to the CPU: first the stage alone, not the other stages' meta layers
+            super().teardown()
+            self._unpartition()
+            return
         self._unpartition()
         super().teardown()
 
@@ -694,4 +867,4 @@ def _none_if_done(out: Any) -> Any:
     return None if out is StageDone else out
 
 
-__all__ = ["GPipeStrategy", "PartitionError"]
+__all__ = ["GPipeStrategy", "PartitionError", "UnsafeCheckpointError"]

@@ -109,6 +109,81 @@ class Slow(nn.Module):
         return self.layer(x)
 
 
+class Counter(nn.Module):
+    """Identity that counts in training: a persistent buffer, an int attribute and a list attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.calls, self.sizes = 0, []
+
+    def forward(self, x):
+        if self.training:
+            self.seen += x.shape[0]
+            self.calls += 1
+            self.sizes.append(x.shape[0])
+        return x
+
+    def effects(self) -> dict:
+        return {"calls": self.calls, "sizes": list(self.sizes)}
+
+
+class EmaCenter(nn.Module):
+    """``x - mean``, then (training) ``mean`` moves halfway to the batch mean: the output depends on the buffer."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(dim))
+
+    def forward(self, x):
+        y = x - self.mean
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.5).add_(0.5 * x.mean(0))
+        return y
+
+
+class SpectralLinear(nn.Module):
+    """A spectral-normed Linear (power iteration updates buffers in place) and a forward hook that counts."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.spectral_norm(nn.Linear(dim, dim))
+        self.hook_calls = 0
+        self.register_forward_hook(SpectralLinear._count)
+
+    @staticmethod
+    def _count(module, args, output):
+        module.hook_calls += 1
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def effects(self) -> dict:
+        return {"hook_calls": self.hook_calls}
+
+
+class MetricTap(nn.Module):
+    """Dropout whose input's mean a torchmetrics metric tracks in training."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(p)
+        self.metric = torchmetrics.MeanMetric()
+
+    def forward(self, x):
+        if self.training:
+            self.metric.update(x.detach().mean())
+        return self.drop(x)
+
+    def effects(self) -> dict:
+        return {
+            "updates": self.metric._update_count,
+            "sum": self.metric.mean_value.item(),
+            "n": self.metric.weight.item(),
+        }
+
+
 class Concat(nn.Module):
     def forward(self, x, skip):
         return torch.cat([x, skip], dim=-1)
@@ -134,6 +209,16 @@ def build_layers(kind: str) -> nn.Sequential:
             Pop("enc", Concat()),
             nn.Linear(16, 3),
         )
+    if kind == "effects":  # forwards that change more than their output; balance [3, 4]
+        return nn.Sequential(
+            nn.Linear(6, 16),
+            Counter(),
+            SpectralLinear(16),
+            EmaCenter(16),
+            MetricTap(0.2),
+            nn.Tanh(),
+            nn.Linear(16, 3),
+        )
     if kind == "ids":  # the first stage receives token ids only
         return nn.Sequential(nn.Embedding(11, 8), nn.Tanh(), nn.Linear(8, 3))
     if kind == "tied":  # the embedding (stage 0) is the head's weight (last stage): tied across stages
@@ -150,6 +235,10 @@ def build_layers(kind: str) -> nn.Sequential:
             nn.Linear(16, 16),
             nn.BatchNorm1d(16),
             nn.Linear(16, 3),
+        )
+    if kind == "ln":  # balance [4, 2]: stage 1 starts with the LayerNorm
+        return nn.Sequential(
+            nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 3)
         )
     if kind == "seq":
         return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 2))
@@ -180,6 +269,10 @@ class Net(pl.LightningModule):
         two_optimizers: bool = False,
         log_first: bool = False,
         record_params: bool = False,
+        pretrained_seed: int | None = None,
+        plateau: bool = False,
+        stop_at: int | None = None,
+        groups: str | None = None,
         compile_layers: dict | None = None,
         stale_forward: bool = False,
         iterate_layers: bool = False,
@@ -191,6 +284,8 @@ class Net(pl.LightningModule):
         self.lrs: list[float] = []
         self.record_params = record_params
         self.params: list[dict[str, torch.Tensor]] = []  # after every step, with record_params
+        self.plateau, self.stop_at, self.groups = plateau, stop_at, groups
+        self.step_lrs: list[float] = []  # the learning rate each step uses
         self.layers = build_layers(kind)
         if wrong_shape:  # stage 1 of 3 hands stage 2 (N, 17) where Linear(16, 3) expects (N, 16)
             self.layers[2] = nn.Linear(16, 17)
@@ -198,6 +293,11 @@ class Net(pl.LightningModule):
             self.layers[fail["layer"]] = FailAt(self.layers[fail["layer"]], fail["where"], fail["at"])
         if slow:  # {"layer": index, "seconds": sleep per forward call}
             self.layers[slow["layer"]] = Slow(self.layers[slow["layer"]], slow["seconds"])
+        if pretrained_seed is not None and os.environ.get("LOCAL_RANK", "0") == "0":
+            # "pretrained" weights loaded on local rank 0 only (the random draws leave no trace)
+            with torch.random.fork_rng():
+                torch.manual_seed(pretrained_seed)
+                self.layers.load_state_dict(build_layers(kind).state_dict())
         if freeze_first:
             self.layers[0].requires_grad_(False)
         self.iterate_layers = iterate_layers  # `for layer in self.layers:` inside the step
@@ -240,7 +340,12 @@ class Net(pl.LightningModule):
         self.losses.append(loss.item())
         self.shapes.append(tuple(out.shape))
         self.log("train_loss", loss, sync_dist=self.sync_dist)
+        if batch_idx == self.stop_at:  # decided after the pipelined call: on the last stage only
+            self.trainer.should_stop = True
         return loss
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self.step_lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_train_start(self):
         self.stage_compiled = (
@@ -288,9 +393,40 @@ class Net(pl.LightningModule):
         )
 
     def configure_optimizers(self):
+        if self.groups == "frozen":  # the usual idiom with frozen layers
+            return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=0.01)
+        if self.groups == "head":  # one-device code naming layers: the head's group is empty on other stages
+            return torch.optim.AdamW(
+                [
+                    {"params": self.layers[-1].parameters(), "lr": 0.05},
+                    {"params": self.layers[:-1].parameters()},
+                ],
+                lr=0.01,
+            )
+        if self.groups is not None:
+            # AdamW with decay / no-decay groups in the order they first occur in named_parameters();
+            # "bias_norm": biases and norms not decayed; "norm": norms only
+            def no_decay(name: str) -> bool:
+                return name.startswith("layers.4.") or (self.groups == "bias_norm" and name.endswith("bias"))
+
+            made: dict[bool, list] = {}
+            for name, p in self.named_parameters():
+                if p.requires_grad:
+                    made.setdefault(no_decay(name), []).append(p)
+            return torch.optim.AdamW(
+                [{"params": ps, "weight_decay": 0.0 if nd else 0.1} for nd, ps in made.items()], lr=0.01
+            )
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         if self.two_optimizers:
             return [optimizer, torch.optim.SGD(self.parameters(), lr=self.lr)]
+        if self.plateau:  # halves the learning rate after every step (threshold 10: never an improvement)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(
+                optimizer, "min", factor=0.5, patience=0, threshold=10
+            )
+            return {
+                "optimizer": optimizer,
+                "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss", "interval": "step"},
+            }
         if self.scheduler:
             return {
                 "optimizer": optimizer,
@@ -310,8 +446,9 @@ def make_data(
     indexed: bool = False,
     samples: int | None = None,
     order: list[list[int]] | None = None,
+    shuffle: bool = False,
 ):
-    """A loader whose order is fixed (no shuffle), ``steps`` batches of ``batch`` samples.
+    """A loader of ``steps`` batches of ``batch`` samples, in a fixed order unless ``shuffle``.
 
     ``indexed`` appends each sample's index to the batch; ``samples`` sets the dataset size
     (default ``batch × steps``); ``order`` gives the sample indices of each batch explicitly.
@@ -319,13 +456,13 @@ def make_data(
     g = torch.Generator().manual_seed(seed)
     n = samples or batch * steps
     extra = (torch.arange(n),) if indexed else ()
-    if kind in ("mlp", "dropout", "bn", "lrl", "cls", "unet"):
+    if kind in ("mlp", "dropout", "bn", "lrl", "cls", "unet", "effects", "ln"):
         x = torch.randn(n, 6, generator=g)
         y = torch.randint(0, 3, (n,), generator=g) if kind == "cls" else torch.randn(n, 3, generator=g)
         data = TensorDataset(x, y, *extra)
         if order is not None:
             return DataLoader([data[idx] for idx in order], batch_size=None, shuffle=False)
-        return DataLoader(data, batch_size=batch, shuffle=False)
+        return DataLoader(data, batch_size=batch, shuffle=shuffle)
     if kind in ("ids", "tied"):
         width = 3 if kind == "ids" else 11
         data = TensorDataset(
@@ -464,3 +601,68 @@ def feature_callbacks(names: dict) -> list:
         "writer": lambda kw: Writer(**kw),
     }
     return [made[name](kw) for name, kw in names.items()]
+
+
+def build_lazy_layers(kind: str, size: dict | None = None) -> nn.Sequential:
+    """Layers of :class:`LazyNet`: ``"mlp"`` (as :class:`Net`'s) or a decoder-only ``"transformer"``."""
+    if kind == "transformer":
+        from recipes.models.transformer import build_transformer
+
+        return build_transformer(**(size or {}))
+    return build_layers(kind)
+
+
+class LazyNet(pl.LightningModule):
+    """A module for the large-model path: its Sequential is built in ``configure_model`` (``deferred``) or in
+    ``__init__``; Adam (or SGD with momentum); records its losses (last stage).
+    """
+
+    def __init__(
+        self,
+        kind: str = "mlp",
+        lr: float = 0.01,
+        deferred: bool = True,
+        size: dict | None = None,
+        optimizer: str = "adam",
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.kind, self.lr, self.size, self.optimizer = kind, lr, size, optimizer
+        self.layers = None if deferred else build_lazy_layers(kind, size)
+        self.whole = [self.layers]  # the whole Sequential, kept (not as a submodule) for the tests to inspect
+        self.losses: list[float] = []
+
+    def configure_model(self):
+        if self.layers is None:
+            self.layers = build_lazy_layers(self.kind, self.size)
+            self.whole = [self.layers]
+
+    def forward(self, x):
+        return self.layers(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        if self.kind == "transformer":
+            loss = F.cross_entropy(out.flatten(0, -2), y.flatten())
+        else:
+            loss = F.mse_loss(out, y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+def make_lazy_data(kind: str, batch: int, steps: int, size: dict | None = None, seed: int = 1):
+    """Data for :class:`LazyNet`: ``make_data("mlp")``, or random token ids (inputs, next tokens)."""
+    if kind != "transformer":
+        return make_data(kind, batch, steps, seed=seed)
+    size = size or {}
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(
+        0, size.get("vocab_size", 256), (batch * steps, size.get("seq_len", 64) + 1), generator=g
+    )
+    return DataLoader(TensorDataset(ids[:, :-1], ids[:, 1:]), batch_size=batch, shuffle=False)

@@ -248,3 +248,31 @@ def test_throughputs():
 
     monitor = ThroughputMonitor(batch_size_fn=len)
     assert _compat.throughputs(monitor) == []  # filled in setup, one per running stage
+
+
+def test_checkpoint_offset(tmp_path):
+    data = torch.arange(6, dtype=torch.float32)
+    torch.save({"x": data}, tmp_path / "c.pt")
+    meta = torch.load(tmp_path / "c.pt", map_location="meta", weights_only=True)["x"]
+    offset = _compat.checkpoint_offset(meta.untyped_storage())
+    raw = (tmp_path / "c.pt").read_bytes()[offset : offset + data.numel() * 4]
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32), data)
+
+
+class _Hparams(pl.LightningModule):
+    def __init__(self, width: int = 2):
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = nn.Linear(width, 1)
+
+
+def test_load_module_state():
+    saved = _Hparams(width=3)
+    checkpoint = {"state_dict": saved.state_dict(), "hyper_parameters": {"width": 3}}
+    model = _compat.load_module_state(_Hparams, checkpoint, strict=True)
+    assert model.layer.in_features == 3 and torch.equal(model.layer.weight, saved.layer.weight)
+
+
+def test_migrate_checkpoint():
+    checkpoint = {"state_dict": {}, "pytorch-lightning_version": pl.__version__}
+    assert _compat.migrate_checkpoint(checkpoint, None)["state_dict"] == {}

@@ -139,7 +139,7 @@ def _step(seq, balance, chunks, x, y, checkpoint="except_last"):
         forward[stage.topology.stage] = stage.p2p.phase()
     loss = nn.functional.mse_loss(out, y)
     for stage in reversed(stages):  # the last stage sends the loss message before the others take it
-        assert stage.share_loss(loss if stage.topology.is_last else None) is not None
+        assert stage.share_outcome(loss if stage.topology.is_last else None, None, training=True) is not None
         if not stage.topology.is_last:
             assert stage.p2p.phase() == (Counter(), Counter({stage.topology.ranks[-1]: 1}))  # unannounced
     loss.backward()

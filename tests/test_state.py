@@ -101,15 +101,17 @@ def test_placeholder_parameter_never_reaches_state_dict_or_merged_state():
 
 
 def test_merge_and_split_refuse_mismatched_groups_and_unknown_parameters():
+    """Stages may hold different numbers of groups (issue 10: [1, 2] merges by hyper-parameters); a local
+    group whose parameters the checkpoint keeps in two groups, or an unknown parameter, is refused."""
     model = _model()
     _, stages = _trained(model)
     one_group = ({**stages[1][0], "param_groups": stages[1][0]["param_groups"][:1]}, stages[1][1][:1])
-    with pytest.raises(CheckpointError, match=r"different numbers of optimizer parameter groups: \[1, 2\]"):
-        merge_optimizer_states([stages[0], one_group])
+    assert len(merge_optimizer_states([stages[0], one_group])["param_groups"]) == 2
     merged = merge_optimizer_states(stages)
     with pytest.raises(CheckpointError, match="'elsewhere.weight' has no optimizer state"):
         split_optimizer_state(merged, [["elsewhere.weight"], []])
-    with pytest.raises(CheckpointError, match="has 2 parameter groups, this one 1"):
-        split_optimizer_state(merged, [["0.weight"]])
+    first, second = (merged[NAMES_KEY][g["params"][0]] for g in merged["param_groups"][:2])
+    with pytest.raises(CheckpointError, match="are in 2 different groups of the checkpoint"):
+        split_optimizer_state(merged, [[first, second]])
     with pytest.raises(CheckpointError, match="no parameter names"):
         split_optimizer_state({k: v for k, v in merged.items() if k != NAMES_KEY}, [[], []])

@@ -12,7 +12,7 @@ torchgpipe's ``checkpoint.py`` is recompute, which lives in :mod:`lightning_gpip
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -116,6 +116,7 @@ def merged_optimizer_state(
     module: nn.Module,
     layout: Layout,
     rank: int,
+    order: Sequence[str] | None = None,
     tied_aliases: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """On rank 0: one optimizer ``state_dict`` over the whole model, merged from replica 0's stages.
@@ -125,6 +126,8 @@ def merged_optimizer_state(
     number of stages. Every rank takes part; ranks other than 0 get ``{}``.
 
     Args:
+        order: every parameter name of the whole model in model order (groups and parameters are
+            merged in it).
         tied_aliases: this stage's names of tied parameters (:func:`lightning_gpipe.tied.canonical_name`,
             with the model's prefix); a copy the stage does not own (a name mapped to its owner's)
             is left out, so the parameter appears once, where the plain module lists it.
@@ -148,7 +151,7 @@ def merged_optimizer_state(
             group[:] = [PLACEHOLDER if n in seen else n for n in group]
             seen.update(group)
     return merge_optimizer_states(
-        [(drop_placeholder(sd, n), drop_placeholder_names(n)) for _, sd, n in stages]
+        [(drop_placeholder(sd, n), drop_placeholder_names(n)) for _, sd, n in stages], order
     )
 
 
@@ -159,6 +162,7 @@ def load_optimizer_states(
     plain_names: list[str] | None,
     device: torch.device,
     tied_aliases: Mapping[str, str | None] | None = None,
+    read: Callable[[Any], Any] | None = None,
 ) -> None:
     """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name).
 
@@ -167,6 +171,9 @@ def load_optimizer_states(
             plain one-device checkpoint (one group over every parameter, no names); ``None``:
             such checkpoints cannot be loaded.
         tied_aliases: see :func:`merged_optimizer_state`; a tied copy takes its owner's state.
+        read: applied to each of this stage's optimizer states before it is loaded (e.g.
+            :meth:`lightning_gpipe.loading.LazyCheckpoint.materialize`: read from the file only
+            the states this stage keeps).
 
     Raises:
         CheckpointError: a parameter of this stage has no state in the checkpoint, or the group
@@ -178,6 +185,10 @@ def load_optimizer_states(
             merged = {**merged, NAMES_KEY: plain_names}  # a plain one-device checkpoint, in model order
         names = group_names(optimizer, names_by_id, missing=PLACEHOLDER)
         names = [[(tied_aliases or {}).get(n) or n for n in group] for group in names]
-        local = split_optimizer_state(merged, names, stateless=lambda name: PLACEHOLDER in name)
+        local = split_optimizer_state(
+            merged, names, stateless=lambda name: PLACEHOLDER in name, local_groups=optimizer.param_groups
+        )
+        if read is not None:
+            local["state"] = {i: read(v) for i, v in local["state"].items()}
         optimizer.load_state_dict(local)
         optimizer_to_device(optimizer, device)

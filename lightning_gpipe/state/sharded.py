@@ -97,18 +97,28 @@ def is_sharded(path: str | os.PathLike) -> bool:
 
 
 def load_sharded(
-    path: str | os.PathLike, module: nn.Module, optimizers: Sequence[Optimizer]
+    path: str | os.PathLike,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Read a checkpoint directory into this rank's stage (any stage count): a Lightning checkpoint dict.
 
     ``state_dict`` holds this stage's tensors; ``optimizer_states`` holds each optimizer's state
-    keyed by parameter name (``torch.distributed.checkpoint.state_dict`` format).
+    keyed by parameter name (``torch.distributed.checkpoint.state_dict`` format). The metadata
+    file (``lightning_meta.pt``) is read with torch's safe unpickler unless ``weights_only=False``.
+
+    Raises:
+        lightning_gpipe.loading.UnsafeCheckpointError: the metadata holds objects the safe
+            unpickler refuses (the message names the file and the opt-in).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    from lightning_gpipe.loading import load_structure
+
     path = Path(path)
-    checkpoint = torch.load(path / META_FILE, weights_only=False)
+    checkpoint = load_structure(path / META_FILE, weights_only, map_location="cpu")
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizers:
         state["optimizers"] = [get_optimizer_state_dict(module, opt, options=_FLAT) for opt in optimizers]

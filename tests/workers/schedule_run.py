@@ -48,7 +48,7 @@ for m in chunks:
     stage.timeline = recorder = Recorder()
     out_ = stage.run_step(stage, True, x)
     loss = nn.functional.mse_loss(out_, y) if stage.topology.is_last else None
-    shared = stage.share_loss(loss)
+    shared = stage.share_outcome(loss, None, training=True)
     if loss is not None:
         loss.backward()
     assert shared is not None

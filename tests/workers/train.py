@@ -11,13 +11,15 @@ A run may carry, for that run only: "net" (Net kwargs), "trainer" (Trainer kwarg
 (example_input_array set), "predict_only" (no fit: predict on ``predict_samples`` samples),
 "validate" (trainer.validate after fit), "fit" (false: no fit), "profiler" ("simple" or
 "advanced": reports in ``out/profiles``).
-Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs (GPipeStrategy kwargs per run), steps, batch, seed, lr, samples,
+Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs (GPipeStrategy kwargs per run; "{k}" in save/resume paths is the run index), steps, batch, seed, lr, samples,
 net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
-save (checkpoint file to write after fit), save_at_train_end (written inside fit, while the
+save (checkpoint file to write after fit; "{k}" is the run's index), save_at_train_end (written inside fit, while the
 model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
 the first fit), exit_check (write exit_rank{r}.json: process group and threads left
-at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit).
+at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit),
+shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" | "barrier", "sigterm_after": seconds}: only global
+rank 0 calls it, after writing the file "blocked" (and arranging a SIGTERM to itself)), record_start_state (rank 0 records the full state as training starts).
 """
 
 import atexit
@@ -85,7 +87,23 @@ def trainer_for(run, max_steps, callbacks=(), overrides=None):
 
 
 def train_data():
-    return make_data(kind, batch, max(steps, 5), indexed=indexed, samples=spec.get("samples", batch * 5))
+    return make_data(
+        kind,
+        batch,
+        max(steps, 5),
+        indexed=indexed,
+        samples=spec.get("samples", batch * 5),
+        shuffle=spec.get("shuffle", False),
+    )
+
+
+class RecordStartState(Callback):
+    """The whole Sequential's state as training starts (gathered from every stage onto rank 0)."""
+
+    def on_train_start(self, trainer, pl_module):
+        extra["start_state"] = {
+            k: v.clone() for k, v in trainer.strategy.lightning_module_state_dict().items()
+        }
 
 
 class SaveAtTrainEnd(Callback):
@@ -101,10 +119,29 @@ class SaveAtTrainEnd(Callback):
                 extra["atomic_error"] = type(err).__name__
 
 
+class Rank0Only(Callback):
+    """At batch ``at``, global rank 0 alone saves a checkpoint or enters a barrier (writes ``blocked`` first)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        what = spec["rank0_only"]
+        if trainer.is_global_zero and batch_idx == what["at"]:
+            (out / "blocked").write_text("1")
+            if what.get("sigterm_after"):  # as a scheduler or `timeout` would, while rank 0 is blocked
+                import signal
+                import threading
+
+                threading.Timer(what["sigterm_after"], os.kill, (os.getpid(), signal.SIGTERM)).start()
+            if what["call"] == "save":
+                trainer.save_checkpoint(out / "only0.ckpt")
+            else:
+                trainer.strategy.barrier("only rank 0")
+
+
 for k, run in enumerate(spec["runs"]):
-    pl.seed_everything(spec.get("seed", 0), verbose=False)
     run = dict(run)
-    model = Net(kind, lr=spec.get("lr", 0.1), **{**net_kwargs, **run.pop("net", {})})
+    run_net = {**net_kwargs, **run.pop("net", {})}  # a run's own Net options
+    pl.seed_everything(spec.get("seed", 0), verbose=False)
+    model = Net(kind, lr=spec.get("lr", 0.1), **run_net)
     if run.pop("example_input", False):
         model.example_input_array = torch.zeros(2, 6)
     predict_only = run.pop("predict_only", False)
@@ -117,6 +154,10 @@ for k, run in enumerate(spec["runs"]):
         callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt{k}", **spec["callbacks"]["checkpoint"]))
     if "early_stopping" in spec.get("callbacks", {}):
         callbacks.append(EarlyStopping(**spec["callbacks"]["early_stopping"]))
+    if spec.get("rank0_only"):
+        callbacks.append(Rank0Only())
+    if spec.get("record_start_state"):
+        callbacks.append(RecordStartState())
     if spec.get("save_at_train_end"):
         callbacks.append(SaveAtTrainEnd(out / spec["save_at_train_end"]))
     val = None
@@ -146,10 +187,13 @@ for k, run in enumerate(spec["runs"]):
         "global_step": trainer.global_step,
         "lrs": model.lrs,
         "params": model.params,
+        "step_lrs": model.step_lrs,
         "received_skips": getattr(trainer.strategy, "last_received_skips", None),
+        "effects": {k: layer.effects() for k, layer in enumerate(model.layers) if hasattr(layer, "effects")},
+        "rng_after": torch.rand(4),
     }
     if spec.get("save"):
-        trainer.save_checkpoint(out / spec["save"])
+        trainer.save_checkpoint(out / spec["save"].format(k=k))
     if spec.get("predict") or predict_only:
         record["predictions"] = trainer.predict(
             model,
@@ -168,9 +212,9 @@ for k, run in enumerate(spec["runs"]):
             if hasattr(c, "write_on_batch_end") and hasattr(c, "epoch")
         ]
     if spec.get("resume"):
-        model = Net(kind, lr=spec.get("lr", 0.1), **net_kwargs)
+        model = Net(kind, lr=spec.get("lr", 0.1), **run_net)
         trainer = trainer_for(run, spec["resume"]["steps"], overrides=spec["resume"].get("trainer"))
-        trainer.fit(model, train_data(), ckpt_path=spec["resume"]["ckpt"])
+        trainer.fit(model, train_data(), ckpt_path=spec["resume"]["ckpt"].format(k=k))
         record["resumed_losses"] = model.losses
         record["resumed_global_step"] = trainer.global_step
     record.update(extra)

@@ -1,0 +1,219 @@
+"""Recompute without side effects: a re-run forward sees, and leaves, the module state of the forward.
+
+A recomputed micro-batch (``checkpoint="always"`` or ``"except_last"``) runs its stage's forward
+twice: once in the forward fill, once in the backward drain (``torch.utils.checkpoint``). Besides
+its output, a forward may change the module's state; without care, the recompute repeats those
+changes and computes on state that later micro-batches have changed since. The state a forward can
+change, and what happens to it here:
+
+- **buffers** (``register_buffer``, persistent or not), changed in place (``self.seen += n``,
+  BatchNorm's running statistics, spectral norm's ``u``/``v``) or replaced
+  (``self.seen = self.seen + n``);
+- **tensor attributes** (``self.cache = ...``), including torchmetrics metric states held by a
+  layer;
+- **plain attributes**: numbers, strings, ``None`` (``self.calls += 1``, torchmetrics'
+  ``_update_count``), and the contents of ``list`` / ``dict`` / ``set`` attributes
+  (``self.sizes.append(n)``);
+- the same state changed by **forward hooks and pre-hooks** registered on the layers (they run
+  again in the recompute: weight norm and spectral norm compute the weight there).
+
+:meth:`ForwardState.capture` records all of it before a micro-batch's forward (tensors are
+cloned); :meth:`ForwardState.replay` runs the recompute on that recorded state and afterwards puts
+back the state it found, so every change happens exactly once per micro-batch, as without
+recompute, and the recompute's arithmetic equals the forward's. :meth:`ForwardState.prune` drops
+the copies of tensors that the forward fill did not change (most buffers), so they hold no memory
+through the backward; their recompute copies them when it runs.
+
+Not covered: random draws (``torch.utils.checkpoint`` replays the RNG state and leaves the
+global generator as the forward left it), parameters changed in place (``nn.Embedding(max_norm=...)``
+renormalizes rows idempotently; copying every parameter per micro-batch would cost the memory
+recompute saves) and objects outside the modules (a list a hook closes over): a hook can ask
+:func:`recomputing` and skip such effects.
+
+Memory: the bytes of the stage's buffers and tensor attributes per recomputed micro-batch, during
+the forward fill; after it, only those the fill changed (for BatchNorm, ``2·C + 1`` numbers per
+layer and micro-batch).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ForwardState", "recomputing"]
+
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)  # hooks, _parameters, _buffers, _modules, training ...
+_CONTAINERS = (list, dict, set)
+_local = threading.local()
+
+
+def recomputing() -> bool:
+    """Whether this thread is re-running a forward for the backward (inside :meth:`ForwardState.replay`).
+
+    A forward hook whose effect lives outside the module (appending to a list it closes over,
+    printing, counting in a global) can return early when this is ``True``.
+    """
+    return getattr(_local, "depth", 0) > 0
+
+
+@dataclass
+class _Slot:
+    """One piece of state: ``owner.<name>`` (``buffer``: ``owner._buffers[name]``) as captured."""
+
+    owner: nn.Module
+    name: str
+    buffer: bool
+    ref: Any  # the object found there
+    copy: Any  # a clone (tensors), a shallow copy (containers) or ref itself
+    pruned: bool = False  # a tensor unchanged by the forward fill: its copy is dropped
+
+    def get(self) -> Any:
+        return self.owner._buffers.get(self.name) if self.buffer else self.owner.__dict__.get(self.name)
+
+    def put(self, value: Any) -> None:
+        if self.buffer:
+            self.owner._buffers[self.name] = value
+        else:
+            self.owner.__dict__[self.name] = value
+
+
+def _all(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Every module of ``modules`` and below, each once."""
+    seen: dict[int, nn.Module] = {}
+    for module in modules:
+        for m in module.modules():
+            seen.setdefault(id(m), m)
+    return list(seen.values())
+
+
+def _copy_contents(obj: Any) -> Any:
+    return type(obj)(obj.items()) if isinstance(obj, dict) else type(obj)(obj)
+
+
+def _set_contents(obj: Any, contents: Any) -> None:
+    obj.clear()
+    if isinstance(obj, list):
+        obj.extend(contents)
+    else:
+        obj.update(contents)
+
+
+class ForwardState:
+    """A stage's module state before one micro-batch's forward, to replay for its recompute.
+
+    Use :meth:`capture` before the forward, :meth:`prune` after the whole forward fill, and
+    :meth:`replay` around the recompute.
+    """
+
+    def __init__(self, slots: list[_Slot]) -> None:
+        self._slots = slots
+
+    @classmethod
+    def capture(cls, modules: Iterable[nn.Module]) -> ForwardState:
+        """Record the buffers and attributes of ``modules`` (each with its submodules; tensors cloned).
+
+        A tensor held in several places (a buffer shared by two layers) is cloned once, so the
+        copies share as the originals do.
+        """
+        slots: list[_Slot] = []
+        clones: dict[int, Tensor] = {}
+
+        def copy_of(t: Tensor) -> Tensor:
+            if id(t) not in clones:
+                with torch.no_grad():
+                    clones[id(t)] = t.detach().clone()
+            return clones[id(t)]
+
+        for owner in _all(modules):
+            for name, buf in owner._buffers.items():
+                if buf is not None:
+                    slots.append(_Slot(owner, name, True, buf, copy_of(buf)))
+            for name, value in owner.__dict__.items():
+                if name in _MODULE_INTERNALS or isinstance(value, nn.Module):
+                    continue
+                if isinstance(value, Tensor):
+                    if value.requires_grad:  # part of an autograd graph: kept by reference
+                        slots.append(_Slot(owner, name, False, value, value))
+                    else:
+                        slots.append(_Slot(owner, name, False, value, copy_of(value)))
+                elif isinstance(value, _CONTAINERS):
+                    slots.append(_Slot(owner, name, False, value, _copy_contents(value)))
+                else:
+                    slots.append(_Slot(owner, name, False, value, value))
+        return cls(slots)
+
+    def prune(self) -> None:
+        """Drop the copies of tensors the forward fill left as they were (same object, equal values).
+
+        Their recompute gets a fresh copy when it runs (the recompute must not change the original
+        either: some in-place updates, such as BatchNorm's, leave no trace in ``Tensor._version``).
+        """
+        for s in self._slots:
+            if (
+                isinstance(s.copy, Tensor)
+                and s.copy is not s.ref
+                and s.get() is s.ref
+                and torch.equal(s.ref, s.copy)
+            ):
+                s.copy, s.pruned = None, True
+
+    @contextmanager
+    def replay(self, modules: Iterable[nn.Module]) -> Iterator[None]:
+        """Within: the captured state (what the recompute must compute on). After: the state of
+        ``modules`` found on entry, attributes and buffers the recompute added removed again.
+
+        The captured copies are used once: a state replays one recompute.
+        """
+        found = [_State.of(owner) for owner in _all(modules)]
+        fresh: dict[int, Tensor] = {}
+        for s in self._slots:
+            if isinstance(s.ref, _CONTAINERS):
+                _set_contents(s.ref, s.copy)
+                s.put(s.ref)
+            elif s.pruned:  # pruned: unchanged since the forward, copied now
+                if id(s.ref) not in fresh:
+                    with torch.no_grad():
+                        fresh[id(s.ref)] = s.ref.detach().clone()
+                s.put(fresh[id(s.ref)])
+            else:
+                s.put(s.copy)
+        _local.depth = getattr(_local, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _local.depth -= 1
+            for state in found:
+                state.restore()
+            self._slots = []
+
+
+@dataclass
+class _State:
+    """What one module holds (attributes by reference, containers' contents copied), to put back."""
+
+    owner: nn.Module
+    attributes: dict[str, Any]
+    buffers: dict[str, Any]
+    contents: dict[str, Any]
+
+    @classmethod
+    def of(cls, owner: nn.Module) -> _State:
+        attributes = {k: v for k, v in owner.__dict__.items() if k not in _MODULE_INTERNALS}
+        contents = {k: _copy_contents(v) for k, v in attributes.items() if isinstance(v, _CONTAINERS)}
+        return cls(owner, attributes, dict(owner._buffers), contents)
+
+    def restore(self) -> None:
+        held = self.owner.__dict__
+        for name in [k for k in held if k not in _MODULE_INTERNALS and k not in self.attributes]:
+            del held[name]
+        held.update(self.attributes)
+        for name, contents in self.contents.items():
+            _set_contents(self.attributes[name], contents)
+        self.owner._buffers.clear()
+        self.owner._buffers.update(self.buffers)

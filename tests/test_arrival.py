@@ -1,0 +1,47 @@
+"""A collective reached by only some ranks fails within collective_timeout on every rank, naming the
+operation and the missing ranks; SIGTERM ends every rank within seconds even while one is blocked."""
+
+import json
+import time
+
+import pytest
+
+from tests._harness import run_script
+
+
+def _spec(tmp_path, **extra):
+    spec = {"kind": "mlp", "devices": 2, "out": str(tmp_path), "steps": 5, **extra}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    return str(tmp_path / "spec.json")
+
+
+@pytest.mark.timeout(200)
+def test_checkpoint_saved_only_on_global_zero_fails_fast_on_every_rank(tmp_path):
+    """A callback guarded by trainer.is_global_zero saves a checkpoint: with collective_timeout=5 every rank
+    exits non-zero within a minute, and the error names the operation and the rank that did not come."""
+    path = _spec(
+        tmp_path, runs=[{"chunks": 2, "collective_timeout": 5}], rank0_only={"at": 1, "call": "save"}
+    )
+    start = time.monotonic()
+    rc, out = run_script("tests/workers/train.py", path, timeout=150)
+    seconds = time.monotonic() - start
+    assert rc != 0
+    assert seconds < 60, f"the job took {seconds:.0f} s to end"
+    assert (
+        "gathering the model's state (save_checkpoint" in out
+        and "rank(s) [1] did not reach it within 5 s" in out
+    )
+    assert "worker rank" not in out  # no rank finished normally
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_ends_every_rank_while_one_is_blocked_in_a_collective(tmp_path):
+    """Rank 0 alone enters a barrier (collective_timeout 600 s, so it stays blocked) and gets SIGTERM 2 s
+    later: both ranks end within seconds, non-zero."""
+    what = {"at": 1, "call": "barrier", "sigterm_after": 2}
+    path = _spec(tmp_path, runs=[{"chunks": 2, "collective_timeout": 600}], rank0_only=what)
+    rc, out = run_script("tests/workers/train.py", path, timeout=100)
+    seconds = time.time() - (tmp_path / "blocked").stat().st_mtime
+    assert rc != 0
+    assert seconds < 20, f"the ranks took {seconds:.0f} s to end after SIGTERM:\n{out[-3000:]}"
+    assert "got SIGTERM" in out

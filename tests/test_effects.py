@@ -1,0 +1,151 @@
+"""Recompute changes nothing but the arithmetic: every effect of a forward happens once per micro-batch.
+
+In-process tests run one stage (no communication) with each checkpoint mode against
+``checkpoint="never"``; one multi-process job runs the issue's failing input over 2 stages.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe.comm import P2P
+from lightning_gpipe.effects import ForwardState, recomputing
+from lightning_gpipe.layout import StageTopology
+from lightning_gpipe.stage import PipelineStage
+from tests.conftest import max_diff
+from tests.models import Counter, EmaCenter, build_layers, train_single_device
+
+
+def _train_one_stage(layers: nn.Sequential, checkpoint: str, steps: int = 3, chunks: int = 3):
+    """``steps`` training steps of one stage over ``chunks`` micro-batches; returns the layers and gradients."""
+    torch.manual_seed(0)
+    stage = PipelineStage(
+        list(layers._modules.items()),
+        StageTopology(0, 1, None, None),
+        chunks,
+        checkpoint,
+        P2P(torch.device("cpu")),
+    )
+    g = torch.Generator().manual_seed(1)
+    grads = []
+    for _ in range(steps):
+        x = torch.randn(9, 6, generator=g)
+        stage.begin_step(True)
+        out = stage(x)
+        stage.end_step()
+        out.pow(2).mean().backward()
+        stage.backward()
+        grads.append({n: p.grad.clone() for n, p in stage.named_parameters()})
+        stage.zero_grad()
+    return stage, grads
+
+
+@pytest.mark.parametrize("mode", ["except_last", "always"])
+def test_each_kind_of_forward_effect_happens_once_per_micro_batch(mode):
+    """Buffers (in place, replaced), int/list attributes, a forward hook's counter, spectral norm's power
+    iteration, a torchmetrics metric, an output that depends on a buffer the forward updates, dropout
+    and the global RNG: all as with ``checkpoint="never"``."""
+    torch.manual_seed(0)
+    layers = build_layers("effects")
+    never, never_grads = _train_one_stage(copy.deepcopy(layers), "never")
+    ours, grads = _train_one_stage(copy.deepcopy(layers), mode)
+    rng_never = torch.rand(3)  # the same seeds: equal iff the recompute left the global RNG alone
+    assert int(ours[1].seen) == 27 == int(never[1].seen)  # 3 steps of 9 samples
+    assert ours[1].effects() == never[1].effects() == {"calls": 9, "sizes": [3] * 9}
+    assert ours[2].effects() == never[2].effects() == {"hook_calls": 9}
+    assert ours[4].effects() == pytest.approx(never[4].effects())
+    assert max_diff(ours.state_dict(), never.state_dict()) <= 1e-6  # EMA mean, spectral u/v, weights
+    for a, b in zip(grads, never_grads):
+        assert max_diff(a, b) <= 1e-6
+    torch.manual_seed(0)
+    _train_one_stage(copy.deepcopy(layers), mode)
+    assert torch.equal(torch.rand(3), rng_never)
+
+
+class _Replaces(nn.Module):
+    """Replaces its buffer (``self.n = self.n + 1``) and creates an attribute on first use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, x):
+        self.n = self.n + 1
+        self.last_size = x.shape[0]
+        return x * 2
+
+
+def test_replaced_buffers_and_new_attributes_are_restored_after_recompute():
+    layers = nn.Sequential(nn.Linear(6, 4), _Replaces())
+    ours, _ = _train_one_stage(layers, "always", steps=2)
+    assert float(ours[1].n) == 6.0 and ours[1].last_size == 3
+
+
+def test_recomputing_tells_hooks_with_outside_effects():
+    """A hook that records into a list it closes over asks ``recomputing()``; it sees each micro-batch once."""
+    seen: list[int] = []
+    flags: list[bool] = []
+
+    def hook(module, args, output):
+        flags.append(recomputing())
+        if not recomputing():
+            seen.append(args[0].shape[0])
+
+    layers = nn.Sequential(nn.Linear(6, 4), nn.Tanh())
+    layers[0].register_forward_hook(hook)  # (a recompute stops once the last saved tensor is back)
+    _train_one_stage(layers, "always", steps=1)
+    assert seen == [3, 3, 3]
+    assert flags.count(True) == 3 and not recomputing()
+
+
+def test_forward_state_prunes_unchanged_tensors():
+    """After the fill, copies are kept only for tensors the fill changed (here one of two buffers)."""
+    counter, center = Counter(), EmaCenter(4)
+    center.eval()  # does not update its mean
+    state = ForwardState.capture([counter, center])
+    counter.train()(torch.zeros(2, 4))
+    state.prune()
+    kept = {s.name for s in state._slots if isinstance(s.ref, torch.Tensor) and not s.pruned}
+    assert kept == {"seen"}
+
+
+@pytest.mark.timeout(300)
+def test_recompute_counts_each_sample_once_over_two_stages(gpipe_job, tmp_path):
+    """The issue's input: ``seen`` counts 24 samples in 3 steps of 8 with every checkpoint mode, as on one
+    device, in the trained module and in the checkpoint written during fit; every other effect equals
+    ``checkpoint="never"`` (layers 0-2 on stage 0 = rank 1, layers 3-6 on stage 1 = rank 0)."""
+    reference = train_single_device("effects", 0, steps=3, batch=8)
+    assert int(reference.layers[1].seen) == 24
+    modes = ["never", "except_last", "always"]
+    results, _ = gpipe_job(
+        "effects",
+        2,
+        [{"chunks": 2, "balance": [3, 4], "checkpoint": m} for m in modes],
+        steps=3,
+        batch=8,
+        save_at_train_end="effects.ckpt",
+    )
+    never = results[0]
+    for mode, result in zip(modes, results):
+        assert int(result["state"]["layers.1.seen"]) == 24, mode
+        assert max_diff(result["state"], never["state"]) <= 1e-6, mode
+        for rank in (0, 1):
+            ours, ref = result["ranks"][rank], never["ranks"][rank]
+            held = [k for k in ours["effects"] if (k < 3) == (rank == 1)]
+            assert {k: ours["effects"][k] for k in held} == {k: ref["effects"][k] for k in held}, (mode, rank)
+            assert torch.equal(ours["rng_after"], ref["rng_after"]), (mode, rank)
+    assert never["ranks"][1]["effects"][1] == {"calls": 6, "sizes": [4] * 6}
+    saved = torch.load(tmp_path / "effects.ckpt", weights_only=False)  # written by the last run ("always")
+    assert int(saved["state_dict"]["layers.1.seen"]) == 24
+
+
+def test_batch_norm_updates_running_statistics_once_per_micro_batch():
+    """BatchNorm's in-place update leaves ``Tensor._version`` unchanged: the recompute must still not repeat it."""
+    torch.manual_seed(0)
+    layers = build_layers("bn")
+    never, _ = _train_one_stage(copy.deepcopy(layers), "never")
+    ours, _ = _train_one_stage(copy.deepcopy(layers), "always")
+    assert int(ours[1].num_batches_tracked) == 9
+    assert max_diff(ours.state_dict(), never.state_dict()) == 0.0

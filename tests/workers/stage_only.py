@@ -1,0 +1,154 @@
+"""Worker: the large-model path (meta-device build, stage-only materialization and loading).
+
+Usage: python tests/workers/stage_only.py SPEC.json
+
+Spec keys: out, kind, size (transformer sizes), seed, batch, steps, lr, optimizer ("adam" or "sgd"), record ("tensors" or
+"stats": what each rank records of its stage's trained state).
+
+- ``reference`` (one process, plain one-device Trainer): builds the whole model eagerly and
+  records how much that raised the peak RSS (``whole_mb``); then either initializes it as the
+  stages would (``init="stages"``: :func:`lightning_gpipe.materialize.initialize`) and trains
+  ``steps``, or trains ``save_steps``, saves ``one.ckpt`` and then (``then``) resumes from it to
+  ``steps`` (``"resume"``, default) or trains ``steps`` more from ``LazyNet.load_from_checkpoint``
+  (``"load_from"``).
+- otherwise (``devices`` ranks, gpipe): ``build`` is ``"init_module"`` (the module, its layers built
+  in ``configure_model``, constructed under ``Trainer.init_module(empty_init=True)``),
+  ``"init_module_eager"`` (layers built in ``__init__`` under it), ``"configure_model"`` (plain
+  construction, layers in ``configure_model``) or ``"load_from"`` (``lightning_gpipe.
+  load_from_checkpoint(LazyNet, load_from)``); ``ckpt`` resumes with ``ckpt_path=``.
+
+Each process writes ``{name}_rank{r}.pt``: its stage's state at ``on_fit_start`` (``init``), at the
+end of training (``final``), its losses, which of the whole Sequential's layers hold real tensors
+after setup (``real_layers``, of those with parameters), and peak RSS growth in MB since just before the model was built:
+after setup (``setup_mb``, at ``on_fit_start``) and after the weights were loaded
+(``load_mb``, at the callbacks' ``on_load_checkpoint``). Peak RSS is the kernel's ``VmHWM``,
+reset (``/proc/self/clear_refs``) just before the build; ``psutil`` gives the current RSS.
+"""
+
+import gc
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import psutil  # noqa: E402
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+from pytorch_lightning.callbacks import Callback  # noqa: E402
+
+import lightning_gpipe  # noqa: E402
+from lightning_gpipe.materialize import has_meta, initialize  # noqa: E402
+from tests.models import LazyNet, make_lazy_data, trainer_kwargs  # noqa: E402
+
+torch.set_num_threads(1)
+spec = json.loads(Path(sys.argv[1]).read_text())
+out = Path(spec["out"])
+kind, size, seed = spec["kind"], spec.get("size"), spec.get("seed", 0)
+batch, steps, lr = spec.get("batch", 10), spec["steps"], spec.get("lr", 0.01)
+optimizer = spec.get("optimizer", "adam")
+record: dict = {"losses": []}
+MB = 2**20
+
+
+def reset_peak() -> float:
+    """Reset the peak RSS to the current RSS; return the current RSS in MB."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return psutil.Process().memory_info().rss / MB
+
+
+def peak() -> float:
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
+
+
+def stage_state(module, how):
+    """This stage's tensors (copies), or ``"stats"``: their sum and norm (one tensor at a time, no copy kept)."""
+    state = {k: v for k, v in module.state_dict().items() if not v.is_meta}
+    if how == "stats":
+        return {k: (v.double().sum().item(), v.double().norm().item()) for k, v in state.items()}
+    return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+
+class Record(Callback):
+    def __init__(self, baseline):
+        self.baseline = baseline
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        record["load_mb"] = peak() - self.baseline
+
+    def on_fit_start(self, trainer, pl_module):
+        record["setup_mb"] = peak() - self.baseline
+        if (
+            spec.get("record", "tensors") == "tensors"
+        ):  # ("stats" would raise the peak before the load is measured)
+            record["init"] = stage_state(pl_module, "tensors")
+        holding = [(k, layer) for k, layer in enumerate(pl_module.whole[0]) if list(layer.parameters())]
+        record["real_layers"] = [k for k, layer in holding if not has_meta(layer)]
+
+    def on_train_end(self, trainer, pl_module):
+        record["final"] = stage_state(pl_module, spec.get("record", "tensors"))
+
+
+def data():
+    pl.seed_everything(seed, verbose=False)
+    return make_lazy_data(kind, batch, max(steps, 1), size)
+
+
+if spec.get("reference"):
+    baseline = reset_peak()
+    pl.seed_everything(seed, verbose=False)
+    model = LazyNet(kind, lr, deferred=False, size=size, optimizer=optimizer)
+    record["whole_mb"] = peak() - baseline
+    plain = dict(devices=1, **{**trainer_kwargs(steps), "max_epochs": 3})
+    if spec.get("init") == "stages":
+        initialize(model.layers, seed)
+        record["init"] = stage_state(model, "tensors")
+        trainer = pl.Trainer(callbacks=[Record(baseline)], **plain)
+        trainer.fit(model, data())
+    else:
+        trainer = pl.Trainer(**{**plain, "max_steps": spec["save_steps"]})
+        trainer.fit(model, data())
+        trainer.save_checkpoint(out / "one.ckpt")
+        del model, trainer
+        gc.collect()
+        if spec.get("then") == "load_from":  # Lightning's own load_from_checkpoint, fresh optimizer
+            model = LazyNet.load_from_checkpoint(out / "one.ckpt")
+            pl.Trainer(callbacks=[Record(baseline)], **plain).fit(model, data())
+        else:  # resume
+            model = LazyNet(kind, lr, deferred=False, size=size, optimizer=optimizer)
+            pl.Trainer(callbacks=[Record(baseline)], **plain).fit(model, data(), ckpt_path=out / "one.ckpt")
+    record["losses"] = model.losses
+    torch.save(record, out / f"{spec['name']}_rank0.pt")
+    sys.exit(0)
+
+strategy = lightning_gpipe.GPipeStrategy(chunks=spec.get("chunks", 2), balance=spec.get("balance"))
+pl.seed_everything(seed, verbose=False)
+gc.collect()
+baseline = reset_peak()
+trainer = pl.Trainer(
+    strategy=strategy,
+    devices=spec["devices"],
+    callbacks=[Record(baseline)],
+    **{**trainer_kwargs(steps), "max_epochs": 3},  # a resumed run continues in the next epoch
+)
+build = spec["build"]
+if build == "init_module":
+    with trainer.init_module(empty_init=True):
+        model = LazyNet(kind, lr, deferred=True, size=size, optimizer=optimizer)
+elif build == "init_module_eager":
+    with trainer.init_module(empty_init=True):
+        model = LazyNet(kind, lr, deferred=False, size=size, optimizer=optimizer)
+elif build == "configure_model":
+    model = LazyNet(kind, lr, deferred=True, size=size, optimizer=optimizer)
+elif build == "load_from":
+    model = lightning_gpipe.load_from_checkpoint(LazyNet, spec["load_from"])
+else:
+    raise ValueError(build)
+trainer.fit(model, data(), ckpt_path=spec.get("ckpt"))
+record["losses"] = model.losses
+record["rss_mb"] = psutil.Process().memory_info().rss / MB
+torch.save(record, out / f"{spec['name']}_rank{trainer.global_rank}.pt")
+print(f"worker rank {os.environ.get('LOCAL_RANK', '0')} done")
