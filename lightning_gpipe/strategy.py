@@ -733,7 +733,8 @@ class _GPipeStrategyLogic(_Base):
             return super().load_checkpoint(checkpoint_path, weights_only=safe(weights_only))
         self._lazy_checkpoint = LazyCheckpoint(checkpoint_path, weights_only)
         plain = partition.plain_parameter_names(self._installed) if self._installed is not None else None
-        return stage_part(self._lazy_checkpoint, self.lightning_module, plain)
+        owners = [name for name in self._tied_aliases().values() if name is not None]  # tied copies' states
+        return stage_part(self._lazy_checkpoint, self.lightning_module, plain, owners)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

@@ -62,12 +62,6 @@ def test_tied_embedding_and_head_train_like_one_device(gpipe_job, tmp_path, stag
     assert model.layers[4].weight is model.layers[0].weight
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug, open: since main's lazy checkpoint loading (2a6e582), resuming a tied model diverges from "
-    "one device after the first resumed step (the saved state is right; the tied copy's loaded optimizer state "
-    "or gradient sum is suspect)",
-)
 @pytest.mark.timeout(400)
 def test_tied_checkpoint_holds_one_optimizer_state_and_resumes_like_one_device(gpipe_job, tmp_path):
     """Save after 2 steps over 3 stages (inside fit and after): the optimizer state lists the tied weight once,
