@@ -79,15 +79,25 @@ def global_grad_norm(
 
 
 def clip_grad_norm_(
-    params: Iterable[Tensor], max_norm: float, norm_type: float, group: object, device: torch.device
+    params: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float,
+    group: object,
+    device: torch.device,
+    counted: Iterable[Tensor] | None = None,
 ) -> Tensor:
     """Clip gradients by the global norm over all stages, like ``torch.nn.utils.clip_grad_norm_`` on one device.
+
+    Args:
+        counted: the parameters whose gradients make up this stage's share of the norm (default:
+            ``params``); a tied parameter's copy on a stage that does not own it is left out, so
+            it counts once (:mod:`lightning_gpipe.tied`). Every one of ``params`` is scaled.
 
     Returns:
         The total norm before clipping.
     """
     params = list(params)
-    total = global_grad_norm(params, norm_type, group, device)
+    total = global_grad_norm(params if counted is None else counted, norm_type, group, device)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:

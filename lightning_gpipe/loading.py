@@ -19,7 +19,7 @@ import os
 import pickle
 import sys
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -278,7 +278,10 @@ def load_from_checkpoint(
 
 
 def stage_part(
-    lazy: LazyCheckpoint, module: torch.nn.Module | None, plain_names: list[str] | None
+    lazy: LazyCheckpoint,
+    module: torch.nn.Module | None,
+    plain_names: list[str] | None,
+    also: Iterable[str] = (),
 ) -> dict[str, Any]:
     """The part of a full checkpoint a rank needs, its model and optimizer tensors not yet read.
 
@@ -292,6 +295,8 @@ def stage_part(
         module: the module it loads into (``None``: keep every tensor, still unread).
         plain_names: the Sequential's parameter names in model order, for a plain one-device
             checkpoint whose optimizer state names no parameters.
+        also: further parameter names whose optimizer state this rank needs (the owner's name of
+            a tied parameter's copy on this stage, :mod:`lightning_gpipe.tied`).
     """
     from lightning_gpipe.state.optimizer import NAMES_KEY
 
@@ -303,7 +308,7 @@ def stage_part(
         return {**checkpoint, "state_dict": state, "optimizer_states": optimizer_states}
     wanted = set(module.state_dict())
     checkpoint["state_dict"] = {k: v for k, v in state.items() if k in wanted}
-    mine = {name for name, _ in module.named_parameters()}
+    mine = {name for name, _ in module.named_parameters()} | set(also)
     parts = []
     for merged in optimizer_states:
         merged = dict(merged)

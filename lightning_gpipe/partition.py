@@ -191,20 +191,14 @@ def cut(sequential: nn.Sequential, balance: Sequence[int], stage: int) -> list[t
 
 
 def check_tied_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> None:
-    """Raise :class:`PartitionError` if a parameter is shared by layers that ``balance`` puts on different stages."""
-    stage_of_layer = layer_stages(balance)
-    owner: dict[int, int] = {}
-    for k, layer in enumerate(children(sequential).values()):
-        if layer is None:
-            continue
-        for p in layer.parameters():
-            first = owner.setdefault(id(p), k)
-            if stage_of_layer[first] != stage_of_layer[k]:
-                raise PartitionError(
-                    f"layers {first} and {k} share a parameter (tied weights) but the balance {list(balance)} puts "
-                    f"them on stages {stage_of_layer[first]} and {stage_of_layer[k]}; keep tied layers on one stage "
-                    "(choose a balance that does) or untie them"
-                )
+    """Raise :class:`PartitionError` for what tying across stages cannot make exact: a shared buffer.
+
+    Parameters shared by layers on different stages are kept in step by
+    :mod:`lightning_gpipe.tied`; buffers are refused (:func:`lightning_gpipe.tied.check_tied_buffers`).
+    """
+    from lightning_gpipe.tied import check_tied_buffers
+
+    check_tied_buffers(sequential, balance)
 
 
 def compiled_sequentials(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:

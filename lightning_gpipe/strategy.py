@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe import _compat, groups, loading, metrics, partition, precision, state
+from lightning_gpipe import _compat, groups, loading, metrics, partition, precision, state, tied
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, check_collective_timeout, watch_signals
 from lightning_gpipe.balance.choose import check_balance_spec, choose_balance, log_choice, profiled
@@ -190,6 +190,8 @@ class _GPipeStrategyLogic(_Base):
         self._stage: PipelineStage | None = None
         self._installed: partition.Installed | None = None  # where the stage replaced the user's Sequential
         self._groups: groups.Groups | None = None
+        self.tied: list[tied.Tied] = []  # parameters shared by layers on different stages
+        self._tied_groups: tied.TiedGroups | None = None
         self._metric_sharing: metrics.ShareLastStageMetrics | None = None
         self._timeline: Timeline | None = None
         self._failed = False
@@ -346,6 +348,7 @@ class _GPipeStrategyLogic(_Base):
             seq, balance, self.layout, self.global_rank, self.chunks_used, self.checkpoint, self.root_device
         )
         self._installed = partition.install(model, name, stage, deferred_batch_norm=self.deferred_batch_norm)
+        self.tied = tied.find_tied(seq, balance)
         stage_compile = partition.stage_compiler(self.compile, self._user_compile)
         if stage_compile is not None:
             stage.compile(stage_compile)
@@ -377,7 +380,9 @@ class _GPipeStrategyLogic(_Base):
         full = None
         if not self._failed and not self._stage_only and _compat.distributed_is_initialized():
             self._arrive("gathering the model's state (end of fit)")
-            full = state.gather_sequential_state(self._stage, self.layout, self.global_rank, to_all=True)
+            full = state.gather_sequential_state(
+                self._stage, self.layout, self.global_rank, to_all=True, tied=self.tied
+            )
         partition.uninstall(self._installed, full)
         partition.recompile(self._uncompiled)
         self._installed, self._stage, self._uncompiled = None, None, []
@@ -391,6 +396,9 @@ class _GPipeStrategyLogic(_Base):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         state.broadcast_from_first_replica(self._stage, self.layout, self.global_rank, self._groups.data)
+        if self.tied and _compat.distributed_is_initialized():
+            self._tied_groups = tied.new_tied_groups(self.tied, self._stage, self.layout, self.global_rank)
+            tied.broadcast_tied(self._tied_groups)  # the copies start equal
         metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_optimizers(trainer)
@@ -432,8 +440,14 @@ class _GPipeStrategyLogic(_Base):
         """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
         assert self._groups is not None
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        counted = tied.norm_parameters(params, self._tied_groups, self.stage_index)  # a tied parameter once
         self.last_grad_norm = clip_grad_norm_(
-            params, float(clip_val), self.gradient_clip_norm_type, self._groups.pipeline, self.root_device
+            params,
+            float(clip_val),
+            self.gradient_clip_norm_type,
+            self._groups.pipeline,
+            self.root_device,
+            counted,
         )
 
     @override
@@ -522,6 +536,8 @@ class _GPipeStrategyLogic(_Base):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._pipe.backward()
+        if self._tied_groups is not None and not self._accumulating():  # once per optimizer step
+            tied.sum_tied_gradients(self._tied_groups)  # before clipping and the step
         if self.layout.replicas > 1 and not self._accumulating():
             assert self._groups is not None
             allreduce_gradients(self._pipe.parameters(), self._groups.data, self.layout.replicas)
@@ -623,8 +639,8 @@ class _GPipeStrategyLogic(_Base):
         ):  # a remote path: the CheckpointIO reads it, safely unless opted out
             return super().load_checkpoint(checkpoint_path, weights_only=loading.safe(weights_only))
         self._lazy_checkpoint = loading.LazyCheckpoint(checkpoint_path, weights_only)
-        plain = self._plain_names
-        return loading.stage_part(self._lazy_checkpoint, self.lightning_module, plain)
+        owners = [name for name in self._tied_aliases().values() if name is not None]  # tied copies' states
+        return loading.stage_part(self._lazy_checkpoint, self.lightning_module, self._plain_names, owners)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -633,7 +649,7 @@ class _GPipeStrategyLogic(_Base):
             return {}  # each stage writes its own shard in save_checkpoint
         name = self._installed.name if self._installed is not None else None
         return state.module_state_dict(
-            self._module, self._stage, name, self.layout, self.global_rank, self._arrive
+            self._module, self._stage, name, self.layout, self.global_rank, self._arrive, self.tied
         )
 
     @override
@@ -645,7 +661,9 @@ class _GPipeStrategyLogic(_Base):
         if _compat.distributed_is_initialized() and self.layout.world_size > 1:
             self._arrive("gathering optimizer states (save_checkpoint)")
         order = self._plain_names
-        return state.merged_optimizer_state(optimizer, self._module, self.layout, self.global_rank, order)
+        return state.merged_optimizer_state(
+            optimizer, self._module, self.layout, self.global_rank, order, self._tied_aliases()
+        )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -657,8 +675,16 @@ class _GPipeStrategyLogic(_Base):
         lazy = self._lazy_checkpoint
         state.load_optimizer_states(
             self._module, self._torch_optimizers, states, plain, self.root_device,
-            read=lazy.materialize if lazy is not None else None,
+            tied_aliases=self._tied_aliases(), read=lazy.materialize if lazy is not None else None,
         )  # fmt: skip
+
+    def _tied_aliases(self) -> dict[str, str | None]:
+        """This stage's names (in the model) of tied parameters: the owner's name, or ``None`` on the owner."""
+        if self._installed is None:
+            return {}
+        prefix = self._installed.name + "."
+        aliases = tied.canonical_name(self.tied, self.stage_index)
+        return {prefix + k: None if v is None else prefix + v for k, v in aliases.items()}
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

@@ -221,6 +221,10 @@ def build_layers(kind: str) -> nn.Sequential:
         )
     if kind == "ids":  # the first stage receives token ids only
         return nn.Sequential(nn.Embedding(11, 8), nn.Tanh(), nn.Linear(8, 3))
+    if kind == "tied":  # the embedding (stage 0) is the head's weight (last stage): tied across stages
+        embedding, head = nn.Embedding(11, 8), nn.Linear(8, 11, bias=False)
+        head.weight = embedding.weight
+        return nn.Sequential(embedding, nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), head)
     if kind == "cbr":  # Conv-BN-ReLU, one layer per stage over 3 stages
         return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
     if kind == "bn":
@@ -264,6 +268,7 @@ class Net(pl.LightningModule):
         scheduler: bool = False,
         two_optimizers: bool = False,
         log_first: bool = False,
+        record_params: bool = False,
         pretrained_seed: int | None = None,
         plateau: bool = False,
         stop_at: int | None = None,
@@ -277,6 +282,8 @@ class Net(pl.LightningModule):
         self.indexed, self.sync_dist, self.ref_clip_norm_type = indexed, sync_dist, ref_clip_norm_type
         self.scheduler, self.two_optimizers, self.log_first = scheduler, two_optimizers, log_first
         self.lrs: list[float] = []
+        self.record_params = record_params
+        self.params: list[dict[str, torch.Tensor]] = []  # after every step, with record_params
         self.plateau, self.stop_at, self.groups = plateau, stop_at, groups
         self.step_lrs: list[float] = []  # the learning rate each step uses
         self.layers = build_layers(kind)
@@ -346,6 +353,8 @@ class Net(pl.LightningModule):
         )  # a PipelineStage's compiled layers
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.record_params:
+            self.params.append({n: p.detach().clone() for n, p in self.named_parameters()})
         if "train_loss" in self.trainer.callback_metrics:
             self.synced_losses.append(self.trainer.callback_metrics["train_loss"].item())
 
@@ -454,9 +463,10 @@ def make_data(
         if order is not None:
             return DataLoader([data[idx] for idx in order], batch_size=None, shuffle=False)
         return DataLoader(data, batch_size=batch, shuffle=shuffle)
-    if kind == "ids":
+    if kind in ("ids", "tied"):
+        width = 3 if kind == "ids" else 11
         data = TensorDataset(
-            torch.randint(0, 11, (n, 5), generator=g), torch.randn(n, 5, 3, generator=g), *extra
+            torch.randint(0, 11, (n, 5), generator=g), torch.randn(n, 5, width, generator=g), *extra
         )
         return DataLoader(data, batch_size=batch, shuffle=False)
     if kind == "cbr":

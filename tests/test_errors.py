@@ -136,15 +136,18 @@ def test_manual_optimization_is_refused_before_spawn():
     assert trainer.strategy.launcher.procs == []
 
 
-def test_tied_weights_across_stages_raise_before_spawn():
+def test_a_buffer_shared_across_stages_is_refused_before_spawn():
+    """Tied parameters train across stages (tests/test_tied.py); a shared buffer cannot stay exact."""
+
     class Tied(pl.LightningModule):
         def __init__(self):
             super().__init__()
-            lin = nn.Linear(6, 6)
-            self.layers = nn.Sequential(lin, nn.Tanh(), lin, nn.Tanh(), nn.Linear(6, 3))
+            bn = nn.BatchNorm1d(6)
+            self.layers = nn.Sequential(bn, nn.Tanh(), bn, nn.Tanh(), nn.Linear(6, 3))
 
     message = _fit_before_spawn(Tied(), balance=[2, 3])
-    assert "layers 0 and 2 share a parameter (tied weights)" in message and "stages 0 and 1" in message
+    assert "the buffer '0.running_mean' is shared by layers on stages [0, 1]" in message
+    assert "keep the layers sharing it on one stage" in message
 
 
 def test_iterating_the_pipelined_sequential_in_a_step_raises_the_one_call_error():

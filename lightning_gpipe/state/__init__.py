@@ -12,7 +12,7 @@ torchgpipe's ``checkpoint.py`` is recompute, which lives in :mod:`lightning_gpip
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from lightning_gpipe.state.optimizer import (
     split_optimizer_state,
     tensors_to_cpu,
 )
+from lightning_gpipe.tied import Tied, alias_tied_state
 
 __all__ = [
     "FORMATS",
@@ -70,11 +71,14 @@ def broadcast_from_first_replica(stage: nn.Module, layout: Layout, rank: int, gr
             dist.broadcast(tensor, src=src, group=group)
 
 
-def gather_sequential_state(stage: nn.Module, layout: Layout, rank: int, to_all: bool) -> dict[str, Tensor]:
+def gather_sequential_state(
+    stage: nn.Module, layout: Layout, rank: int, to_all: bool, tied: Sequence[Tied] = ()
+) -> dict[str, Tensor]:
     """The pipelined Sequential's full ``state_dict`` (keys relative to it, CPU) from replica 0's stages.
 
     Every rank must call it. With ``to_all`` every rank receives it; else rank 0 does and the
-    others get ``{}``.
+    others get ``{}``. Every key of a ``tied`` parameter holds one tensor, its owner stage's
+    (saved once, as the plain module's shared parameter is).
     """
     local = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
     mine = local if layout.replica_of(rank) == 0 else {}
@@ -88,14 +92,14 @@ def gather_sequential_state(stage: nn.Module, layout: Layout, rank: int, to_all:
     full: dict[str, Tensor] = {}
     for part in parts:
         full.update(part)
-    return full
+    return alias_tied_state(full, tied)
 
 
 def user_state_dict(
-    module: nn.Module, stage: nn.Module, seq_name: str, layout: Layout, rank: int
+    module: nn.Module, stage: nn.Module, seq_name: str, layout: Layout, rank: int, tied: Sequence[Tied] = ()
 ) -> dict[str, Any]:
     """The user's full ``state_dict`` (original parameter names) on rank 0; ``{}`` elsewhere. All ranks call it."""
-    full = gather_sequential_state(stage, layout, rank, to_all=False)
+    full = gather_sequential_state(stage, layout, rank, to_all=False, tied=tied)
     if rank != 0:
         return {}
     prefix = seq_name + "."
@@ -111,9 +115,11 @@ def module_state_dict(
     layout: Layout,
     rank: int,
     arrive: Callable[[str], None],
+    tied: Sequence[Tied] = (),
 ) -> dict[str, Any]:
     """The model's full ``state_dict`` (original parameter names) for a checkpoint: on rank 0, gathered from
-    every stage of ``stage`` (installed as ``seq_name``) after ``arrive(operation)``; the module's own without a stage.
+    every stage of ``stage`` (installed as ``seq_name``) after ``arrive(operation)``, each tied parameter once
+    (``tied``, :func:`user_state_dict`); the module's own without a stage.
 
     Raises:
         RuntimeError: without a stage, the module holds meta tensors (built on the meta device, one stage per rank).
@@ -129,7 +135,7 @@ def module_state_dict(
     if stage is None or seq_name is None or not distributed_is_initialized():
         return module.state_dict()
     arrive("gathering the model's state (save_checkpoint)")
-    return user_state_dict(module, stage, seq_name, layout, rank)
+    return user_state_dict(module, stage, seq_name, layout, rank, tied)
 
 
 def _names_by_id(module: nn.Module) -> dict[int, str]:
@@ -137,16 +143,29 @@ def _names_by_id(module: nn.Module) -> dict[int, str]:
 
 
 def merged_optimizer_state(
-    optimizer: Optimizer, module: nn.Module, layout: Layout, rank: int, order: Sequence[str] | None = None
+    optimizer: Optimizer,
+    module: nn.Module,
+    layout: Layout,
+    rank: int,
+    order: Sequence[str] | None = None,
+    tied_aliases: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """On rank 0: one optimizer ``state_dict`` over the whole model, merged from replica 0's stages.
 
     It has the layout a single optimizer over the plain module's parameters would have (see
     :mod:`lightning_gpipe.state.optimizer`), plus the parameter names, so it loads back into any
-    number of stages. Every rank takes part; ranks other than 0 get ``{}``. ``order``: every
-    parameter name of the whole model in model order (groups and parameters are merged in it).
+    number of stages. Every rank takes part; ranks other than 0 get ``{}``.
+
+    Args:
+        order: every parameter name of the whole model in model order (groups and parameters are
+            merged in it).
+        tied_aliases: this stage's names of tied parameters (:func:`lightning_gpipe.tied.canonical_name`,
+            with the model's prefix); a copy the stage does not own (a name mapped to its owner's)
+            is left out, so the parameter appears once, where the plain module lists it.
     """
+    copies = {k for k, v in (tied_aliases or {}).items() if v is not None}
     names = group_names(optimizer, _names_by_id(module), missing=PLACEHOLDER)
+    names = [[PLACEHOLDER if n in copies else n for n in group] for group in names]  # dropped below
     mine = (layout.stage_of(rank), tensors_to_cpu(optimizer.state_dict()), names)
     parts: list[Any] = [mine]
     if distributed_is_initialized() and layout.world_size > 1:
@@ -157,6 +176,11 @@ def merged_optimizer_state(
         if rank != 0:
             return {}
     stages = sorted((p for p in parts if p is not None), key=lambda p: p[0])
+    seen: set[str] = set()
+    for _, _, stage_names in stages:  # a tied copy named as its owner (after fit, the module is whole): once
+        for group in stage_names:
+            group[:] = [PLACEHOLDER if n in seen else n for n in group]
+            seen.update(group)
     return merge_optimizer_states(
         [(drop_placeholder(sd, n), drop_placeholder_names(n)) for _, sd, n in stages], order
     )
@@ -168,6 +192,7 @@ def load_optimizer_states(
     merged_states: Sequence[Any],
     plain_names: list[str] | None,
     device: torch.device,
+    tied_aliases: Mapping[str, str | None] | None = None,
     read: Callable[[Any], Any] | None = None,
 ) -> None:
     """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name).
@@ -176,6 +201,7 @@ def load_optimizer_states(
         plain_names: the Sequential's parameter names (with its prefix) in model order, used for a
             plain one-device checkpoint (one group over every parameter, no names); ``None``:
             such checkpoints cannot be loaded.
+        tied_aliases: see :func:`merged_optimizer_state`; a tied copy takes its owner's state.
         read: applied to each of this stage's optimizer states before it is loaded (e.g.
             :meth:`lightning_gpipe.loading.LazyCheckpoint.materialize`: read from the file only
             the states this stage keeps).
@@ -189,6 +215,7 @@ def load_optimizer_states(
         if NAMES_KEY not in merged and len(merged.get("param_groups", ())) == 1 and plain_names is not None:
             merged = {**merged, NAMES_KEY: plain_names}  # a plain one-device checkpoint, in model order
         names = group_names(optimizer, names_by_id, missing=PLACEHOLDER)
+        names = [[(tied_aliases or {}).get(n) or n for n in group] for group in names]
         local = split_optimizer_state(
             merged, names, stateless=lambda name: PLACEHOLDER in name, local_groups=optimizer.param_groups
         )

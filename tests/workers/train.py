@@ -48,7 +48,7 @@ from tests.models import Net, Recorder, feature_callbacks, make_data, trainer_kw
 torch.set_num_threads(1)
 out = Path(spec["out"])
 net_kwargs = dict(spec.get("net", {}))
-for key in ("record_grads", "call_twice", "fail", "slow", "wrong_shape"):
+for key in ("record_grads", "record_params", "call_twice", "fail", "slow", "wrong_shape"):
     if key in spec:
         net_kwargs[key] = spec[key]
 steps, batch, kind = spec.get("steps", 5), spec.get("batch", 10), spec["kind"]
@@ -190,6 +190,7 @@ for k, run in enumerate(spec["runs"]):
         "current_epoch": trainer.current_epoch,
         "global_step": trainer.global_step,
         "lrs": model.lrs,
+        "params": model.params,
         "step_lrs": model.step_lrs,
         "received_skips": getattr(trainer.strategy, "last_received_skips", None),
         "effects": {k: layer.effects() for k, layer in enumerate(layers) if hasattr(layer, "effects")},

@@ -1,0 +1,142 @@
+"""Tiny transformers models (from configs, never the hub) under a LightningModule whose ``layers`` is the adapter."""
+
+from __future__ import annotations
+
+import pytorch_lightning as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_gpipe.adapters import causal_lm
+from tests.models import trainer_kwargs
+
+VOCAB, LENGTH = 50, 8
+
+
+def build_hf(family: str):
+    """A tiny GPT-2 (tied embedding and head, dropout 0) or Llama, seeded."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        config = GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        return GPT2LMHeadModel(config)
+    config = LlamaConfig(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+class HFCausalLM(pl.LightningModule):
+    """``self.layers = causal_lm(model)``; the loss is the model's own LM loss (next-token cross-entropy)."""
+
+    def __init__(self, family: str, lr: float = 0.1) -> None:
+        super().__init__()
+        hf = build_hf(family)
+        self.__dict__["hf"] = hf  # not a submodule: every parameter lives in self.layers
+        self.layers = causal_lm(hf)
+        self.lr = lr
+        self.losses: list[float] = []
+        self.params: list[dict[str, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        logits = self.layers(ids)
+        loss = self.hf.loss_function(logits=logits, labels=ids, vocab_size=VOCAB)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.params.append({n: p.detach().clone() for n, p in self.named_parameters()})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def lm_data(batch: int = 10, steps: int = 5) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    return DataLoader(
+        TensorDataset(torch.randint(0, VOCAB, (batch * steps, LENGTH), generator=g)), batch_size=batch
+    )
+
+
+def reference_lm(family: str, steps: int = 5) -> HFCausalLM:
+    """The same module on one device, full batch."""
+    pl.seed_everything(0, verbose=False)
+    model = HFCausalLM(family)
+    pl.Trainer(devices=1, **trainer_kwargs(steps)).fit(model, lm_data(steps=steps))
+    return model
+
+
+def lm_loss_reference(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, computed independently of transformers."""
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def build_image(family: str):
+    """A tiny ResNet (BatchNorm) or ViT (dropout 0) image classifier, 10 classes, seeded."""
+    from transformers import ResNetConfig, ResNetForImageClassification, ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    if family == "resnet":
+        config = ResNetConfig(
+            num_labels=10, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic"
+        )
+        return ResNetForImageClassification(config)
+    config = ViTConfig(
+        image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return ViTForImageClassification(config)
+
+
+IMAGE_SIZE = {"resnet": 32, "vit": 16}
+
+
+class HFImageClassifier(pl.LightningModule):
+    """``self.layers = image_classifier(model)``; cross-entropy on 10 classes."""
+
+    def __init__(self, family: str, lr: float = 0.1) -> None:
+        super().__init__()
+        from lightning_gpipe.adapters import image_classifier
+
+        hf = build_image(family)
+        self.__dict__["hf"] = hf
+        self.layers = image_classifier(hf)
+        self.lr = lr
+        self.losses: list[float] = []
+        self.params: list[dict[str, torch.Tensor]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.layers(x), y)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def image_data(family: str, batch: int = 10, steps: int = 5) -> DataLoader:
+    g = torch.Generator().manual_seed(1)
+    size = IMAGE_SIZE[family]
+    x = torch.randn(batch * steps, 3, size, size, generator=g)
+    return DataLoader(TensorDataset(x, torch.randint(0, 10, (batch * steps,), generator=g)), batch_size=batch)
+
+
+def module_and_data(family: str, steps: int = 5):
+    if family in ("gpt2", "llama"):
+        return HFCausalLM(family), lm_data(steps=steps)
+    return HFImageClassifier(family), image_data(family, steps=steps)
+
+
+def reference(family: str, steps: int = 5):
+    """The same module on one device, full batch."""
+    pl.seed_everything(0, verbose=False)
+    model, data = module_and_data(family, steps)
+    pl.Trainer(devices=1, **trainer_kwargs(steps)).fit(model, data)
+    return model
