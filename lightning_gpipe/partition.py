@@ -194,11 +194,17 @@ def check_tied_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> 
     """Raise :class:`PartitionError` for what tying across stages cannot make exact: a shared buffer.
 
     Parameters shared by layers on different stages are kept in step by
-    :mod:`lightning_gpipe.tied`; buffers are refused (:func:`lightning_gpipe.tied.check_tied_buffers`).
+    :mod:`lightning_gpipe.tied`; buffers are refused (:func:`lightning_gpipe.tied.tied_buffers`).
     """
-    from lightning_gpipe.tied import check_tied_buffers
+    from lightning_gpipe.tied import tied_buffers
 
-    check_tied_buffers(sequential, balance)
+    for tied in tied_buffers(sequential, balance):
+        raise PartitionError(
+            f"the buffer {tied.names[0]!r} is shared by layers on stages {list(tied.stages)} (names: "
+            f"{', '.join(tied.names)}, balance: {list(balance)}); a buffer updated in place by one stage's "
+            "forward (e.g. BatchNorm running statistics) cannot stay equal on the others, so keep the layers "
+            "sharing it on one stage (choose a balance that does) or give each its own buffer"
+        )
 
 
 def compiled_sequentials(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:

@@ -15,9 +15,9 @@ group" does):
   merged optimizer state holds it once, at its first place in model order
   (:func:`canonical_name`).
 
-A *buffer* shared across stages is refused (:func:`check_tied_buffers`): a forward that updates
-it in place on one stage (BatchNorm's running statistics) would leave the other stage's copy
-stale, and no gradient sum repairs that.
+A *buffer* shared across stages is refused (:func:`lightning_gpipe.partition.check_tied_parameters`):
+a forward that updates it in place on one stage (BatchNorm's running statistics) would leave the
+other stage's copy stale, and no gradient sum repairs that.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ __all__ = [
     "alias_tied_state",
     "broadcast_tied",
     "canonical_name",
-    "check_tied_buffers",
+    "tied_buffers",
     "find_tied",
     "new_tied_groups",
     "norm_parameters",
@@ -93,22 +93,15 @@ def find_tied(sequential: nn.Sequential, balance: Sequence[int]) -> list[Tied]:
     return _shared(named, _layer_stage(sequential, balance))
 
 
-def check_tied_buffers(sequential: nn.Sequential, balance: Sequence[int]) -> None:
-    """Raise :class:`~lightning_gpipe.partition.PartitionError` for a buffer shared by layers on different stages.
+def tied_buffers(sequential: nn.Sequential, balance: Sequence[int]) -> list[Tied]:
+    """The buffers of ``sequential`` that layers on different stages of ``balance`` share, in model order.
 
     A layer may update a buffer in place during its forward (BatchNorm's running statistics);
-    a copy on another stage would not see the update, so training could not equal one device.
+    a copy on another stage would not see the update, so training could not equal one device:
+    :func:`lightning_gpipe.partition.check_tied_parameters` refuses them.
     """
-    from lightning_gpipe.partition import PartitionError
-
     named = sequential.named_buffers(remove_duplicate=False)
-    for tied in _shared(named, _layer_stage(sequential, balance)):
-        raise PartitionError(
-            f"the buffer {tied.names[0]!r} is shared by layers on stages {list(tied.stages)} (names: "
-            f"{', '.join(tied.names)}, balance: {list(balance)}); a buffer updated in place by one stage's "
-            "forward (e.g. BatchNorm running statistics) cannot stay equal on the others, so keep the layers "
-            "sharing it on one stage (choose a balance that does) or give each its own buffer"
-        )
+    return _shared(named, _layer_stage(sequential, balance))
 
 
 def canonical_name(tied: Sequence[Tied], stage: int) -> dict[str, str | None]:
