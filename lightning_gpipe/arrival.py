@@ -34,6 +34,15 @@ SIGNAL_GRACE_S = 3.0
 _counts: Counter[str] = Counter()
 
 
+def reset() -> None:
+    """Number operations from the start again: called on every rank when a job connects its ranks.
+
+    A process that runs several jobs (rank 0 of a Hydra sweep) meets fresh child ranks each time;
+    counts left from the last job would name keys the new ranks never write.
+    """
+    _counts.clear()
+
+
 class CollectiveTimeout(RuntimeError):
     """An operation that needs every rank was not reached by some of them in time."""
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_gpipe import arrival
 from lightning_gpipe._compat import (
     default_process_group_backend,
     distributed_is_initialized,
@@ -62,6 +63,7 @@ def connect(
     kwargs: dict[str, Any] = {"timeout": timeout}
     if device.type != "cpu":
         kwargs["device_id"] = device
+    arrival.reset()
     init_dist_connection(cluster_environment, backend, **kwargs)
     from lightning_gpipe.start_state import share_rng_state
 
