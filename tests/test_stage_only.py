@@ -98,6 +98,7 @@ TRANSFORMER_100M = {
 }
 
 
+@pytest.mark.slow  # about 2.5 min on 2 cores: run with `python -m pytest -q -m slow`
 @pytest.mark.timeout(900)
 def test_100m_transformer_over_two_stages_holds_half_and_trains_like_one_device(stage_job, tmp_path):
     """A 101 M-parameter float32 Transformer, init_module(empty_init=True) + configure_model, 2 stages.
