@@ -1,0 +1,301 @@
+"""Interleaved 1F1B (virtual stages) as data: literal grids, Megatron-LM's order, transfers, message order."""
+
+from collections import Counter
+
+import pytest
+
+from lightning_gpipe.schedule import (
+    SCHEDULES,
+    Action,
+    Transfer,
+    bubble_share,
+    fill_drain,
+    format_grid,
+    grid_of_columns,
+    ideal_bubble,
+    in_send_order,
+    interleaved_1f1b,
+    messages,
+    needs_loss,
+    part,
+    place,
+    receives,
+    send_order,
+    sends,
+    stage_actions,
+    validate,
+    virtual_stages_of,
+)
+from lightning_gpipe.skip import Route
+
+EXPECTED_K2_V2_M4 = """\
+step  stage0  stage1
+   0  F0v0    .
+   1  F1v0    F0v0
+   2  F0v1    F1v0
+   3  F1v1    F0v1
+   4  F2v0    B0v1
+   5  B0v1    F1v1
+   6  F3v0    B1v1
+   7  B1v1    F2v0
+   8  F2v1    B0v0
+   9  B0v0    F3v0
+  10  F3v1    B1v0
+  11  B1v0    F2v1
+  12  .       B2v1
+  13  B2v1    F3v1
+  14  .       B3v1
+  15  B3v1    B2v0
+  16  B2v0    B3v0
+  17  B3v0    ."""
+
+
+def _a(text: str) -> Action:
+    """``"F2v1"`` -> Action("F", 2, 1); ``"B0"`` -> Action("B", 0)."""
+    i, _, u = text[1:].partition("v")
+    return Action(text[0], int(i), int(u or 0))  # type: ignore[arg-type]
+
+
+def test_interleaved_k2_v2_m4_is_megatron_table():
+    """Megatron-LM, K=2 (pipeline ranks), v=2 (model chunks), M=4, worked by hand from its code.
+
+    Forward k of 8 runs model chunk ``(k mod (K·v)) // K`` on micro-batch ``(k // (K·v))·K + k mod K``;
+    backward k runs chunk ``v-1`` minus that. Warm-up: ``2(K-1-rank) + (v-1)·K`` forwards (4 on
+    rank 0, 2 on rank 1), then one forward and one backward, then the rest of the backwards.
+    """
+    grid = interleaved_1f1b(2, 4, 2)
+    assert format_grid(grid) == EXPECTED_K2_V2_M4
+    stage0 = "F0 F1 F0v1 F1v1 F2 B0v1 F3 B1v1 F2v1 B0 F3v1 B1 B2v1 B3v1 B2 B3"
+    stage1 = "F0 F1 F0v1 B0v1 F1v1 B1v1 F2 B0 F3 B1 F2v1 B2v1 F3v1 B3v1 B2 B3"
+    assert stage_actions(grid, 0) == [_a(x) for x in stage0.split()]
+    assert stage_actions(grid, 1) == [_a(x) for x in stage1.split()]
+    assert virtual_stages_of(grid) == 2
+    validate(grid)
+    assert bubble_share(grid) == pytest.approx(ideal_bubble(2, 4, 2)) == pytest.approx(1 / 9)
+
+
+def _megatron_columns(k: int, m: int, v: int) -> list[list[Action]]:
+    """Megatron-LM's ``forward_backward_pipelining_with_interleaving`` order, for ``M mod K = 0``."""
+    total = m * v
+
+    def chunk(n: int, forward: bool) -> int:  # get_model_chunk_id
+        c = (n % (k * v)) // k
+        return c if forward else v - 1 - c
+
+    def microbatch(n: int) -> int:  # get_microbatch_id_in_model_chunk
+        return (n // (k * v)) * k + n % k
+
+    columns = []
+    for rank in range(k):
+        warmup = min(2 * (k - rank - 1) + (v - 1) * k, total)
+        f = [Action("F", microbatch(n), chunk(n, True)) for n in range(total)]
+        b = [Action("B", microbatch(n), chunk(n, False)) for n in range(total)]
+        column = f[:warmup]
+        for n in range(total - warmup):
+            column += [f[warmup + n], b[n]]
+        columns.append(column + b[total - warmup :])
+    return columns
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+@pytest.mark.parametrize("v", [2, 3])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+def test_interleaved_columns_are_megatron_when_k_divides_m(k, v, groups):
+    m = k * groups
+    grid = interleaved_1f1b(k, m, v)
+    assert [stage_actions(grid, j) for j in range(k)] == _megatron_columns(k, m, v)
+    validate(grid)
+    assert bubble_share(grid) == pytest.approx(ideal_bubble(k, m, v))
+
+
+def _one_f_one_b_columns(k: int, m: int) -> list[list[Action]]:
+    """PipeDream-Flush: stage j warms up with min(K-1-j, M) forwards, then 1F1B, then the rest."""
+    columns = []
+    for j in range(k):
+        w = min(k - 1 - j, m)
+        column = [Action("F", i) for i in range(w)]
+        for i in range(m - w):
+            column += [Action("F", w + i), Action("B", i)]
+        columns.append(column + [Action("B", i) for i in range(m - w, m)])
+    return columns
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
+def test_one_virtual_stage_is_plain_one_f_one_b(k, m):
+    grid = interleaved_1f1b(k, m, 1)
+    assert [stage_actions(grid, j) for j in range(k)] == _one_f_one_b_columns(k, m)
+    validate(grid)
+    assert bubble_share(grid) == pytest.approx(ideal_bubble(k, m))
+    for j in range(k):  # 1F1B bounds the micro-batches in flight on stage j by K - j
+        held = peak = 0
+        for action in stage_actions(grid, j):
+            held += 1 if action.kind == "F" else -1
+            peak = max(peak, held)
+        assert peak == min(k - j, m)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_every_interleaved_grid_is_valid_and_its_bubble_near_ideal(k, m, v):
+    if k == 1 and v > 1:
+        with pytest.raises(ValueError, match=r"two or more pipeline stages \(stages: 1, virtual_stages: "):
+            interleaved_1f1b(k, m, v)
+        return
+    grid = interleaved_1f1b(k, m, v)
+    validate(grid)
+    assert virtual_stages_of(grid) == v
+    assert all(len(stage_actions(grid, j)) == 2 * m * v for j in range(k))
+    if m >= k:  # with fewer micro-batches than stages no schedule fills the pipeline
+        assert bubble_share(grid) <= ideal_bubble(k, m, v) + 0.02
+    if v > 1 and m >= k:  # interleaving shrinks the bubble against plain 1F1B
+        assert bubble_share(grid) < bubble_share(interleaved_1f1b(k, m, 1))
+
+
+def test_in_flight_forwards_do_not_grow_with_micro_batches():
+    """Interleaving keeps 1F1B's property: a stage's forwards in flight are bounded independently of M."""
+    for k, v in [(2, 2), (3, 2), (4, 3)]:
+        peaks = []
+        for m in (k, 2 * k, 4 * k, 8 * k):
+            grid = interleaved_1f1b(k, m, v)
+            held = peak = 0
+            for action in stage_actions(grid, 0):
+                held += 1 if action.kind == "F" else -1
+                peak = max(peak, held)
+            peaks.append(peak)
+        assert peaks[1] == peaks[2] == peaks[3] <= 2 * (k - 1) + v * k, (k, v, peaks)
+
+
+def test_parts_and_places():
+    assert [part(j, u, 3) for u in range(2) for j in range(3)] == [0, 1, 2, 3, 4, 5]
+    assert [place(c, 3) for c in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+
+
+def test_transfers_name_virtual_stages_and_wrap_from_the_last_stage_to_the_first():
+    k, v = 2, 2  # stage 0: parts 0, 2; stage 1: parts 1, 3
+    f0, f1, b0, b1 = Action("F", 3), Action("F", 3, 1), Action("B", 3), Action("B", 3, 1)
+    assert receives(f0, 0, k, virtual_stages=v) == []  # part 0: the input of the pipeline
+    assert sends(f0, 0, k, virtual_stages=v) == [Transfer(1, None, 0)]
+    assert receives(f0, 1, k, virtual_stages=v) == [Transfer(0, None, 0)]
+    assert sends(f0, 1, k, virtual_stages=v) == [Transfer(0, None, 1)]  # part 1 -> part 2 on stage 0
+    assert receives(f1, 0, k, virtual_stages=v) == [Transfer(1, None, 0)]
+    assert sends(f1, 1, k, virtual_stages=v) == []  # part 3: the last
+    assert receives(b1, 1, k, virtual_stages=v) == []  # its gradient comes from the loss
+    assert needs_loss(b1, 1, k, 2) and not needs_loss(b0, 1, k, 2) and not needs_loss(b1, 0, k, 2)
+    assert sends(b1, 1, k, virtual_stages=v) == [Transfer(0, None, 1)]
+    assert sends(b1, 0, k, virtual_stages=v) == [Transfer(1, None, 0)]  # part 2 -> part 1
+    assert receives(b0, 1, k, virtual_stages=v) == [Transfer(0, None, 1)]
+    assert sends(b0, 0, k, virtual_stages=v) == []
+    # skips between parts: part 0 stashes "a" for part 3
+    skips = [Route("a", 0, 3)]
+    assert sends(f0, 0, k, skips, v) == [Transfer(1, None, 0), Transfer(1, "a", 1)]
+    assert receives(f1, 1, k, skips, v) == [Transfer(0, None, 1), Transfer(0, "a", 0)]
+    assert sends(b1, 1, k, skips, v) == [Transfer(0, None, 1), Transfer(0, "a", 0)]
+    assert receives(b0, 0, k, skips, v) == [Transfer(1, None, 0), Transfer(1, "a", 1)]
+
+
+def test_every_message_sent_is_received_by_the_action_it_names():
+    for k, m, v in [(2, 4, 2), (3, 5, 2), (4, 8, 3), (2, 5, 3)]:
+        grid = interleaved_1f1b(k, m, v)
+        for j in range(k):
+            for action in stage_actions(grid, j):
+                for t in sends(action, j, k, virtual_stages=v):
+                    received = receives(
+                        Action(action.kind, action.i, t.virtual_stage), t.peer, k, virtual_stages=v
+                    )
+                    assert Transfer(j, None, action.virtual_stage) in received
+
+
+def _grids():
+    for name, schedule in SCHEDULES.items():
+        for k in range(1, 5):
+            for m in range(1, 9):
+                for v in (1, 2, 3):
+                    try:
+                        grid = schedule(k, m, v)
+                    except ValueError as err:  # a schedule may refuse virtual stages; say so
+                        assert "virtual" in str(err), (name, k, m, v, err)
+                        continue
+                    yield name, k, m, v, grid
+
+
+def test_message_order_is_consistent_for_every_schedule():
+    """Per pair of stages, the messages one sends are the ones the other takes, one for one.
+
+    Where a column takes them in the sender's order (``in_send_order``), the transport's order is
+    the order they are needed. Otherwise (interleaved, two stages, an odd micro-batch group) the
+    receiving stage takes them in :func:`send_order` and holds each until its action runs, which
+    cannot deadlock: each message is sent before the step of the action that takes it.
+    """
+    unordered = []
+    for name, k, m, v, grid in _grids():
+        steps = {}
+        for step, row in enumerate(grid):
+            for j, a in enumerate(row):
+                if a is not None:
+                    steps[(j, a)] = step
+        for stage in range(k):
+            taken = [(a, t) for a in stage_actions(grid, stage) for t in receives(a, stage, k, (), v)]
+            for peer in range(k):
+                sent = send_order(grid, stage, peer)
+                assert Counter(sent) == Counter(x for x in taken if x[1].peer == peer), (name, k, m, v)
+                for a, t in sent:  # sent before the step of the action that takes it
+                    assert steps[(peer, Action(a.kind, a.i, t.virtual_stage))] < steps[(stage, a)]
+        if not in_send_order(grid):
+            unordered.append((name, k, m, v))
+    assert all(name == "interleaved_1f1b" and k == 2 and v > 1 for name, k, m, v in unordered)
+    assert ("interleaved_1f1b", 2, 5, 2) in unordered  # groups of 3 and 2
+    assert ("interleaved_1f1b", 2, 4, 2) not in unordered
+    assert all(in_send_order(fill_drain(k, m)) for k in range(1, 5) for m in range(1, 9))
+
+
+def test_messages_are_counted_per_peer_stage_across_virtual_stages():
+    grid = interleaved_1f1b(2, 4, 2)
+    assert messages(stage_actions(grid, 1), 1, 2, virtual_stages=2) == Counter({0: 4 + 4 + 4})
+    assert messages(stage_actions(grid, 0), 0, 2, virtual_stages=2) == Counter({1: 4 + 4 + 4})
+
+
+def test_validate_names_parts_across_virtual_stages():
+    grid = interleaved_1f1b(2, 4, 2)
+    late = [list(row) for row in grid]
+    late[2][0], late[4][0] = late[4][0], late[2][0]  # F0v1 (part 2) after F0v1 (part 3) needs it
+    with pytest.raises(
+        ValueError, match=r"F0 on part 3 \(stage 1, virtual stage 1\) runs before its input from part 2"
+    ):
+        validate(late)
+    broken = [list(row) for row in grid]
+    broken[3][1] = None  # stage 1 never runs F0v1 (part 3)
+    with pytest.raises(ValueError, match=r"part 3 \(stage 1, virtual stage 1\) never runs F0"):
+        validate(broken)
+    early = [list(row) for row in grid]
+    early[1][1], early[0][1] = None, early[1][1]  # F0 on part 1 at step 0, with part 0
+    with pytest.raises(
+        ValueError, match=r"F0 on part 1 \(stage 1, virtual stage 0\) runs before its input from part 0"
+    ):
+        validate(early)
+
+
+def test_grid_of_columns_refuses_a_deadlock():
+    columns = [[Action("F", 0), Action("B", 0)], [Action("B", 0), Action("F", 0)]]
+    with pytest.raises(ValueError, match=r"deadlocks: every stage waits \(stage 0 at B0, stage 1 at B0\)"):
+        grid_of_columns(columns)
+
+
+def test_schedules_refuse_virtual_stages_they_cannot_run():
+    with pytest.raises(
+        ValueError, match=r"fill_drain schedule runs one virtual stage per stage \(virtual_stages: 2\)"
+    ):
+        fill_drain(2, 4, 2)
+    with pytest.raises(ValueError, match=r"virtual_stages must be an integer >= 1 \(virtual_stages: 0\)"):
+        interleaved_1f1b(2, 4, 0)
+    with pytest.raises(ValueError, match=r"virtual_stages must be an integer >= 1"):
+        ideal_bubble(2, 4, 0)
+    assert SCHEDULES["interleaved_1f1b"] is interleaved_1f1b
+
+
+def test_ideal_bubble_with_virtual_stages_is_megatron_formula():
+    # throughput K·M/(M + (K-1)/v) of one stage's: bubble ((K-1)/v) / (M + (K-1)/v)
+    for k, m, v in [(2, 4, 2), (4, 8, 2), (3, 6, 3)]:
+        assert ideal_bubble(k, m, v) == pytest.approx(((k - 1) / v) / (m + (k - 1) / v))
+    assert ideal_bubble(3, 4, 1) == ideal_bubble(3, 4)
