@@ -1,4 +1,4 @@
-"""Cost model of the GPipe fill-drain schedule: step time, bubble share, activation memory.
+"""Cost model of a pipeline schedule: step time, bubble share, activation memory.
 
 GPipe (Huang et al., 2019, arXiv 1811.06965) runs K stages on M micro-batches: stage j
 runs forward on micro-batch i as soon as it is free and micro-batch i has arrived from
@@ -13,21 +13,32 @@ time, a backward as long as a forward here)::
 
 Each stage idles ``K-1`` of ``M+K-1`` slots in each direction: the bubble share
 ``(K-1)/(M+K-1)`` (:func:`lightning_gpipe.schedule.ideal_bubble`). ``simulate`` does not use
-that formula: it plays each stage's column of :func:`lightning_gpipe.schedule.fill_drain` action
-by action, with the transfers :func:`lightning_gpipe.schedule.sends` names and the recompute rule
-of :mod:`lightning_gpipe.recompute` (the same data the stages execute), so unequal stages,
-communication delays and re-materialization come out right.
+that formula: it plays each stage's column of any schedule of
+:data:`lightning_gpipe.schedule.SCHEDULES` (fill-drain by default; 1F1B; interleaved 1F1B with
+``v`` virtual stages per stage) action by action, with the transfers
+:func:`lightning_gpipe.schedule.sends` names and the recompute rule of
+:mod:`lightning_gpipe.recompute` (the same data the stages execute), so unequal stages,
+communication delays, re-materialization and each schedule's order come out right. The memory
+estimate (:func:`peak_activation_memory`) plays the same columns: what a stage holds for
+backward grows with every forward and shrinks with every backward, so fill-drain's peak grows
+with M while 1F1B's is bounded by the micro-batches in flight (``K-j`` on stage ``j``).
 
 Model, in seconds and bytes:
 
 - compute: stage j's forward of one micro-batch takes ``forward[j]``, its backward
   ``backward[j]``; a re-materialized micro-batch first repeats the forward (``"R"``,
-  ``forward[j]`` seconds) when its backward is due, after its gradient has arrived;
+  ``forward[j]`` seconds) when its backward is due, after its gradient has arrived. With
+  ``v`` virtual stages each of stage j's parts takes ``1/v`` of those times, unless ``K·v``
+  values give each part's own (part ``c`` is stage ``c mod K``'s virtual stage ``c // K``:
+  :func:`lightning_gpipe.schedule.part`);
 - communication: a micro-batch's activation (forward) or gradient (backward) crossing
-  boundary j (between stages j and j+1) is ``boundary_bytes[j]`` bytes. Sends are
-  asynchronous (the sender does not wait). One transfer at a time per link and direction:
-  it occupies the link for ``bytes / bandwidth`` and arrives ``latency`` later;
-- the loss is part of the last stage's forward time; the optimizer step is not modelled.
+  boundary c (between parts c and c+1; without virtual stages, stages) is
+  ``boundary_bytes[c]`` bytes. Sends are asynchronous (the sender does not wait). One
+  transfer at a time per link (ordered pair of stages): it occupies the link for
+  ``bytes / bandwidth`` and arrives ``latency`` later;
+- the loss is part of the last part's forward time, and micro-batch i's backward on the last
+  part may start once its forward is done (fill-drain's column runs every forward first);
+  the optimizer step is not modelled.
 """
 
 from __future__ import annotations
@@ -37,10 +48,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lightning_gpipe import schedule
+from lightning_gpipe import schedule as schedule_module
 from lightning_gpipe.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.recompute import recomputed
-from lightning_gpipe.schedule import Action
+from lightning_gpipe.schedule import SCHEDULES, Action, Grid, Schedule
 
 __all__ = ["Event", "Simulation", "peak_activation_memory", "simulate"]
 
@@ -48,12 +59,13 @@ __all__ = ["Event", "Simulation", "peak_activation_memory", "simulate"]
 class Event(NamedTuple):
     """One stretch of work on a stage: ``kind`` is ``"F"`` (forward), ``"R"`` (recompute:
     the forward repeated before a backward) or ``"B"`` (backward); times in seconds from the
-    start of the step."""
+    start of the step; ``virtual_stage``: which of the stage's virtual stages ran it (0 without)."""
 
     kind: str
     microbatch: int
     start: float
     end: float
+    virtual_stage: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,58 +99,75 @@ def peak_activation_memory(
     activation_bytes: float | Sequence[float],
     input_bytes: float | Sequence[float] = 0.0,
     checkpoint: str = "except_last",
+    *,
+    schedule: str | Schedule = "fill_drain",
+    virtual_stages: int = 1,
 ) -> list[float]:
     """Peak bytes of activations each stage holds for backward during one step.
 
-    Stage k holds, per sample, ``activation_bytes[k]`` (``a_k``) for a micro-batch whose
-    activations are kept, or only its boundary input ``input_bytes[k]`` (``b_k``) for a
-    re-materialized one, which then needs its ``a_k`` again while its backward runs. The
-    holdings are played through the schedule (forwards add, each backward frees its
-    micro-batch) and the maximum is returned. With ``M`` equal micro-batches of ``N/M``:
+    A part holds, per sample, ``activation_bytes`` (``a``) for a micro-batch whose activations
+    are kept, or only its boundary input ``input_bytes`` (``b``) for a re-materialized one, which
+    then needs its ``a`` again while its backward runs. The holdings are played through the
+    schedule's column of each stage (every forward adds, every backward frees its micro-batch
+    on its part) and each stage's maximum over all its parts together is returned. Under
+    fill-drain, with ``M`` equal micro-batches of ``N/M`` on stage ``k``:
 
     - ``"never"``: ``N·a_k`` — all activations of the mini-batch;
     - ``"always"``: ``N·b_k + (N/M)·a_k`` — the boundary inputs of all micro-batches plus
       one micro-batch's activations, GPipe's ``O(N + (L/K)·(N/M))``;
     - ``"except_last"``: ``(N - N/M)·b_k + (N/M)·a_k``.
 
-    ``a_k`` is treated as the stage's inner activations; if it also counts the boundary
-    input, the estimate with re-materialization is high by one micro-batch's input.
+    Under 1F1B stage ``k`` holds at most ``K-k`` micro-batches, whatever M: ``"never"`` gives
+    ``min(K-k, M)·(N/M)·a_k``.
+
+    ``a`` is treated as the part's inner activations; if it also counts the boundary input,
+    the estimate with re-materialization is high by one micro-batch's input.
 
     Args:
         stages (int): number of stages ``K``.
         chunks (int): number of micro-batches ``M`` (fewer if ``N < M``).
         batch_size (int): mini-batch size ``N``.
-        activation_bytes: ``a_k``, bytes per sample that stage k keeps for backward without
-            re-materialization; a scalar or ``K`` values.
-        input_bytes: ``b_k``, bytes per sample of stage k's input; a scalar or ``K`` values
-            (default: 0).
+        activation_bytes: ``a``, bytes per sample that a stage keeps for backward without
+            re-materialization; a scalar or ``K`` values (each of a stage's ``v`` parts keeps
+            ``1/v`` of it), or ``K·v`` values, one per part.
+        input_bytes: ``b``, bytes per sample of a part's input; a scalar, ``K`` values (every
+            part of a stage) or ``K·v`` values (default: 0).
         checkpoint (str): ``"always"``, ``"except_last"`` or ``"never"`` (default:
             ``"except_last"``).
+        schedule: a name in :data:`~lightning_gpipe.schedule.SCHEDULES` or a schedule
+            function (default: ``"fill_drain"``).
+        virtual_stages (int): virtual stages per stage ``v`` (default: 1).
 
     Returns:
         list[float]: peak bytes per stage, shape ``(K,)``.
 
     Raises:
         TypeError: a count is not an ``int``.
-        ValueError: a count below 1, a negative or non-finite size, a list that is not ``K``
-            long, or an unknown ``checkpoint``.
+        ValueError: a count below 1, a negative or non-finite size, a list of the wrong
+            length, an unknown ``checkpoint`` or ``schedule``, or a ``virtual_stages`` the
+            schedule cannot run.
     """
     _check_count("stages", stages)
+    _check_count("virtual_stages", virtual_stages)
     sizes = microbatch_sizes(batch_size, chunks)
-    a = _per_stage("activation_bytes", activation_bytes, stages)
-    b = _per_stage("input_bytes", input_bytes, stages)
+    v = virtual_stages
+    a = _per_part("activation_bytes", activation_bytes, stages, v, split=True)
+    b = _per_part("input_bytes", input_bytes, stages, v, split=False)
     recompute = recomputed(checkpoint, len(sizes))
+    grid = _grid(schedule, stages, len(sizes), v)
     peaks = []
     for k in range(stages):
         held = peak = 0.0
-        kept = [(b[k] if recompute[i] else a[k]) * n for i, n in enumerate(sizes)]
-        for i in range(len(sizes)):  # forwards
-            held += kept[i]
+        for action in schedule_module.stage_actions(grid, k):
+            c, i = schedule_module.part(k, action.virtual_stage, stages), action.i
+            kept = (b[c] if recompute[i] else a[c]) * sizes[i]
+            if action.kind == "F":
+                held += kept
+            else:
+                if recompute[i]:
+                    peak = max(peak, held + a[c] * sizes[i])
+                held -= kept
             peak = max(peak, held)
-        for i in reversed(range(len(sizes))):  # backwards
-            if recompute[i]:
-                peak = max(peak, held + a[k] * sizes[i])
-            held -= kept[i]
         peaks.append(peak)
     return peaks
 
@@ -149,6 +178,8 @@ def simulate(
     forward: float | Sequence[float],
     backward: float | Sequence[float],
     *,
+    schedule: str | Schedule = "fill_drain",
+    virtual_stages: int = 1,
     checkpoint: str = "except_last",
     latency: float = 0.0,
     bandwidth: float = math.inf,
@@ -158,16 +189,19 @@ def simulate(
     input_bytes: float | Sequence[float] = 0.0,
     timeline: bool = False,
 ) -> Simulation:
-    """Plays one GPipe training step through the cost model of the module docstring.
+    """Plays one training step of a schedule through the cost model of the module docstring.
 
     Args:
         stages (int): number of stages ``K``.
         chunks (int): number of micro-batches ``M`` (``min(M, N)`` are played when a
             ``batch_size`` ``N`` is given).
-        forward: seconds of one micro-batch's forward on each stage; a scalar or ``K``
-            values.
+        forward: seconds of one micro-batch's forward on each stage (all its virtual stages
+            together); a scalar or ``K`` values, or ``K·v`` values, one per part.
         backward: seconds of one micro-batch's backward (without recompute) on each stage;
-            a scalar or ``K`` values.
+            a scalar, ``K`` values or ``K·v`` values, as ``forward``.
+        schedule: a name in :data:`~lightning_gpipe.schedule.SCHEDULES` (``"fill_drain"``,
+            ``"interleaved_1f1b"``, …) or a schedule function (default: ``"fill_drain"``).
+        virtual_stages (int): virtual stages per stage ``v`` (default: 1).
         checkpoint (str): re-materialization, ``"always"``, ``"except_last"`` or ``"never"``
             (default: ``"except_last"``). A re-materialized micro-batch's backward is
             preceded by a recompute as long as its forward.
@@ -175,12 +209,13 @@ def simulate(
             (default: 0).
         bandwidth (float): bytes per second of each link and direction (default: infinite).
         boundary_bytes: bytes of one micro-batch's activation (and of its gradient) at each
-            boundary between stages; a scalar or ``K-1`` values (default: 0).
+            boundary between parts; a scalar or ``K·v-1`` values (default: 0).
         batch_size (int | None): mini-batch size ``N``; needed for the memory estimate
             (default: None, no estimate).
-        activation_bytes: per sample, bytes each stage keeps for backward without
-            re-materialization; a scalar or ``K`` values (default: 0).
-        input_bytes: per sample, bytes of each stage's boundary input; a scalar or ``K``
+        activation_bytes: per sample, bytes a stage keeps for backward without
+            re-materialization; a scalar, ``K`` or ``K·v`` values (see
+            :func:`peak_activation_memory`; default: 0).
+        input_bytes: per sample, bytes of a part's boundary input; a scalar, ``K`` or ``K·v``
             values (default: 0).
         timeline (bool): also return every stage's events (default: False).
 
@@ -188,50 +223,55 @@ def simulate(
         Simulation: step time, bubble share, busy time, peak activation bytes, timeline.
 
     Raises:
-        TypeError: ``stages``, ``chunks`` or ``batch_size`` is not an ``int``.
+        TypeError: ``stages``, ``chunks``, ``virtual_stages`` or ``batch_size`` is not an
+            ``int``.
         ValueError: a count below 1, a negative or non-finite time or size, a list of the
-            wrong length, ``bandwidth <= 0``, or an unknown ``checkpoint``.
+            wrong length, ``bandwidth <= 0``, an unknown ``checkpoint`` or ``schedule``, or a
+            ``virtual_stages`` the schedule cannot run.
 
     Example:
         >>> sim = simulate(4, 8, forward=1.0, backward=2.0, checkpoint="never")
         >>> sim.step_time, round(sim.bubble, 4)
         (33.0, 0.2727)
+        >>> sim = simulate(4, 8, 1.0, 2.0, schedule="interleaved_1f1b", virtual_stages=2, checkpoint="never")
+        >>> sim.step_time, round(sim.bubble, 4)
+        (28.5, 0.1579)
     """
     _check_count("stages", stages)
     _check_count("chunks", chunks)
+    _check_count("virtual_stages", virtual_stages)
     m = chunks if batch_size is None else len(microbatch_sizes(batch_size, chunks))
-    f = _per_stage("forward", forward, stages)
-    bw = _per_stage("backward", backward, stages)
-    size = _per_stage("boundary_bytes", boundary_bytes, stages - 1)
+    v, parts = virtual_stages, stages * virtual_stages
+    f = _per_part("forward", forward, stages, v, split=True)
+    bw = _per_part("backward", backward, stages, v, split=True)
+    size = _per_stage("boundary_bytes", boundary_bytes, parts - 1)
     _check_value("latency", latency)
     if not (bandwidth > 0):
         raise ValueError(f"bandwidth must be positive bytes per second (got {bandwidth})")
     recompute = recomputed(checkpoint, m)
     transfer = [s / bandwidth if s > 0 else 0.0 for s in size]
 
-    columns = [schedule.stage_actions(schedule.fill_drain(stages, m), j) for j in range(stages)]
-    loss_known = schedule.split_phases(columns[-1])[0][-1]  # the last stage's forward phase is done
+    grid = _grid(schedule, stages, m, v)
+    columns = [schedule_module.stage_actions(grid, j) for j in range(stages)]
     events: list[list[Event]] = [[] for _ in range(stages)]
     free = [0.0] * stages  # when each stage finishes its current work
-    # link_free[d][j]: when boundary j is free in direction d (0: forward j -> j+1, 1: back)
-    link_free = [[0.0] * (stages - 1) for _ in range(2)]
-    arrived: dict[tuple[Action, int], float] = {  # (action, stage j) -> its input is ready on stage j
-        (a, j): 0.0
-        for j, column in enumerate(columns)
-        for a in column
-        if not schedule.receives(a, j, stages) and not schedule.needs_loss(a, j, stages)
+    link_free: dict[tuple[int, int], float] = {}  # (from stage, to stage): when the link is free
+    arrived: dict[tuple[str, int, int], float] = {  # (kind, i, part): its input is ready on its stage
+        ("F", i, 0): 0.0 for i in range(m)
     }
     next_action = [0] * stages
 
-    def send(action: Action, j: int, ready: float) -> None:
+    def finish(action: Action, j: int, ready: float) -> None:
         """Stage j finished ``action`` at ``ready``; deliver what it sends (:func:`.schedule.sends`)."""
-        for t in schedule.sends(action, j, stages):
-            d, link = (0, j) if t.peer > j else (1, t.peer)
-            start = max(ready, link_free[d][link])
-            link_free[d][link] = start + transfer[link]
-            arrived[(action, t.peer)] = start + transfer[link] + latency
-        if j == stages - 1 and action == loss_known:  # the loss is known: the drain can start
-            arrived.update({(a, j): ready for a in columns[j] if schedule.needs_loss(a, j, stages)})
+        c = schedule_module.part(j, action.virtual_stage, stages)
+        if action.kind == "F" and c == parts - 1:  # the loss of micro-batch i is known
+            arrived[("B", action.i, c)] = ready
+        for t in schedule_module.sends(action, j, stages, virtual_stages=v):
+            other = schedule_module.part(t.peer, t.virtual_stage, stages)
+            boundary = min(c, other)
+            start = max(ready, link_free.get((j, t.peer), 0.0))
+            link_free[(j, t.peer)] = start + transfer[boundary]
+            arrived[(action.kind, action.i, other)] = start + transfer[boundary] + latency
 
     remaining = sum(len(column) for column in columns)
     while remaining:
@@ -239,18 +279,19 @@ def simulate(
         for j in range(stages):
             while next_action[j] < len(columns[j]):
                 action = columns[j][next_action[j]]
-                kind, i = action.kind, action.i
-                ready = arrived.get((action, j))
+                kind, i, u = action.kind, action.i, action.virtual_stage
+                c = schedule_module.part(j, u, stages)
+                ready = arrived.get((kind, i, c))
                 if ready is None:
                     break  # waits for another stage
                 start = max(free[j], ready)
                 if kind == "B" and recompute[i]:
-                    events[j].append(Event("R", i, start, start + f[j]))
-                    start += f[j]
-                end = start + (f[j] if kind == "F" else bw[j])
-                events[j].append(Event(kind, i, start, end))
+                    events[j].append(Event("R", i, start, start + f[c], u))
+                    start += f[c]
+                end = start + (f[c] if kind == "F" else bw[c])
+                events[j].append(Event(kind, i, start, end, u))
                 free[j] = end
-                send(action, j, end)
+                finish(action, j, end)
                 next_action[j] += 1
                 remaining -= 1
                 progressed = True
@@ -262,7 +303,16 @@ def simulate(
     bubble = 1.0 - sum(busy) / (stages * step_time) if step_time > 0 else 0.0
     memory = None
     if batch_size is not None:
-        memory = peak_activation_memory(stages, chunks, batch_size, activation_bytes, input_bytes, checkpoint)
+        memory = peak_activation_memory(
+            stages,
+            chunks,
+            batch_size,
+            activation_bytes,
+            input_bytes,
+            checkpoint,
+            schedule=schedule,
+            virtual_stages=v,
+        )
     return Simulation(
         step_time=step_time,
         bubble=bubble,
@@ -270,6 +320,17 @@ def simulate(
         peak_activation_bytes=memory,
         timeline=events if timeline else None,
     )
+
+
+def _grid(schedule: str | Schedule, stages: int, chunks: int, virtual_stages: int) -> Grid:
+    """The grid of ``schedule`` (a name in :data:`~lightning_gpipe.schedule.SCHEDULES` or a function)."""
+    if isinstance(schedule, str):
+        if schedule not in SCHEDULES:
+            raise ValueError(
+                f"unknown schedule (schedule: {schedule!r}); choose one of {', '.join(map(repr, SCHEDULES))}"
+            )
+        schedule = SCHEDULES[schedule]
+    return schedule(stages, chunks, virtual_stages)
 
 
 def _check_count(name: str, value: int) -> None:
@@ -282,6 +343,30 @@ def _check_count(name: str, value: int) -> None:
 def _check_value(name: str, value: float) -> None:
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"{name} must be finite and non-negative (got {value})")
+
+
+def _per_part(
+    name: str, value: float | Sequence[float], stages: int, virtual_stages: int, *, split: bool
+) -> list[float]:
+    """One value per part ``c`` (stage ``c mod K``'s virtual stage ``c // K``).
+
+    A scalar or ``K`` values (one per stage) give each of a stage's parts the stage's value,
+    divided by ``v`` when ``split`` (a time or a size the stage's parts share); ``K·v`` values
+    are the parts' own.
+    """
+    parts = stages * virtual_stages
+    if isinstance(value, (int, float)) or virtual_stages == 1 or len(value) != parts:
+        try:
+            per_stage = _per_stage(name, value, stages)
+        except ValueError:
+            if virtual_stages == 1:
+                raise
+            raise ValueError(
+                f"{name} needs {stages} values (one per stage) or {parts} (one per part) (got {len(value)})"  # type: ignore[arg-type]
+            ) from None
+        share = virtual_stages if split else 1
+        return [per_stage[c % stages] / share for c in range(parts)]
+    return _per_stage(name, value, parts)
 
 
 def _per_stage(name: str, value: float | Sequence[float], length: int) -> list[float]:

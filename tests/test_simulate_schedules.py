@@ -1,0 +1,145 @@
+"""The cost model plays every schedule: 1F1B and interleaved 1F1B against the grids and by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_gpipe.schedule import SCHEDULES, ideal_bubble, interleaved_1f1b, stage_actions
+from lightning_gpipe.simulate import Event, peak_activation_memory, simulate
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+@pytest.mark.parametrize(
+    ("k", "m", "v"), [(1, 3, 1), (2, 4, 1), (3, 5, 1), (2, 4, 2), (2, 5, 2), (3, 6, 2), (4, 8, 3)]
+)
+def test_equal_times_play_each_schedule_on_its_grid_clock(name, k, m, v):
+    """With every part's forward and backward 0.5 s and free links, action n of a column starts
+    at 0.5 s times its step in the grid: the simulator and the grid read the same columns."""
+    try:
+        grid = SCHEDULES[name](k, m, v)
+    except ValueError:
+        assert v > 1  # a schedule without virtual stages refuses them
+        return
+    sim = simulate(k, m, 0.5 * v, 0.5 * v, schedule=name, virtual_stages=v, checkpoint="never", timeline=True)
+    assert sim.timeline is not None
+    for j in range(k):
+        steps = [step for step, row in enumerate(grid) if row[j] is not None]
+        actions = stage_actions(grid, j)
+        assert [(e.kind, e.microbatch, e.virtual_stage) for e in sim.timeline[j]] == [
+            (a.kind, a.i, a.virtual_stage) for a in actions
+        ]
+        assert [e.start for e in sim.timeline[j]] == [0.5 * step for step in steps]
+    assert sim.step_time == 0.5 * len(grid)
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 4), (3, 6), (4, 8), (4, 16)])
+def test_one_f_one_b_takes_as_long_as_fill_drain_with_equal_stages(k, m):
+    gpipe = simulate(k, m, 1.0, 2.0, checkpoint="never")
+    one_f_one_b = simulate(k, m, 1.0, 2.0, schedule="interleaved_1f1b", checkpoint="never")
+    assert one_f_one_b.step_time == pytest.approx(gpipe.step_time) == pytest.approx((m + k - 1) * 3.0)
+    assert one_f_one_b.bubble == pytest.approx(ideal_bubble(k, m))
+
+
+@pytest.mark.parametrize(("k", "m", "v"), [(2, 4, 2), (2, 8, 2), (4, 8, 2), (4, 16, 2), (3, 9, 3)])
+def test_interleaving_divides_the_bubble_by_v(k, m, v):
+    sim = simulate(k, m, 1.0, 2.0, schedule="interleaved_1f1b", virtual_stages=v, checkpoint="never")
+    assert sim.bubble == pytest.approx(ideal_bubble(k, m, v), abs=0.01)
+    # throughput against one stage: K·M/(M + (K-1)/v), Narayanan et al. SC 2021 section 2.2.1
+    one_stage = m * 3.0 * k  # the whole model on one device
+    assert one_stage / sim.step_time == pytest.approx(k * m / (m + (k - 1) / v), rel=0.02)
+    plain = simulate(k, m, 1.0, 2.0, schedule="interleaved_1f1b", checkpoint="never")
+    assert sim.step_time < plain.step_time
+
+
+def test_interleaved_memory_by_hand_k2_v2_m4():
+    """One sample per micro-batch, 2 bytes per sample per stage (1 per part), checkpoint="never".
+
+    Stage 0 runs F0 F1 F0v1 F1v1 F2 (5 held) B0v1 F3 (5) …; stage 1 F0 F1 F0v1 (3) B0v1 F1v1 (3) ….
+    Fill-drain holds all 4 micro-batches (8 bytes); 1F1B K-j of them (4 and 2).
+    """
+    args = (2, 4, 4, 2.0)
+    interleaved = peak_activation_memory(
+        *args, checkpoint="never", schedule="interleaved_1f1b", virtual_stages=2
+    )
+    assert interleaved == [5.0, 3.0]
+    assert peak_activation_memory(*args, checkpoint="never") == [8.0, 8.0]
+    assert peak_activation_memory(*args, checkpoint="never", schedule="interleaved_1f1b") == [4.0, 2.0]
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_one_f_one_b_memory_is_flat_in_micro_batches_and_fill_drain_grows(checkpoint):
+    """Micro-batches of 8 samples, K = 2: M = 4, 8, 16 (the BENCHMARKS.md memory table's sizes)."""
+    a, b = 100.0, 10.0
+    gpipe, one_f_one_b, interleaved = [], [], []
+    for m in (4, 8, 16):
+        n = 8 * m
+        gpipe.append(peak_activation_memory(2, m, n, a, b, checkpoint))
+        one_f_one_b.append(peak_activation_memory(2, m, n, a, b, checkpoint, schedule="interleaved_1f1b"))
+        interleaved.append(
+            peak_activation_memory(2, m, n, a, b, checkpoint, schedule="interleaved_1f1b", virtual_stages=2)
+        )
+    assert one_f_one_b[0] == one_f_one_b[1] == one_f_one_b[2]
+    assert interleaved[0] == interleaved[1] == interleaved[2]
+    for stage in range(2):
+        assert gpipe[0][stage] < gpipe[1][stage] < gpipe[2][stage]
+        assert one_f_one_b[2][stage] < gpipe[2][stage]
+    if checkpoint == "never":  # K - j micro-batches of 8 samples in flight on stage j
+        assert one_f_one_b[0] == [2 * 8 * a, 1 * 8 * a]
+        assert gpipe[2] == [16 * 8 * a] * 2
+
+
+def test_memory_of_a_recomputed_micro_batch_under_one_f_one_b_by_hand():
+    """K = 1 (no pipeline), M = 2, one sample each, a = 100, b = 10, "always": F0 holds 10,
+    B0 recomputes (10 + 100), F1 holds 10, B1 (10 + 100): 110."""
+    assert peak_activation_memory(1, 2, 2, 100.0, 10.0, "always", schedule="interleaved_1f1b") == [110.0]
+    assert peak_activation_memory(1, 2, 2, 100.0, 10.0, "always") == [120.0]  # fill-drain: 10 + 10 + 100
+
+
+def test_per_part_times_and_sizes():
+    # K = 2, v = 2: parts 0..3 on stages 0, 1, 0, 1; part 3 is slow
+    sim = simulate(
+        2, 2, [1.0, 1.0, 1.0, 3.0], [1.0, 1.0, 1.0, 3.0], schedule="interleaved_1f1b", virtual_stages=2,
+        checkpoint="never", timeline=True,
+    )  # fmt: skip
+    assert sim.timeline is not None
+    durations = {(e.kind, e.microbatch, e.virtual_stage): e.end - e.start for e in sim.timeline[1]}
+    assert durations[("F", 0, 1)] == 3.0 and durations[("F", 0, 0)] == 1.0
+    assert sim.busy == [2 * (1.0 + 1.0 + 1.0 + 1.0), 2 * (1.0 + 1.0 + 3.0 + 3.0)]
+    with pytest.raises(
+        ValueError, match=r"forward needs 2 values \(one per stage\) or 4 \(one per part\) \(got 3\)"
+    ):
+        simulate(2, 2, [1.0, 1.0, 1.0], 1.0, schedule="interleaved_1f1b", virtual_stages=2)
+    with pytest.raises(ValueError, match="boundary_bytes needs 3 values"):
+        simulate(2, 2, 1.0, 1.0, schedule="interleaved_1f1b", virtual_stages=2, boundary_bytes=[1.0])
+    # a stage's time split over its parts: forward 2 s per stage, 1 s per part
+    halves = simulate(2, 2, 2.0, 2.0, schedule="interleaved_1f1b", virtual_stages=2, timeline=True)
+    assert halves.timeline is not None
+    assert {e.end - e.start for stage in halves.timeline for e in stage} == {1.0}
+
+
+def test_links_carry_one_transfer_at_a_time_across_the_wrap():
+    """K = 2, v = 2, 1 s per transfer: part 1 (stage 1) -> part 2 (stage 0) crosses the wrap link."""
+    sim = simulate(
+        2, 1, 2.0, 2.0, schedule="interleaved_1f1b", virtual_stages=2, checkpoint="never",
+        bandwidth=1.0, boundary_bytes=1.0, timeline=True,
+    )  # fmt: skip
+    assert sim.timeline is not None
+    # F0v0 [0,1] -> 1 s -> F0v0 on stage 1 [2,3] -> 1 s -> F0v1 on stage 0 [4,5] -> F0v1 on stage 1 [6,7]
+    # B0v1 [7,8] -> B0v1 on stage 0 [9,10] -> B0v0 on stage 1 [11,12] -> B0v0 on stage 0 [13,14]
+    assert sim.timeline[0] == [
+        Event("F", 0, 0.0, 1.0, 0),
+        Event("F", 0, 4.0, 5.0, 1),
+        Event("B", 0, 9.0, 10.0, 1),
+        Event("B", 0, 13.0, 14.0, 0),
+    ]
+    assert sim.step_time == 14.0
+
+
+def test_unknown_schedule_and_unsupported_virtual_stages_are_refused():
+    with pytest.raises(ValueError, match=r"unknown schedule \(schedule: 'zigzag'\)"):
+        simulate(2, 2, 1.0, 1.0, schedule="zigzag")
+    with pytest.raises(ValueError, match="fill_drain schedule runs one virtual stage per stage"):
+        simulate(2, 2, 1.0, 1.0, virtual_stages=2)
+    with pytest.raises(TypeError, match="virtual_stages must be an int"):
+        simulate(2, 2, 1.0, 1.0, virtual_stages=2.0)  # type: ignore[arg-type]
+    assert simulate(2, 4, 1.0, 1.0, schedule=interleaved_1f1b, virtual_stages=2).step_time > 0
