@@ -31,9 +31,33 @@ model (:mod:`lightning_gpipe.simulate`) plays the same columns; :func:`format_gr
 A schedule is one function ``(stages, chunks) -> Grid`` (see :data:`SCHEDULES`); the clock only
 matters for printing, validation and simulation.
 
-Phases: under Lightning's automatic optimization the user's loss exists only once the user's
-``training_step`` has returned, and every backward's gradient starts at it, so a stage's column
-runs in two phases, cut before its first backward (:func:`split_phases`).
+1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM's non-interleaved schedule, Narayanan
+et al. SC 2021, figure 4 top) for K=3, M=4, each action one clock step (:func:`one_f_one_b`)::
+
+    step  stage0  stage1  stage2
+       0  F0      .       .
+       1  F1      F0      .
+       2  F2      F1      F0
+       3  .       .       B0
+       4  .       B0      F1
+       5  B0      F2      B1
+       6  F3      B1      F2
+       7  B1      F3      B2
+       8  .       B2      F3
+       9  B2      .       B3
+      10  .       B3      .
+      11  B3      .       .
+
+Same length and bubble as fill-drain, but stage ``j`` holds at most ``min(K - j, M)`` micro-batches'
+activations at once (fill-drain: ``M``).
+
+Where a column waits for the user's code: a forward on the first stage needs its micro-batch's
+input, and a backward on the last stage needs its micro-batch's loss (:func:`needs_loss`). Under
+``schedule="gpipe"`` the user's ``training_step`` runs once on the whole mini-batch, so every loss
+exists only once it has returned and a stage's column runs in two phases, cut before its first
+backward (:func:`split_phases`); under the other schedules it runs once per micro-batch
+(:mod:`lightning_gpipe.microstep`) and the executor runs each column as far as it can between the
+calls.
 """
 
 from __future__ import annotations
@@ -41,7 +65,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 __all__ = [
     "SCHEDULES",
@@ -49,11 +73,14 @@ __all__ = [
     "Grid",
     "Transfer",
     "bubble_share",
+    "check_schedule",
     "fill_drain",
     "format_grid",
     "ideal_bubble",
     "messages",
     "needs_loss",
+    "one_f_one_b",
+    "place",
     "receives",
     "sends",
     "split_phases",
@@ -132,8 +159,91 @@ def _check_counts(stages: int, chunks: int) -> None:
         raise ValueError(f"stages and chunks must be >= 1 (stages: {stages}, chunks: {chunks})")
 
 
-SCHEDULES: dict[str, Callable[[int, int], Grid]] = {"fill_drain": fill_drain}
-"""Every schedule by name: a function ``(stages, chunks) -> Grid``."""
+def one_f_one_b(stages: int, chunks: int) -> Grid:
+    """1F1B (PipeDream-Flush) as a ``step × stage`` grid, each action one clock step.
+
+    Stage ``j`` of K runs ``w = min(K - 1 - j, M)`` warm-up forwards ``F0 … F(w-1)``, then
+    alternates one forward and one backward (``F(w) B0 F(w+1) B1 …``) and ends with the remaining
+    backwards, in micro-batch order: Megatron-LM's non-interleaved schedule (Narayanan et al.,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021,
+    figure 4 top; PipeDream-Flush in Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
+    Training", ICML 2021). Stage ``j`` has at most ``min(K - j, M)`` micro-batches forwarded and not
+    yet backwarded; the grid has fill-drain's length ``2·(M + K - 1)`` and bubble.
+
+    Args:
+        stages: number of pipeline stages K (≥ 1).
+        chunks: number of micro-batches M (≥ 1).
+
+    Raises:
+        ValueError: ``stages`` or ``chunks`` below 1.
+    """
+    _check_counts(stages, chunks)
+    columns = []
+    for j in range(stages):
+        warmup = min(stages - 1 - j, chunks)
+        column = [Action("F", i) for i in range(warmup)]
+        for i in range(chunks - warmup):
+            column += [Action("F", warmup + i), Action("B", i)]
+        column += [Action("B", i) for i in range(chunks - warmup, chunks)]
+        columns.append(column)
+    return place(columns)
+
+
+def place(columns: Sequence[Sequence[Action]]) -> Grid:
+    """The grid that runs each stage's column in order, every action one clock step, as early as possible.
+
+    ``F i`` on stage ``j`` starts once stage ``j-1`` has finished ``F i``; ``B i`` once stage ``j+1``
+    has finished ``B i`` (dependencies as :func:`validate` checks them).
+
+    Args:
+        columns: per stage, its actions in execution order.
+
+    Raises:
+        ValueError: the columns wait on each other forever (a dependency never runs first).
+    """
+    k = len(columns)
+    done: dict[tuple[str, int, int], int] = {}  # (kind, i, stage) -> step it ran in
+    cursor, free = [0] * k, [0] * k  # next action, first free step, per stage
+    cells: dict[tuple[int, int], Action] = {}
+    while any(cursor[j] < len(columns[j]) for j in range(k)):
+        progressed = False
+        for j in range(k):
+            if cursor[j] == len(columns[j]):
+                continue
+            a = columns[j][cursor[j]]
+            dep = (a.kind, a.i, j - 1 if a.kind == "F" else j + 1)
+            if 0 <= dep[2] < k and dep not in done:
+                continue
+            step = max(free[j], done[dep] + 1 if 0 <= dep[2] < k else 0)
+            cells[(step, j)] = a
+            done[(a.kind, a.i, j)] = step
+            cursor[j], free[j], progressed = cursor[j] + 1, step + 1, True
+        if not progressed:
+            stuck = ", ".join(
+                f"stage {j}: {columns[j][cursor[j]]}" for j in range(k) if cursor[j] < len(columns[j])
+            )
+            raise ValueError(f"the columns wait on each other forever ({stuck})")
+    steps = 1 + max((s for s, _ in cells), default=-1)
+    return [[cells.get((s, j)) for j in range(k)] for s in range(steps)]
+
+
+SCHEDULES: dict[str, Callable[[int, int], Grid]] = {"gpipe": fill_drain, "1f1b": one_f_one_b}
+"""Every schedule by the name ``GPipeStrategy(schedule=...)`` takes: a function ``(stages, chunks) -> Grid``.
+
+``"gpipe"`` (:func:`fill_drain`, the default) runs the user's ``training_step`` once per mini-batch;
+every other schedule runs it once per micro-batch (:mod:`lightning_gpipe.microstep`)."""
+
+
+def check_schedule(name: Any) -> str:
+    """Return ``name`` if it names a schedule of :data:`SCHEDULES`.
+
+    Raises:
+        ValueError: any other value (the message lists the choices).
+    """
+    if not isinstance(name, str) or name not in SCHEDULES:
+        choices = ", ".join(repr(n) for n in SCHEDULES)
+        raise ValueError(f"schedule must be one of {choices} (schedule: {name!r})")
+    return name
 
 
 def stage_actions(grid: Grid, stage: int) -> list[Action]:
