@@ -96,6 +96,9 @@ class FakeP2P:
     def flush(self):
         pass
 
+    def settle(self):
+        pass
+
     def phase(self):
         """What this phase announced and received (counts reset); every announced message must be taken."""
         assert not +self.left, f"announced but never received: {+self.left}"
