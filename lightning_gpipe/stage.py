@@ -592,11 +592,14 @@ def build_stage(
     chunks: int,
     checkpoint: str,
     device: torch.device,
+    schedule: Callable[[int, int], Grid] = schedule.fill_drain,
 ) -> PipelineStage:
-    """Global rank ``rank``'s :class:`PipelineStage` of ``seq`` cut by ``balance`` (layers shared, not copied)."""
+    """Global rank ``rank``'s :class:`PipelineStage` of ``seq`` cut by ``balance`` (layers shared, not
+    copied), running ``schedule`` (a function of :data:`lightning_gpipe.schedule.SCHEDULES`)."""
     topology = layout.topology(rank, tuple(routes(seq, layer_stages(balance))))
     layers = cut(seq, balance, topology.stage)
-    return PipelineStage(layers, topology, chunks, checkpoint, P2P(device), list(children(seq)))
+    names = list(children(seq))
+    return PipelineStage(layers, topology, chunks, checkpoint, P2P(device), names, schedule)
 
 
 def _flows(run: _Run, action: Action, t: schedule.Transfer) -> bool:
