@@ -155,6 +155,10 @@ class P2P:
         for work, _ in pending:
             work.wait()
 
+    def settle(self) -> None:
+        """Forget the sends that have completed (their buffers may be freed), without waiting."""
+        self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
+
 
 class _Inbox:
     """A thread that receives ``messages`` messages from ``src`` in order, for :meth:`P2P.recv` to take.

@@ -33,7 +33,7 @@ by name in :data:`SCHEDULES`); the clock only matters for printing, validation a
 
 Virtual stages (interleaved 1F1B, :func:`interleaved_1f1b`): the model is cut into ``K·v``
 consecutive *parts* and stage ``j`` holds parts ``j, j+K, …, j+(v-1)K`` as its virtual stages
-``0 … v-1`` (:func:`part`, :func:`place`). An action names the virtual stage that runs it
+``0 … v-1`` (:func:`part`, :func:`holder`). An action names the virtual stage that runs it
 (:attr:`Action.virtual_stage`, printed ``F2v1``); part ``c`` sends its output to part ``c+1`` on
 stage ``(c+1) mod K`` (the last stage's virtual stage ``u`` to stage 0's virtual stage ``u+1``),
 and each :class:`Transfer` names the peer's virtual stage. Without virtual stages (``v = 1``)
@@ -60,9 +60,33 @@ Interleaved 1F1B for K=2, v=2, M=4 (stage 0 holds parts 0 and 2, stage 1 parts 1
       16  B2v0    B3v0
       17  B3v0    .
 
-Phases: under Lightning's automatic optimization the user's loss exists only once the user's
-``training_step`` has returned, and every backward's gradient starts at it, so a stage's column
-runs in two phases, cut before its first backward (:func:`split_phases`).
+1F1B (PipeDream-Flush, Narayanan et al. 2021; Megatron-LM's non-interleaved schedule, Narayanan
+et al. SC 2021, figure 4 top) for K=3, M=4, each action one clock step (:func:`one_f_one_b`)::
+
+    step  stage0  stage1  stage2
+       0  F0      .       .
+       1  F1      F0      .
+       2  F2      F1      F0
+       3  .       .       B0
+       4  .       B0      F1
+       5  B0      F2      B1
+       6  F3      B1      F2
+       7  B1      F3      B2
+       8  .       B2      F3
+       9  B2      .       B3
+      10  .       B3      .
+      11  B3      .       .
+
+Same length and bubble as fill-drain, but stage ``j`` holds at most ``min(K - j, M)`` micro-batches'
+activations at once (fill-drain: ``M``).
+
+Where a column waits for the user's code: a forward on the first stage needs its micro-batch's
+input, and a backward on the last stage needs its micro-batch's loss (:func:`needs_loss`). Under
+``schedule="gpipe"`` the user's ``training_step`` runs once on the whole mini-batch, so every loss
+exists only once it has returned and a stage's column runs in two phases, cut before its first
+backward (:func:`split_phases`); under the other schedules it runs once per micro-batch
+(:mod:`lightning_gpipe.microstep`) and the executor runs each column as far as it can between the
+calls.
 """
 
 from __future__ import annotations
@@ -70,7 +94,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from lightning_gpipe.microbatch import sizes as microbatch_sizes
 
@@ -81,14 +105,16 @@ __all__ = [
     "Schedule",
     "Transfer",
     "bubble_share",
+    "check_schedule",
     "fill_drain",
     "format_grid",
-    "grid_of_columns",
     "ideal_bubble",
     "in_send_order",
     "interleaved_1f1b",
     "messages",
     "needs_loss",
+    "holder",
+    "one_f_one_b",
     "part",
     "place",
     "receives",
@@ -169,7 +195,7 @@ def fill_drain(stages: int, chunks: int, virtual_stages: int = 1) -> Grid:
         ValueError: ``stages`` or ``chunks`` below 1, or ``virtual_stages`` other than 1.
     """
     _check_counts(stages, chunks)
-    _check_one_virtual_stage("fill_drain", virtual_stages)
+    _check_one_virtual_stage("gpipe", virtual_stages)
     k, m = stages, chunks
     half = m + k - 1
     grid: Grid = [[None] * k for _ in range(2 * half)]
@@ -198,8 +224,7 @@ def interleaved_1f1b(stages: int, chunks: int, virtual_stages: int = 1) -> Grid:
       last part's backward first);
     - stage ``j`` first runs ``min(2(K-1-j) + (v-1)·g, v·M)`` forwards (the warm-up; ``g`` the
       first group's size), then alternates one forward and one backward, then runs the
-      backwards left. With ``v = 1`` the warm-up is ``min(K-1-j, M)``: plain 1F1B
-      (PipeDream-Flush, Narayanan et al., ICML 2021).
+      backwards left. With ``v = 1`` it is :func:`one_f_one_b` (warm-up ``min(K-1-j, M)``).
 
     The backward of micro-batch ``i`` on the last part starts from micro-batch ``i``'s own loss,
     so the loss must exist per micro-batch (a stage's column interleaves forwards and backwards).
@@ -223,6 +248,8 @@ def interleaved_1f1b(stages: int, chunks: int, virtual_stages: int = 1) -> Grid:
             f"virtual stages need two or more pipeline stages (stages: {stages}, virtual_stages: {virtual_stages}); "
             "use virtual_stages=1 or more stages"
         )
+    if virtual_stages == 1:
+        return one_f_one_b(stages, chunks)
     k, m, v = stages, chunks, virtual_stages
     groups = microbatch_sizes(m, max(1, m // k))
     starts = [sum(groups[:n]) for n in range(len(groups))]
@@ -231,19 +258,56 @@ def interleaved_1f1b(stages: int, chunks: int, virtual_stages: int = 1) -> Grid:
     ]
     columns = []
     for j in range(k):
-        warmup = min((k - 1 - j) if v == 1 else 2 * (k - 1 - j) + (v - 1) * groups[0], v * m)
+        warmup = min(2 * (k - 1 - j) + (v - 1) * groups[0], v * m)
         forwards = [Action("F", i, u) for i, u in table]
         backwards = [Action("B", i, v - 1 - u) for i, u in table]
         column = forwards[:warmup]
         for n in range(len(table) - warmup):
             column += [forwards[warmup + n], backwards[n]]
         columns.append(column + backwards[len(table) - warmup :])
-    return grid_of_columns(columns)
+    return place(columns)
 
 
 def _check_counts(stages: int, chunks: int) -> None:
     if stages < 1 or chunks < 1:
         raise ValueError(f"stages and chunks must be >= 1 (stages: {stages}, chunks: {chunks})")
+
+
+def one_f_one_b(stages: int, chunks: int, virtual_stages: int = 1) -> Grid:
+    """1F1B (PipeDream-Flush) as a ``step × stage`` grid, each action one clock step.
+
+    Stage ``j`` of K runs ``w = min(K - 1 - j, M)`` warm-up forwards ``F0 … F(w-1)``, then
+    alternates one forward and one backward (``F(w) B0 F(w+1) B1 …``) and ends with the remaining
+    backwards, in micro-batch order: Megatron-LM's non-interleaved schedule (Narayanan et al.,
+    "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC 2021,
+    figure 4 top; PipeDream-Flush in Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
+    Training", ICML 2021). Stage ``j`` has at most ``min(K - j, M)`` micro-batches forwarded and not
+    yet backwarded; the grid has fill-drain's length ``2·(M + K - 1)`` and bubble.
+
+    Args:
+        stages: number of pipeline stages K (≥ 1).
+        chunks: number of micro-batches M (≥ 1).
+        virtual_stages: must be 1 (:func:`interleaved_1f1b` holds several per stage).
+
+    Raises:
+        ValueError: ``stages`` or ``chunks`` below 1, or ``virtual_stages`` other than 1.
+    """
+    _check_counts(stages, chunks)
+    _check_one_virtual_stage("1f1b", virtual_stages)
+    return place(_one_f_one_b_columns(stages, chunks))
+
+
+def _one_f_one_b_columns(stages: int, chunks: int) -> list[list[Action]]:
+    """1F1B's columns: warm-up forwards, one forward one backward, the remaining backwards."""
+    columns = []
+    for j in range(stages):
+        warmup = min(stages - 1 - j, chunks)
+        column = [Action("F", i) for i in range(warmup)]
+        for i in range(chunks - warmup):
+            column += [Action("F", warmup + i), Action("B", i)]
+        column += [Action("B", i) for i in range(chunks - warmup, chunks)]
+        columns.append(column)
+    return columns
 
 
 def _check_count(name: str, value: int) -> None:
@@ -268,20 +332,16 @@ class Schedule(Protocol):
     def __call__(self, stages: int, chunks: int, virtual_stages: int = 1) -> Grid: ...
 
 
-SCHEDULES: dict[str, Schedule] = {"fill_drain": fill_drain, "interleaved_1f1b": interleaved_1f1b}
-"""Every schedule by name: a function ``(stages, chunks, virtual_stages=1) -> Grid``."""
-
-
 def part(stage: int, virtual_stage: int, stages: int) -> int:
     """The model part that stage ``stage``'s virtual stage ``virtual_stage`` holds: ``stage + virtual_stage·stages``.
 
     The model is cut into ``stages × v`` consecutive parts; part ``c`` lives on stage ``c mod K``
-    as its virtual stage ``c // K`` (:func:`place`). Without virtual stages, part = stage.
+    as its virtual stage ``c // K`` (:func:`holder`). Without virtual stages, part = stage.
     """
     return stage + virtual_stage * stages
 
 
-def place(part: int, stages: int) -> tuple[int, int]:
+def holder(part: int, stages: int) -> tuple[int, int]:
     """``(stage, virtual_stage)`` holding model part ``part``: the inverse of :func:`part`."""
     virtual_stage, stage = divmod(part, stages)
     return stage, virtual_stage
@@ -292,16 +352,20 @@ def virtual_stages_of(grid: Grid) -> int:
     return 1 + max((a.virtual_stage for row in grid for a in row if a is not None), default=0)
 
 
-def grid_of_columns(columns: Sequence[Sequence[Action]]) -> Grid:
-    """Place each stage's ordered actions on a clock, each at the first step its inputs allow.
+def place(columns: Sequence[Sequence[Action]]) -> Grid:
+    """The grid that runs each stage's column in order, every action one clock step, as early as possible.
 
-    One action takes one step. ``F i`` of part ``c`` waits for ``F i`` of part ``c-1``;
-    ``B i`` of part ``c`` waits for ``B i`` of part ``c+1`` and for ``F i`` of part ``c`` (on the
-    last part: micro-batch ``i``'s loss). A stage runs its column in order.
+    ``F i`` of part ``c`` starts once ``F i`` of part ``c-1`` has finished; ``B i`` of part ``c``
+    once ``B i`` of part ``c+1`` and ``F i`` of part ``c`` have (on the last part: micro-batch
+    ``i``'s loss); dependencies as :func:`validate` checks them. Without virtual stages, part =
+    stage.
+
+    Args:
+        columns: per stage, its actions in execution order.
 
     Raises:
-        ValueError: the columns deadlock (an action waits for one that waits for it), naming the
-            action each stuck stage waits on.
+        ValueError: the columns wait on each other forever (a dependency never runs first),
+            naming the action each stuck stage waits on.
     """
     k = len(columns)
     v = 1 + max((a.virtual_stage for column in columns for a in column), default=0)
@@ -326,14 +390,39 @@ def grid_of_columns(columns: Sequence[Sequence[Action]]) -> Grid:
                 position[j] += 1
         if all(a is None for a in row):
             stuck = ", ".join(
-                f"stage {j} at {columns[j][position[j]]}" for j in range(k) if position[j] < len(columns[j])
+                f"stage {j}: {columns[j][position[j]]}" for j in range(k) if position[j] < len(columns[j])
             )
-            raise ValueError(f"the schedule deadlocks: every stage waits ({stuck})")
+            raise ValueError(f"the columns wait on each other forever ({stuck})")
         for j, placed in enumerate(row):
             if placed is not None:
                 done[(placed.kind, placed.i, part(j, placed.virtual_stage, k))] = step
         grid.append(row)
     return grid
+
+
+SCHEDULES: dict[str, Schedule] = {
+    "gpipe": fill_drain,
+    "1f1b": one_f_one_b,
+    "interleaved_1f1b": interleaved_1f1b,
+}
+"""Every schedule by the name ``GPipeStrategy(schedule=...)`` takes: a function
+``(stages, chunks, virtual_stages=1) -> Grid`` (:class:`Schedule`); only ``"interleaved_1f1b"``
+runs more than one virtual stage per stage.
+
+``"gpipe"`` (:func:`fill_drain`, the default) runs the user's ``training_step`` once per mini-batch;
+every other schedule runs it once per micro-batch (:mod:`lightning_gpipe.microstep`)."""
+
+
+def check_schedule(name: Any) -> str:
+    """Return ``name`` if it names a schedule of :data:`SCHEDULES`.
+
+    Raises:
+        ValueError: any other value (the message lists the choices).
+    """
+    if not isinstance(name, str) or name not in SCHEDULES:
+        choices = ", ".join(repr(n) for n in SCHEDULES)
+        raise ValueError(f"schedule must be one of {choices} (schedule: {name!r})")
+    return name
 
 
 def stage_actions(grid: Grid, stage: int) -> list[Action]:
@@ -359,7 +448,7 @@ def split_phases(actions: Sequence[Action]) -> tuple[list[Action], list[Action]]
 
 def _transfer(other: int, stages: int, skip: str | None = None) -> Transfer:
     """The transfer to or from model part ``other``: its stage and virtual stage."""
-    stage, virtual_stage = place(other, stages)
+    stage, virtual_stage = holder(other, stages)
     return Transfer(stage, skip, virtual_stage)
 
 
@@ -512,7 +601,7 @@ def validate(grid: Grid) -> None:
     chunks = 1 + max((i for (_, i, _) in when), default=-1)
 
     def where(c: int) -> str:
-        stage, u = place(c, k)
+        stage, u = holder(c, k)
         return f"stage {stage}" if v == 1 else f"part {c} (stage {stage}, virtual stage {u})"
 
     parts = k * v

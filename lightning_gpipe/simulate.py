@@ -100,7 +100,7 @@ def peak_activation_memory(
     input_bytes: float | Sequence[float] = 0.0,
     checkpoint: str = "except_last",
     *,
-    schedule: str | Schedule = "fill_drain",
+    schedule: str | Schedule = "gpipe",
     virtual_stages: int = 1,
 ) -> list[float]:
     """Peak bytes of activations each stage holds for backward during one step.
@@ -135,7 +135,7 @@ def peak_activation_memory(
         checkpoint (str): ``"always"``, ``"except_last"`` or ``"never"`` (default:
             ``"except_last"``).
         schedule: a name in :data:`~lightning_gpipe.schedule.SCHEDULES` or a schedule
-            function (default: ``"fill_drain"``).
+            function (default: ``"gpipe"``, fill-drain).
         virtual_stages (int): virtual stages per stage ``v`` (default: 1).
 
     Returns:
@@ -178,7 +178,7 @@ def simulate(
     forward: float | Sequence[float],
     backward: float | Sequence[float],
     *,
-    schedule: str | Schedule = "fill_drain",
+    schedule: str | Schedule = "gpipe",
     virtual_stages: int = 1,
     checkpoint: str = "except_last",
     latency: float = 0.0,
@@ -199,8 +199,8 @@ def simulate(
             together); a scalar or ``K`` values, or ``K·v`` values, one per part.
         backward: seconds of one micro-batch's backward (without recompute) on each stage;
             a scalar, ``K`` values or ``K·v`` values, as ``forward``.
-        schedule: a name in :data:`~lightning_gpipe.schedule.SCHEDULES` (``"fill_drain"``,
-            ``"interleaved_1f1b"``, …) or a schedule function (default: ``"fill_drain"``).
+        schedule: a name in :data:`~lightning_gpipe.schedule.SCHEDULES` (``"gpipe"``, ``"1f1b"``,
+            ``"interleaved_1f1b"``, …) or a schedule function (default: ``"gpipe"``, fill-drain).
         virtual_stages (int): virtual stages per stage ``v`` (default: 1).
         checkpoint (str): re-materialization, ``"always"``, ``"except_last"`` or ``"never"``
             (default: ``"except_last"``). A re-materialized micro-batch's backward is

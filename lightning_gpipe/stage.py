@@ -3,26 +3,42 @@
 :class:`PipelineStage` holds only this rank's layers, under their original names (so its
 ``state_dict`` keys are the user's), and executes this stage's column of a schedule
 (:mod:`lightning_gpipe.schedule`, :func:`~lightning_gpipe.schedule.fill_drain` by default) in
-order, in two phases (:func:`~lightning_gpipe.schedule.split_phases`):
+order, as a cursor: it runs its actions while they are runnable and stops where an action waits
+for something only the user's code provides. ``F i`` runs inside the user's call of the
+Sequential that gives micro-batch ``i`` (on the first stage, its input; on the last stage, the
+call returns its output); ``B i`` needs micro-batch ``i``'s loss. Receives only block on peers.
+Two contracts drive the cursor:
 
-- forward phase (inside the user's step, when it calls the Sequential): the first stage splits
-  the mini-batch into micro-batches, the others learn M from the first message's header; then
-  each action runs. ``F i``: receive micro-batch ``i`` (and its skips), compute it (recomputable
-  under ``torch.utils.checkpoint``), send it on. The last stage returns the whole mini-batch's
-  output, micro-batches concatenated, as leaves detached from the pipeline's graph so that the
-  user's loss backpropagates only to them; the other stages raise :class:`StageDone` to leave
-  the user's step.
+- one call per step (``schedule="gpipe"``): the call covers every micro-batch and the step's
+  loss exists once the user's step has returned, so the column runs in two phases
+  (:func:`~lightning_gpipe.schedule.split_phases`): the forward phase inside the user's step,
+  the backward phase when Lightning calls ``backward``;
+- one call per micro-batch (:meth:`PipelineStage.start_micro_steps`, the other schedules,
+  :mod:`lightning_gpipe.microstep`): call ``i`` gives micro-batch ``i``; on the last stage
+  ``B i`` runs once the strategy has backpropagated micro-batch ``i``'s loss into its output
+  (:meth:`PipelineStage.loss_backpropagated`); the other stages' backwards wait only for their
+  gradients, so a 1F1B column interleaves forwards and backwards inside the calls.
+
+The forward of a call: the first stage splits the mini-batch into micro-batches (one call per
+step) or takes the call's micro-batch, the others learn M from the first message's header; then
+each runnable action runs. ``F i``: receive micro-batch ``i`` (and its skips), compute it
+(recomputable under ``torch.utils.checkpoint``), send it on. The last stage returns the call's
+output, its micro-batches concatenated, as leaves detached from the pipeline's graph so that the
+user's loss backpropagates only to them; the other stages raise :class:`StageDone` to leave the
+user's step.
 - the step outcome (after the user's step, :meth:`PipelineStage.share_outcome`,
   :mod:`lightning_gpipe.outcome`): the last stage tells the others whether the step has a loss,
   so that Lightning calls ``backward`` on every stage or on none, with
   ``trainer.callback_metrics`` and ``should_stop``.
-- backward phase (when Lightning calls ``backward``): ``B i``: receive the output's gradient
+- ``B i`` (one call per step: when Lightning calls ``backward``): receive the output's gradient
   (on the last stage: split the leaves' gradients), backpropagate, send the input's gradient.
 
 Every receive and send is one that :func:`~lightning_gpipe.schedule.receives` and
-:func:`~lightning_gpipe.schedule.sends` name for the action, and each phase announces to the
-transport the messages it will receive, counted from its actions
-(:func:`~lightning_gpipe.schedule.messages`). Which micro-batches recompute their forward is
+:func:`~lightning_gpipe.schedule.sends` name for the action. Before running a stretch of its
+column the stage announces to the transport the messages that stretch will receive, counted
+from its actions (:func:`~lightning_gpipe.schedule.messages`): every action up to the first
+backward whose forward has not run yet (whether its gradient flows is known only then), never
+past the step's loss under one call per step (the loss message comes first). Which micro-batches recompute their forward is
 :mod:`lightning_gpipe.recompute`'s rule; the recompute runs on the module state its forward saw
 and changes nothing (:mod:`lightning_gpipe.effects`).
 """
@@ -67,21 +83,36 @@ class PipelineUsageError(RuntimeError):
 
 @dataclass
 class _Run:
-    """One step's execution state: the micro-batches and what the forward keeps for the backward."""
+    """One step's execution state: where the cursor stands, the micro-batches and what the forward keeps."""
 
     train: bool
     chunks: int
-    micro_batches: list[tuple[Tensor, ...]] = field(default_factory=list)  # first stage: the split input
+    column: list[Action]  # this stage's actions (only the forwards when not training)
+    whole: bool  # one call covers every micro-batch (schedule="gpipe"); else one call per micro-batch
+    micro_batches: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # first stage: given inputs
     in_tuple: bool = False
     first: tuple[Meta, list[Tensor]] | None = None  # other stages: micro-batch 0's message, taken early
+    taken: Counter[int] = field(default_factory=Counter)  # messages taken before any announcement
     out_tuple: bool = False
     inputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     outputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     skips_in: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # received skips
     skips_out: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # skips sent on
-    leaves: tuple[Tensor, ...] = ()  # last stage: the detached, joined outputs given to the user
-    leaf_grads: list[tuple[Tensor, ...]] | None = None  # last stage: the leaves' gradients per micro-batch
-    backward: list[Action] = field(default_factory=list)  # the backward phase's actions
+    called: int = 0  # micro-batches 0 .. called-1 have had their call
+    forwarded: set[int] = field(default_factory=set)  # micro-batches whose forward ran here
+    losses: set[int] = field(default_factory=set)  # one call per micro-batch: losses backpropagated
+    step_loss: bool = False  # one call per step: Lightning's backward has come
+    pos: int = 0  # the cursor: index of the next action in column
+    announced: int = 0  # receives of column[:announced] are announced
+    fill_end: int = 0  # index after the column's last forward
+    states: list[ForwardState] = field(default_factory=list)  # recomputed micro-batches' module states
+    # last stage: per call, the micro-batches it covered, their sizes and the leaves given to the user
+    calls: list[tuple[list[int], list[int], tuple[Tensor, ...]]] = field(default_factory=list)
+    leaf_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return self.pos == len(self.column)
 
 
 class PipelineStage(nn.Sequential):
@@ -121,9 +152,9 @@ class PipelineStage(nn.Sequential):
         self.schedule = schedule
         self.calls = 0
         self.configuring = False  # set by the strategy around configure_optimizers
-        self._step_states: list[ForwardState] | None = None  # this forward's recomputed micro-batches
         self.outcomes = OutcomeChannel(p2p, p2p.device)
-        self._step: _Run | None = None
+        self._run: _Run | None = None  # the step in progress
+        self._micro: int | None = None  # one call per micro-batch: their number in this step
         self.timeline: Any = (
             None  # a lightning_gpipe.timeline.Timeline (anything with span(kind, i)), or None
         )
@@ -201,7 +232,8 @@ class PipelineStage(nn.Sequential):
         self.active = True
         self.calls = 0
         self.expect_backward = expect_backward
-        self._step = None
+        if self._micro is None:  # a step's calls start its run afresh
+            self._run = None
 
     def end_step(self) -> None:
         self.active = False
@@ -245,37 +277,105 @@ class PipelineStage(nn.Sequential):
         self.calls += 1
         top = self.topology
         train = self.expect_backward and torch.is_grad_enabled()
-        taken: Counter[int] = Counter()
-        self._step_states = [] if train else None
-        if top.is_first:
-            tensors, in_tuple = as_tensors(input, "input of the pipelined nn.Sequential")
-            micro_batches = split(tensors, self.chunks)
-            run = _Run(train, len(micro_batches), micro_batches, in_tuple)
-        else:  # M comes with the first message
-            with self._span("recv", 0):
-                first = self.p2p.recv(self._rank(top.stage - 1))
-            run = _Run(train, first[0].chunks, first=first)
-            taken[top.stage - 1] = 1
-        column = schedule.stage_actions(self.schedule(top.stages, run.chunks), top.stage)
-        forward, run.backward = schedule.split_phases(column)
-        self._announce(schedule.messages(forward, top.stage, top.stages, top.skips) - taken)
-        for action in forward:  # the rest of this phase's messages arrive while the stage computes
-            self._execute(action, run)
-        self._step = run if train else None
-        for state in self._step_states or ():
-            state.prune()  # tensors the fill left unchanged need no copy through the backward
-        self._step_states = None
+        run = self._run if self._micro is not None else None
+        if run is None:
+            run = self._run = self._start(input, train)
+        elif top.is_first:
+            run.micro_batches[run.called] = as_tensors(input, "input of the pipelined nn.Sequential")[0]
+        if run.called == run.chunks:
+            raise PipelineUsageError(
+                f"the pipelined nn.Sequential was called for more micro-batches than the step has ({run.chunks})"
+            )
+        covered = list(range(run.called, run.chunks if run.whole else run.called + 1))
+        run.called = covered[-1] + 1
+        self._advance(run)
         if not top.is_last:
-            self.p2p.flush()
             raise StageDone
-        outputs = [run.outputs[i] for i in range(run.chunks)]
+        outputs = [run.outputs[i] for i in covered]
         batch_size(
             outputs[0], f"output of the last pipeline stage ({top.stage})"
         )  # a scalar cannot be joined
         joined = join(outputs)
         if train:
-            joined = run.leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in joined)
+            joined = tuple(t.detach().requires_grad_(t.requires_grad) for t in joined)
+            run.calls.append((covered, [o[0].shape[0] for o in outputs], joined))
         return from_tensors(joined, run.out_tuple)
+
+    def _start(self, input: Batch, train: bool) -> _Run:
+        """A new run at the step's first call: M from the split (first stage) or the first message."""
+        top = self.topology
+        if top.is_first:
+            tensors, in_tuple = as_tensors(input, "input of the pipelined nn.Sequential")
+            parts = split(tensors, self.chunks) if self._micro is None else [tensors]
+            chunks = len(parts) if self._micro is None else self._micro
+            run = self._new_run(train, chunks)
+            run.micro_batches, run.in_tuple = dict(enumerate(parts)), in_tuple
+            return run
+        with self._span("recv", 0):  # M comes with the first message
+            first = self.p2p.recv(self._rank(top.stage - 1))
+        if self._micro is not None and first[0].chunks != self._micro:
+            raise RuntimeError(
+                f"stage {top.stage} runs {self._micro} micro-batches but stage {top.stage - 1} sent "
+                f"{first[0].chunks}; the stages split different batches"
+            )
+        run = self._new_run(train, first[0].chunks)
+        run.first, run.taken = first, Counter({top.stage - 1: 1})
+        return run
+
+    def _new_run(self, train: bool, chunks: int) -> _Run:
+        top = self.topology
+        column = schedule.stage_actions(self.schedule(top.stages, chunks), top.stage)
+        if not train:
+            column = [a for a in column if a.kind == "F"]
+        whole = self._micro is None
+        fill_end = 1 + max(k for k, a in enumerate(column) if a.kind == "F")
+        if whole and train and top.is_last and any(a.kind == "B" for a in column[:fill_end]):
+            raise PipelineUsageError(
+                f"this schedule runs a backward on the last stage before its last forward ({column}); it "
+                "needs the user's training_step once per micro-batch (GPipeStrategy(schedule=...) does that)"
+            )
+        return _Run(train, chunks, column, whole, fill_end=fill_end)
+
+    def _ready(self, action: Action, run: _Run) -> bool:
+        """Whether ``action`` can run now: what it needs from the user's code has come."""
+        if action.kind == "F":
+            return action.i < run.called
+        if run.whole:
+            return run.step_loss
+        return action.i in run.losses or not self.topology.is_last
+
+    def _advance(self, run: _Run) -> None:
+        """Run ``run``'s column from the cursor while its actions are runnable."""
+        while not run.done and self._ready(run.column[run.pos], run):
+            if run.pos >= run.announced:
+                self._announce_from(run)
+            self._execute(run.column[run.pos], run)
+            run.pos += 1
+            if run.pos == run.fill_end:  # no forward follows: what the fill left unchanged needs no copy
+                for state in run.states:
+                    state.prune()
+                run.states = []
+            if not run.whole:
+                self.p2p.settle()  # a 1F1B stage frees what it sent as it goes
+        if run.done:
+            self._run = None
+        if run.done or run.whole:
+            self.p2p.flush()
+
+    def _announce_from(self, run: _Run) -> None:
+        """Announce the receives of the column from the cursor up to the first backward whose
+        forward has not run (or, with one call per step, that waits for the step's loss)."""
+        top, end = self.topology, run.pos
+        while end < len(run.column):
+            a = run.column[end]
+            if a.kind == "B" and (a.i not in run.forwarded or (run.whole and not run.step_loss)):
+                break
+            end += 1
+        stretch = run.column[run.pos : end]
+        self._announce(
+            schedule.messages(stretch, top.stage, top.stages, top.skips, partial(_flows, run)) - run.taken
+        )
+        run.taken, run.announced = Counter(), end
 
     def _execute(self, action: Action, run: _Run) -> None:
         """Run one action of this stage's column: ``F i`` or ``B i``."""
@@ -287,7 +387,8 @@ class PipelineStage(nn.Sequential):
     def _forward_one(self, action: Action, run: _Run) -> None:
         """``F i``: receive micro-batch ``i`` and its skips, compute it, send it and its skips on."""
         top, i = self.topology, action.i
-        x, x_tuple = (run.micro_batches[i], run.in_tuple) if top.is_first else ((), False)
+        x, x_tuple = (run.micro_batches.pop(i), run.in_tuple) if top.is_first else ((), False)
+        run.forwarded.add(i)
         store = MicroBatchStore()
         received = schedule.receives(action, top.stage, top.stages, top.skips)
         for t in received:
@@ -298,7 +399,7 @@ class PipelineStage(nn.Sequential):
                 store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
                 self.received_skips.append((t.skip, t.peer))
         with self._span("forward", i), self._naming_errors("forward", i, x):
-            y = self._compute(i, run.chunks, from_tensors(x, x_tuple), run.train, store)
+            y = self._compute(i, run, from_tensors(x, x_tuple), store)
         y_tensors, run.out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
         sent = schedule.sends(action, top.stage, top.stages, top.skips)
         if run.train:
@@ -337,14 +438,13 @@ class PipelineStage(nn.Sequential):
         for stage, n in messages.items():
             self.p2p.expect(self._rank(stage), n)
 
-    def _compute(self, i: int, chunks: int, x: Batch, train: bool, store: MicroBatchStore) -> Any:
-        if not (train and recompute.recomputes(self.checkpoint_mode, i, chunks)):
+    def _compute(self, i: int, run: _Run, x: Batch, store: MicroBatchStore) -> Any:
+        if not (run.train and recompute.recomputes(self.checkpoint_mode, i, run.chunks)):
             return self.local_forward(x, store)
         # what this forward changes, it changes once (the recompute replays it); the layers, not the
         # stage: iterating the stage inside a step is refused
         state = ForwardState.capture(self._modules.values())
-        if self._step_states is not None:
-            self._step_states.append(state)
+        run.states.append(state)
         return recompute.run(self.local_forward, x, store, context=lambda: self._recompute_context(i, state))
 
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
@@ -397,26 +497,58 @@ class PipelineStage(nn.Sequential):
 
     def backward_skipped(self) -> None:
         """The step has no loss (the user's step returned ``None``): drop what the forward kept."""
-        self._step = None
+        self._run = None
 
     def backward(self) -> None:
-        """Run this stage's backward phase (in reverse micro-batch order under fill-drain); a no-op
-        if no forward needs one."""
-        run, self._step = self._step, None
+        """Lightning's ``backward``: with one call per step, run this stage's backward phase (in
+        reverse micro-batch order under fill-drain); a no-op where no forward needs one (one call per
+        micro-batch: the backwards ran with the calls). Waits for every send posted."""
+        run = self._run if self._micro is None else None
         if run is None:
+            self.p2p.flush()
             return
-        top = self.topology
-        flows = partial(_flows, run)
-        self._announce(schedule.messages(run.backward, top.stage, top.stages, top.skips, flows))
-        for action in run.backward:
-            self._execute(action, run)
-        self.p2p.flush()
+        run.step_loss = True
+        self._advance(run)
+
+    # -- one call per micro-batch (lightning_gpipe.microstep) --------------------------------
+
+    def start_micro_steps(self, chunks: int) -> None:
+        """The next ``chunks`` training calls are one step's micro-batches ``0 .. chunks-1``, one each.
+
+        Between them the strategy backpropagates each micro-batch's loss (last stage) and calls
+        :meth:`loss_backpropagated`; :meth:`end_micro_steps` closes the step.
+        """
+        self._micro, self._run = chunks, None
+
+    def loss_backpropagated(self, i: int) -> None:
+        """Last stage: micro-batch ``i``'s loss has reached its output leaves; run ``B i`` and what follows."""
+        run = self._run
+        if run is None or i in run.losses or i >= run.called:
+            raise RuntimeError(f"micro-batch {i} has no forward waiting for its loss on this stage")
+        run.losses.add(i)
+        self._advance(run)
+
+    def end_micro_steps(self) -> None:
+        """Close a step run with :meth:`start_micro_steps`: its column must have run to the end.
+
+        Raises:
+            PipelineUsageError: the column stopped early (a call of the step did not call the
+                Sequential, or a loss never came back), naming the action it waits at.
+        """
+        run, self._run, self._micro = self._run, None, None
+        if run is not None and not run.done:
+            waiting = run.column[run.pos]
+            raise PipelineUsageError(
+                f"stage {self.topology.stage} stopped at {waiting} of its column with {run.called} of "
+                f"{run.chunks} micro-batches called; every training_step call must call the pipelined "
+                "nn.Sequential once and return a loss"
+            )
 
     def _backward_one(self, action: Action, run: _Run) -> None:
         """``B i``: receive the gradients of micro-batch ``i``'s outputs, backpropagate, send its inputs' gradients."""
         top, i = self.topology, action.i
         y_grad = [t for t in run.outputs[i] if t.requires_grad]
-        dy = [g[i] for g in self._leaf_grads(run)] if top.is_last else []
+        dy = list(self._leaf_grads(run, i)) if top.is_last else []
         for t in schedule.receives(action, top.stage, top.stages, top.skips):
             if not _flows(run, action, t):
                 continue
@@ -439,16 +571,17 @@ class PipelineStage(nn.Sequential):
         run.inputs[i] = run.outputs[i] = ()  # free this micro-batch
         run.skips_in[i] = run.skips_out[i] = {}
 
-    def _leaf_grads(self, run: _Run) -> list[tuple[Tensor, ...]]:
-        """Last stage: the gradients the user's loss left on the leaves, split per micro-batch."""
-        if run.leaf_grads is None:
-            sizes = [run.outputs[i][0].shape[0] for i in range(run.chunks)]
-            run.leaf_grads = [
+    def _leaf_grads(self, run: _Run, i: int) -> tuple[Tensor, ...]:
+        """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's leaves."""
+        if i not in run.leaf_grads:
+            covered, sizes, leaves = next(c for c in run.calls if i in c[0])
+            parts = [
                 (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).split(sizes)
-                for leaf in run.leaves
+                for leaf in leaves
                 if leaf.requires_grad
             ]
-        return run.leaf_grads
+            run.leaf_grads.update({k: tuple(p[n] for p in parts) for n, k in enumerate(covered)})
+        return run.leaf_grads.pop(i)
 
 
 def build_stage(
@@ -459,11 +592,14 @@ def build_stage(
     chunks: int,
     checkpoint: str,
     device: torch.device,
+    schedule: Callable[[int, int], Grid] = schedule.fill_drain,
 ) -> PipelineStage:
-    """Global rank ``rank``'s :class:`PipelineStage` of ``seq`` cut by ``balance`` (layers shared, not copied)."""
+    """Global rank ``rank``'s :class:`PipelineStage` of ``seq`` cut by ``balance`` (layers shared, not
+    copied), running ``schedule`` (a function of :data:`lightning_gpipe.schedule.SCHEDULES`)."""
     topology = layout.topology(rank, tuple(routes(seq, layer_stages(balance))))
     layers = cut(seq, balance, topology.stage)
-    return PipelineStage(layers, topology, chunks, checkpoint, P2P(device), list(children(seq)))
+    names = list(children(seq))
+    return PipelineStage(layers, topology, chunks, checkpoint, P2P(device), names, schedule)
 
 
 def _flows(run: _Run, action: Action, t: schedule.Transfer) -> bool:

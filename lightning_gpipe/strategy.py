@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe import _compat, groups, loading, metrics, partition, precision, state, tied
+from lightning_gpipe import _compat, groups, loading, metrics, microstep, partition, precision, state, tied
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, check_collective_timeout, watch_signals
 from lightning_gpipe.balance.choose import check_balance_spec, choose_balance, log_choice, profiled
@@ -53,6 +53,7 @@ from lightning_gpipe.materialize import check_nothing_meta, check_stage_only_bal
 from lightning_gpipe.microbatch import check_chunks
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.recompute import check_mode
+from lightning_gpipe.schedule import SCHEDULES, check_schedule
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageDone, build_stage
 from lightning_gpipe.start_state import start_stage
 from lightning_gpipe.state import sharded
@@ -90,6 +91,10 @@ class _GPipeStrategyLogic(_Base):
             The chosen balance is logged (``gpipe_balance``) and stored in checkpoints (``"gpipe"``).
         checkpoint: re-materialization per micro-batch: ``"always"``, ``"except_last"`` (the
             last micro-batch's backward comes first, so it keeps its activations) or ``"never"``.
+        schedule: ``"gpipe"`` (fill-drain, the default: ``training_step`` runs once on the whole
+            batch) or ``"1f1b"`` (PipeDream-Flush: stage k holds at most K-k micro-batches'
+            activations; ``training_step`` runs once per micro-batch, :mod:`lightning_gpipe.microstep`);
+            the names of :data:`lightning_gpipe.schedule.SCHEDULES`.
         module_name: attribute path of the ``nn.Sequential`` to pipeline (e.g. ``"layers"``);
             ``None`` finds the only ``nn.Sequential`` holding every parameter.
         pipeline_parallel_size: stages per pipeline K; the world (``devices × num_nodes``) holds
@@ -133,7 +138,7 @@ class _GPipeStrategyLogic(_Base):
             after setup, so the opt-in is given here.
 
     Raises:
-        ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance`` or
+        ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance``, ``schedule`` or
             ``pipeline_parallel_size``; at ``Trainer`` construction, when the world size is not a
             multiple of ``pipeline_parallel_size``.
         PartitionError: before processes start, when the module cannot be cut as asked.
@@ -166,10 +171,13 @@ class _GPipeStrategyLogic(_Base):
         compile: bool | dict[str, Any] = False,
         start_method: str = "popen",
         weights_only: bool | None = None,
+        schedule: str = "gpipe",
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.chunks = check_chunks(chunks) if chunks is not None else None
         self.checkpoint = check_mode(checkpoint)
+        self.schedule = check_schedule(schedule)
+        self._micro_steps = microstep.MicroSteps() if schedule != "gpipe" else None
         self.balance = check_balance_spec(balance, pipeline_parallel_size)
         self.pipeline_parallel_size = check_pipeline_parallel_size(pipeline_parallel_size)
         self.checkpoint_format = state.check_format(checkpoint_format)
@@ -326,6 +334,7 @@ class _GPipeStrategyLogic(_Base):
         if undone:
             self._uncompiled += undone
             self._user_compile = user_compile
+        microstep.check_model(model, self.schedule)
         return partition.check_model(model, self.module_name, self.balance, self.layout.stages)
 
     def _partition(self) -> None:
@@ -345,8 +354,9 @@ class _GPipeStrategyLogic(_Base):
             model, name, seq, balance, self.layout, self.global_rank, self.root_device, self._stage_only
         )
         stage = build_stage(
-            seq, balance, self.layout, self.global_rank, self.chunks_used, self.checkpoint, self.root_device
-        )
+            seq, balance, self.layout, self.global_rank, self.chunks_used, self.checkpoint, self.root_device,
+            SCHEDULES[self.schedule],
+        )  # fmt: skip
         self._installed = partition.install(model, name, stage, deferred_batch_norm=self.deferred_batch_norm)
         self.tied = tied.find_tied(seq, balance)
         stage_compile = partition.stage_compiler(self.compile, self._user_compile)
@@ -466,8 +476,11 @@ class _GPipeStrategyLogic(_Base):
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if self._timeline is not None:
             self._timeline.begin_step(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
-        out = self._pipe.run_step(super().training_step, True, *args, **kwargs)
-        stage = self._pipe
+        stage, step = self._pipe, super().training_step
+        if self._micro_steps is not None:  # one training_step per micro-batch (lightning_gpipe.microstep)
+            out = self._micro_steps.training_step(step, stage, self._module, self.precision_plugin, self.chunks_used, *args, **kwargs)  # fmt: skip
+        else:
+            out = stage.run_step(step, True, *args, **kwargs)
         if self.deferred_batch_norm:
             commit_deferred_batch_norm(stage)  # once per mini-batch, after all its micro-batches
         if not stage.ran_forward:
@@ -536,6 +549,8 @@ class _GPipeStrategyLogic(_Base):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._pipe.backward()
+        if self._micro_steps is not None:
+            self._micro_steps.deposit()  # the gradients the step's micro-batch calls made
         if self._tied_groups is not None and not self._accumulating():  # once per optimizer step
             tied.sum_tied_gradients(self._tied_groups)  # before clipping and the step
         if self.layout.replicas > 1 and not self._accumulating():

@@ -7,11 +7,14 @@ from lightning_gpipe.schedule import (
     Action,
     Transfer,
     bubble_share,
+    check_schedule,
     fill_drain,
     format_grid,
     ideal_bubble,
     messages,
     needs_loss,
+    one_f_one_b,
+    place,
     receives,
     sends,
     split_phases,
@@ -90,7 +93,7 @@ def test_schedule_actions_are_fill_then_drain_in_reverse():
 @pytest.mark.parametrize("k,m", [(1, 1), (1, 4), (2, 3), (3, 4), (4, 8)])
 def test_ideal_bubble_is_the_bubble_share_of_fill_drain(k, m):
     assert ideal_bubble(k, m) == pytest.approx(bubble_share(fill_drain(k, m)))
-    assert SCHEDULES["fill_drain"] is fill_drain
+    assert SCHEDULES["gpipe"] is fill_drain
 
 
 def test_phases_cut_each_column_before_its_first_backward():
@@ -139,3 +142,76 @@ def test_message_counts_follow_the_actions():
     assert messages(backward, 0, 3, skips) == Counter({1: 4, 2: 4})
     no_skip_grads = messages(backward, 0, 3, skips, flows=lambda action, t: t.skip is None)
     assert no_skip_grads == Counter({1: 4})
+
+
+ONE_F_ONE_B_K3_M4 = """\
+step  stage0  stage1  stage2
+   0  F0      .       .
+   1  F1      F0      .
+   2  F2      F1      F0
+   3  .       .       B0
+   4  .       B0      F1
+   5  B0      F2      B1
+   6  F3      B1      F2
+   7  B1      F3      B2
+   8  .       B2      F3
+   9  B2      .       B3
+  10  .       B3      .
+  11  B3      .       ."""
+
+
+def test_one_f_one_b_grid_for_three_stages_and_four_micro_batches():
+    """K=3, M=4, unit-time actions: warm-up forwards K-1-j, then one forward one backward, then cool-down."""
+    grid = one_f_one_b(3, 4)
+    assert format_grid(grid) == ONE_F_ONE_B_K3_M4
+    validate(grid)
+    assert SCHEDULES["1f1b"] is one_f_one_b and ideal_bubble(3, 4) == pytest.approx(bubble_share(grid))
+
+
+def test_one_f_one_b_columns_are_megatrons_figure_4_top():
+    """Megatron-LM (Narayanan et al. SC 2021) figure 4 top: 4 devices, 8 micro-batches; each device's
+    order of forwards (numbers) and backwards (shaded numbers), micro-batches counted from 1."""
+    figure = [
+        "1 2 3 4 1b 5 2b 6 3b 7 4b 8 5b 6b 7b 8b",
+        "1 2 3 1b 4 2b 5 3b 6 4b 7 5b 8 6b 7b 8b",
+        "1 2 1b 3 2b 4 3b 5 4b 6 5b 7 6b 8 7b 8b",
+        "1 1b 2 2b 3 3b 4 4b 5 5b 6 6b 7 7b 8 8b",
+    ]
+    grid = one_f_one_b(4, 8)
+    for j, row in enumerate(figure):
+        expected = [
+            Action("B", int(c[:-1]) - 1) if c.endswith("b") else Action("F", int(c) - 1) for c in row.split()
+        ]
+        assert stage_actions(grid, j) == expected
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 8])
+def test_one_f_one_b_holds_at_most_k_minus_j_micro_batches_on_stage_j(k, m):
+    grid = one_f_one_b(k, m)
+    validate(grid)
+    assert len(grid) == 2 * (m + k - 1)
+    for j in range(k):
+        column, in_flight, peak = stage_actions(grid, j), 0, 0
+        for a in column:
+            in_flight += 1 if a.kind == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak == min(k - j, m)
+        assert [a.i for a in column if a.kind == "B"] == list(range(m))  # backwards in micro-batch order
+    fill = fill_drain(k, m)
+    assert max(sum(a.kind == "F" for a in stage_actions(fill, 0)[:n]) for n in range(2 * m + 1)) == m
+
+
+def test_placing_fill_drains_columns_gives_its_grid():
+    for k, m in [(1, 1), (2, 3), (3, 4)]:
+        assert place([stage_actions(fill_drain(k, m), j) for j in range(k)]) == fill_drain(k, m)
+    with pytest.raises(ValueError, match="wait on each other forever"):
+        place([[Action("B", 0), Action("F", 0)], [Action("F", 0), Action("B", 0)]])
+
+
+def test_an_unknown_schedule_is_refused_with_the_choices():
+    assert check_schedule("1f1b") == "1f1b"
+    with pytest.raises(
+        ValueError, match=r"schedule must be one of 'gpipe', '1f1b'.* \(schedule: 'interleaved'\)"
+    ):
+        check_schedule("interleaved")

@@ -11,12 +11,13 @@ from lightning_gpipe.schedule import (
     bubble_share,
     fill_drain,
     format_grid,
-    grid_of_columns,
+    holder,
     ideal_bubble,
     in_send_order,
     interleaved_1f1b,
     messages,
     needs_loss,
+    one_f_one_b,
     part,
     place,
     receives,
@@ -124,6 +125,7 @@ def _one_f_one_b_columns(k: int, m: int) -> list[list[Action]]:
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8])
 def test_one_virtual_stage_is_plain_one_f_one_b(k, m):
     grid = interleaved_1f1b(k, m, 1)
+    assert grid == one_f_one_b(k, m)
     assert [stage_actions(grid, j) for j in range(k)] == _one_f_one_b_columns(k, m)
     validate(grid)
     assert bubble_share(grid) == pytest.approx(ideal_bubble(k, m))
@@ -169,7 +171,7 @@ def test_in_flight_forwards_do_not_grow_with_micro_batches():
 
 def test_parts_and_places():
     assert [part(j, u, 3) for u in range(2) for j in range(3)] == [0, 1, 2, 3, 4, 5]
-    assert [place(c, 3) for c in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    assert [holder(c, 3) for c in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
 
 
 def test_transfers_name_virtual_stages_and_wrap_from_the_last_stage_to_the_first():
@@ -276,15 +278,20 @@ def test_validate_names_parts_across_virtual_stages():
         validate(early)
 
 
-def test_grid_of_columns_refuses_a_deadlock():
+def test_place_refuses_columns_that_wait_on_each_other_across_virtual_stages():
     columns = [[Action("F", 0), Action("B", 0)], [Action("B", 0), Action("F", 0)]]
-    with pytest.raises(ValueError, match=r"deadlocks: every stage waits \(stage 0 at B0, stage 1 at B0\)"):
-        grid_of_columns(columns)
+    with pytest.raises(ValueError, match=r"wait on each other forever \(stage 0: B0, stage 1: B0\)"):
+        place(columns)
+    # stage 0's part 2 forward needs part 1's on stage 1, which comes after stage 1's own wait
+    columns = [[Action("F", 0), Action("F", 0, 1), Action("B", 0, 1), Action("B", 0)],
+               [Action("B", 0, 1), Action("F", 0), Action("F", 0, 1), Action("B", 0)]]  # fmt: skip
+    with pytest.raises(ValueError, match=r"stage 0: F0v1, stage 1: B0v1"):
+        place(columns)
 
 
 def test_schedules_refuse_virtual_stages_they_cannot_run():
     with pytest.raises(
-        ValueError, match=r"fill_drain schedule runs one virtual stage per stage \(virtual_stages: 2\)"
+        ValueError, match=r"gpipe schedule runs one virtual stage per stage \(virtual_stages: 2\)"
     ):
         fill_drain(2, 4, 2)
     with pytest.raises(ValueError, match=r"virtual_stages must be an integer >= 1 \(virtual_stages: 0\)"):

@@ -35,7 +35,7 @@ def test_equal_times_play_each_schedule_on_its_grid_clock(name, k, m, v):
 @pytest.mark.parametrize(("k", "m"), [(2, 4), (3, 6), (4, 8), (4, 16)])
 def test_one_f_one_b_takes_as_long_as_fill_drain_with_equal_stages(k, m):
     gpipe = simulate(k, m, 1.0, 2.0, checkpoint="never")
-    one_f_one_b = simulate(k, m, 1.0, 2.0, schedule="interleaved_1f1b", checkpoint="never")
+    one_f_one_b = simulate(k, m, 1.0, 2.0, schedule="1f1b", checkpoint="never")
     assert one_f_one_b.step_time == pytest.approx(gpipe.step_time) == pytest.approx((m + k - 1) * 3.0)
     assert one_f_one_b.bubble == pytest.approx(ideal_bubble(k, m))
 
@@ -47,7 +47,7 @@ def test_interleaving_divides_the_bubble_by_v(k, m, v):
     # throughput against one stage: K·M/(M + (K-1)/v), Narayanan et al. SC 2021 section 2.2.1
     one_stage = m * 3.0 * k  # the whole model on one device
     assert one_stage / sim.step_time == pytest.approx(k * m / (m + (k - 1) / v), rel=0.02)
-    plain = simulate(k, m, 1.0, 2.0, schedule="interleaved_1f1b", checkpoint="never")
+    plain = simulate(k, m, 1.0, 2.0, schedule="1f1b", checkpoint="never")
     assert sim.step_time < plain.step_time
 
 
@@ -63,7 +63,7 @@ def test_interleaved_memory_by_hand_k2_v2_m4():
     )
     assert interleaved == [5.0, 3.0]
     assert peak_activation_memory(*args, checkpoint="never") == [8.0, 8.0]
-    assert peak_activation_memory(*args, checkpoint="never", schedule="interleaved_1f1b") == [4.0, 2.0]
+    assert peak_activation_memory(*args, checkpoint="never", schedule="1f1b") == [4.0, 2.0]
 
 
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
@@ -74,7 +74,7 @@ def test_one_f_one_b_memory_is_flat_in_micro_batches_and_fill_drain_grows(checkp
     for m in (4, 8, 16):
         n = 8 * m
         gpipe.append(peak_activation_memory(2, m, n, a, b, checkpoint))
-        one_f_one_b.append(peak_activation_memory(2, m, n, a, b, checkpoint, schedule="interleaved_1f1b"))
+        one_f_one_b.append(peak_activation_memory(2, m, n, a, b, checkpoint, schedule="1f1b"))
         interleaved.append(
             peak_activation_memory(2, m, n, a, b, checkpoint, schedule="interleaved_1f1b", virtual_stages=2)
         )
@@ -91,7 +91,7 @@ def test_one_f_one_b_memory_is_flat_in_micro_batches_and_fill_drain_grows(checkp
 def test_memory_of_a_recomputed_micro_batch_under_one_f_one_b_by_hand():
     """K = 1 (no pipeline), M = 2, one sample each, a = 100, b = 10, "always": F0 holds 10,
     B0 recomputes (10 + 100), F1 holds 10, B1 (10 + 100): 110."""
-    assert peak_activation_memory(1, 2, 2, 100.0, 10.0, "always", schedule="interleaved_1f1b") == [110.0]
+    assert peak_activation_memory(1, 2, 2, 100.0, 10.0, "always", schedule="1f1b") == [110.0]
     assert peak_activation_memory(1, 2, 2, 100.0, 10.0, "always") == [120.0]  # fill-drain: 10 + 10 + 100
 
 
@@ -138,7 +138,7 @@ def test_links_carry_one_transfer_at_a_time_across_the_wrap():
 def test_unknown_schedule_and_unsupported_virtual_stages_are_refused():
     with pytest.raises(ValueError, match=r"unknown schedule \(schedule: 'zigzag'\)"):
         simulate(2, 2, 1.0, 1.0, schedule="zigzag")
-    with pytest.raises(ValueError, match="fill_drain schedule runs one virtual stage per stage"):
+    with pytest.raises(ValueError, match="gpipe schedule runs one virtual stage per stage"):
         simulate(2, 2, 1.0, 1.0, virtual_stages=2)
     with pytest.raises(TypeError, match="virtual_stages must be an int"):
         simulate(2, 2, 1.0, 1.0, virtual_stages=2.0)  # type: ignore[arg-type]

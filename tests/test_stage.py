@@ -6,6 +6,8 @@ stage order. Sends never block, so this order completes any fill-drain step.
 """
 
 import json
+import queue
+import threading
 from collections import Counter, OrderedDict, defaultdict, deque
 from contextlib import contextmanager
 
@@ -17,7 +19,8 @@ from lightning_gpipe import StageError
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.comm import P2P, decode_header, encode_header
 from lightning_gpipe.layout import Layout, StageTopology
-from lightning_gpipe.schedule import fill_drain, format_grid, messages, stage_actions
+from lightning_gpipe.microbatch import sizes
+from lightning_gpipe.schedule import fill_drain, format_grid, messages, one_f_one_b, stage_actions
 from lightning_gpipe.skip import Pop, Stash
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageDone, build_stage
 from tests._harness import check, run_ranks
@@ -94,6 +97,9 @@ class FakeP2P:
         return self.network.queues[(src, self.rank)].popleft()
 
     def flush(self):
+        pass
+
+    def settle(self):
         pass
 
     def phase(self):
@@ -210,6 +216,150 @@ def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
             backward[j] == (_by_rank(top, messages(b, j, 3, skips)),) * 2
         )  # every skip's gradient flows here
     assert stages[2].received_skips == [("b", 1)] * 3 and stages[1].received_skips == [("a", 0)] * 3
+
+
+class BlockingNetwork:
+    """Queues between ranks whose receives wait (stages run in threads, as processes would)."""
+
+    def __init__(self) -> None:
+        self.queues: defaultdict[tuple[int, int], queue.Queue] = defaultdict(queue.Queue)
+
+
+class ThreadP2P(FakeP2P):
+    """:class:`FakeP2P` over a :class:`BlockingNetwork`: a receive waits up to 20 s for its message."""
+
+    def send(self, tensors, dst, *, is_tuple=True, chunks=0):
+        meta = decode_header(encode_header(tensors, is_tuple, chunks, self.device))
+        self.network.queues[(self.rank, dst)].put((meta, [t.detach().clone() for t in tensors]))
+
+    def recv(self, src):
+        if self.left[src]:
+            self.left[src] -= 1
+        self.received[src] += 1
+        return self.network.queues[(src, self.rank)].get(timeout=20)
+
+
+def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last"):
+    """One training step of ``seq`` with one call per micro-batch, each stage in its own thread.
+
+    The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
+    the batch, right after its call, as :mod:`lightning_gpipe.microstep` does. Returns the stages
+    and, per stage, ``(announced, received)`` per source rank over the step.
+    """
+    k, network = len(balance), BlockingNetwork()
+    parts = sizes(x.shape[0], chunks)
+    xs, ys = x.split(parts), y.split(parts)
+    stages = []
+    for j in range(k):
+        rank = Layout(k, k).rank(0, j)
+        stage = build_stage(
+            seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"), schedule=schedule
+        )
+        stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder()
+        stages.append(stage)
+    counts, errors = {}, []
+
+    def run(stage):
+        try:
+            stage.start_micro_steps(len(parts))
+            for i, (xi, yi) in enumerate(zip(xs, ys)):
+                out = stage.run_step(stage, True, xi)
+                if stage.topology.is_last:
+                    (nn.functional.mse_loss(out, yi) * len(yi) / len(y)).backward()
+                    stage.loss_backpropagated(i)
+            stage.end_micro_steps()
+            counts[stage.topology.stage] = stage.p2p.phase()
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(stage,)) for stage in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(counts) == k, "a stage never finished its column"
+    return stages, counts
+
+
+def _reference_grads(seq, x, y):
+    seq.zero_grad()
+    nn.functional.mse_loss(seq(x), y).backward()
+    grads = [p.grad.clone() for p in seq.parameters()]
+    seq.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, m):
+    """Batch 10 (not divisible by 3, 4 or 8): the recorded actions are one_f_one_b's columns, every
+    announced message is received, and the gradients equal the unpartitioned model's."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    expected = _reference_grads(seq, x, y)
+    checkpoint = ["always", "except_last", "never"][m % 3]
+    stages, counts = _micro_step(seq, uniform_balance(3, k), m, x, y, one_f_one_b, checkpoint)
+    grid = one_f_one_b(k, min(m, 10))
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        column = stage_actions(grid, j)
+        assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
+        assert counts[j][1] == _by_rank(top, messages(column, j, k, top.skips))
+        assert counts[j][0] == counts[j][1] - (
+            Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
+        )
+    for p, g in zip(seq.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [fill_drain, one_f_one_b])
+def test_one_call_per_micro_batch_with_skips_across_stages(schedule):
+    """Skip connections across stages, recompute always: any valid schedule runs with one call per micro-batch."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(
+        Stash("a", nn.Linear(4, 6)),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        Stash("b", nn.Tanh()),
+        Pop("a"),
+        nn.Linear(6, 6),
+        Pop("b"),
+        nn.Linear(6, 2),
+    )
+    x, y = torch.randn(7, 4), torch.randn(7, 2)
+    expected = _reference_grads(seq, x, y)
+    stages, counts = _micro_step(seq, [2, 3, 3], 4, x, y, schedule, checkpoint="always")
+    for p, g in zip(seq.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+    skips = stages[0].topology.skips
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        column = stage_actions(schedule(3, 4), j)
+        assert stage.timeline.actions == [str(a) for a in column]
+        assert counts[j][1] == _by_rank(top, messages(column, j, 3, skips))
+    assert stages[2].received_skips == [("b", 1)] * 4 and stages[1].received_skips == [("a", 0)] * 4
+
+
+def test_one_call_per_step_refuses_a_schedule_that_needs_a_loss_before_the_last_forward():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    stage = build_stage(seq, [2], Layout(1, 1), 0, 2, "never", torch.device("cpu"), schedule=one_f_one_b)
+    with pytest.raises(PipelineUsageError, match="needs the user's training_step once per micro-batch"):
+        stage.run_step(stage, True, torch.zeros(4, 4))
+
+
+def test_a_micro_step_that_never_calls_the_sequential_names_where_the_column_stopped():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    stage = build_stage(seq, [2], Layout(1, 1), 0, 3, "never", torch.device("cpu"), schedule=one_f_one_b)
+    stage.start_micro_steps(3)
+    out = stage.run_step(stage, True, torch.zeros(2, 4))
+    out.sum().backward()
+    stage.loss_backpropagated(0)
+    with pytest.raises(
+        PipelineUsageError, match=r"stage 0 stopped at F1 of its column with 1 of 3 micro-batches"
+    ):
+        stage.end_micro_steps()
 
 
 @pytest.mark.timeout(300)

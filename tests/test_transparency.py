@@ -8,6 +8,7 @@ import itertools
 import pytest
 import torch
 
+from lightning_gpipe.microbatch import sizes
 from tests.conftest import max_diff
 from tests.models import train_single_device
 
@@ -161,3 +162,63 @@ def test_deferred_batch_norm_running_stats_equal_full_batch(gpipe_job):
     # full-batch update: num_batches_tracked counts micro-batches and the means differ.
     assert plain["num_batches_tracked"].item() == 4
     assert (plain["running_mean"] - expected["running_mean"]).abs().max() > 1e-3
+
+
+# -- schedule="1f1b": training_step once per micro-batch ------------------------------------------
+# Every M with every K, every checkpoint mode at least once per K; the default run covers K = 2.
+ONE_F_ONE_B = {
+    2: [(3, "never"), (4, "always"), (8, "except_last")],
+    3: [(1, "always"), (3, "except_last"), (4, "never"), (8, "always")],
+}
+ONE_F_ONE_B_FULL = {
+    k: [(m, c) for m, c in itertools.product([1, 3, 4, 8], MODES) if (m, c) not in ONE_F_ONE_B.get(k, [])]
+    for k in (2, 3)
+}
+
+
+def _check_1f1b_runs(gpipe_job, reference, stages, runs):
+    """Per step, the loss every rank's ``callback_metrics`` held (the logged value, combined over the
+    micro-batches) and, combined by size, the losses of the step's calls equal the one-device losses;
+    the final parameters too; the logger got one value per step."""
+    specs = [
+        {
+            "chunks": m,
+            "checkpoint": c,
+            "schedule": "1f1b",
+            "record_logs": True,
+            "trainer": {"log_every_n_steps": 1},
+        }
+        for m, c in runs
+    ]
+    results, _ = gpipe_job("mlp", stages, specs, steps=5, batch=10)
+    ref_state = reference.state_dict()
+    for (m, c), result in zip(runs, results):
+        where = f"K={stages} M={m} checkpoint={c}"
+        parts = sizes(10, m)
+        calls = result["losses"]  # the last stage's training_step ran once per micro-batch
+        assert len(calls) == 5 * len(parts), where
+        combined = [sum(n * calls[s * len(parts) + i] for i, n in enumerate(parts)) / 10 for s in range(5)]
+        assert max(abs(a - b) for a, b in zip(combined, reference.losses)) <= 1e-5, where
+        for record in result["ranks"]:  # every rank's callback_metrics after each step: the full batch's loss
+            assert len(record["synced_losses"]) == 5, where
+            diff = max(abs(a - b) for a, b in zip(record["synced_losses"], reference.losses))
+            assert diff <= 1e-5, f"{where}: logged train_loss differs by {diff}"
+        logged = [entry["train_loss"] for entry in result["logged"] if "train_loss" in entry]
+        assert logged == pytest.approx(reference.losses, abs=1e-5), where
+        param_diff = max_diff(result["state"], ref_state)
+        assert param_diff <= 1e-5, f"{where}: parameters differ by {param_diff}"
+
+
+@pytest.mark.timeout(300)
+def test_1f1b_matches_single_device(gpipe_job, reference):
+    """schedule="1f1b", 2 stages, batch 10 (not divisible by 3, 4 or 8), 5 SGD+momentum steps, every
+    checkpoint mode: losses (calls combined, and the logged value) and parameters within 1e-5."""
+    _check_1f1b_runs(gpipe_job, reference, 2, ONE_F_ONE_B[2])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_1f1b_matches_single_device_full_grid(gpipe_job, reference, stages):
+    """K in {2, 3}, M in {1, 3, 4, 8}, every checkpoint mode (one job per K)."""
+    _check_1f1b_runs(gpipe_job, reference, stages, ONE_F_ONE_B[stages] + ONE_F_ONE_B_FULL[stages])

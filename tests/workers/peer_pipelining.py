@@ -1,6 +1,7 @@
-"""Worker: one training step of tests.models.Net("mlp") under torch.distributed.pipelining's ScheduleGPipe.
+"""Worker: one training step of tests.models.Net("mlp") under torch.distributed.pipelining's ScheduleGPipe or Schedule1F1B.
 
-Usage (one process per stage, RANK/WORLD_SIZE set): python tests/workers/peer_pipelining.py OUT CHUNKS BATCH
+Usage (one process per stage, RANK/WORLD_SIZE set): python tests/workers/peer_pipelining.py OUT CHUNKS BATCH [SCHEDULE]
+SCHEDULE: ``gpipe`` (default, ScheduleGPipe) or ``1f1b`` (Schedule1F1B).
 Rank r runs stage r on the same layer split as GPipeStrategy's uniform balance and writes
 ``peer_rank{r}.pt`` with its gradients under the user's parameter names.
 """
@@ -14,13 +15,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from lightning_gpipe.partition import cut, uniform_balance
 from tests.models import Net, make_data
 
 torch.set_num_threads(1)
 out, chunks, batch = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+peer_schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[sys.argv[4] if len(sys.argv) > 4 else "gpipe"]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 pl.seed_everything(0, verbose=False)
@@ -35,7 +37,7 @@ def loss_fn_exact(output, target):
 
 
 stage = PipelineStage(submodule, rank, world, torch.device("cpu"))
-schedule = ScheduleGPipe(stage, n_microbatches=chunks, loss_fn=loss_fn_exact, scale_grads=False)
+schedule = peer_schedule(stage, n_microbatches=chunks, loss_fn=loss_fn_exact, scale_grads=False)
 if rank == 0:
     schedule.step(x)
 elif rank == world - 1:
