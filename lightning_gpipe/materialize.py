@@ -184,6 +184,7 @@ def materialize_stage(
     balance: list[int],
     stage: int,
     device: torch.device,
+    stages: int | None = None,
 ) -> None:
     """Give stage ``stage``'s meta layers real tensors on ``device``; the other stages' stay meta.
 
@@ -192,13 +193,14 @@ def materialize_stage(
     from a random stream of the global seed and the layer's index).
     """
     from lightning_gpipe.loading import CHECKPOINT_SOURCE, LazyCheckpoint
-    from lightning_gpipe.partition import cut, stage_bounds
+    from lightning_gpipe.partition import cut, layer_stages
 
-    layers = cut(sequential, balance, stage)
+    layers = cut(sequential, balance, stage, stages)
     source = getattr(model, CHECKPOINT_SOURCE, None)
     if source is None:
-        start = stage_bounds(balance)[stage][0]
-        indexed = [(start + j, layer) for j, (_, layer) in enumerate(layers)]
+        where = layer_stages(balance, stages)
+        indices = [k for k, s in enumerate(where) if s == stage]  # the layers' indices in the Sequential
+        indexed = [(index, layer) for index, (_, layer) in zip(indices, layers)]
         materialize_layers(indexed, global_seed(), device)
         return
     path, weights_only = source

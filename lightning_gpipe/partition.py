@@ -77,16 +77,18 @@ def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[
 
 
 def check_model(
-    model: Any, module_name: str | None, balance: list[int] | str | None, stages: int
+    model: Any, module_name: str | None, balance: list[int] | str | None, stages: int, virtual_stages: int = 1
 ) -> tuple[str, nn.Sequential, list[int]]:
     """Find the pipelined Sequential of a LightningModule and the balance to cut it with.
 
     Args:
         model: the LightningModule.
         module_name: see :func:`find_sequential`.
-        balance: a list of layers per stage (checked), or anything else for the uniform split
+        balance: a list of layers per part (checked), or anything else for the uniform split
             (a balancer's choice is made later, :mod:`lightning_gpipe.balance.choose`).
         stages: the number of stages K.
+        virtual_stages: virtual stages per stage v; the Sequential is cut into ``K·v`` parts
+            (default 1: one part per stage).
 
     Returns:
         ``(name, sequential, balance)``.
@@ -103,12 +105,13 @@ def check_model(
             "strategy does not support: on every stage but the last, training_step ends at the pipelined call, "
             "before the user's backward and optimizer step; use automatic optimization"
         )
+    parts = stages * virtual_stages
     if isinstance(balance, list):
         check_stages(len(seq), len(balance))
-        balance = check_balance(balance, len(seq), stages)
-        check_tied_parameters(seq, balance)
+        balance = check_balance(balance, len(seq), parts, virtual_stages)
+        check_tied_parameters(seq, balance, stages)
     else:
-        balance = uniform_balance(len(seq), stages)  # also checks stages against layers
+        balance = uniform_balance(len(seq), parts)  # also checks the parts against layers
     return name, seq, balance
 
 
@@ -150,8 +153,14 @@ def check_stages(num_layers: int, stages: int) -> None:
         )
 
 
-def check_balance(balance: Sequence[int], num_layers: int, stages: int | None = None) -> list[int]:
-    """Validate a balance list (layers per stage).
+def check_balance(
+    balance: Sequence[int], num_layers: int, stages: int | None = None, virtual_stages: int = 1
+) -> list[int]:
+    """Validate a balance list (layers per stage; with virtual stages, per part).
+
+    Args:
+        stages: the number of entries the balance must have (stages × virtual stages).
+        virtual_stages: virtual stages per stage v, for the message.
 
     Raises:
         PartitionError: an entry is not a positive integer, the sum differs from ``num_layers``,
@@ -167,6 +176,11 @@ def check_balance(balance: Sequence[int], num_layers: int, stages: int | None = 
         raise PartitionError(
             f"module and sum of balance have different length (module: {num_layers}, sum of balance: {sum(balance)})"
         )
+    if stages is not None and len(balance) != stages and virtual_stages > 1:
+        raise PartitionError(
+            f"balance has {len(balance)} entries but the pipeline has {stages} parts ({stages // virtual_stages} "
+            f"stages × {virtual_stages} virtual stages; balance: {balance}); give one entry per part, in model order"
+        )
     if stages is not None and len(balance) != stages:
         raise PartitionError(
             f"balance has {len(balance)} stages but the pipeline has {stages} (balance: {balance}); "
@@ -176,7 +190,7 @@ def check_balance(balance: Sequence[int], num_layers: int, stages: int | None = 
 
 
 def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
-    """``[start, stop)`` layer indices of every stage."""
+    """``[start, stop)`` layer indices of every entry of ``balance`` (a stage; with virtual stages, a part)."""
     bounds, start = [], 0
     for n in balance:
         bounds.append((start, start + n))
@@ -184,13 +198,43 @@ def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
-def cut(sequential: nn.Sequential, balance: Sequence[int], stage: int) -> list[tuple[str, nn.Module]]:
-    """The ``(name, layer)`` pairs of stage ``stage``, names as in ``sequential``."""
-    start, stop = stage_bounds(balance)[stage]
-    return list(children(sequential).items())[start:stop]  # named_children() would drop a repeated module
+def cut(
+    sequential: nn.Sequential, balance: Sequence[int], stage: int, stages: int | None = None
+) -> list[tuple[str, nn.Module]]:
+    """The ``(name, layer)`` pairs of stage ``stage``, names as in ``sequential``, in model order.
+
+    With ``stages`` K below ``len(balance)`` (virtual stages: ``balance`` has one entry per part),
+    stage ``j`` holds parts ``j, j+K, j+2K, …`` (:func:`lightning_gpipe.schedule.part`).
+    """
+    return [pair for layers in virtual_cut(sequential, balance, stage, stages) for pair in layers]
 
 
-def check_tied_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> None:
+def virtual_cut(
+    sequential: nn.Sequential, balance: Sequence[int], stage: int, stages: int | None = None
+) -> list[list[tuple[str, nn.Module]]]:
+    """Stage ``stage``'s layers per virtual stage: part ``stage + u·K`` for ``u = 0 … v-1``.
+
+    Args:
+        balance: layers per part, ``K·v`` entries.
+        stages: the number of stages K (default: ``len(balance)``, one part per stage).
+
+    Raises:
+        PartitionError: ``len(balance)`` is not a multiple of ``stages``.
+    """
+    k = len(balance) if stages is None else stages
+    if k < 1 or len(balance) % k:
+        raise PartitionError(
+            f"a balance of {len(balance)} parts cannot be dealt to {k} stages (balance: {list(balance)}); "
+            "give stages × virtual_stages entries"
+        )
+    named = list(children(sequential).items())  # named_children() would drop a repeated module
+    bounds = stage_bounds(balance)
+    return [named[slice(*bounds[c])] for c in range(stage, len(balance), k)]
+
+
+def check_tied_parameters(
+    sequential: nn.Sequential, balance: Sequence[int], stages: int | None = None
+) -> None:
     """Raise :class:`PartitionError` for what tying across stages cannot make exact: a shared buffer.
 
     Parameters shared by layers on different stages are kept in step by
@@ -198,7 +242,7 @@ def check_tied_parameters(sequential: nn.Sequential, balance: Sequence[int]) -> 
     """
     from lightning_gpipe.tied import tied_buffers
 
-    for tied in tied_buffers(sequential, balance):
+    for tied in tied_buffers(sequential, balance, stages):
         raise PartitionError(
             f"the buffer {tied.names[0]!r} is shared by layers on stages {list(tied.stages)} (names: "
             f"{', '.join(tied.names)}, balance: {list(balance)}); a buffer updated in place by one stage's "
@@ -251,32 +295,50 @@ def recompile(undone: list[tuple[nn.Module, str, Any]]) -> None:
 def placement(sequential: nn.Sequential, balance: Sequence[int], ranks: Sequence[int]) -> str:
     """Where the layers went, one line per stage: ``stage j (rank r): layers a..b, n parameters``.
 
+    With virtual stages (``len(ranks)`` stages K, ``balance`` of ``K·v`` parts) a stage's line
+    names each of its parts' layer ranges (``layers 0..1 + 4..5``).
+
     Args:
         sequential: the whole pipelined Sequential.
-        balance: layers per stage.
+        balance: layers per stage (per part with virtual stages).
         ranks: the global rank of each stage (of the first pipeline).
     """
     names = list(sequential._modules)
     layers = list(sequential._modules.values())
     total = sum(p.numel() for p in sequential.parameters())
-    lines = [f"gpipe: {len(balance)} stages over {len(names)} layers, {total:,} parameters in all"]
-    for j, (start, stop) in enumerate(stage_bounds(balance)):
+    k = len(ranks)
+    v = len(balance) // k
+    head = f"gpipe: {k} stages" + (f" × {v} virtual stages" if v > 1 else "")
+    lines = [f"{head} over {len(names)} layers, {total:,} parameters in all"]
+    bounds = stage_bounds(balance)
+    for j in range(k):
         seen: set[int] = set()
         count = 0
-        for layer in layers[start:stop]:
-            for p in layer.parameters() if layer is not None else ():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    count += p.numel()
-        lines.append(
-            f"  stage {j} (rank {ranks[j]}): layers {names[start]}..{names[stop - 1]}, {count:,} parameters"
-        )
+        ranges = []
+        for start, stop in bounds[j::k]:
+            ranges.append(f"{names[start]}..{names[stop - 1]}")
+            for layer in layers[start:stop]:
+                for p in layer.parameters() if layer is not None else ():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        count += p.numel()
+        lines.append(f"  stage {j} (rank {ranks[j]}): layers {' + '.join(ranges)}, {count:,} parameters")
     return "\n".join(lines)
 
 
-def layer_stages(balance: Sequence[int]) -> list[int]:
-    """The stage of every layer: ``layer_stages([2, 1]) == [0, 0, 1]``."""
-    return [j for j, n in enumerate(balance) for _ in range(n)]
+def layer_stages(balance: Sequence[int], stages: int | None = None) -> list[int]:
+    """The stage of every layer: ``layer_stages([2, 1]) == [0, 0, 1]``.
+
+    With ``stages`` K below ``len(balance)`` (one entry per part), part ``c``'s layers are on stage
+    ``c mod K``: ``layer_stages([1, 1, 1, 1], 2) == [0, 1, 0, 1]``.
+    """
+    k = len(balance) if stages is None else stages
+    return [c % k for c, n in enumerate(balance) for _ in range(n)]
+
+
+def layer_parts(balance: Sequence[int]) -> list[int]:
+    """The part of every layer (the entry of ``balance`` it belongs to): ``layer_parts([2, 1]) == [0, 0, 1]``."""
+    return [c for c, n in enumerate(balance) for _ in range(n)]
 
 
 @dataclass

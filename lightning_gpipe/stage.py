@@ -64,7 +64,7 @@ from lightning_gpipe.failure import naming_errors
 from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import Batch, as_tensors, batch_size, from_tensors, join, split
 from lightning_gpipe.outcome import OutcomeChannel, apply_outcome, outcome_of
-from lightning_gpipe.partition import cut, layer_stages
+from lightning_gpipe.partition import layer_parts, virtual_cut
 from lightning_gpipe.schedule import Action, Grid
 from lightning_gpipe.skip import MicroBatchStore, routes, use_store
 
@@ -126,6 +126,10 @@ class PipelineStage(nn.Sequential):
         p2p: the transport.
         names: layer names of the user's whole Sequential (for indexing by its indices).
         schedule: ``(stages, chunks) -> Grid`` (default: :func:`~lightning_gpipe.schedule.fill_drain`).
+        virtual_layers: with virtual stages, the names of each virtual stage's layers, in order
+            (stage ``j``'s virtual stage ``u`` holds part ``j + u·K``:
+            :func:`~lightning_gpipe.partition.virtual_cut`); default: one virtual stage holding
+            every layer. The stage holds all of them under the user's names either way.
 
     Shapes: the first stage takes ``(N, *)`` (or a tuple of such) and splits it into
     ``min(M, N) × (≈N/M, *)``; the last stage returns ``(N, *)`` outputs.
@@ -140,9 +144,16 @@ class PipelineStage(nn.Sequential):
         p2p: P2P,
         names: Sequence[str] | None = None,
         schedule: Callable[[int, int], Grid] = schedule.fill_drain,
+        virtual_layers: Sequence[Sequence[str]] | None = None,
     ) -> None:
         super().__init__(OrderedDict(layers))
         self.names = list(names) if names is not None else [n for n, _ in layers]  # of the whole Sequential
+        held = [n for n, _ in layers]
+        self.virtual_layers = [list(v) for v in virtual_layers] if virtual_layers is not None else [held]
+        if sorted(n for v in self.virtual_layers for n in v) != sorted(held):
+            raise ValueError(
+                f"the virtual stages' layers ({self.virtual_layers}) are not the stage's layers ({held})"
+            )
         self.topology = topology
         self.chunks = chunks
         self.checkpoint_mode = checkpoint
@@ -160,16 +171,19 @@ class PipelineStage(nn.Sequential):
         )
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
         self.__dict__["_compiled"] = (
-            None  # this stage's layers compiled (not a submodule: state_dict keys unchanged)
+            None  # per virtual stage, its layers compiled (not a submodule: state_dict keys unchanged)
         )
 
     def compile(self, compile_fn: Any) -> None:  # type: ignore[override]
-        """Run this stage's layers through ``compile_fn(nn.Sequential of the layers)`` (e.g. ``torch.compile``).
+        """Run each virtual stage's layers through ``compile_fn(nn.Sequential of the layers)`` (e.g. ``torch.compile``).
 
         The compiled module shares the layers (parameters, buffers); it is kept outside the
         stage's submodules, so ``state_dict`` keys stay the user's.
         """
-        self.__dict__["_compiled"] = compile_fn(nn.Sequential(OrderedDict(self._modules.items())))
+        self.__dict__["_compiled"] = [
+            compile_fn(nn.Sequential(OrderedDict((n, self._modules[n]) for n in names)))
+            for names in self.virtual_layers
+        ]
 
     def __iter__(self) -> Iterator[nn.Module]:
         """The stage's layers; inside a step, iterating raises: the pipeline runs one call per step.
@@ -253,14 +267,17 @@ class PipelineStage(nn.Sequential):
     def ran_forward(self) -> bool:
         return self.calls > 0
 
-    def local_forward(self, input: Batch, store: MicroBatchStore | None = None) -> Any:
-        """This stage's layers applied in order, as ``nn.Sequential`` would, with ``store`` for skips."""
+    def local_forward(
+        self, input: Batch, store: MicroBatchStore | None = None, virtual_stage: int = 0
+    ) -> Any:
+        """Virtual stage ``virtual_stage``'s layers (all of this stage's without virtual stages) applied
+        in order, as ``nn.Sequential`` would, with ``store`` for skips."""
         compiled = self.__dict__["_compiled"]
         with use_store(store if store is not None else MicroBatchStore()):
             if compiled is not None:
-                return compiled(input)
-            for layer in self._modules.values():
-                input = layer(input)
+                return compiled[virtual_stage](input)
+            for name in self.virtual_layers[virtual_stage]:
+                input = self._modules[name](input)
         return input
 
     def forward(self, input: Batch) -> Any:  # noqa: A002 - nn.Sequential's own argument name
@@ -595,11 +612,18 @@ def build_stage(
     schedule: Callable[[int, int], Grid] = schedule.fill_drain,
 ) -> PipelineStage:
     """Global rank ``rank``'s :class:`PipelineStage` of ``seq`` cut by ``balance`` (layers shared, not
-    copied), running ``schedule`` (a function of :data:`lightning_gpipe.schedule.SCHEDULES`)."""
-    topology = layout.topology(rank, tuple(routes(seq, layer_stages(balance))))
-    layers = cut(seq, balance, topology.stage)
+    copied), running ``schedule`` (a function of :data:`lightning_gpipe.schedule.SCHEDULES`).
+
+    With virtual stages, ``balance`` has ``K·v`` entries (one per part) and the stage holds
+    parts ``j, j+K, …`` as its virtual stages (:func:`~lightning_gpipe.partition.virtual_cut`);
+    skip routes name parts.
+    """
+    topology = layout.topology(rank, tuple(routes(seq, layer_parts(balance))))
+    per_virtual = virtual_cut(seq, balance, topology.stage, layout.stages)
+    layers = [pair for part in per_virtual for pair in part]
     names = list(children(seq))
-    return PipelineStage(layers, topology, chunks, checkpoint, P2P(device), names, schedule)
+    virtual_layers = [[n for n, _ in part] for part in per_virtual]
+    return PipelineStage(layers, topology, chunks, checkpoint, P2P(device), names, schedule, virtual_layers)
 
 
 def _flows(run: _Run, action: Action, t: schedule.Transfer) -> bool:

@@ -120,9 +120,9 @@ def start_stage(
     from lightning_gpipe.partition import cut
 
     if stage_only:
-        materialize_stage(model, name, sequential, balance, layout.stage_of(rank), device)
+        materialize_stage(model, name, sequential, balance, layout.stage_of(rank), device, layout.stages)
         return
-    stages = [cut(sequential, balance, s) for s in range(layout.stages)]
+    stages = [cut(sequential, balance, s, layout.stages) for s in range(layout.stages)]
     send_rank0_state(stages, layout, rank, P2P(device))
 
 

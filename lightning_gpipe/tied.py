@@ -68,8 +68,10 @@ class Tied:
         return next(n for n, s in zip(self.names, self.name_stage) if s == stage)
 
 
-def _layer_stage(sequential: nn.Sequential, balance: Sequence[int]) -> dict[str, int]:
-    stage_of = [j for j, n in enumerate(balance) for _ in range(n)]
+def _layer_stage(sequential: nn.Sequential, balance: Sequence[int], stages: int | None) -> dict[str, int]:
+    from lightning_gpipe.partition import layer_stages
+
+    stage_of = layer_stages(balance, stages)
     return {name: stage_of[k] for k, name in enumerate(children(sequential))}
 
 
@@ -87,13 +89,17 @@ def _shared(named: Iterable[tuple[str, Tensor]], stage_of_layer: dict[str, int])
     return tied
 
 
-def find_tied(sequential: nn.Sequential, balance: Sequence[int]) -> list[Tied]:
-    """The parameters of ``sequential`` that layers on different stages of ``balance`` share, in model order."""
+def find_tied(sequential: nn.Sequential, balance: Sequence[int], stages: int | None = None) -> list[Tied]:
+    """The parameters of ``sequential`` that layers on different stages of ``balance`` share, in model order.
+
+    ``stages``: the number of stages K when ``balance`` has one entry per part (virtual stages;
+    :func:`lightning_gpipe.partition.layer_stages`); default: one entry per stage.
+    """
     named = sequential.named_parameters(remove_duplicate=False)
-    return _shared(named, _layer_stage(sequential, balance))
+    return _shared(named, _layer_stage(sequential, balance, stages))
 
 
-def tied_buffers(sequential: nn.Sequential, balance: Sequence[int]) -> list[Tied]:
+def tied_buffers(sequential: nn.Sequential, balance: Sequence[int], stages: int | None = None) -> list[Tied]:
     """The buffers of ``sequential`` that layers on different stages of ``balance`` share, in model order.
 
     A layer may update a buffer in place during its forward (BatchNorm's running statistics);
@@ -101,7 +107,7 @@ def tied_buffers(sequential: nn.Sequential, balance: Sequence[int]) -> list[Tied
     :func:`lightning_gpipe.partition.check_tied_parameters` refuses them.
     """
     named = sequential.named_buffers(remove_duplicate=False)
-    return _shared(named, _layer_stage(sequential, balance))
+    return _shared(named, _layer_stage(sequential, balance, stages))
 
 
 def canonical_name(tied: Sequence[Tied], stage: int) -> dict[str, str | None]:

@@ -31,12 +31,17 @@ __all__ = ["BALANCERS", "check_balance_spec", "choose_balance", "log_choice", "s
 BALANCERS = ("uniform", "parameters", "time", "memory")
 
 
-def check_balance_spec(balance: Any, pipeline_parallel_size: int | None) -> list[int] | str | None:
+def check_balance_spec(
+    balance: Any, pipeline_parallel_size: int | None, virtual_stages: int = 1
+) -> list[int] | str | None:
     """Validate ``GPipeStrategy(balance=...)`` before anything runs; return it (a list copied).
+
+    With ``virtual_stages`` v > 1 a list gives the layers of each of the ``K·v`` parts in model
+    order (stage ``j`` holds parts ``j, j+K, …``), and a balancer balances over ``K·v`` parts.
 
     Raises:
         ValueError: an unknown balancer name, an entry that is not a positive integer, or a list
-            whose length differs from ``pipeline_parallel_size``.
+            whose length differs from ``pipeline_parallel_size × virtual_stages``.
     """
     if isinstance(balance, str):
         if balance not in BALANCERS:
@@ -58,7 +63,13 @@ def check_balance_spec(balance: Any, pipeline_parallel_size: int | None) -> list
     valid_size = (
         isinstance(pipeline_parallel_size, int) and pipeline_parallel_size >= 1
     )  # else checked by the caller
-    if valid_size and len(balance) != pipeline_parallel_size:
+    parts = pipeline_parallel_size * virtual_stages if isinstance(pipeline_parallel_size, int) else 0
+    if valid_size and virtual_stages > 1 and len(balance) != parts:
+        raise ValueError(
+            f"balance has {len(balance)} entries but the pipeline has {pipeline_parallel_size} stages × "
+            f"{virtual_stages} virtual stages (balance: {balance}); give one entry per part, {parts} in model order"
+        )
+    if valid_size and virtual_stages == 1 and len(balance) != pipeline_parallel_size:
         raise ValueError(
             f"balance has {len(balance)} stages but pipeline_parallel_size is {pipeline_parallel_size} "
             f"(balance: {balance}); give one entry per stage"

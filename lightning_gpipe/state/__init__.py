@@ -92,6 +92,9 @@ def gather_sequential_state(
     full: dict[str, Tensor] = {}
     for part in parts:
         full.update(part)
+    # in the Sequential's layer order (with virtual stages a stage's layers are not contiguous)
+    order = {name: k for k, name in enumerate(getattr(stage, "names", ()))}
+    full = dict(sorted(full.items(), key=lambda item: order.get(item[0].split(".", 1)[0], len(order))))
     return alias_tied_state(full, tied)
 
 
