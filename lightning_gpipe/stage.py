@@ -94,12 +94,15 @@ class _Run:
     first: tuple[Meta, list[Tensor]] | None = None  # other stages: micro-batch 0's message, taken early
     taken: Counter[int] = field(default_factory=Counter)  # messages taken before any announcement
     out_tuple: bool = False
-    inputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
-    outputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
-    skips_in: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # received skips
-    skips_out: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # skips sent on
+    # keyed by (micro-batch, virtual stage)
+    inputs: dict[tuple[int, int], tuple[Tensor, ...]] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], tuple[Tensor, ...]] = field(default_factory=dict)
+    skips_in: dict[tuple[int, int], dict[str, Tensor]] = field(default_factory=dict)  # received skips
+    skips_out: dict[tuple[int, int], dict[str, Tensor]] = field(default_factory=dict)  # skips sent on
     called: int = 0  # micro-batches 0 .. called-1 have had their call
-    forwarded: set[int] = field(default_factory=set)  # micro-batches whose forward ran here
+    forwarded: set[tuple[int, int]] = field(
+        default_factory=set
+    )  # (micro-batch, virtual stage) forwarded here
     losses: set[int] = field(default_factory=set)  # one call per micro-batch: losses backpropagated
     step_loss: bool = False  # one call per step: Lightning's backward has come
     pos: int = 0  # the cursor: index of the next action in column
@@ -109,6 +112,11 @@ class _Run:
     # last stage: per call, the micro-batches it covered, their sizes and the leaves given to the user
     calls: list[tuple[list[int], list[int], tuple[Tensor, ...]]] = field(default_factory=list)
     leaf_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
+    # a grid whose stages take a peer's messages in another order than it sends them
+    # (schedule.in_send_order false): per peer stage, the keys (kind, i, virtual stage here, skip)
+    # in the order the peer takes them; sends wait in outbox until their turn
+    order: dict[int, list[tuple[str, int, int, str | None]]] = field(default_factory=dict)
+    outbox: dict[int, dict[tuple[str, int, int, str | None], Any]] = field(default_factory=dict)
 
     @property
     def done(self) -> bool:
@@ -199,6 +207,11 @@ class PipelineStage(nn.Sequential):
                 "and the pipeline runs one forward per step: call the Sequential once (self.layers(x))"
             )
         return iter(self._modules.values())
+
+    @property
+    def virtual_stages(self) -> int:
+        """v: the virtual stages this stage holds (1 without)."""
+        return len(self.virtual_layers)
 
     @property
     def layer_names(self) -> list[str]:
@@ -308,7 +321,7 @@ class PipelineStage(nn.Sequential):
         self._advance(run)
         if not top.is_last:
             raise StageDone
-        outputs = [run.outputs[i] for i in covered]
+        outputs = [run.outputs[(i, self.virtual_stages - 1)] for i in covered]
         batch_size(
             outputs[0], f"output of the last pipeline stage ({top.stage})"
         )  # a scalar cannot be joined
@@ -341,7 +354,9 @@ class PipelineStage(nn.Sequential):
 
     def _new_run(self, train: bool, chunks: int) -> _Run:
         top = self.topology
-        column = schedule.stage_actions(self.schedule(top.stages, chunks), top.stage)
+        v = self.virtual_stages
+        grid = self.schedule(top.stages, chunks) if v == 1 else self.schedule(top.stages, chunks, v)  # type: ignore[call-arg]
+        column = schedule.stage_actions(grid, top.stage)
         if not train:
             column = [a for a in column if a.kind == "F"]
         whole = self._micro is None
@@ -351,15 +366,30 @@ class PipelineStage(nn.Sequential):
                 f"this schedule runs a backward on the last stage before its last forward ({column}); it "
                 "needs the user's training_step once per micro-batch (GPipeStrategy(schedule=...) does that)"
             )
-        return _Run(train, chunks, column, whole, fill_end=fill_end)
+        run = _Run(train, chunks, column, whole, fill_end=fill_end)
+        if train and v > 1 and not schedule.in_send_order(grid, top.skips):
+            for peer in range(top.stages):
+                taken: list[tuple[str, int, int, str | None]] = [
+                    (a.kind, a.i, t.virtual_stage, t.skip)
+                    for a in schedule.stage_actions(grid, peer)
+                    for t in schedule.receives(a, peer, top.stages, top.skips, v)
+                    if t.peer == top.stage
+                ]
+                if taken:
+                    run.order[peer], run.outbox[peer] = taken, {}
+        return run
 
     def _ready(self, action: Action, run: _Run) -> bool:
         """Whether ``action`` can run now: what it needs from the user's code has come."""
+        top, v = self.topology, self.virtual_stages
         if action.kind == "F":
-            return action.i < run.called
+            # a call gives micro-batch i: its input (virtual stage 0) or, on the last stage, its output
+            # (the last virtual stage); the last stage's other forwards run ahead of the calls
+            gated = action.virtual_stage == (v - 1 if top.is_last else 0)
+            return action.i < run.called or not gated
         if run.whole:
             return run.step_loss
-        return action.i in run.losses or not self.topology.is_last
+        return action.i in run.losses or not schedule.needs_loss(action, top.stage, top.stages, v)
 
     def _advance(self, run: _Run) -> None:
         """Run ``run``'s column from the cursor while its actions are runnable."""
@@ -385,12 +415,17 @@ class PipelineStage(nn.Sequential):
         top, end = self.topology, run.pos
         while end < len(run.column):
             a = run.column[end]
-            if a.kind == "B" and (a.i not in run.forwarded or (run.whole and not run.step_loss)):
+            if a.kind == "B" and (
+                (a.i, a.virtual_stage) not in run.forwarded or (run.whole and not run.step_loss)
+            ):
                 break
             end += 1
         stretch = run.column[run.pos : end]
         self._announce(
-            schedule.messages(stretch, top.stage, top.stages, top.skips, partial(_flows, run)) - run.taken
+            schedule.messages(
+                stretch, top.stage, top.stages, top.skips, partial(_flows, run), self.virtual_stages
+            )
+            - run.taken
         )
         run.taken, run.announced = Counter(), end
 
@@ -403,11 +438,14 @@ class PipelineStage(nn.Sequential):
 
     def _forward_one(self, action: Action, run: _Run) -> None:
         """``F i``: receive micro-batch ``i`` and its skips, compute it, send it and its skips on."""
-        top, i = self.topology, action.i
-        x, x_tuple = (run.micro_batches.pop(i), run.in_tuple) if top.is_first else ((), False)
-        run.forwarded.add(i)
+        top, i, u, v = self.topology, action.i, action.virtual_stage, self.virtual_stages
+        key = (i, u)
+        first_part = top.is_first and u == 0
+        last_part = top.is_last and u == v - 1
+        x, x_tuple = (run.micro_batches.pop(i), run.in_tuple) if first_part else ((), False)
+        run.forwarded.add(key)
         store = MicroBatchStore()
-        received = schedule.receives(action, top.stage, top.stages, top.skips)
+        received = schedule.receives(action, top.stage, top.stages, top.skips, v)
         for t in received:
             meta, tensors = self._receive(t, i, run)
             if t.skip is None:
@@ -416,24 +454,18 @@ class PipelineStage(nn.Sequential):
                 store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
                 self.received_skips.append((t.skip, t.peer))
         with self._span("forward", i), self._naming_errors("forward", i, x):
-            y = self._compute(i, run, from_tensors(x, x_tuple), store)
+            y = self._compute(i, u, run, from_tensors(x, x_tuple), store)
         y_tensors, run.out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
-        sent = schedule.sends(action, top.stage, top.stages, top.skips)
+        sent = schedule.sends(action, top.stage, top.stages, top.skips, v)
         if run.train:
-            run.inputs[i] = x
-            run.skips_in[i] = {t.skip: store[t.skip] for t in received if t.skip is not None}
-            run.skips_out[i] = {t.skip: store[t.skip] for t in sent if t.skip is not None}
-        if run.train or top.is_last:
-            run.outputs[i] = y_tensors
+            run.inputs[key] = x
+            run.skips_in[key] = {t.skip: store[t.skip] for t in received if t.skip is not None}
+            run.skips_out[key] = {t.skip: store[t.skip] for t in sent if t.skip is not None}
+        if run.train or last_part:
+            run.outputs[key] = y_tensors
         for t in sent:  # the output first, then the skips: the order in which they are received
             payload = y_tensors if t.skip is None else (store[t.skip],)
-            with self._span("send", i):
-                self.p2p.send(
-                    payload,
-                    self._rank(t.peer),
-                    is_tuple=run.out_tuple or t.skip is not None,
-                    chunks=run.chunks,
-                )
+            self._post(run, action, t, payload, is_tuple=run.out_tuple or t.skip is not None)
 
     def _receive(self, t: schedule.Transfer, i: int, run: _Run) -> tuple[Meta, list[Tensor]]:
         if t.skip is None and run.first is not None:
@@ -455,14 +487,43 @@ class PipelineStage(nn.Sequential):
         for stage, n in messages.items():
             self.p2p.expect(self._rank(stage), n)
 
-    def _compute(self, i: int, run: _Run, x: Batch, store: MicroBatchStore) -> Any:
+    def _compute(self, i: int, u: int, run: _Run, x: Batch, store: MicroBatchStore) -> Any:
+        """Virtual stage ``u``'s layers on micro-batch ``i``, recomputable under ``checkpoint``."""
         if not (run.train and recompute.recomputes(self.checkpoint_mode, i, run.chunks)):
-            return self.local_forward(x, store)
+            return self.local_forward(x, store, u)
         # what this forward changes, it changes once (the recompute replays it); the layers, not the
         # stage: iterating the stage inside a step is refused
-        state = ForwardState.capture(self._modules.values())
+        layers = self._virtual_modules(u)
+        state = ForwardState.capture(layers)
         run.states.append(state)
-        return recompute.run(self.local_forward, x, store, context=lambda: self._recompute_context(i, state))
+        return recompute.run(
+            partial(self.local_forward, virtual_stage=u),
+            x,
+            store,
+            context=lambda: self._recompute_context(i, state, layers),
+        )
+
+    def _virtual_modules(self, u: int) -> list[nn.Module]:
+        """Virtual stage ``u``'s layers (all of the stage's without virtual stages)."""
+        return [self._modules[name] for name in self.virtual_layers[u]]  # type: ignore[misc]
+
+    def _post(self, run: _Run, action: Action, t: schedule.Transfer, payload: Any, **options: Any) -> None:
+        """Send what ``action`` sends over ``t`` (``payload`` ``None``: nothing flows), in the order the
+        peer takes its messages: where a grid's stages take them in another order than sent
+        (:func:`~lightning_gpipe.schedule.send_order`), a message waits here for its turn."""
+        order = run.order.get(t.peer)
+        if order is None:
+            if payload is not None:
+                with self._span("send", action.i):
+                    self.p2p.send(payload, self._rank(t.peer), chunks=run.chunks, **options)
+            return
+        box = run.outbox[t.peer]
+        box[(action.kind, action.i, action.virtual_stage, t.skip)] = (payload, options)
+        while order and order[0] in box:
+            ready, ready_options = box.pop(order.pop(0))
+            if ready is not None:
+                with self._span("send", action.i):
+                    self.p2p.send(ready, self._rank(t.peer), chunks=run.chunks, **ready_options)
 
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
         """Errors of this stage's layers re-raised as a :class:`~lightning_gpipe.failure.StageError`."""
@@ -471,8 +532,8 @@ class PipelineStage(nn.Sequential):
         return naming_errors(top.stage, self.layer_names, first, phase, i, x, keep=(PipelineUsageError,))
 
     @contextmanager
-    def _recompute_context(self, i: int, state: ForwardState) -> Iterator[None]:
-        with self._span("recompute", i), state.replay(self._modules.values()), no_accumulate():
+    def _recompute_context(self, i: int, state: ForwardState, layers: Sequence[nn.Module]) -> Iterator[None]:
+        with self._span("recompute", i), state.replay(layers), no_accumulate():
             yield
 
     # -- the step outcome --------------------------------------------------------------------
@@ -563,10 +624,11 @@ class PipelineStage(nn.Sequential):
 
     def _backward_one(self, action: Action, run: _Run) -> None:
         """``B i``: receive the gradients of micro-batch ``i``'s outputs, backpropagate, send its inputs' gradients."""
-        top, i = self.topology, action.i
-        y_grad = [t for t in run.outputs[i] if t.requires_grad]
-        dy = list(self._leaf_grads(run, i)) if top.is_last else []
-        for t in schedule.receives(action, top.stage, top.stages, top.skips):
+        top, i, u, v = self.topology, action.i, action.virtual_stage, self.virtual_stages
+        key = (i, u)
+        y_grad = [t for t in run.outputs[key] if t.requires_grad]
+        dy = list(self._leaf_grads(run, i)) if schedule.needs_loss(action, top.stage, top.stages, v) else []
+        for t in schedule.receives(action, top.stage, top.stages, top.skips, v):
             if not _flows(run, action, t):
                 continue
             with self._span("recv", i):
@@ -574,19 +636,17 @@ class PipelineStage(nn.Sequential):
             if t.skip is None:
                 dy = grads
             else:  # the gradient of a skip this stage sent on comes straight back
-                y_grad, dy = [*y_grad, run.skips_out[i][t.skip]], [*dy, *grads]
+                y_grad, dy = [*y_grad, run.skips_out[key][t.skip]], [*dy, *grads]
         if y_grad:
-            with self._span("backward", i), self._naming_errors("backward", i, run.inputs[i]):
+            with self._span("backward", i), self._naming_errors("backward", i, run.inputs[key]):
                 torch.autograd.backward(y_grad, dy)
-        for t in schedule.sends(action, top.stage, top.stages, top.skips):
-            sources = run.inputs[i] if t.skip is None else (run.skips_in[i][t.skip],)
+        for t in schedule.sends(action, top.stage, top.stages, top.skips, v):
+            sources = run.inputs[key] if t.skip is None else (run.skips_in[key][t.skip],)
             x_grad = [x for x in sources if x.requires_grad]
-            if x_grad:
-                dx = [x.grad if x.grad is not None else torch.zeros_like(x) for x in x_grad]
-                with self._span("send", i):
-                    self.p2p.send(dx, self._rank(t.peer), chunks=run.chunks)
-        run.inputs[i] = run.outputs[i] = ()  # free this micro-batch
-        run.skips_in[i] = run.skips_out[i] = {}
+            dx = [x.grad if x.grad is not None else torch.zeros_like(x) for x in x_grad]
+            self._post(run, action, t, dx or None)
+        run.inputs[key] = run.outputs[key] = ()  # free this micro-batch
+        run.skips_in[key] = run.skips_out[key] = {}
 
     def _leaf_grads(self, run: _Run, i: int) -> tuple[Tensor, ...]:
         """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's leaves."""
@@ -631,9 +691,10 @@ def _flows(run: _Run, action: Action, t: schedule.Transfer) -> bool:
     gradient only for tensors it sent that require one."""
     if action.kind == "F":
         return True
+    key = (action.i, action.virtual_stage)
     if t.skip is None:
-        return any(y.requires_grad for y in run.outputs[action.i])
-    return run.skips_out[action.i][t.skip].requires_grad
+        return any(y.requires_grad for y in run.outputs[key])
+    return run.skips_out[key][t.skip].requires_grad
 
 
 def _as_inputs(meta: Meta, received: list[Tensor], train: bool) -> tuple[Tensor, ...]:

@@ -1,0 +1,117 @@
+"""The executor with virtual stages: interleaved 1F1B columns run as they are printed, with one call per
+micro-batch, and give the unpartitioned model's gradients; evaluation runs the forwards."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe.balance import uniform_balance
+from lightning_gpipe.layout import Layout
+from lightning_gpipe.microbatch import sizes
+from lightning_gpipe.schedule import format_grid, in_send_order, interleaved_1f1b, messages, stage_actions
+from lightning_gpipe.stage import StageDone, build_stage
+from tests.test_stage import BlockingNetwork, Recorder, ThreadP2P, _by_rank, _reference_grads
+
+
+def _net(blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(blocks)))
+
+
+def _stages(seq, k, v, chunks, checkpoint, network):
+    """K stages of ``seq`` cut into K·v equal parts, over ``network``, recording their actions."""
+    stages = []
+    for j in range(k):
+        rank = Layout(k, k).rank(0, j)
+        stage = build_stage(
+            seq, uniform_balance(len(seq), k * v), Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"),
+            schedule=interleaved_1f1b,
+        )  # fmt: skip
+        stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder()
+        stages.append(stage)
+    return stages
+
+
+def _in_threads(stages, body):
+    """``body(stage)`` for every stage, each in its own thread (as processes would); errors re-raised."""
+    errors = []
+
+    def run(stage):
+        try:
+            body(stage)
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(stage,)) for stage in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+
+
+def _micro_step(seq, k, v, chunks, x, y, checkpoint):
+    """One training step with one call per micro-batch, as lightning_gpipe.microstep runs it: the last
+    stage backpropagates each micro-batch's mean squared error weighted by its share of the batch."""
+    stages = _stages(seq, k, v, chunks, checkpoint, BlockingNetwork())
+    parts = sizes(x.shape[0], chunks)
+    xs, ys = x.split(parts), y.split(parts)
+    counts = {}
+
+    def body(stage):
+        stage.start_micro_steps(len(parts))
+        for i, (xi, yi) in enumerate(zip(xs, ys)):
+            out = stage.run_step(stage, True, xi)
+            if stage.topology.is_last:
+                (nn.functional.mse_loss(out, yi) * len(yi) / len(y)).backward()
+                stage.loss_backpropagated(i)
+        stage.end_micro_steps()
+        counts[stage.topology.stage] = stage.p2p.phase()
+
+    _in_threads(stages, body)
+    return stages, counts
+
+
+@pytest.mark.parametrize(
+    ("k", "v", "m"),
+    [(2, 2, 1), (2, 2, 3), (2, 2, 4), (2, 2, 5), (2, 2, 8), (3, 2, 4), (3, 2, 5), (2, 3, 7), (4, 2, 8)],
+)
+def test_interleaved_columns_run_as_printed_and_give_the_plain_gradients(k, v, m):
+    """Batch 10 (micro-batches of unequal sizes). (2, 2, 5) and (2, 3, 7) have an odd micro-batch
+    group: their stages take each other's messages out of send order, so sends wait their turn."""
+    seq = _net(k * v)
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    expected = _reference_grads(seq, x, y)
+    checkpoint = ["always", "except_last", "never"][m % 3]
+    stages, counts = _micro_step(seq, k, v, m, x, y, checkpoint)
+    grid = interleaved_1f1b(k, min(m, 10), v)
+    assert in_send_order(grid) == ((k, v, m) not in {(2, 2, 5), (2, 3, 7)})
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        assert stage.virtual_stages == v
+        column = stage_actions(grid, j)
+        assert stage.timeline.actions == [f"{a.kind}{a.i}" for a in column], f"stage {j}\n{format_grid(grid)}"
+        assert counts[j][1] == _by_rank(top, messages(column, j, k, top.skips, virtual_stages=v))
+    for p, g in zip(seq.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("k", "v", "m"), [(2, 2, 4), (2, 2, 5), (3, 2, 3)])
+def test_evaluation_runs_every_virtual_stage_forward(k, v, m):
+    seq = _net(k * v)
+    x = torch.randn(7, 4)
+    stages = _stages(seq, k, v, m, "never", BlockingNetwork())
+    outputs = {}
+
+    def body(stage):
+        with torch.no_grad():
+            outputs[stage.topology.stage] = stage.run_step(stage, False, x)
+
+    _in_threads(stages, body)
+    assert all(outputs[j] is StageDone for j in range(k - 1))
+    with torch.no_grad():
+        torch.testing.assert_close(outputs[k - 1], seq(x), atol=1e-6, rtol=0)
