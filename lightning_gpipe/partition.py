@@ -189,6 +189,24 @@ def check_balance(
     return balance
 
 
+def check_skips_within_parts(sequential: nn.Sequential, balance: Sequence[int]) -> None:
+    """Raise :class:`PartitionError` for a skip connection between different parts (virtual stages).
+
+    Raises:
+        PartitionError: a :class:`~lightning_gpipe.skip.Stash` and its :class:`~lightning_gpipe.skip.Pop`
+            fall in different parts of ``balance``.
+    """
+    from lightning_gpipe.skip import routes
+
+    crossing = [r for r in routes(sequential, layer_parts(balance)) if r.source != r.target]
+    if crossing:
+        names = ", ".join(f"{r.name!r} (parts {r.source} -> {r.target})" for r in crossing)
+        raise PartitionError(
+            f"skip connections across parts are not supported with virtual stages ({names}; balance: "
+            f"{list(balance)}); choose a balance that keeps each Stash with its Pop, or virtual_stages=1"
+        )
+
+
 def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
     """``[start, stop)`` layer indices of every entry of ``balance`` (a stage; with virtual stages, a part)."""
     bounds, start = [], 0

@@ -106,6 +106,7 @@ __all__ = [
     "Transfer",
     "bubble_share",
     "check_schedule",
+    "check_virtual_stages",
     "fill_drain",
     "format_grid",
     "ideal_bubble",
@@ -411,6 +412,18 @@ runs more than one virtual stage per stage.
 
 ``"gpipe"`` (:func:`fill_drain`, the default) runs the user's ``training_step`` once per mini-batch;
 every other schedule runs it once per micro-batch (:mod:`lightning_gpipe.microstep`)."""
+
+
+def check_virtual_stages(name: str, virtual_stages: Any, stages: int = 2) -> int:
+    """Return ``virtual_stages`` if schedule ``name`` runs that many virtual stages per stage on ``stages`` stages.
+
+    Raises:
+        ValueError: not an integer >= 1, or the schedule cannot run it (only ``"interleaved_1f1b"``
+            runs more than one; it needs two or more stages).
+    """
+    _check_count("virtual_stages", virtual_stages)
+    SCHEDULES[name](stages, 1, virtual_stages)  # each schedule refuses what it cannot run
+    return int(virtual_stages)
 
 
 def check_schedule(name: Any) -> str:

@@ -53,7 +53,7 @@ from lightning_gpipe.materialize import check_nothing_meta, check_stage_only_bal
 from lightning_gpipe.microbatch import check_chunks
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.recompute import check_mode
-from lightning_gpipe.schedule import SCHEDULES, check_schedule
+from lightning_gpipe.schedule import SCHEDULES, check_schedule, check_virtual_stages
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageDone, build_stage
 from lightning_gpipe.start_state import start_stage
 from lightning_gpipe.state import sharded
@@ -94,7 +94,13 @@ class _GPipeStrategyLogic(_Base):
         schedule: ``"gpipe"`` (fill-drain, the default: ``training_step`` runs once on the whole
             batch) or ``"1f1b"`` (PipeDream-Flush: stage k holds at most K-k micro-batches'
             activations; ``training_step`` runs once per micro-batch, :mod:`lightning_gpipe.microstep`);
-            the names of :data:`lightning_gpipe.schedule.SCHEDULES`.
+            the names of :data:`lightning_gpipe.schedule.SCHEDULES`; or ``"interleaved_1f1b"``
+            (Megatron-LM's interleaved 1F1B, with ``virtual_stages``).
+        virtual_stages: virtual stages per stage v (default 1). With v > 1 (``schedule=
+            "interleaved_1f1b"``, K ≥ 2) the Sequential is cut into K·v parts and stage j holds parts
+            j, j+K, …, dividing the bubble by about v (:func:`lightning_gpipe.schedule.interleaved_1f1b`);
+            ``balance`` then gives (or balances) K·v parts in model order. Skip connections across
+            parts are refused.
         module_name: attribute path of the ``nn.Sequential`` to pipeline (e.g. ``"layers"``);
             ``None`` finds the only ``nn.Sequential`` holding every parameter.
         pipeline_parallel_size: stages per pipeline K; the world (``devices × num_nodes``) holds
@@ -172,13 +178,15 @@ class _GPipeStrategyLogic(_Base):
         start_method: str = "popen",
         weights_only: bool | None = None,
         schedule: str = "gpipe",
+        virtual_stages: int = 1,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.chunks = check_chunks(chunks) if chunks is not None else None
         self.checkpoint = check_mode(checkpoint)
         self.schedule = check_schedule(schedule)
         self._micro_steps = microstep.MicroSteps() if schedule != "gpipe" else None
-        self.balance = check_balance_spec(balance, pipeline_parallel_size)
+        self.virtual_stages = check_virtual_stages(self.schedule, virtual_stages)
+        self.balance = check_balance_spec(balance, pipeline_parallel_size, self.virtual_stages)
         self.pipeline_parallel_size = check_pipeline_parallel_size(pipeline_parallel_size)
         self.checkpoint_format = state.check_format(checkpoint_format)
         self.module_name = module_name
@@ -335,7 +343,12 @@ class _GPipeStrategyLogic(_Base):
             self._uncompiled += undone
             self._user_compile = user_compile
         microstep.check_model(model, self.schedule)
-        return partition.check_model(model, self.module_name, self.balance, self.layout.stages)
+        stages, v = self.layout.stages, self.virtual_stages
+        check_virtual_stages(self.schedule, v, stages)
+        name, seq, balance = partition.check_model(model, self.module_name, self.balance, stages, v)
+        if v > 1:
+            partition.check_skips_within_parts(seq, balance)
+        return name, seq, balance
 
     def _partition(self) -> None:
         """Cut the user's Sequential and put this rank's :class:`PipelineStage` in its place."""
@@ -345,11 +358,11 @@ class _GPipeStrategyLogic(_Base):
         if self._stage_only:
             check_stage_only_balance(self.balance)
         balance = choose_balance(
-            self.balance, model, seq, balance, stages=self.layout.stages, chunks=self.chunks_used,
+            self.balance, model, seq, balance, stages=len(balance), chunks=self.chunks_used,
             device=self.root_device, rank=self.global_rank, broadcast=self.broadcast,
             to_device=self.batch_to_device, optimizer_state_factor=self.optimizer_state_factor,
         )  # fmt: skip
-        partition.check_tied_parameters(seq, balance)
+        partition.check_tied_parameters(seq, balance, self.layout.stages)
         start_stage(
             model, name, seq, balance, self.layout, self.global_rank, self.root_device, self._stage_only
         )
@@ -358,7 +371,7 @@ class _GPipeStrategyLogic(_Base):
             SCHEDULES[self.schedule],
         )  # fmt: skip
         self._installed = partition.install(model, name, stage, deferred_batch_norm=self.deferred_batch_norm)
-        self.tied = tied.find_tied(seq, balance)
+        self.tied = tied.find_tied(seq, balance, self.layout.stages)
         stage_compile = partition.stage_compiler(self.compile, self._user_compile)
         if stage_compile is not None:
             stage.compile(stage_compile)
@@ -426,7 +439,8 @@ class _GPipeStrategyLogic(_Base):
     def _cut_copy(self, seq: nn.Sequential) -> nn.Module:
         """This stage's part of a copy of the pipelined Sequential (a callback's copy of the module)."""
         assert self.balance_used is not None
-        return nn.Sequential(OrderedDict(partition.cut(seq, self.balance_used, self.stage_index)))
+        layers = partition.cut(seq, self.balance_used, self.stage_index, self.layout.stages)
+        return nn.Sequential(OrderedDict(layers))
 
     def whole_model(self) -> contextlib.AbstractContextManager[None]:
         """The module holds its whole Sequential (every stage's layers; other stages' weights are not
@@ -628,7 +642,7 @@ class _GPipeStrategyLogic(_Base):
     ) -> None:
         """Write the checkpoint (``checkpoint_format``), recording the pipeline under ``checkpoint["gpipe"]``."""
         record = {"balance": self.balance_used, "balance_by": self.balance, "chunks": self.chunks_used}
-        checkpoint["gpipe"] = {**record, "stages": self.layout.stages}
+        checkpoint["gpipe"] = {**record, "stages": self.layout.stages, "virtual_stages": self.virtual_stages}
         if self.checkpoint_format == "sharded" and _compat.distributed_is_initialized():
             return sharded.save_sharded(checkpoint, filepath, self._module, self._torch_optimizers)
         super().save_checkpoint(checkpoint, filepath, storage_options)
