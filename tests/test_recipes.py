@@ -310,3 +310,21 @@ def test_slurm_launcher_asks_for_one_task_per_process_of_the_job(trainer, gpus):
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 2, gpus)
     local = _compose("hydra/launcher=gpipe_local", hydra=True).hydra.launcher
     assert local._target_.endswith("LocalLauncher") and (local.nodes, local.tasks_per_node) == (1, 2)
+
+
+def test_schedule_and_virtual_stages_come_from_the_pipeline_config():
+    cfg = _compose(
+        "pipeline.schedule=interleaved_1f1b", "pipeline.virtual_stages=2", "pipeline.balance=[2,1,1,1]"
+    )
+    strategy = build_strategy(cfg.pipeline)
+    assert (strategy.schedule, strategy.virtual_stages, strategy.balance) == (
+        "interleaved_1f1b",
+        2,
+        [2, 1, 1, 1],
+    )
+    default = build_strategy(_compose().pipeline)
+    assert (default.schedule, default.virtual_stages) == ("gpipe", 1)
+    with pytest.raises(
+        ValueError, match=r"gpipe schedule runs one virtual stage per stage \(virtual_stages: 2\)"
+    ):
+        build_strategy(_compose("pipeline.virtual_stages=2").pipeline)

@@ -203,3 +203,29 @@ def test_stage_only_materialization_seeds_each_layer_by_its_index_in_the_sequent
     for index in (0, 4):
         torch.testing.assert_close(meta[index].weight, whole[index].weight, rtol=0, atol=0)
     assert meta[2].weight.is_meta and meta[6].weight.is_meta  # stage 1's parts stay on the meta device
+
+
+def test_the_strategy_refuses_virtual_stages_it_cannot_run_before_processes_start():
+    from lightning_gpipe import GPipeStrategy
+    from lightning_gpipe.partition import check_skips_within_parts
+    from lightning_gpipe.schedule import check_virtual_stages
+    from lightning_gpipe.skip import Pop, Stash
+
+    assert GPipeStrategy(schedule="interleaved_1f1b", virtual_stages=2).virtual_stages == 2
+    for schedule in ("gpipe", "1f1b"):
+        with pytest.raises(ValueError, match=rf"the {schedule} schedule runs one virtual stage per stage"):
+            GPipeStrategy(schedule=schedule, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"virtual_stages must be an integer >= 1 \(virtual_stages: 0\)"):
+        GPipeStrategy(schedule="interleaved_1f1b", virtual_stages=0)
+    with pytest.raises(
+        ValueError, match=r"balance has 2 entries but the pipeline has 2 stages × 2 virtual stages"
+    ):
+        GPipeStrategy(schedule="interleaved_1f1b", virtual_stages=2, balance=[3, 2], pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match=r"two or more pipeline stages \(stages: 1, virtual_stages: 2\)"):
+        check_virtual_stages("interleaved_1f1b", 2, stages=1)
+    skips = nn.Sequential(Stash("a", nn.Linear(6, 6)), nn.Tanh(), Pop("a"), nn.Linear(6, 6))
+    check_skips_within_parts(skips, [3, 1])  # the pair in part 0
+    with pytest.raises(
+        PartitionError, match=r"skip connections across parts are not supported with virtual stages"
+    ):
+        check_skips_within_parts(skips, [1, 1, 1, 1])
