@@ -324,7 +324,5 @@ def test_schedule_and_virtual_stages_come_from_the_pipeline_config():
     )
     default = build_strategy(_compose().pipeline)
     assert (default.schedule, default.virtual_stages) == ("gpipe", 1)
-    with pytest.raises(
-        ValueError, match=r"gpipe schedule runs one virtual stage per stage \(virtual_stages: 2\)"
-    ):
+    with pytest.raises(InstantiationException, match=r"gpipe schedule runs one virtual stage per stage"):
         build_strategy(_compose("pipeline.virtual_stages=2").pipeline)
