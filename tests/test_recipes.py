@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 from hydra import compose, initialize_config_dir
+from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import OmegaConf
 
