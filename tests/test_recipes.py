@@ -382,8 +382,8 @@ def test_gpt2_recipe_goes_below_the_unigram_entropy_and_maps_back(tmp_path):
 
 
 @needs_transformers
-@pytest.mark.slow  # about a minute each on 2 loaded cores
-@pytest.mark.timeout(200)
+@pytest.mark.slow  # about a minute each on 2 busy cores
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("model", ["llama", "resnet", "vit"])
 def test_transformers_recipe_trains_over_two_stages_and_maps_back(model, tmp_path):
     from recipes.models.hf import hf_from_checkpoint, hf_sequential
@@ -394,15 +394,15 @@ def test_transformers_recipe_trains_over_two_stages_and_maps_back(model, tmp_pat
             f"model={model}",
             *_hf_data(model, tmp_path),
             *FAST,
-            "trainer.max_steps=24",
-            "trainer.val_check_interval=12",
+            "trainer.max_steps=48",
+            "trainer.val_check_interval=24",
             f"hydra.run.dir={tmp_path / 'run'}",
-            timeout=180,
+            timeout=220,
         )
     )
     assert "[train] 2 stages, 4 chunks:" in out, out[-3000:]
     losses = _train_losses(tmp_path / "run")
-    assert len(losses) >= 20 and sum(losses[-4:]) < sum(losses[:4]), losses
+    assert len(losses) >= 40 and sum(losses[-8:]) < sum(losses[:8]), losses  # noisy per step
     ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
     hf = hf_from_checkpoint(ckpt)  # strict=True inside
     saved = torch.load(ckpt, weights_only=True)["state_dict"]
