@@ -234,7 +234,7 @@ class HFLanguageModel(NextTokenSteps):
         super().__init__()
         _check_choice("scheduler", scheduler, ("cosine", "none"))
         self.save_hyperparameters()
-        hf = build_hf(hf_class, config or {})
+        hf: Any = build_hf(hf_class, config or {})  # a transformers PreTrainedModel
         self.__dict__["hf"] = hf  # not a submodule: every parameter lives in self.layers
         self.layers = causal_lm(hf)
         self._add_metrics()
@@ -390,7 +390,7 @@ class HFImageClassifier(ClassifierSteps):
         _check_choice("optimizer", optimizer, ("sgd", "adamw"))
         _check_choice("scheduler", scheduler, ("cosine", "none"))
         self.save_hyperparameters()
-        hf = build_hf(hf_class, config or {})
+        hf: Any = build_hf(hf_class, config or {})  # a transformers PreTrainedModel
         self.__dict__["hf"] = hf  # not a submodule: every parameter lives in self.layers
         self.layers = image_classifier(hf)
         self._add_metrics(int(hf.config.num_labels))

@@ -2,6 +2,7 @@
 
     python recipes/train.py                                 # Transformer LM, stdlib bytes, 2 stages, CPU
     python recipes/train.py model=amoebanet data=digits     # AmoebaNet-D on scikit-learn digits
+    python recipes/train.py model=gpt2 pipeline.chunks=8    # transformers GPT-2 (also llama, resnet, vit)
     python recipes/train.py pipeline.chunks=32 pipeline.checkpoint=always
     python recipes/train.py -m pipeline.chunks=1,4,8        # a sweep: one job of 2 processes per value
 
