@@ -41,6 +41,16 @@ backward whose forward has not run yet (whether its gradient flows is known only
 past the step's loss under one call per step (the loss message comes first). Which micro-batches recompute their forward is
 :mod:`lightning_gpipe.recompute`'s rule; the recompute runs on the module state its forward saw
 and changes nothing (:mod:`lightning_gpipe.effects`).
+
+Virtual stages (``schedule="interleaved_1f1b"``, :func:`~lightning_gpipe.schedule.interleaved_1f1b`):
+the stage holds parts ``j, j+K, …`` of the Sequential (:attr:`PipelineStage.virtual_layers`), an
+action runs its virtual stage's layers, and what the forward keeps is kept per (micro-batch,
+virtual stage). The part that takes the user's input (stage 0's virtual stage 0) and the part whose
+output a call returns (the last stage's last virtual stage) wait for their call; the last stage's
+other forwards run ahead of the calls. Where the grid's stages take a peer's messages in another
+order than the peer's column sends them (:func:`~lightning_gpipe.schedule.in_send_order`), each
+send waits until the messages the peer takes before it have gone, so a peer's messages always
+arrive in the order they are taken.
 """
 
 from __future__ import annotations
