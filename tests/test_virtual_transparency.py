@@ -4,10 +4,11 @@ Every multi-process job runs under a hard timeout (tests/_harness.py kills the w
 """
 
 import pytest
+import torch
 
 from lightning_gpipe.microbatch import sizes
 from tests.conftest import max_diff
-from tests.models import train_single_device
+from tests.models import Net, train_single_device
 
 # K = 2, v = 2: the 5-layer MLP in 4 parts; every checkpoint mode; M = 3 has one micro-batch group of
 # 3 (its stages exchange messages out of send order) and M = 1 fewer micro-batches than stages
@@ -50,3 +51,50 @@ def test_interleaved_1f1b_with_two_virtual_stages_matches_single_device(gpipe_jo
             assert diff <= 1e-5, f"{where}: logged train_loss differs by {diff}"
         param_diff = max_diff(result["state"], ref_state)
         assert param_diff <= 1e-5, f"{where}: parameters differ by {param_diff}"
+
+
+@pytest.mark.timeout(400)
+def test_checkpoint_saved_with_virtual_stages_loads_into_the_plain_module_and_another_layout(
+    gpipe_job, tmp_path
+):
+    """Save after 2 steps with K=2, v=2 (4 parts); the file is a standard checkpoint in the user's names:
+    it loads strictly into the plain module, equals one device's, and resumes to step 5 under K=3
+    without virtual stages, and on one device, like one device's own checkpoint."""
+    gpipe_job(
+        "mlp",
+        2,
+        [{"chunks": 3, "schedule": "interleaved_1f1b", "virtual_stages": 2}],
+        steps=2,
+        save="virtual.ckpt",
+        trainer={"max_epochs": 3},
+    )
+    ckpt = torch.load(tmp_path / "virtual.ckpt", weights_only=False)
+    assert (ckpt["gpipe"]["stages"], ckpt["gpipe"]["virtual_stages"], len(ckpt["gpipe"]["balance"])) == (
+        2,
+        2,
+        4,
+    )
+    Net("mlp").load_state_dict(ckpt["state_dict"], strict=True)
+    _, trainer = train_single_device("mlp", 0, steps=2, return_trainer=True, trainer_extra={"max_epochs": 3})
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    one = torch.load(tmp_path / "one.ckpt", weights_only=False)
+    assert list(ckpt["state_dict"]) == list(one["state_dict"])
+    assert max_diff(ckpt["state_dict"], one["state_dict"]) <= 1e-5
+    resumed = train_single_device(
+        "mlp", 0, steps=5, ckpt_path=str(tmp_path / "one.ckpt"), trainer_extra={"max_epochs": 3}
+    )
+    results, _ = gpipe_job(
+        "mlp",
+        3,
+        [{"chunks": 2}],
+        steps=2,
+        fit=False,
+        resume={"ckpt": str(tmp_path / "virtual.ckpt"), "steps": 5},
+        trainer={"max_epochs": 3},
+    )
+    assert max(abs(a - b) for a, b in zip(results[0]["resumed_losses"], resumed.losses)) <= 1e-5
+    assert max_diff(results[0]["state"], resumed.state_dict()) <= 1e-5
+    cross = train_single_device(
+        "mlp", 0, steps=5, ckpt_path=str(tmp_path / "virtual.ckpt"), trainer_extra={"max_epochs": 3}
+    )
+    assert max_diff(cross.state_dict(), resumed.state_dict()) <= 1e-5
