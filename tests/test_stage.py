@@ -364,16 +364,19 @@ def test_a_micro_step_that_never_calls_the_sequential_names_where_the_column_sto
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_every_rank_of_a_run_executes_exactly_its_fill_drain_column(tmp_path, k):
-    """K processes over torch.distributed, M in {1, 3, 4}: the recorded actions are the schedule's."""
+def test_every_rank_of_a_run_executes_exactly_its_column(tmp_path, k):
+    """K processes over torch.distributed, M in {1, 3, 4}, fill-drain with one call per step and 1F1B
+    with one call per micro-batch: the recorded actions are the schedule's."""
     for result in run_ranks("tests/workers/schedule_run.py", k, str(tmp_path), "1", "3", "4", timeout=240):
         check(result)
     for rank in range(k):
         recorded = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert sorted(map(int, recorded)) == [1, 3, 4]
-        for m, run in recorded.items():
-            expected = [str(a) for a in stage_actions(fill_drain(k, int(m)), run["stage"])]
-            assert run["actions"] == expected, f"K={k}, M={m}, stage {run['stage']}"
+        assert sorted(recorded) == sorted(f"{name}:{m}" for name in ("gpipe", "1f1b") for m in (1, 3, 4))
+        for key, run in recorded.items():
+            name, m = key.split(":")
+            grid = (fill_drain if name == "gpipe" else one_f_one_b)(k, int(m))
+            expected = [str(a) for a in stage_actions(grid, run["stage"])]
+            assert run["actions"] == expected, f"{name}: K={k}, M={m}, stage {run['stage']}"
 
 
 def test_an_error_in_a_stages_layers_names_the_stage_the_micro_batch_and_the_shapes():
