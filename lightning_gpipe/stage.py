@@ -574,7 +574,9 @@ class PipelineStage(nn.Sequential):
     def _leaf_grads(self, run: _Run, i: int) -> tuple[Tensor, ...]:
         """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's leaves."""
         if i not in run.leaf_grads:
-            covered, sizes, leaves = next(c for c in run.calls if i in c[0])
+            call = next(c for c in run.calls if i in c[0])
+            run.calls.remove(call)  # the leaves are not needed again: their gradients are split here
+            covered, sizes, leaves = call
             parts = [
                 (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).split(sizes)
                 for leaf in leaves

@@ -111,16 +111,20 @@ class FakeP2P:
 
 
 class Recorder:
-    """Stands in for the timeline: keeps the forward and backward spans, in order."""
+    """Stands in for the timeline: keeps the forward and backward spans, in order, and (given the
+    stage) the most micro-batches whose outputs the stage held at once."""
 
-    def __init__(self):
-        self.actions = []
+    def __init__(self, stage=None):
+        self.actions, self.stage, self.peak_held = [], stage, 0
 
     @contextmanager
     def span(self, kind, i):
         if kind in ("forward", "backward"):
             self.actions.append(f"{kind[0].upper()}{i}")
         yield
+        run = self.stage._run if self.stage is not None else None
+        if run is not None:
+            self.peak_held = max(self.peak_held, sum(1 for out in run.outputs.values() if out))
 
 
 def _step(seq, balance, chunks, x, y, checkpoint="except_last"):
@@ -255,7 +259,7 @@ def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last"):
         stage = build_stage(
             seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"), schedule=schedule
         )
-        stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder()
+        stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder(stage)
         stages.append(stage)
     counts, errors = {}, []
 
@@ -307,6 +311,7 @@ def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, 
         column = stage_actions(grid, j)
         assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
         assert counts[j][1] == _by_rank(top, messages(column, j, k, top.skips))
+        assert stage.timeline.peak_held == min(k - j, m), f"stage {j} held too many micro-batches"
         assert counts[j][0] == counts[j][1] - (
             Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
         )
