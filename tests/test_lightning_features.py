@@ -20,22 +20,28 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
     results, _ = gpipe_job(
         "mlp",
         4,
-        [{"chunks": 2, "pipeline_parallel_size": 2}],
+        [
+            {"chunks": 2, "pipeline_parallel_size": 2},
+            {"chunks": 2, "pipeline_parallel_size": 2, "schedule": "1f1b"},
+        ],
         steps=5,
         batch=5,
         samples=50,
         net={"indexed": True, "sync_dist": True},
     )
-    r = results[0]
-    ranks = r["ranks"]  # replica 0: ranks 0 (last stage), 1 (first); replica 1: ranks 2, 3
-    assert len(ranks[0]["indices"]) == 5
-    assert ranks[0]["indices"] == ranks[1]["indices"] and ranks[2]["indices"] == ranks[3]["indices"]
-    for a, b in zip(ranks[0]["indices"], ranks[2]["indices"]):
-        assert not set(a) & set(b)
-    order = [a + b for a, b in zip(ranks[0]["indices"], ranks[2]["indices"])]
-    reference = train_single_device("mlp", 0, steps=5, batch=10, data={"order": order})
-    assert max(abs(a - b) for a, b in zip(r["synced_losses"], reference.losses)) <= 1e-5
-    assert max_diff(r["state"], reference.state_dict()) <= 1e-5
+    for r, calls in zip(
+        results, (1, 2)
+    ):  # schedule="1f1b": training_step once per micro-batch (3 + 2 samples)
+        ranks = r["ranks"]  # replica 0: ranks 0 (last stage), 1 (first); replica 1: ranks 2, 3
+        seen = [[sum(rank["indices"][s * calls : (s + 1) * calls], []) for s in range(5)] for rank in ranks]
+        assert len(seen[0]) == 5 and all(len(step) == 5 for step in seen[0])
+        assert seen[0] == seen[1] and seen[2] == seen[3]
+        for a, b in zip(seen[0], seen[2]):
+            assert not set(a) & set(b)
+        order = [a + b for a, b in zip(seen[0], seen[2])]
+        reference = train_single_device("mlp", 0, steps=5, batch=10, data={"order": order})
+        assert max(abs(a - b) for a, b in zip(r["synced_losses"], reference.losses)) <= 1e-5
+        assert max_diff(r["state"], reference.state_dict()) <= 1e-5
 
 
 @pytest.mark.timeout(300)
