@@ -4,6 +4,7 @@
     python recipes/train.py model=amoebanet data=digits     # AmoebaNet-D on scikit-learn digits
     python recipes/train.py pipeline.chunks=32 pipeline.checkpoint=always
     python recipes/train.py -m pipeline.chunks=1,4,8        # a sweep: one job of 2 processes per value
+    python recipes/train.py -m pipeline.schedule=gpipe,1f1b # fill-drain, then 1F1B (training_step per micro-batch)
 
 Every process of a job runs this script (Lightning's launcher starts ranks 1.. with the job's
 own overrides, see :mod:`lightning_gpipe.launcher`; ``torchrun``, ``srun`` or submitit start every
