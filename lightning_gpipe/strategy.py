@@ -54,7 +54,8 @@ from lightning_gpipe.pipelined import Pipelined
 from lightning_gpipe.recompute import check_mode
 from lightning_gpipe.stage import PipelineStage, StageDone, build_stage
 from lightning_gpipe.state import sharded
-from lightning_gpipe.timeline import Timeline, publish
+from lightning_gpipe.timeline import Timeline
+from lightning_gpipe.trace import publish
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning strategy it becomes
     _Base = ParallelStrategy
