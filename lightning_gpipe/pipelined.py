@@ -16,9 +16,10 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -178,6 +179,18 @@ class Pipelined:
             f"{self.name or '?'!r} (a wrapper or a reference to it kept from before fit) and would train "
             "wrongly; call the Sequential itself (it may be torch.compile-d: the strategy compiles each stage)"
         )
+
+    @contextlib.contextmanager
+    def configuring(self, device: torch.device) -> Iterator[None]:
+        """Inside: ``configure_optimizers`` runs over the stage: an empty parameter if none is trainable
+        (:func:`.partition.add_placeholder_parameter`), other stages' layers empty (``PipelineStage.__getitem__``)."""
+        assert self.stage is not None
+        partition.add_placeholder_parameter(self.stage, device)
+        self.stage.configuring = True
+        try:
+            yield
+        finally:
+            self.stage.configuring = False
 
     @property
     def plain_names(self) -> list[str] | None:

@@ -6,18 +6,18 @@ loss message; ``backward`` runs the user's loss backward on the last stage and t
 drain on every stage; ``optimizer_step`` steps each stage's own optimizer on its own parameters.
 Where the rest lives: rank layout (:mod:`~lightning_gpipe.layout`), process groups
 (:mod:`~lightning_gpipe.groups`, bounded by :mod:`~lightning_gpipe.arrival`), the balance
-(:mod:`~lightning_gpipe.balance.choose`), cutting and installing the stage
-(:mod:`~lightning_gpipe.partition`), its starting weights (:mod:`~lightning_gpipe.start_state`,
-:mod:`~lightning_gpipe.materialize`), saved state (:mod:`~lightning_gpipe.state`) and reading it
-(:mod:`~lightning_gpipe.loading`), metrics (:mod:`~lightning_gpipe.metrics`), the launcher
-(:mod:`~lightning_gpipe.launcher`).
+(:mod:`~lightning_gpipe.balance.choose`), the stage's life in the module from setup to teardown
+(:mod:`~lightning_gpipe.pipelined`, cutting in :mod:`~lightning_gpipe.partition`), its starting
+weights (:mod:`~lightning_gpipe.start_state`, :mod:`~lightning_gpipe.materialize`), gradients
+(:mod:`~lightning_gpipe.gradients`), the checkpoint hooks (:mod:`~lightning_gpipe.state.hooks`),
+metrics (:mod:`~lightning_gpipe.metrics`), the timeline (:mod:`~lightning_gpipe.timeline`,
+:mod:`~lightning_gpipe.trace`), the launcher (:mod:`~lightning_gpipe.launcher`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Generator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -37,14 +37,14 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe import _compat, groups, loading, metrics, partition, precision, state, tied
+from lightning_gpipe import _compat, groups, loading, metrics, partition, precision, state
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, check_collective_timeout, watch_signals
 from lightning_gpipe.balance.choose import check_balance_spec, choose_balance
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.callbacks import adapt_callbacks, restore_callbacks
 from lightning_gpipe.failure import report_and_abort
-from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
+from lightning_gpipe.gradients import clip_optimizer_gradients, synchronize_gradients
 from lightning_gpipe.launcher import check_start_method, new_launcher
 from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
 from lightning_gpipe.loading import UnsafeCheckpointError
@@ -53,7 +53,7 @@ from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.pipelined import Pipelined
 from lightning_gpipe.recompute import check_mode
 from lightning_gpipe.stage import PipelineStage, StageDone, build_stage
-from lightning_gpipe.state import sharded
+from lightning_gpipe.state.hooks import SavedState
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.trace import publish
 
@@ -189,7 +189,7 @@ class _GPipeStrategyLogic(_Base):
         self._failed = False
         self.compile = partition.check_compile(compile)
         self.start_method = check_start_method(start_method)
-        self._lazy_checkpoint: loading.LazyCheckpoint | None = None  # the full checkpoint being restored
+        self._saved = SavedState(self._pipelined)  # the checkpoint hooks' work, the file being restored
 
     @property
     def accelerator(self) -> Any:
@@ -368,12 +368,8 @@ class _GPipeStrategyLogic(_Base):
         )  # fmt: skip
 
     def _setup_optimizers(self, trainer: pl.Trainer) -> None:
-        partition.add_placeholder_parameter(self._pipe, self.root_device)  # if none is trainable
-        self._pipe.configuring = True  # layers of other stages are empty there (PipelineStage.__getitem__)
-        try:
+        with self._pipelined.configuring(self.root_device):  # over this stage's parameters only
             self.setup_optimizers(trainer)
-        finally:
-            self._pipe.configuring = False
         if len(self.optimizers) > 1:
             raise ValueError(
                 f"configure_optimizers returned {len(self.optimizers)} optimizers; the gpipe strategy runs one "
@@ -383,17 +379,13 @@ class _GPipeStrategyLogic(_Base):
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
         assert self._groups is not None
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        counted = tied.norm_parameters(
-            params, self._pipelined.tied_groups, self.stage_index
-        )  # a tied parameter once
-        self.last_grad_norm = clip_grad_norm_(
-            params,
-            float(clip_val),
-            self.gradient_clip_norm_type,
+        group, tied_groups, norm_type = (
             self._groups.pipeline,
-            self.root_device,
-            counted,
+            self._pipelined.tied_groups,
+            self.gradient_clip_norm_type,
+        )
+        self.last_grad_norm = clip_optimizer_gradients(
+            optimizer, clip_val, norm_type, group, self.root_device, tied_groups, self.stage_index
         )
 
     @override
@@ -475,12 +467,10 @@ class _GPipeStrategyLogic(_Base):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._pipe.backward()
-        tied_groups = self._pipelined.tied_groups
-        if tied_groups is not None and not self._accumulating():  # once per optimizer step
-            tied.sum_tied_gradients(tied_groups)  # before clipping and the step
-        if self.layout.replicas > 1 and not self._accumulating():
+        if not self._accumulating():  # once per optimizer step, before clipping and the step
             assert self._groups is not None
-            allreduce_gradients(self._pipe.parameters(), self._groups.data, self.layout.replicas)
+            params, tied_groups = self._pipe.parameters(), self._pipelined.tied_groups
+            synchronize_gradients(params, tied_groups, self._groups.data, self.layout.replicas)
         if self._timeline is not None:
             self._timeline.end_step()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
@@ -508,13 +498,9 @@ class _GPipeStrategyLogic(_Base):
 
     def share_last_stage_metrics(self, trainer: pl.Trainer) -> None:
         """Give every stage of each pipeline its last stage's ``trainer.callback_metrics``."""
-        layout = self.layout
-        if layout.stages == 1 or self._groups is None or not _compat.distributed_is_initialized():
-            return
-        replica = layout.replica_of(self.global_rank)
-        src = layout.rank(replica, layout.stages - 1)
-        self._arrive(f"sharing epoch metrics over pipeline {replica}", layout.pipeline_ranks(replica))
-        metrics.share_last_stage_metrics(trainer, src, self._groups.pipeline, self.root_device)
+        if self._groups is not None:
+            group, layout, rank = self._groups.pipeline, self.layout, self.global_rank
+            metrics.share_over_pipeline(trainer, layout, rank, group, self.root_device, self._arrive)
 
     @override
     def reduce(
@@ -539,7 +525,7 @@ class _GPipeStrategyLogic(_Base):
         groups.arrive_all("broadcast", self.collective_timeout)
         return groups.broadcast_object(obj, src)
 
-    # -- checkpoints (lightning_gpipe.state) -----------------------------------------------------
+    # -- checkpoints (lightning_gpipe.state.hooks) ------------------------------------------------
 
     @property
     @override
@@ -554,84 +540,49 @@ class _GPipeStrategyLogic(_Base):
         """Write the checkpoint (``checkpoint_format``), recording the pipeline under ``checkpoint["gpipe"]``."""
         record = {"balance": self.balance_used, "balance_by": self.balance, "chunks": self.chunks_used}
         checkpoint["gpipe"] = {**record, "stages": self.layout.stages}
-        if self.checkpoint_format == "sharded" and _compat.distributed_is_initialized():
-            return sharded.save_sharded(checkpoint, filepath, self._module, self._torch_optimizers)
+        if self.checkpoint_format == "sharded":
+            if self._saved.save_sharded(checkpoint, filepath, self._module, self._torch_optimizers):
+                return
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read this rank's part of a checkpoint, with torch's safe unpickler unless ``weights_only=False``.
-
-        ``weights_only`` (or, when ``None``, the strategy's ``weights_only``) decides how every
-        file is unpickled, the sharded checkpoint's metadata included. A full checkpoint file is
-        read stage by stage (:func:`lightning_gpipe.loading.stage_part`): the other stages'
-        tensors are never read, this stage's are read when loaded.
+        """This rank's part of a checkpoint (:meth:`.SavedState.load`), unpickled safely unless
+        ``weights_only=False`` (``None``: the strategy's ``weights_only``).
 
         Raises:
             UnsafeCheckpointError: the safe unpickler refuses the file (the message names it
                 and the opt-in).
         """
         weights_only = self.weights_only if weights_only is None else weights_only
-        if sharded.is_sharded(checkpoint_path):
-            return sharded.load_sharded(checkpoint_path, self._module, self._torch_optimizers, weights_only)
-        if not os.path.isfile(
-            checkpoint_path
-        ):  # a remote path: the CheckpointIO reads it, safely unless opted out
-            return super().load_checkpoint(checkpoint_path, weights_only=loading.safe(weights_only))
-        self._lazy_checkpoint = loading.LazyCheckpoint(checkpoint_path, weights_only)
-        owners = self._pipelined.owners()  # tied copies' states
-        return loading.stage_part(
-            self._lazy_checkpoint, self.lightning_module, self._pipelined.plain_names, owners
-        )
+        module, optimizers = self.lightning_module, self._torch_optimizers
+        return self._saved.load(checkpoint_path, weights_only, module, optimizers, super().load_checkpoint)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
-        pipelined = self._pipelined
-        return state.module_state_dict(
-            self._module,
-            pipelined.stage,
-            pipelined.name,
-            self.layout,
-            self.global_rank,
-            self._arrive,
-            pipelined.tied,
-        )
+        return self._saved.model_state(self._module, self.layout, self.global_rank, self._arrive)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """On rank 0: one optimizer ``state_dict`` over the whole model (:func:`.state.merged_optimizer_state`)."""
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
-        optimizer = _compat.unwrap_optimizer(optimizer)
-        if _compat.distributed_is_initialized() and self.layout.world_size > 1:
-            self._arrive("gathering optimizer states (save_checkpoint)")
-        order, aliases = self._pipelined.plain_names, self._pipelined.tied_aliases()
-        return state.merged_optimizer_state(
-            optimizer, self._module, self.layout, self.global_rank, order, aliases
+        return self._saved.optimizer_state(
+            optimizer, self._module, self.layout, self.global_rank, self._arrive
         )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name)."""
-        states = checkpoint["optimizer_states"]
-        if checkpoint.get(sharded.SHARDED_KEY):
-            return sharded.set_sharded_optimizer_states(self._module, self._torch_optimizers, states)
-        plain, lazy = self._pipelined.plain_names, self._lazy_checkpoint
-        state.load_optimizer_states(
-            self._module, self._torch_optimizers, states, plain, self.root_device,
-            tied_aliases=self._pipelined.tied_aliases(), read=lazy.materialize if lazy is not None else None,
-        )  # fmt: skip
+        self._saved.load_optimizer_states(checkpoint, self._module, self._torch_optimizers, self.root_device)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Load a full checkpoint into the full or the partitioned module (keeping this stage's keys)."""
-        partitioned = self._pipelined.stage is not None
-        loading.load_model_state(
-            self._module, checkpoint["state_dict"], strict, self._lazy_checkpoint, partitioned
-        )
+        self._saved.load_model_state(self._module, checkpoint, strict)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -662,7 +613,7 @@ class _GPipeStrategyLogic(_Base):
             restore_callbacks(module.trainer)
         metrics.remove_metric_sharing(self.lightning_module, self._metric_sharing)
         self._metric_sharing = None
-        self._lazy_checkpoint = None
+        self._saved.lazy = None
         if self._pipelined.stage_only:
             # Lightning moves the module to the CPU: first the stage alone, not the other stages' meta layers
             super().teardown()
