@@ -468,9 +468,10 @@ class _GPipeStrategyLogic(_Base):
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._pipe.backward()
         if not self._accumulating():  # once per optimizer step, before clipping and the step
-            assert self._groups is not None
-            params, tied_groups = self._pipe.parameters(), self._pipelined.tied_groups
-            synchronize_gradients(params, tied_groups, self._groups.data, self.layout.replicas)
+            data = self._groups.data if self._groups is not None else None
+            synchronize_gradients(
+                self._pipe.parameters(), self._pipelined.tied_groups, data, self.layout.replicas
+            )
         if self._timeline is not None:
             self._timeline.end_step()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
