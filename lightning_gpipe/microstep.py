@@ -147,7 +147,7 @@ class MicroSteps:
         for p in params:
             p.grad = None
         log = _LogRecorder(module)
-        outs, losses = [], []
+        outs, losses, uncalled = [], [], None
         stage.start_micro_steps(len(micro))
         try:
             with log:
@@ -155,9 +155,9 @@ class MicroSteps:
                     log.micro_batch = i
                     out = stage.run_step(step, True, part, *rest, **kwargs)
                     if not stage.ran_forward:
-                        if i == 0:
-                            stage.end_micro_steps()
-                            return out
+                        if i == 0:  # a step without the pipeline: the strategy decides as under "gpipe"
+                            uncalled = (out,)
+                            break
                         raise PipelineUsageError(
                             f"training_step did not call the pipelined nn.Sequential for micro-batch {i} but did "
                             "for micro-batch 0; under a per-micro-batch schedule every call must call it once"
@@ -184,6 +184,8 @@ class MicroSteps:
             for p, g in aside:
                 p.grad = g
         log.replay(parts)
+        if uncalled is not None:
+            return uncalled[0]
         if not stage.topology.is_last:
             return StageDone
         combined = torch.stack([loss.double() * (n / total) for n, loss in zip(parts, losses)]).sum()

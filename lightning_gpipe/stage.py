@@ -19,28 +19,31 @@ Two contracts drive the cursor:
   (:meth:`PipelineStage.loss_backpropagated`); the other stages' backwards wait only for their
   gradients, so a 1F1B column interleaves forwards and backwards inside the calls.
 
-The forward of a call: the first stage splits the mini-batch into micro-batches (one call per
-step) or takes the call's micro-batch, the others learn M from the first message's header; then
-each runnable action runs. ``F i``: receive micro-batch ``i`` (and its skips), compute it
-(recomputable under ``torch.utils.checkpoint``), send it on. The last stage returns the call's
-output, its micro-batches concatenated, as leaves detached from the pipeline's graph so that the
-user's loss backpropagates only to them; the other stages raise :class:`StageDone` to leave the
-user's step.
+In order, within a step:
+
+- the forward of a call: the first stage splits the mini-batch into micro-batches (one call
+  per step) or takes the call's micro-batch, the others learn M from the first message's
+  header; then each runnable action runs. ``F i``: receive micro-batch ``i`` (and its skips),
+  compute it (recomputable under ``torch.utils.checkpoint``), send it on. The last stage returns
+  the call's output, its micro-batches concatenated, as leaves detached from the pipeline's
+  graph so that the user's loss backpropagates only to them; the other stages raise
+  :class:`StageDone` to leave the user's step.
+- ``B i``: receive the output's gradient (on the last stage: split the leaves' gradients),
+  backpropagate, send the input's gradient.
 - the step outcome (after the user's step, :meth:`PipelineStage.share_outcome`,
   :mod:`lightning_gpipe.outcome`): the last stage tells the others whether the step has a loss,
   so that Lightning calls ``backward`` on every stage or on none, with
-  ``trainer.callback_metrics`` and ``should_stop``.
-- ``B i`` (one call per step: when Lightning calls ``backward``): receive the output's gradient
-  (on the last stage: split the leaves' gradients), backpropagate, send the input's gradient.
+  ``trainer.callback_metrics`` and ``should_stop``. One call per step: it comes between the
+  forward and the backward phase; one call per micro-batch: after every action.
 
 Every receive and send is one that :func:`~lightning_gpipe.schedule.receives` and
 :func:`~lightning_gpipe.schedule.sends` name for the action. Before running a stretch of its
 column the stage announces to the transport the messages that stretch will receive, counted
 from its actions (:func:`~lightning_gpipe.schedule.messages`): every action up to the first
 backward whose forward has not run yet (whether its gradient flows is known only then), never
-past the step's loss under one call per step (the loss message comes first). Which micro-batches recompute their forward is
-:mod:`lightning_gpipe.recompute`'s rule; the recompute runs on the module state its forward saw
-and changes nothing (:mod:`lightning_gpipe.effects`).
+past the step's loss under one call per step (the outcome message comes first). Which
+micro-batches recompute their forward is :mod:`lightning_gpipe.recompute`'s rule; the recompute
+runs on the module state its forward saw and changes nothing (:mod:`lightning_gpipe.effects`).
 
 Virtual stages (``schedule="interleaved_1f1b"``, :func:`~lightning_gpipe.schedule.interleaved_1f1b`):
 the stage holds parts ``j, j+K, …`` of the Sequential (:attr:`PipelineStage.virtual_layers`), an
@@ -661,7 +664,9 @@ class PipelineStage(nn.Sequential):
     def _leaf_grads(self, run: _Run, i: int) -> tuple[Tensor, ...]:
         """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's leaves."""
         if i not in run.leaf_grads:
-            covered, sizes, leaves = next(c for c in run.calls if i in c[0])
+            call = next(c for c in run.calls if i in c[0])
+            run.calls.remove(call)  # the leaves are not needed again: their gradients are split here
+            covered, sizes, leaves = call
             parts = [
                 (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).split(sizes)
                 for leaf in leaves

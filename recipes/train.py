@@ -5,6 +5,7 @@
     python recipes/train.py model=gpt2 pipeline.chunks=8    # transformers GPT-2 (also llama, resnet, vit)
     python recipes/train.py pipeline.chunks=32 pipeline.checkpoint=always
     python recipes/train.py -m pipeline.chunks=1,4,8        # a sweep: one job of 2 processes per value
+    python recipes/train.py -m pipeline.schedule=gpipe,1f1b # fill-drain, then 1F1B (training_step per micro-batch)
 
 Every process of a job runs this script (Lightning's launcher starts ranks 1.. with the job's
 own overrides, see :mod:`lightning_gpipe.launcher`; ``torchrun``, ``srun`` or submitit start every

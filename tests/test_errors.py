@@ -50,6 +50,7 @@ def test_registered_strategy_name():
         ({"balance": [2, 0, 3]}, r"balance entries must be positive integers \(balance: \[2, 0, 3\]\)"),
         ({"balance": "time2"}, r"balance must be"),
         ({"pipeline_parallel_size": 0}, r"pipeline_parallel_size must be an integer >= 1"),
+        ({"schedule": "bogus"}, r"schedule must be one of 'gpipe', '1f1b'.*\(schedule: 'bogus'\)"),
         (
             {"balance": [2, 3], "pipeline_parallel_size": 3},
             r"balance has 2 stages but pipeline_parallel_size is 3",
@@ -132,6 +133,13 @@ class Manual(Net):
 def test_manual_optimization_is_refused_before_spawn():
     trainer = pl.Trainer(strategy=GPipeStrategy(), devices=2, **trainer_kwargs(1))
     with pytest.raises(ValueError, match="manual optimization"):
+        trainer.fit(Manual(), make_data("mlp", 10, 1))
+    assert trainer.strategy.launcher.procs == []
+
+
+def test_manual_optimization_under_1f1b_is_refused_before_spawn():
+    trainer = pl.Trainer(strategy=GPipeStrategy(schedule="1f1b"), devices=2, **trainer_kwargs(1))
+    with pytest.raises(ValueError, match=r"manual optimization .* which schedule='1f1b' does not support"):
         trainer.fit(Manual(), make_data("mlp", 10, 1))
     assert trainer.strategy.launcher.procs == []
 

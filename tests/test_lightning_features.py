@@ -23,29 +23,35 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
     results, _ = gpipe_job(
         "mlp",
         4,
-        [{"chunks": 2, "pipeline_parallel_size": 2}],
+        [
+            {"chunks": 2, "pipeline_parallel_size": 2},
+            {"chunks": 2, "pipeline_parallel_size": 2, "schedule": "1f1b"},
+        ],
         steps=-1,
         batch=5,
         samples=30,
         trainer={"max_epochs": 2, "max_steps": -1},
         net={"indexed": True, "sync_dist": True},
     )
-    r = results[0]
-    ranks = r["ranks"]  # replica 0: ranks 0 (last stage), 1 (first); replica 1: ranks 2, 3
-    for replica, (a, b) in enumerate([(0, 1), (2, 3)]):
-        assert ranks[a]["indices"] == ranks[b]["indices"]  # every stage of a replica: the same batches
-        expected = []
-        for epoch in range(2):  # DDP's shard of this replica, seed 0 (the worker's seed_everything)
-            sampler = DistributedSampler(range(30), num_replicas=2, rank=replica, shuffle=True, seed=0)
-            sampler.set_epoch(epoch)
-            shard = list(sampler)
-            expected += [shard[k : k + 5] for k in range(0, 15, 5)]
-        assert ranks[a]["indices"] == expected
-    order = [a + b for a, b in zip(ranks[0]["indices"], ranks[2]["indices"])]
-    assert len(order) == 6
-    reference = train_single_device("mlp", 0, steps=6, batch=10, data={"order": order, "samples": 30})
-    assert max(abs(a - b) for a, b in zip(r["synced_losses"], reference.losses)) <= 1e-5
-    assert max_diff(r["state"], reference.state_dict()) <= 1e-5
+    for r, calls in zip(
+        results, (1, 2)
+    ):  # schedule="1f1b": training_step once per micro-batch (3 + 2 samples)
+        ranks = r["ranks"]  # replica 0: ranks 0 (last stage), 1 (first); replica 1: ranks 2, 3
+        seen = [[sum(rank["indices"][s * calls : (s + 1) * calls], []) for s in range(6)] for rank in ranks]
+        for replica, (a, b) in enumerate([(0, 1), (2, 3)]):
+            assert seen[a] == seen[b]  # every stage of a replica: the same batches
+            expected = []
+            for epoch in range(2):  # DDP's shard of this replica, seed 0 (the worker's seed_everything)
+                sampler = DistributedSampler(range(30), num_replicas=2, rank=replica, shuffle=True, seed=0)
+                sampler.set_epoch(epoch)
+                shard = list(sampler)
+                expected += [shard[k : k + 5] for k in range(0, 15, 5)]
+            assert seen[a] == expected
+        order = [a + b for a, b in zip(seen[0], seen[2])]
+        assert len(order) == 6
+        reference = train_single_device("mlp", 0, steps=6, batch=10, data={"order": order, "samples": 30})
+        assert max(abs(a - b) for a, b in zip(r["synced_losses"], reference.losses)) <= 1e-5
+        assert max_diff(r["state"], reference.state_dict()) <= 1e-5
 
 
 @pytest.mark.timeout(300)
@@ -101,15 +107,19 @@ def test_gradient_clipping_uses_the_global_norm(gpipe_job, norm_type):
     results, _ = gpipe_job(
         "mlp",
         3,
-        [{"chunks": 3, "gradient_clip_norm_type": norm_type}],
+        [
+            {"chunks": 3, "gradient_clip_norm_type": norm_type},
+            {"chunks": 3, "gradient_clip_norm_type": norm_type, "schedule": "1f1b"},
+        ],
         steps=3,
         trainer={"gradient_clip_val": 0.1},
     )
-    for record in results[0]["ranks"]:
-        assert record["norms"] == pytest.approx(reference.norms, rel=1e-5)
-        for ours, ref in zip(record["clipped"], reference.clipped):
-            assert max_diff(ours, {k: ref[k] for k in ours}) <= 1e-6
-    assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
+    for result in results:  # fill-drain, then 1F1B
+        for record in result["ranks"]:
+            assert record["norms"] == pytest.approx(reference.norms, rel=1e-5)
+            for ours, ref in zip(record["clipped"], reference.clipped):
+                assert max_diff(ours, {k: ref[k] for k in ours}) <= 1e-6
+        assert max_diff(result["state"], reference.state_dict()) <= 1e-5
 
 
 @pytest.mark.timeout(300)
@@ -188,9 +198,13 @@ def test_sync_dist_logging_and_torchmetrics_match_one_device(gpipe_job):
 def test_bf16_mixed_on_cpu_trains_close_to_one_device(gpipe_job):
     extra = {"precision": "bf16-mixed"}
     reference = train_single_device("mlp", 0, steps=5, trainer_extra=extra)
-    results, _ = gpipe_job("mlp", 2, [{"chunks": 2}], steps=5, trainer=extra)
+    results, _ = gpipe_job(
+        "mlp", 2, [{"chunks": 2}, {"chunks": 2, "schedule": "1f1b"}], steps=5, trainer=extra
+    )
     assert len(results[0]["losses"]) == 5
     assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference.losses)) <= 2e-2
+    one_f_one_b = results[1]["synced_losses"]  # the logged loss, combined over the micro-batch calls
+    assert len(one_f_one_b) == 5 and max(abs(a - b) for a, b in zip(one_f_one_b, reference.losses)) <= 2e-2
 
 
 @pytest.mark.timeout(300)
@@ -258,17 +272,26 @@ def test_accumulation_scheduler_and_loop_limits_match_one_device(gpipe_job):
         "mlp", 0, steps=5, val=True, trainer_extra=extra, return_trainer=True, scheduler=True
     )
     results, _ = gpipe_job(
-        "mlp", 2, [{"chunks": 3}], steps=5, val=True, trainer=extra, net={"scheduler": True}
+        "mlp",
+        2,
+        [{"chunks": 3}, {"chunks": 3, "schedule": "1f1b"}],
+        steps=5,
+        val=True,
+        trainer=extra,
+        net={"scheduler": True},
     )
     r = results[0]
     assert r["global_step"] == ref_trainer.global_step == 6  # 5 batches per epoch, 2 epochs, 2 per step
     assert len(r["losses"]) == len(reference.losses) == 10
     assert max(abs(a - b) for a, b in zip(r["losses"], reference.losses)) <= 1e-5
-    assert r["lrs"] == pytest.approx(reference.lrs) == [0.05, 0.025]
-    assert r["callback_metrics"]["val_loss"] == pytest.approx(
-        ref_trainer.callback_metrics["val_loss"].item(), abs=1e-5
-    )
-    assert max_diff(r["state"], reference.state_dict()) <= 1e-5
+    for r in results:  # schedule="1f1b" too: training_step once per micro-batch, loss divided by 2
+        assert r["global_step"] == 6 and len(r["synced_losses"]) == 10
+        assert max(abs(a - b) for a, b in zip(r["synced_losses"], reference.losses)) <= 1e-5
+        assert r["lrs"] == pytest.approx(reference.lrs) == [0.05, 0.025]
+        assert r["callback_metrics"]["val_loss"] == pytest.approx(
+            ref_trainer.callback_metrics["val_loss"].item(), abs=1e-5
+        )
+        assert max_diff(r["state"], reference.state_dict()) <= 1e-5
 
 
 @pytest.mark.timeout(120)

@@ -144,6 +144,7 @@ def test_every_strategy_argument_is_settable_from_the_pipeline_config():
         "pipeline.optimizer_state_factor=1.0",
         "pipeline.timeout.minutes=5",
         "pipeline.deferred_batch_norm=true",
+        "pipeline.schedule=1f1b",
     )
     strategy = build_strategy(cfg.pipeline)
     assert (strategy.checkpoint_format, strategy.module_name, strategy.timeline_dir) == (
@@ -153,6 +154,7 @@ def test_every_strategy_argument_is_settable_from_the_pipeline_config():
     )
     assert strategy.timeline and strategy.deferred_batch_norm and strategy.optimizer_state_factor == 1.0
     assert strategy._timeout.total_seconds() == 300
+    assert strategy.schedule == "1f1b"
 
 
 @pytest.mark.parametrize(
@@ -475,3 +477,28 @@ def test_schedule_and_virtual_stages_come_from_the_pipeline_config():
     assert (default.schedule, default.virtual_stages) == ("gpipe", 1)
     with pytest.raises(InstantiationException, match=r"gpipe schedule runs one virtual stage per stage"):
         build_strategy(_compose("pipeline.virtual_stages=2").pipeline)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_multirun_over_schedules_trains_the_main_job_under_each(tmp_path):
+    """``-m pipeline.schedule=gpipe,1f1b``: one 2-process job per schedule, each trains."""
+    sweep = tmp_path / "sweep"
+    out = check(
+        run_script(
+            "recipes/train.py",
+            "-m",
+            "pipeline.schedule=gpipe,1f1b",
+            f"data.path={_corpus(tmp_path)}",
+            f"hydra.sweep.dir={sweep}",
+            *TINY["transformer"],
+            *FAST,
+            timeout=280,
+        )
+    )
+    assert out.count("[train] 2 stages,") == 2, out[-3000:]
+    for job, schedule in (("0", "gpipe"), ("1", "1f1b")):
+        config = yaml.safe_load((sweep / job / ".hydra" / "config.yaml").read_text())
+        assert config["pipeline"]["schedule"] == schedule
+        losses = _train_losses(sweep / job)
+        assert len(losses) >= 10 and sum(losses[-4:]) < sum(losses[:4]), (schedule, losses)

@@ -111,16 +111,20 @@ class FakeP2P:
 
 
 class Recorder:
-    """Stands in for the timeline: keeps the forward and backward spans, in order."""
+    """Stands in for the timeline: keeps the forward and backward spans, in order, and (given the
+    stage) the most micro-batches whose outputs the stage held at once."""
 
-    def __init__(self):
-        self.actions = []
+    def __init__(self, stage=None):
+        self.actions, self.stage, self.peak_held = [], stage, 0
 
     @contextmanager
     def span(self, kind, i):
         if kind in ("forward", "backward"):
             self.actions.append(f"{kind[0].upper()}{i}")
         yield
+        run = self.stage._run if self.stage is not None else None
+        if run is not None:
+            self.peak_held = max(self.peak_held, sum(1 for out in run.outputs.values() if out))
 
 
 def _step(seq, balance, chunks, x, y, checkpoint="except_last"):
@@ -255,7 +259,7 @@ def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last"):
         stage = build_stage(
             seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"), schedule=schedule
         )
-        stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder()
+        stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder(stage)
         stages.append(stage)
     counts, errors = {}, []
 
@@ -307,6 +311,7 @@ def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, 
         column = stage_actions(grid, j)
         assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
         assert counts[j][1] == _by_rank(top, messages(column, j, k, top.skips))
+        assert stage.timeline.peak_held == min(k - j, m), f"stage {j} held too many micro-batches"
         assert counts[j][0] == counts[j][1] - (
             Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
         )
@@ -364,16 +369,19 @@ def test_a_micro_step_that_never_calls_the_sequential_names_where_the_column_sto
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_every_rank_of_a_run_executes_exactly_its_fill_drain_column(tmp_path, k):
-    """K processes over torch.distributed, M in {1, 3, 4}: the recorded actions are the schedule's."""
+def test_every_rank_of_a_run_executes_exactly_its_column(tmp_path, k):
+    """K processes over torch.distributed, M in {1, 3, 4}, fill-drain with one call per step and 1F1B
+    with one call per micro-batch: the recorded actions are the schedule's."""
     for result in run_ranks("tests/workers/schedule_run.py", k, str(tmp_path), "1", "3", "4", timeout=240):
         check(result)
     for rank in range(k):
         recorded = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert sorted(map(int, recorded)) == [1, 3, 4]
-        for m, run in recorded.items():
-            expected = [str(a) for a in stage_actions(fill_drain(k, int(m)), run["stage"])]
-            assert run["actions"] == expected, f"K={k}, M={m}, stage {run['stage']}"
+        assert sorted(recorded) == sorted(f"{name}:{m}" for name in ("gpipe", "1f1b") for m in (1, 3, 4))
+        for key, run in recorded.items():
+            name, m = key.split(":")
+            grid = (fill_drain if name == "gpipe" else one_f_one_b)(k, int(m))
+            expected = [str(a) for a in stage_actions(grid, run["stage"])]
+            assert run["actions"] == expected, f"{name}: K={k}, M={m}, stage {run['stage']}"
 
 
 def test_an_error_in_a_stages_layers_names_the_stage_the_micro_batch_and_the_shapes():

@@ -152,12 +152,15 @@ def test_deferred_batch_norm_running_stats_equal_full_batch(gpipe_job):
     runs = [
         {"chunks": 4, "checkpoint": "always", "deferred_batch_norm": True},
         {"chunks": 4, "checkpoint": "always"},
+        {"chunks": 4, "checkpoint": "always", "deferred_batch_norm": True, "schedule": "1f1b"},
     ]
     results, _ = gpipe_job("cbr", 3, runs, steps=1, batch=16)
     deferred, plain = _bn_stats(results[0]["state"]), _bn_stats(results[1]["state"])
     expected = _bn_stats(reference.state_dict())
     assert max_diff(deferred, expected) <= 1e-5
     assert deferred["num_batches_tracked"].item() == 1
+    one_f_one_b = _bn_stats(results[2]["state"])  # committed once, after the step's last micro-batch call
+    assert max_diff(one_f_one_b, expected) <= 1e-5 and one_f_one_b["num_batches_tracked"].item() == 1
     # Without deferred batch norm the running statistics are those of 4 micro-batch updates, not one
     # full-batch update: num_batches_tracked counts micro-batches and the means differ.
     assert plain["num_batches_tracked"].item() == 4

@@ -1,9 +1,11 @@
-"""Worker: one training step of bare pipeline stages per M, recording the actions each stage ran.
+"""Worker: one training step of bare pipeline stages per schedule and M, recording the actions each stage ran.
 
 Usage: python tests/workers/schedule_run.py OUT M [M ...] (torchrun-style env: RANK, WORLD_SIZE)
 Every rank runs its stage of a small MLP (K = WORLD_SIZE stages) through one training step for
-each M, with a recorder in place of the timeline, and writes ``OUT/rank<r>.json``: for each M,
-the stage index and the ``F``/``B`` actions the stage executed, in order.
+each M under fill-drain (one call per step, as under ``schedule="gpipe"``) and under 1F1B (one
+call per micro-batch, each micro-batch's loss backpropagated right after its call, as under
+``schedule="1f1b"``), with a recorder in place of the timeline, and writes ``OUT/rank<r>.json``:
+for each ``"<schedule>:<M>"``, the stage index and the ``F``/``B`` actions the stage executed, in order.
 """
 
 import json
@@ -18,6 +20,8 @@ from torch import nn
 
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.layout import Layout
+from lightning_gpipe.microbatch import sizes
+from lightning_gpipe.schedule import one_f_one_b
 from lightning_gpipe.stage import build_stage
 
 
@@ -53,7 +57,22 @@ for m in chunks:
         loss.backward()
     assert shared is not None
     stage.backward()
-    recorded[m] = {"stage": stage.topology.stage, "actions": recorder.actions}
+    recorded[f"gpipe:{m}"] = {"stage": stage.topology.stage, "actions": recorder.actions}
+for m in chunks:
+    stage = build_stage(
+        seq, uniform_balance(3, world), Layout(world, world), rank, m, "except_last", torch.device("cpu"),
+        schedule=one_f_one_b,
+    )  # fmt: skip
+    stage.timeline = recorder = Recorder()
+    parts = sizes(len(x), m)
+    stage.start_micro_steps(len(parts))
+    for i, (xi, yi) in enumerate(zip(x.split(parts), y.split(parts))):
+        out_ = stage.run_step(stage, True, xi)
+        if stage.topology.is_last:
+            (nn.functional.mse_loss(out_, yi) * len(yi) / len(y)).backward()
+            stage.loss_backpropagated(i)
+    stage.end_micro_steps()
+    recorded[f"1f1b:{m}"] = {"stage": stage.topology.stage, "actions": recorder.actions}
 (out / f"rank{rank}.json").write_text(json.dumps(recorded))
 dist.barrier()
 dist.destroy_process_group()

@@ -1,0 +1,70 @@
+"""One training_step per micro-batch (lightning_gpipe.microstep): the batch split and the combined logs."""
+
+import pytest
+import torch
+import torchmetrics
+
+from lightning_gpipe.microstep import _LogRecorder, split_batch
+
+
+def test_every_tensor_of_the_batch_splits_like_the_input():
+    batch = {"x": torch.arange(10.0).reshape(10, 1), "pair": (torch.arange(10), "tag"), "n": 3}
+    parts, sizes = split_batch(batch, 4)
+    assert sizes == [3, 3, 2, 2]
+    assert [p["x"].flatten().tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert [p["pair"][0].tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    assert all(p["pair"][1] == "tag" and p["n"] == 3 for p in parts)
+    assert split_batch((torch.zeros(2, 3), torch.zeros(2)), 4)[1] == [1, 1]  # N < M: N micro-batches
+
+
+@pytest.mark.parametrize(
+    "batch", [(torch.zeros(4, 2), torch.zeros(5)), (torch.zeros(4), torch.tensor(1.0)), ("no tensors",)]
+)
+def test_a_batch_without_one_dim_0_is_refused(batch):
+    with pytest.raises(ValueError, match=r"do not share one \(shapes: .*\); .* use schedule='gpipe'"):
+        split_batch(batch, 2)
+
+
+class FakeModule:
+    """Has LightningModule.log's signature; keeps what is logged."""
+
+    def __init__(self):
+        self.logged = []
+
+    def log(  # noqa: PLR0913 - LightningModule.log's own signature
+        self, name, value, prog_bar=False, logger=None, on_step=None, on_epoch=None, reduce_fx="mean",
+        enable_graph=False, sync_dist=False, sync_dist_group=None, add_dataloader_idx=True,
+        batch_size=None, metric_attribute=None, rank_zero_only=False,
+    ):  # fmt: skip
+        options = {
+            "prog_bar": prog_bar,
+            "reduce_fx": reduce_fx,
+            "batch_size": batch_size,
+            "sync_dist": sync_dist,
+        }
+        self.logged.append((name, value, options))
+
+
+def test_values_logged_per_micro_batch_are_logged_once_combined_by_size():
+    module, metric = FakeModule(), torchmetrics.MeanMetric()
+    sizes = [3, 3, 2, 2]
+    with _LogRecorder(module) as log:
+        for i, n in enumerate(sizes):
+            log.micro_batch = i
+            module.log("loss", torch.tensor(float(i)), prog_bar=True)
+            module.log("count", n, reduce_fx="sum", batch_size=n)
+            module.log(
+                "worst", torch.tensor(float(-i)), False, None, None, None, "max"
+            )  # options by position
+            metric.update(torch.tensor(float(i)))
+            module.log("metric", metric)
+    assert module.logged == [] and "log" not in module.__dict__  # recorded, and the method is back
+    log.replay(sizes)
+    logged = {name: (value, options) for name, value, options in module.logged}
+    assert len(module.logged) == 4
+    value, options = logged["loss"]
+    assert value.item() == pytest.approx((0 * 3 + 1 * 3 + 2 * 2 + 3 * 2) / 10) and options["prog_bar"] is True
+    value, options = logged["count"]
+    assert value.item() == 10 and options["batch_size"] == 10 and options["reduce_fx"] == "sum"
+    assert logged["worst"][0].item() == 0.0
+    assert logged["metric"][0] is metric
