@@ -46,7 +46,7 @@ from lightning_gpipe.comm import P2P, Meta
 from lightning_gpipe.effects import ForwardState
 from lightning_gpipe.failure import naming_errors
 from lightning_gpipe.layout import Layout, StageTopology
-from lightning_gpipe.microbatch import Batch, as_tensors, batch_size, from_tensors, join, split
+from lightning_gpipe.microbatch import Structure, flatten, gather, scatter, unflatten
 from lightning_gpipe.outcome import OutcomeChannel, apply_outcome, outcome_of
 from lightning_gpipe.partition import cut, layer_stages
 from lightning_gpipe.schedule import Action, Grid
@@ -72,14 +72,15 @@ class _Run:
     train: bool
     chunks: int
     micro_batches: list[tuple[Tensor, ...]] = field(default_factory=list)  # first stage: the split input
-    in_tuple: bool = False
+    in_structure: Structure | None = None  # first stage: how the micro-batches' tensors make their values
     first: tuple[Meta, list[Tensor]] | None = None  # other stages: micro-batch 0's message, taken early
-    out_tuple: bool = False
+    out_structures: dict[int, Structure] = field(default_factory=dict)  # how the outputs' tensors make them
     inputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     outputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     skips_in: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # received skips
     skips_out: dict[int, dict[str, Tensor]] = field(default_factory=dict)  # skips sent on
     leaves: tuple[Tensor, ...] = ()  # last stage: the detached, joined outputs given to the user
+    leaves_whole: tuple[bool, ...] = ()  # last stage: which leaves are replicated (micro-batch 0's)
     leaf_grads: list[tuple[Tensor, ...]] | None = None  # last stage: the leaves' gradients per micro-batch
     backward: list[Action] = field(default_factory=list)  # the backward phase's actions
 
@@ -96,8 +97,9 @@ class PipelineStage(nn.Sequential):
         names: layer names of the user's whole Sequential (for indexing by its indices).
         schedule: ``(stages, chunks) -> Grid`` (default: :func:`~lightning_gpipe.schedule.fill_drain`).
 
-    Shapes: the first stage takes ``(N, *)`` (or a tuple of such) and splits it into
-    ``min(M, N) × (≈N/M, *)``; the last stage returns ``(N, *)`` outputs.
+    Shapes: the first stage takes ``(N, *)`` (or a tuple, or any pytree:
+    :mod:`lightning_gpipe.microbatch`) and splits it into ``min(M, N) × (≈N/M, *)``; the last stage
+    returns ``(N, *)`` outputs (replicated leaves as they are).
     """
 
     def __init__(
@@ -221,7 +223,7 @@ class PipelineStage(nn.Sequential):
     def ran_forward(self) -> bool:
         return self.calls > 0
 
-    def local_forward(self, input: Batch, store: MicroBatchStore | None = None) -> Any:
+    def local_forward(self, input: Any, store: MicroBatchStore | None = None) -> Any:
         """This stage's layers applied in order, as ``nn.Sequential`` would, with ``store`` for skips."""
         compiled = self.__dict__["_compiled"]
         with use_store(store if store is not None else MicroBatchStore()):
@@ -231,7 +233,7 @@ class PipelineStage(nn.Sequential):
                 input = layer(input)
         return input
 
-    def forward(self, input: Batch) -> Any:  # noqa: A002 - nn.Sequential's own argument name
+    def forward(self, input: Any) -> Any:  # noqa: A002 - nn.Sequential's own argument name
         if not self.active:
             raise PipelineUsageError(
                 "the pipelined nn.Sequential was called outside training/validation/test/predict_step; "
@@ -248,9 +250,8 @@ class PipelineStage(nn.Sequential):
         taken: Counter[int] = Counter()
         self._step_states = [] if train else None
         if top.is_first:
-            tensors, in_tuple = as_tensors(input, "input of the pipelined nn.Sequential")
-            micro_batches = split(tensors, self.chunks)
-            run = _Run(train, len(micro_batches), micro_batches, in_tuple)
+            micro_batches, in_structure = scatter(input, self.chunks)
+            run = _Run(train, len(micro_batches), micro_batches, in_structure)
         else:  # M comes with the first message
             with self._span("recv", 0):
                 first = self.p2p.recv(self._rank(top.stage - 1))
@@ -269,13 +270,12 @@ class PipelineStage(nn.Sequential):
             self.p2p.flush()
             raise StageDone
         outputs = [run.outputs[i] for i in range(run.chunks)]
-        batch_size(
-            outputs[0], f"output of the last pipeline stage ({top.stage})"
-        )  # a scalar cannot be joined
-        joined = join(outputs)
+        structures = [run.out_structures[i] for i in range(run.chunks)]
+        joined, structure = gather(outputs, structures, f"output of the last pipeline stage ({top.stage})")
         if train:
             joined = run.leaves = tuple(t.detach().requires_grad_(t.requires_grad) for t in joined)
-        return from_tensors(joined, run.out_tuple)
+            run.leaves_whole = structure.whole
+        return unflatten(structure, joined)
 
     def _execute(self, action: Action, run: _Run) -> None:
         """Run one action of this stage's column: ``F i`` or ``B i``."""
@@ -287,19 +287,21 @@ class PipelineStage(nn.Sequential):
     def _forward_one(self, action: Action, run: _Run) -> None:
         """``F i``: receive micro-batch ``i`` and its skips, compute it, send it and its skips on."""
         top, i = self.topology, action.i
-        x, x_tuple = (run.micro_batches[i], run.in_tuple) if top.is_first else ((), False)
+        x, x_structure = (run.micro_batches[i], run.in_structure) if top.is_first else ((), None)
         store = MicroBatchStore()
         received = schedule.receives(action, top.stage, top.stages, top.skips)
         for t in received:
             meta, tensors = self._receive(t, i, run)
             if t.skip is None:
-                x, x_tuple = _as_inputs(meta, tensors, run.train), meta.is_tuple
+                x, x_structure = _as_inputs(meta, tensors, run.train), meta.structure
             else:
                 store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
                 self.received_skips.append((t.skip, t.peer))
         with self._span("forward", i), self._naming_errors("forward", i, x):
-            y = self._compute(i, run.chunks, from_tensors(x, x_tuple), run.train, store)
-        y_tensors, run.out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
+            assert x_structure is not None
+            y = self._compute(i, run.chunks, unflatten(x_structure, x), run.train, store)
+        kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
+        y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
         sent = schedule.sends(action, top.stage, top.stages, top.skips)
         if run.train:
             run.inputs[i] = x
@@ -307,15 +309,12 @@ class PipelineStage(nn.Sequential):
             run.skips_out[i] = {t.skip: store[t.skip] for t in sent if t.skip is not None}
         if run.train or top.is_last:
             run.outputs[i] = y_tensors
+            run.out_structures[i] = y_structure
         for t in sent:  # the output first, then the skips: the order in which they are received
             payload = y_tensors if t.skip is None else (store[t.skip],)
             with self._span("send", i):
-                self.p2p.send(
-                    payload,
-                    self._rank(t.peer),
-                    is_tuple=run.out_tuple or t.skip is not None,
-                    chunks=run.chunks,
-                )
+                structure = y_structure if t.skip is None else None
+                self.p2p.send(payload, self._rank(t.peer), structure=structure, chunks=run.chunks)
 
     def _receive(self, t: schedule.Transfer, i: int, run: _Run) -> tuple[Meta, list[Tensor]]:
         if t.skip is None and run.first is not None:
@@ -337,7 +336,7 @@ class PipelineStage(nn.Sequential):
         for stage, n in messages.items():
             self.p2p.expect(self._rank(stage), n)
 
-    def _compute(self, i: int, chunks: int, x: Batch, train: bool, store: MicroBatchStore) -> Any:
+    def _compute(self, i: int, chunks: int, x: Any, train: bool, store: MicroBatchStore) -> Any:
         if not (train and recompute.recomputes(self.checkpoint_mode, i, chunks)):
             return self.local_forward(x, store)
         # what this forward changes, it changes once (the recompute replays it); the layers, not the
@@ -440,14 +439,18 @@ class PipelineStage(nn.Sequential):
         run.skips_in[i] = run.skips_out[i] = {}
 
     def _leaf_grads(self, run: _Run) -> list[tuple[Tensor, ...]]:
-        """Last stage: the gradients the user's loss left on the leaves, split per micro-batch."""
+        """Last stage: the gradients the user's loss left on the leaves, per micro-batch: a joined
+        leaf's split as it was joined, a replicated leaf's to micro-batch 0 (zeros to the others)."""
         if run.leaf_grads is None:
-            sizes = [run.outputs[i][0].shape[0] for i in range(run.chunks)]
-            run.leaf_grads = [
-                (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).split(sizes)
-                for leaf in run.leaves
-                if leaf.requires_grad
-            ]
+            run.leaf_grads = []
+            for k, (leaf, whole) in enumerate(zip(run.leaves, run.leaves_whole)):
+                if not leaf.requires_grad:
+                    continue
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                if whole:
+                    run.leaf_grads.append((grad, *(torch.zeros_like(grad) for _ in range(run.chunks - 1))))
+                else:
+                    run.leaf_grads.append(grad.split([run.outputs[i][k].shape[0] for i in range(run.chunks)]))
         return run.leaf_grads
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lightning_gpipe.comm import HEADER_SLOTS, P2P, decode_header, encode_header
+from lightning_gpipe.microbatch import TENSOR, TUPLE, Structure
 from tests._harness import check, run_ranks
 
 
@@ -42,8 +43,8 @@ def test_announcing_twice_before_taking_everything_is_an_error():
     P2P(torch.device("cuda")).expect(3, 2)  # and announcing is then a no-op
 
 
-@pytest.mark.parametrize("is_tuple", [True, False])
-def test_header_round_trips_shapes_dtypes_gradients_and_chunks(is_tuple):
+@pytest.mark.parametrize("kind", [TENSOR, TUPLE])
+def test_header_round_trips_shapes_dtypes_gradients_and_chunks(kind):
     tensors = [
         torch.zeros(3, 4, requires_grad=True),
         torch.arange(5),
@@ -51,17 +52,18 @@ def test_header_round_trips_shapes_dtypes_gradients_and_chunks(is_tuple):
         torch.zeros((), dtype=torch.bool),
         torch.zeros(0, 3, dtype=torch.complex64),
     ]
-    header = encode_header(tensors, is_tuple, 8, torch.device("cpu"))
+    whole = (False, True, False, True, False)
+    header = encode_header(tensors, Structure(kind, whole), 8, torch.device("cpu"))
     assert header.shape == (HEADER_SLOTS,) and header.dtype == torch.int64
     meta = decode_header(header)
-    assert meta.chunks == 8 and meta.is_tuple is is_tuple
+    assert meta.chunks == 8 and meta.structure == Structure(kind, whole) and meta.blob == 0
     assert meta.specs == tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
 
 
 def test_header_refuses_what_it_cannot_describe():
     with pytest.raises(ValueError, match="cannot send a tensor of dtype torch.uint16"):
-        encode_header([torch.zeros(2, dtype=torch.uint16)], True, 1, torch.device("cpu"))
+        encode_header([torch.zeros(2, dtype=torch.uint16)], None, 1, torch.device("cpu"))
     many = [torch.zeros(1, 1, 1, 1, 1, 1) for _ in range(7)]  # 3 + 7 * (3 + 6) = 66 > 64 slots
     with pytest.raises(ValueError, match="7 tensors with 42 dims in all, more than a 64-slot header"):
-        encode_header(many, True, 1, torch.device("cpu"))
-    assert decode_header(encode_header([], False, 3, torch.device("cpu"))).specs == ()
+        encode_header(many, None, 1, torch.device("cpu"))
+    assert decode_header(encode_header([], None, 3, torch.device("cpu"))).specs == ()

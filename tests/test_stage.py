@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_gpipe import StageError
 from lightning_gpipe.balance import uniform_balance
-from lightning_gpipe.comm import P2P, decode_header, encode_header
+from lightning_gpipe.comm import P2P, decode_header, decode_message, encode_message
 from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.schedule import fill_drain, format_grid, messages, stage_actions
 from lightning_gpipe.skip import Pop, Stash
@@ -78,9 +78,10 @@ class FakeP2P:
         self.announced: Counter[int] = Counter()
         self.received: Counter[int] = Counter()
 
-    def send(self, tensors, dst, *, is_tuple=True, chunks=0):
-        meta = decode_header(encode_header(tensors, is_tuple, chunks, self.device))
-        self.network.queues[(self.rank, dst)].append((meta, [t.detach().clone() for t in tensors]))
+    def send(self, tensors, dst, *, structure=None, chunks=0):
+        header, *payload = encode_message(tensors, structure, chunks, self.device)
+        message = decode_message(decode_header(header), [t.clone() for t in payload])
+        self.network.queues[(self.rank, dst)].append(message)
 
     def expect(self, src, messages):
         assert self.left[src] == 0, f"messages announced from rank {src} are still to be received"
