@@ -297,8 +297,8 @@ class PipelineStage(nn.Sequential):
             else:
                 store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
                 self.received_skips.append((t.skip, t.peer))
+        assert x_structure is not None  # the first stage's split, or the message's
         with self._span("forward", i), self._naming_errors("forward", i, x):
-            assert x_structure is not None
             y = self._compute(i, run.chunks, unflatten(x_structure, x), run.train, store)
         kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
         y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
