@@ -158,6 +158,14 @@ def test_joining_refuses_outputs_that_differ_between_micro_batches():
     shapes = [flatten({"y": torch.ones(2, k)}, "out") for k in (3, 4)]
     with pytest.raises(MicroBatchError, match=r"out\['y'\]: micro-batch outputs cannot be concatenated"):
         gather([t for t, _ in shapes], [s for _, s in shapes], "out")
+    marked = [flatten({"t": no_chunk(torch.ones(3)) if i else torch.ones(3)}, "out") for i in range(2)]
+    with pytest.raises(
+        MicroBatchError, match=r"the tensor at \['t'\] is replicated in one and not in the other"
+    ):
+        gather([t for t, _ in marked], [s for _, s in marked], "out")
+    scalars = [flatten(torch.tensor(float(i)), "output of the last pipeline stage (2)") for i in range(2)]
+    with pytest.raises(MicroBatchError, match=r"stage \(2\) is a 0-d tensor that differs .* \(0.0 and 1.0\)"):
+        gather([t for t, _ in scalars], [s for _, s in scalars], "output of the last pipeline stage (2)")
     same = [flatten({"y": torch.ones(2, 3), "loss": torch.tensor(1.5)}, "out") for _ in range(3)]
     joined, structure = gather([t for t, _ in same], [s for _, s in same], "out")
     assert joined[0].shape == (6, 3) and joined[1].item() == 1.5
