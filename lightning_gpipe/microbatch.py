@@ -59,8 +59,6 @@ __all__ = [
     "unflatten",
 ]
 
-Batch = Tensor | tuple[Tensor, ...]
-
 TENSOR, TUPLE, TREE = 0, 1, 2
 """The kinds of :class:`Structure`: one tensor, a tuple of tensors, any other pytree."""
 
@@ -311,7 +309,8 @@ def _difference(a: Structure, b: Structure) -> str:
 
 
 def as_tensors(batch: object, what: str = "pipeline input") -> tuple[tuple[Tensor, ...], bool]:
-    """Normalise ``batch`` to a tuple of tensors.
+    """Normalise ``batch`` to a tuple of tensors (where only a tensor or a tuple of tensors will
+    do: the profiled balance's sample; the pipeline itself takes any pytree, :func:`scatter`).
 
     Args:
         batch: a tensor, or a tuple/list of tensors.
