@@ -1,8 +1,12 @@
 """LightningModules of the recipes, written as plain single-device code.
 
-Both keep every parameter inside ``self.layers`` (one ``nn.Sequential``), call it exactly
-once per step through ``self(x)`` and use only its output afterwards, which is what the
-GPipe strategy needs to pipeline them unchanged (see ``DESIGN.md``, "The user's contract").
+Each keeps every parameter inside ``self.layers`` (one ``nn.Sequential``), calls it exactly
+once per step through ``self(x)`` and uses only its output afterwards, which is what the
+GPipe strategy needs to pipeline it unchanged (see ``DESIGN.md``, "The user's contract").
+``LanguageModel`` and ``HFLanguageModel`` share the next-token steps and optimizer
+(``NextTokenSteps``), ``ImageClassifier`` and ``HFImageClassifier`` the classification ones
+(``ClassifierSteps``); the ``HF`` modules train a Hugging Face ``transformers`` model built from a
+config through :mod:`lightning_gpipe.adapters`.
 """
 
 from __future__ import annotations
@@ -13,15 +17,25 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
+from lightning_gpipe.adapters import causal_lm, image_classifier
 from recipes.models.amoebanet import build_amoebanet
+from recipes.models.hf import build_hf
 from recipes.models.transformer import build_transformer
 
-__all__ = ["ImageClassifier", "LanguageModel", "warmup_cosine"]
+__all__ = [
+    "ClassifierSteps",
+    "HFImageClassifier",
+    "HFLanguageModel",
+    "ImageClassifier",
+    "LanguageModel",
+    "NextTokenSteps",
+    "warmup_cosine",
+]
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> float:
@@ -56,7 +70,70 @@ def _schedule(
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class LanguageModel(pl.LightningModule):
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)} ({name}: {value!r})")
+
+
+def _decay_groups(layers: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on parameters of rank ≥ 2 only (each parameter once, a tied one included)."""
+    decay = [p for p in layers.parameters() if p.ndim >= 2]
+    no_decay = [p for p in layers.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class NextTokenSteps(pl.LightningModule):
+    """Next-token cross-entropy over ``self.layers``, AdamW and the warmup-cosine schedule.
+
+    A subclass sets ``self.layers`` (ids ``(N, T)`` → logits ``(N, T, vocab)``) and saves the
+    hyperparameters ``lr``, ``weight_decay``, ``betas``, ``scheduler``, ``warmup_steps`` and
+    ``total_steps``, then calls :meth:`_add_metrics`.
+
+    Shapes:
+        batch: ``((N, T), (N, T))`` int64 inputs and targets; ``forward``: ``(N, T)`` → ``(N, T, vocab)``.
+
+    Logs:
+        ``train_loss`` (nats/token, progress bar), ``train_ppl``, ``val_loss``, ``val_ppl``.
+    """
+
+    layers: nn.Module
+
+    def _add_metrics(self) -> None:
+        self.val_ppl = Perplexity()
+        self.val_loss = MeanMetric()
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``(N, T)`` int64 ids → ``(N, T, vocab_size)`` logits."""
+        return self.layers(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_ppl", loss.detach().exp())
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        self.val_loss.update(loss, weight=y.numel())
+        self.val_ppl.update(logits, y)
+        self.log("val_loss", self.val_loss, prog_bar=True)
+        self.log("val_ppl", self.val_ppl)
+
+    def configure_optimizers(self) -> Any:
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            _decay_groups(self.layers, hp["weight_decay"]), lr=hp["lr"], betas=tuple(hp["betas"])
+        )
+        if hp["scheduler"] == "none":
+            return optimizer
+        return _schedule(self, optimizer, hp["warmup_steps"])
+
+
+class LanguageModel(NextTokenSteps):
     """Next-token language model on :func:`~recipes.models.transformer.build_transformer`.
 
     The defaults are the CPU recipe (byte vocabulary, 4 layers, ``d_model`` 128, context
@@ -108,48 +185,114 @@ class LanguageModel(pl.LightningModule):
             raise ValueError(f"scheduler must be 'cosine' or 'none' (scheduler: {scheduler!r})")
         self.save_hyperparameters()
         self.layers = build_transformer(vocab_size, num_layers, d_model, num_heads, d_ff, seq_len, dropout)
-        self.val_ppl = Perplexity()
+        self._add_metrics()
+
+
+class HFLanguageModel(NextTokenSteps):
+    """Next-token language model on a Hugging Face ``transformers`` causal LM built from a config.
+
+    ``self.layers`` is :func:`lightning_gpipe.adapters.causal_lm` of
+    ``hf_class(hf_class.config_class(**config))`` (:func:`~recipes.models.hf.build_hf`): it holds
+    the model's own parameters (a GPT-2 head tied to the embedding stays tied, across stages
+    too). The model itself is ``self.hf``, not a submodule, so every parameter lives in
+    ``self.layers``. The loss, metrics and optimizer are :class:`LanguageModel`'s: next-token
+    cross-entropy on the data's ``(inputs, targets)`` windows, the same as the model's own LM
+    loss on the concatenated sequence. :func:`recipes.models.hf.hf_from_checkpoint` maps a
+    checkpoint back into the ``transformers`` model.
+
+    Args:
+        hf_class (str): dotted path of a causal LM class that the adapter supports,
+            ``"transformers.GPT2LMHeadModel"`` (default) or ``"transformers.LlamaForCausalLM"``.
+        config (dict[str, Any] | None): the config's keyword arguments; its vocabulary must
+            cover the data's token ids and its positions the data's ``seq_len`` (the recipe's
+            configs read ``${data.vocab_size}`` and ``${data.seq_len}``) (default: None, the
+            class's defaults).
+        lr, weight_decay, betas, scheduler, warmup_steps, total_steps: as :class:`LanguageModel`.
+
+    Shapes:
+        batch: ``((N, T), (N, T))`` int64 inputs and targets; ``forward``: ``(N, T)`` → ``(N, T, vocab)``.
+
+    Logs:
+        ``train_loss`` (nats/token, progress bar), ``train_ppl``, ``val_loss``, ``val_ppl``.
+
+    Raises:
+        ImportError: without ``transformers`` (the ``[models]`` extra).
+        TypeError: if the adapter does not support ``hf_class``'s layout.
+    """
+
+    def __init__(
+        self,
+        hf_class: str = "transformers.GPT2LMHeadModel",
+        config: dict[str, Any] | None = None,
+        lr: float = 3e-3,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.99),
+        scheduler: str = "cosine",
+        warmup_steps: int = 100,
+        total_steps: int | None = None,
+    ) -> None:
+        super().__init__()
+        _check_choice("scheduler", scheduler, ("cosine", "none"))
+        self.save_hyperparameters()
+        hf: Any = build_hf(hf_class, config or {})  # a transformers PreTrainedModel
+        self.__dict__["hf"] = hf  # not a submodule: every parameter lives in self.layers
+        self.layers = causal_lm(hf)
+        self._add_metrics()
+
+
+class ClassifierSteps(pl.LightningModule):
+    """Cross-entropy classification over ``self.layers``, SGD (Nesterov) or AdamW, warmup-cosine.
+
+    A subclass sets ``self.layers`` (images ``(N, C, H, W)`` → logits ``(N, num_classes)``) and
+    saves the hyperparameters ``optimizer``, ``lr``, ``momentum``, ``weight_decay``,
+    ``label_smoothing``, ``scheduler``, ``warmup_steps`` and ``total_steps``, then calls
+    :meth:`_add_metrics`.
+
+    Shapes:
+        batch: ``((N, C, H, W) float, (N,) int64)``; ``forward``: ``(N, C, H, W)`` → ``(N, num_classes)``.
+
+    Logs:
+        ``train_loss`` (progress bar), ``val_loss``, ``val_acc`` (top-1, in [0, 1]).
+    """
+
+    layers: nn.Module
+
+    def _add_metrics(self, num_classes: int) -> None:
+        self.val_acc = MulticlassAccuracy(num_classes=num_classes, top_k=1, average="micro")
         self.val_loss = MeanMetric()
 
     def forward(self, x: Tensor) -> Tensor:
-        """``(N, T)`` int64 ids → ``(N, T, vocab_size)`` logits."""
+        """``(N, C, H, W)`` images → ``(N, num_classes)`` logits."""
         return self.layers(x)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams["label_smoothing"])
         self.log("train_loss", loss, prog_bar=True)
-        self.log("train_ppl", loss.detach().exp())
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        self.val_loss.update(loss, weight=y.numel())
-        self.val_ppl.update(logits, y)
-        self.log("val_loss", self.val_loss, prog_bar=True)
-        self.log("val_ppl", self.val_ppl)
+        self.val_loss.update(F.cross_entropy(logits, y), weight=y.numel())
+        self.val_acc.update(logits, y)
+        self.log("val_loss", self.val_loss)
+        self.log("val_acc", self.val_acc, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
-        decay = [p for p in self.layers.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.layers.parameters() if p.ndim < 2]
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": hp["weight_decay"]},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=hp["lr"],
-            betas=tuple(hp["betas"]),
-        )
+        groups = _decay_groups(self.layers, hp["weight_decay"])
+        optimizer: torch.optim.Optimizer
+        if hp["optimizer"] == "sgd":
+            optimizer = torch.optim.SGD(groups, lr=hp["lr"], momentum=hp["momentum"], nesterov=True)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=hp["lr"])
         if hp["scheduler"] == "none":
             return optimizer
         return _schedule(self, optimizer, hp["warmup_steps"])
 
 
-class ImageClassifier(pl.LightningModule):
+class ImageClassifier(ClassifierSteps):
     """Image classifier on AmoebaNet-D (:func:`~recipes.models.amoebanet.build_amoebanet`).
 
     The defaults are the CPU recipe for 32×32 scikit-learn digits (``(L, D)`` = (3, 32)).
@@ -197,40 +340,57 @@ class ImageClassifier(pl.LightningModule):
             raise ValueError(f"scheduler must be 'cosine' or 'none' (scheduler: {scheduler!r})")
         self.save_hyperparameters()
         self.layers = build_amoebanet(num_classes, num_layers, num_filters, in_channels)
-        self.val_acc = MulticlassAccuracy(num_classes=num_classes, top_k=1, average="micro")
-        self.val_loss = MeanMetric()
+        self._add_metrics(num_classes)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``(N, C, H, W)`` images → ``(N, num_classes)`` logits."""
-        return self.layers(x)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
-        loss = F.cross_entropy(self(x), y, label_smoothing=self.hparams["label_smoothing"])
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
+class HFImageClassifier(ClassifierSteps):
+    """Image classifier on a Hugging Face ``transformers`` model built from a config.
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        x, y = batch
-        logits = self(x)
-        self.val_loss.update(F.cross_entropy(logits, y), weight=y.numel())
-        self.val_acc.update(logits, y)
-        self.log("val_loss", self.val_loss)
-        self.log("val_acc", self.val_acc, prog_bar=True)
+    ``self.layers`` is :func:`lightning_gpipe.adapters.image_classifier` of
+    ``hf_class(hf_class.config_class(**config))`` (:func:`~recipes.models.hf.build_hf`),
+    holding the model's own parameters; the model itself is ``self.hf``, not a submodule. The
+    loss, metrics and optimizer are :class:`ImageClassifier`'s.
+    :func:`recipes.models.hf.hf_from_checkpoint` maps a checkpoint back into the model.
 
-    def configure_optimizers(self) -> Any:
-        hp = self.hparams
-        decay = [p for p in self.layers.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.layers.parameters() if p.ndim < 2]
-        groups = [
-            {"params": decay, "weight_decay": hp["weight_decay"]},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        optimizer: torch.optim.Optimizer
-        if hp["optimizer"] == "sgd":
-            optimizer = torch.optim.SGD(groups, lr=hp["lr"], momentum=hp["momentum"], nesterov=True)
-        else:
-            optimizer = torch.optim.AdamW(groups, lr=hp["lr"])
-        if hp["scheduler"] == "none":
-            return optimizer
-        return _schedule(self, optimizer, hp["warmup_steps"])
+    Args:
+        hf_class (str): dotted path of ``"transformers.ResNetForImageClassification"``
+            (default) or ``"transformers.ViTForImageClassification"``.
+        config (dict[str, Any] | None): the config's keyword arguments; ``num_labels`` and
+            ``num_channels`` (and ViT's ``image_size``) must match the data (the recipe's
+            configs read ``${data.num_classes}``, ``${data.channels}``, ``${data.resolution}``)
+            (default: None, the class's defaults).
+        optimizer, lr, momentum, weight_decay, label_smoothing, scheduler, warmup_steps,
+            total_steps: as :class:`ImageClassifier`.
+
+    Shapes:
+        batch: ``((N, C, H, W) float, (N,) int64)``; ``forward``: ``(N, C, H, W)`` → ``(N, num_labels)``.
+
+    Logs:
+        ``train_loss`` (progress bar), ``val_loss``, ``val_acc`` (top-1, in [0, 1]).
+
+    Raises:
+        ImportError: without ``transformers`` (the ``[models]`` extra).
+        TypeError: if the adapter does not support ``hf_class``'s layout.
+    """
+
+    def __init__(
+        self,
+        hf_class: str = "transformers.ResNetForImageClassification",
+        config: dict[str, Any] | None = None,
+        optimizer: str = "adamw",
+        lr: float = 3e-3,
+        momentum: float = 0.9,
+        weight_decay: float = 5e-4,
+        label_smoothing: float = 0.0,
+        scheduler: str = "cosine",
+        warmup_steps: int = 20,
+        total_steps: int | None = None,
+    ) -> None:
+        super().__init__()
+        _check_choice("optimizer", optimizer, ("sgd", "adamw"))
+        _check_choice("scheduler", scheduler, ("cosine", "none"))
+        self.save_hyperparameters()
+        hf: Any = build_hf(hf_class, config or {})  # a transformers PreTrainedModel
+        self.__dict__["hf"] = hf  # not a submodule: every parameter lives in self.layers
+        self.layers = image_classifier(hf)
+        self._add_metrics(int(hf.config.num_labels))

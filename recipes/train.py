@@ -2,6 +2,7 @@
 
     python recipes/train.py                                 # Transformer LM, stdlib bytes, 2 stages, CPU
     python recipes/train.py model=amoebanet data=digits     # AmoebaNet-D on scikit-learn digits
+    python recipes/train.py model=gpt2 pipeline.chunks=8    # transformers GPT-2 (also llama, resnet, vit)
     python recipes/train.py pipeline.chunks=32 pipeline.checkpoint=always
     python recipes/train.py -m pipeline.chunks=1,4,8        # a sweep: one job of 2 processes per value
 
@@ -51,7 +52,7 @@ warnings.filterwarnings("ignore", message=r".*you need to define a `flops_per_ba
 
 # Keys of a data config that describe the data for the model config to read (``${data.num_classes}``)
 # and are not arguments of the data module.
-DESCRIPTIVE_KEYS = ("num_classes", "vocab_size", "channels")
+DESCRIPTIVE_KEYS = ("num_classes", "vocab_size", "channels", "resolution")
 # Keys of a data config holding file-system paths, taken relative to the directory the job started in.
 PATH_KEYS = ("path", "root")
 # Keys of the pipeline config that are the recipe's, not GPipeStrategy arguments.
@@ -222,9 +223,10 @@ def _last_logged(path: Path, key: str) -> float:
 def train(cfg: DictConfig) -> dict[str, float]:
     """Seed, build data, model, strategy and Trainer from ``cfg``, fit, and summarise.
 
-    Every rank runs this function. Rank 0 (the last pipeline stage) logs the summary: final
-    training and validation metrics, the validation unigram entropy when the data module has
-    one (a language model must go below it), training throughput, the pipeline's shape and the
+    Every rank runs this function. When the data module has a validation unigram entropy
+    (text), the loggers get it as ``val_unigram_entropy`` at step 0 (a language model's
+    ``val_loss`` must go below it). Rank 0 (the last pipeline stage) logs the summary: final
+    training and validation metrics, that entropy, training throughput, the pipeline's shape and the
     files the job wrote. When no validation ran (``trainer.max_steps`` below
     ``trainer.val_check_interval``), a monitored validation metric is NaN and a warning says how
     to get one.
@@ -281,11 +283,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     node = OmegaConf.to_container(cfg.pipeline, resolve=True)
     assert isinstance(node, dict)
     pipeline = {k: v for k, v in node.items() if k not in ("_target_", "timeout")}
-    for logger in loggers:
+    entropy = getattr(datamodule, "val_unigram_entropy", None)  # reads the corpus (every rank: cheap)
+    for logger in loggers:  # the loggers write on global rank 0 only
         logger.log_hyperparams(
             {**pipeline, "seed": cfg.seed, "model": cfg.model._target_, "data": cfg.data._target_}
         )
-    entropy = getattr(datamodule, "val_unigram_entropy", None)  # reads the corpus (every rank: cheap)
+        if entropy is not None:  # the bar a language model's val_loss must go below
+            logger.log_metrics({"val_unigram_entropy": float(entropy)}, step=0)
 
     ckpt_path = to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
     try:

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 from pytorch_lightning.callbacks import EarlyStopping, ModelCheckpoint
+from torch.utils.data import DistributedSampler
 
 from tests.conftest import max_diff
 from tests.models import Net, make_data, train_single_device
@@ -14,26 +15,35 @@ from tests.models import Net, make_data, train_single_device
 def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
     """P=2 stages × D=2 replicas, 5 samples per replica = one device on the 10-sample concatenated batch.
 
-    As under DDP, Lightning's DistributedSampler shuffles the training data (seeded, the same on
-    every rank); the one-device reference trains on the concatenation of what the replicas saw.
+    As under DDP, Lightning's DistributedSampler shards and shuffles the training data, seeded by the
+    global seed and the epoch, the same on every rank: over two epochs each replica's stages draw
+    exactly the shard DDP's replica draws (computed here independently), and the one-device
+    reference trains on the concatenation of what the replicas saw.
     """
     results, _ = gpipe_job(
         "mlp",
         4,
         [{"chunks": 2, "pipeline_parallel_size": 2}],
-        steps=5,
+        steps=-1,
         batch=5,
-        samples=50,
+        samples=30,
+        trainer={"max_epochs": 2, "max_steps": -1},
         net={"indexed": True, "sync_dist": True},
     )
     r = results[0]
     ranks = r["ranks"]  # replica 0: ranks 0 (last stage), 1 (first); replica 1: ranks 2, 3
-    assert len(ranks[0]["indices"]) == 5
-    assert ranks[0]["indices"] == ranks[1]["indices"] and ranks[2]["indices"] == ranks[3]["indices"]
-    for a, b in zip(ranks[0]["indices"], ranks[2]["indices"]):
-        assert not set(a) & set(b)
+    for replica, (a, b) in enumerate([(0, 1), (2, 3)]):
+        assert ranks[a]["indices"] == ranks[b]["indices"]  # every stage of a replica: the same batches
+        expected = []
+        for epoch in range(2):  # DDP's shard of this replica, seed 0 (the worker's seed_everything)
+            sampler = DistributedSampler(range(30), num_replicas=2, rank=replica, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            shard = list(sampler)
+            expected += [shard[k : k + 5] for k in range(0, 15, 5)]
+        assert ranks[a]["indices"] == expected
     order = [a + b for a, b in zip(ranks[0]["indices"], ranks[2]["indices"])]
-    reference = train_single_device("mlp", 0, steps=5, batch=10, data={"order": order})
+    assert len(order) == 6
+    reference = train_single_device("mlp", 0, steps=6, batch=10, data={"order": order, "samples": 30})
     assert max(abs(a - b) for a, b in zip(r["synced_losses"], reference.losses)) <= 1e-5
     assert max_diff(r["state"], reference.state_dict()) <= 1e-5
 

@@ -7,11 +7,15 @@ command) under a hard timeout, on tiny sizes.
 from __future__ import annotations
 
 import csv
+import importlib.util
+import math
 import os
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import pytest
+import pytorch_lightning as pl
 import torch
 import yaml
 from hydra import compose, initialize_config_dir
@@ -27,8 +31,18 @@ GROUPS = {
     group: sorted(path.stem for path in (CONF / group).glob("*.yaml"))
     for group in ("model", "data", "pipeline", "trainer", "experiment")
 }
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+needs_transformers = pytest.mark.skipif(
+    not HAS_TRANSFORMERS, reason="the transformers recipes need the [models] extra"
+)
+# Hugging Face transformers models built from config (recipes.modules.HFLanguageModel / HFImageClassifier)
+HF_MODELS = ["gpt2", "llama", "resnet", "vit"]
 # model -> the data configs it can read its sizes from
-PAIRS = [("transformer", "text"), ("amoebanet", "digits"), ("amoebanet", "cifar10")]
+PAIRS = [("transformer", "text"), ("amoebanet", "digits"), ("amoebanet", "cifar10")] + [
+    pytest.param(model, data, marks=needs_transformers)
+    for model, data in [("gpt2", "text"), ("llama", "text")]
+    + [(model, data) for model in ("resnet", "vit") for data in ("digits", "cifar10")]
+]
 
 TINY = {
     "transformer": ["model.num_layers=2", "model.d_model=32", "model.d_ff=64", "data.batch_size=16"],
@@ -72,7 +86,7 @@ def _train_losses(job_dir: Path) -> list[float]:
 
 
 def test_config_groups_hold_the_documented_options():
-    assert GROUPS["model"] == ["amoebanet", "transformer"]
+    assert GROUPS["model"] == ["amoebanet", "gpt2", "llama", "resnet", "transformer", "vit"]
     assert GROUPS["data"] == ["cifar10", "digits", "text"]
     assert GROUPS["trainer"] == ["cpu", "gpu"]
     assert "default" in GROUPS["pipeline"]
@@ -94,9 +108,21 @@ def test_model_and_data_configs_instantiate(model, data, tmp_path):
     if model == "amoebanet":
         assert net.hparams["num_classes"] == datamodule.num_classes == 10
         assert net.hparams["in_channels"] == cfg.data.channels
-    else:
+    elif model == "transformer":
         assert net.hparams["vocab_size"] == datamodule.vocab_size
         assert net.hparams["seq_len"] == datamodule.seq_len
+    else:  # a transformers model: its config matches the data, the Sequential holds its parameters
+        config = net.hf.config
+        assert {id(p) for p in net.layers.parameters()} == {id(p) for p in net.hf.parameters()}
+        if data == "text":
+            assert config.vocab_size == datamodule.vocab_size == 256
+            positions = config.n_positions if model == "gpt2" else config.max_position_embeddings
+            assert positions == datamodule.seq_len
+        else:
+            assert config.num_labels == datamodule.num_classes == 10
+            assert config.num_channels == cfg.data.channels
+            if model == "vit":
+                assert config.image_size == cfg.data.resolution == 32
 
 
 @pytest.mark.parametrize("pipeline", GROUPS["pipeline"])
@@ -261,6 +287,128 @@ def test_train_two_stages_loss_falls(model, tmp_path):
         assert "gpipe_balance" in hparams, hparams
         saved = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=False)["gpipe"]
         assert saved["balance_by"] == "time" and len(saved["balance"]) == 2
+
+
+def _hf_data(model: str, tmp_path: Path) -> list[str]:
+    if model in ("gpt2", "llama"):
+        return [f"data.path={_corpus(tmp_path)}", "data.batch_size=16"]
+    return ["data=digits", "data.batch_size=16"]
+
+
+@needs_transformers
+@pytest.mark.parametrize("model", HF_MODELS)
+def test_transformers_configs_train_on_one_device(model, tmp_path):
+    # each config builds and fits a few steps (plain Lightning, one process): training the adapter's
+    # Sequential trains the transformers model itself
+    cfg = _compose(f"model={model}", *_hf_data(model, tmp_path), "model.warmup_steps=1")
+    datamodule = build_data(cfg.data)
+    net = instantiate(cfg.model, _convert_="all")
+    before = {k: v.clone() for k, v in net.hf.state_dict().items()}
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        limit_val_batches=1,
+        val_check_interval=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(net, datamodule=datamodule)
+    assert math.isfinite(float(trainer.callback_metrics["train_loss"]))
+    assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
+    moved = [k for k, v in net.hf.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(moved) > len(before) // 2, moved
+    x = next(iter(datamodule.val_dataloader()))[0][:2]
+    net.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(net(x), net.hf(x).logits, rtol=0, atol=1e-5)
+
+
+def _val_windows(corpus: Path, seq_len: int, batches: int, batch_size: int) -> tuple[float, torch.Tensor]:
+    """The validation split of ``ByteTextDataModule`` (last 10 % of the bytes), recomputed here: its
+    unigram entropy (nats/byte, from a Counter) and its first windows ``(batches·batch_size, T + 1)``."""
+    data = corpus.read_bytes()
+    val = data[len(data) - math.ceil(len(data) * 0.1) :]
+    counts = Counter(val)
+    entropy = -sum(c / len(val) * math.log(c / len(val)) for c in counts.values())
+    ids = torch.tensor(list(val), dtype=torch.int64)
+    starts = range(0, (len(ids) - seq_len - 1) // seq_len * seq_len + 1, seq_len)
+    windows = torch.stack([ids[i : i + seq_len + 1] for i in starts][: batches * batch_size])
+    return entropy, windows
+
+
+@needs_transformers
+@pytest.mark.timeout(240)
+def test_gpt2_recipe_goes_below_the_unigram_entropy_and_maps_back(tmp_path):
+    # model=gpt2 over 2 stages (the tied embedding and head on different stages), chunks 8
+    from transformers import GPT2LMHeadModel
+
+    from recipes.models.hf import hf_from_checkpoint
+
+    corpus = _corpus(tmp_path)
+    out = check(
+        run_script(
+            "recipes/train.py",
+            "model=gpt2",
+            f"data.path={corpus}",
+            "data.batch_size=16",
+            "pipeline.chunks=8",
+            "model.lr=1e-2",
+            *FAST,
+            "trainer.max_steps=40",
+            "trainer.val_check_interval=20",
+            "trainer.limit_val_batches=4",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            timeout=220,
+        )
+    )
+    assert "[train] 2 stages, 8 chunks:" in out, out[-3000:]
+    rows = _rows(tmp_path / "run" / "metrics.csv")
+    logged_entropy = [float(r["val_unigram_entropy"]) for r in rows if r.get("val_unigram_entropy")]
+    val_losses = [float(r["val_loss"]) for r in rows if r.get("val_loss")]
+    entropy, windows = _val_windows(ROOT / corpus, seq_len=64, batches=4, batch_size=16)
+    assert logged_entropy == [pytest.approx(entropy, abs=1e-6)]
+    assert len(val_losses) == 2 and val_losses[-1] < entropy, (val_losses, entropy)
+    # the checkpoint maps back into the transformers model (strict=True), which computes the logged val_loss
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    hf = hf_from_checkpoint(ckpt).eval()
+    assert isinstance(hf, GPT2LMHeadModel) and hf.lm_head.weight is hf.transformer.wte.weight
+    with torch.no_grad():
+        logits = hf(windows[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+    assert loss.item() == pytest.approx(val_losses[-1], abs=1e-4)
+
+
+@needs_transformers
+@pytest.mark.slow  # about a minute each on 2 busy cores
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("model", ["llama", "resnet", "vit"])
+def test_transformers_recipe_trains_over_two_stages_and_maps_back(model, tmp_path):
+    from recipes.models.hf import hf_from_checkpoint, hf_sequential
+
+    out = check(
+        run_script(
+            "recipes/train.py",
+            f"model={model}",
+            *_hf_data(model, tmp_path),
+            *FAST,
+            "trainer.max_steps=48",
+            "trainer.val_check_interval=24",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            timeout=220,
+        )
+    )
+    assert "[train] 2 stages, 4 chunks:" in out, out[-3000:]
+    losses = _train_losses(tmp_path / "run")
+    assert len(losses) >= 40 and sum(losses[-8:]) < sum(losses[:8]), losses  # noisy per step
+    ckpt = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    hf = hf_from_checkpoint(ckpt)  # strict=True inside
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]
+    ours = {id(t): k for k, t in hf.state_dict(keep_vars=True).items()}
+    for key, tensor in hf_sequential(hf).state_dict(keep_vars=True).items():
+        torch.testing.assert_close(tensor, saved[f"layers.{key}"], rtol=0, atol=0, msg=ours[id(tensor)])
 
 
 @pytest.mark.timeout(240)

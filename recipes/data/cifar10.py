@@ -151,6 +151,8 @@ class CIFAR10DataModule(SplitDataModule):
 
     Attributes:
         num_classes (int): 10.
+        channels (int): 3.
+        resolution (int): 32, the images' height and width in pixels.
 
     Shapes:
         batch: ``((N, 3, 32, 32) float32, (N,) int64)``.
@@ -160,6 +162,8 @@ class CIFAR10DataModule(SplitDataModule):
     """
 
     num_classes = 10
+    channels = 3
+    resolution = 32
 
     def __init__(self, root: str, batch_size: int = 128, augment: bool = True, num_workers: int = 0) -> None:
         super().__init__()
