@@ -42,7 +42,8 @@ from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import split
 from lightning_gpipe.partition import cut
 from lightning_gpipe.stage import PipelineStage, StageDone
-from lightning_gpipe.timeline import Timeline, gather, plot_gantt, step_stats, write_chrome_trace
+from lightning_gpipe.timeline import Timeline, gather, step_stats
+from lightning_gpipe.trace import plot_gantt, write_chrome_trace
 
 # -- measurement helpers ---------------------------------------------------------------------------
 

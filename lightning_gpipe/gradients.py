@@ -1,4 +1,4 @@
-"""Gradients across processes: data-parallel all-reduce and global-norm clipping over all stages."""
+"""Gradients across processes: tied copies summed, data-parallel all-reduce, global-norm clipping over all stages."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.optim import Optimizer
 
 from lightning_gpipe._compat import flatten_dense_tensors, unflatten_dense_tensors
+from lightning_gpipe.tied import TiedGroups, norm_parameters, sum_tied_gradients
 
 BUCKET_BYTES = 25 * 2**20
 
@@ -103,3 +105,32 @@ def clip_grad_norm_(
         if p.grad is not None:
             p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
     return total
+
+
+def synchronize_gradients(
+    params: Iterable[Tensor], tied_groups: TiedGroups | None, group: object, replicas: int
+) -> None:
+    """Once per optimizer step, after the last backward drain, before clipping and the step: each tied
+    parameter's gradient summed over the stages holding it (:mod:`lightning_gpipe.tied`), then every
+    gradient of ``params`` averaged over the ``replicas`` data-parallel replicas of ``group``."""
+    if tied_groups is not None:
+        sum_tied_gradients(tied_groups)
+    if replicas > 1:
+        allreduce_gradients(params, group, replicas)
+
+
+def clip_optimizer_gradients(
+    optimizer: Optimizer,
+    max_norm: float,
+    norm_type: float,
+    group: object,
+    device: torch.device,
+    tied_groups: TiedGroups | None = None,
+    stage: int = 0,
+) -> Tensor:
+    """``gradient_clip_algorithm="norm"``: :func:`clip_grad_norm_` over ``optimizer``'s parameters, the norm
+    taken over every stage's gradients together (``group``: the pipeline's ranks), a tied parameter counted
+    once (on its owner stage, ``stage`` being this one). Returns the total norm before clipping."""
+    params = [p for param_group in optimizer.param_groups for p in param_group["params"]]
+    counted = norm_parameters(params, tied_groups, stage)
+    return clip_grad_norm_(params, float(max_norm), norm_type, group, device, counted)

@@ -12,6 +12,7 @@ other stages (in epoch-end hooks) are dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -20,8 +21,9 @@ import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 from torch import nn
 
-from lightning_gpipe._compat import attached_trainer
+from lightning_gpipe._compat import attached_trainer, distributed_is_initialized
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, namespace_of, specialize
+from lightning_gpipe.layout import Layout
 from lightning_gpipe.state.optimizer import tensors_to_cpu
 
 if TYPE_CHECKING:
@@ -39,6 +41,24 @@ def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: 
         metrics = trainer.callback_metrics
         metrics.clear()
         metrics.update({k: v.to(device) for k, v in (box[0] or {}).items()})
+
+
+def share_over_pipeline(
+    trainer: pl.Trainer,
+    layout: Layout,
+    rank: int,
+    group: Any,
+    device: torch.device,
+    arrive: Callable[[str, list[int]], None],
+) -> None:
+    """Give every stage of ``rank``'s pipeline (``group``) its last stage's ``trainer.callback_metrics``,
+    after ``arrive(operation, ranks)``: all of the pipeline's ranks must come. Nothing with one stage."""
+    if layout.stages == 1 or not distributed_is_initialized():
+        return
+    replica = layout.replica_of(rank)
+    src = layout.rank(replica, layout.stages - 1)
+    arrive(f"sharing epoch metrics over pipeline {replica}", layout.pipeline_ranks(replica))
+    share_last_stage_metrics(trainer, src, group, device)
 
 
 class _ShareLastStageMetricsLogic(_Base):

@@ -6,19 +6,18 @@ loss message; ``backward`` runs the user's loss backward on the last stage and t
 drain on every stage; ``optimizer_step`` steps each stage's own optimizer on its own parameters.
 Where the rest lives: rank layout (:mod:`~lightning_gpipe.layout`), process groups
 (:mod:`~lightning_gpipe.groups`, bounded by :mod:`~lightning_gpipe.arrival`), the balance
-(:mod:`~lightning_gpipe.balance.choose`), cutting and installing the stage
-(:mod:`~lightning_gpipe.partition`), its starting weights (:mod:`~lightning_gpipe.start_state`,
-:mod:`~lightning_gpipe.materialize`), saved state (:mod:`~lightning_gpipe.state`) and reading it
-(:mod:`~lightning_gpipe.loading`), metrics (:mod:`~lightning_gpipe.metrics`), the launcher
-(:mod:`~lightning_gpipe.launcher`).
+(:mod:`~lightning_gpipe.balance.choose`), the stage's life in the module from setup to teardown
+(:mod:`~lightning_gpipe.pipelined`, cutting in :mod:`~lightning_gpipe.partition`), its starting
+weights (:mod:`~lightning_gpipe.start_state`, :mod:`~lightning_gpipe.materialize`), gradients
+(:mod:`~lightning_gpipe.gradients`), the checkpoint hooks (:mod:`~lightning_gpipe.state.hooks`),
+metrics (:mod:`~lightning_gpipe.metrics`), the timeline (:mod:`~lightning_gpipe.timeline`,
+:mod:`~lightning_gpipe.trace`), the launcher (:mod:`~lightning_gpipe.launcher`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
-from collections import OrderedDict
+import functools
 from collections.abc import Generator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -32,33 +31,31 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_info, rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe import _compat, groups, loading, metrics, partition, precision, state, tied
+from lightning_gpipe import _compat, groups, loading, metrics, partition, precision, state
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, check_collective_timeout, watch_signals
-from lightning_gpipe.balance.choose import check_balance_spec, choose_balance, log_choice, profiled
+from lightning_gpipe.balance.choose import check_balance_spec, choose_balance
 from lightning_gpipe.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.callbacks import adapt_callbacks, restore_callbacks
 from lightning_gpipe.failure import report_and_abort
-from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_
+from lightning_gpipe.gradients import clip_optimizer_gradients, synchronize_gradients
 from lightning_gpipe.launcher import check_start_method, new_launcher
 from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
 from lightning_gpipe.loading import UnsafeCheckpointError
-from lightning_gpipe.materialize import check_nothing_meta, check_stage_only_balance, has_meta
 from lightning_gpipe.microbatch import check_chunks
 from lightning_gpipe.partition import PartitionError
+from lightning_gpipe.pipelined import Pipelined
 from lightning_gpipe.recompute import check_mode
-from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageDone, build_stage
-from lightning_gpipe.start_state import start_stage
-from lightning_gpipe.state import sharded
-from lightning_gpipe.timeline import Timeline, publish
-
-log = logging.getLogger(__name__)
+from lightning_gpipe.stage import PipelineStage, StageDone, build_stage
+from lightning_gpipe.state.hooks import SavedState
+from lightning_gpipe.timeline import Timeline
+from lightning_gpipe.trace import publish
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning strategy it becomes
     _Base = ParallelStrategy
@@ -180,28 +177,19 @@ class _GPipeStrategyLogic(_Base):
         self.collective_timeout = check_collective_timeout(collective_timeout)
         self.weights_only = loading.check_weights_only(weights_only)
         self.timeline, self.timeline_dir = timeline, timeline_dir
-        self.balance_used: list[int] | None = None  # the balance the stages were cut with
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
         self.last_grad_norm: Tensor | None = None  # total gradient norm before the last clip (inspection)
-        self.last_received_skips: list[tuple[str, int]] | None = None  # (skip, source stage), at teardown
         self.process_group_backend = process_group_backend  # chosen by device at set-up when None
         self._timeout = timeout
         self.num_nodes = 1  # set by the Trainer
-        self._stage: PipelineStage | None = None
-        self._installed: partition.Installed | None = None  # where the stage replaced the user's Sequential
+        self._pipelined = Pipelined()  # this rank's stage in the module, from setup to teardown
         self._groups: groups.Groups | None = None
-        self.tied: list[tied.Tied] = []  # parameters shared by layers on different stages
-        self._tied_groups: tied.TiedGroups | None = None
         self._metric_sharing: metrics.ShareLastStageMetrics | None = None
         self._timeline: Timeline | None = None
         self._failed = False
         self.compile = partition.check_compile(compile)
-        # the user's compiled wrappers, back after fit
-        self._uncompiled: list[tuple[nn.Module, str, Any]] = []
-        self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
         self.start_method = check_start_method(start_method)
-        self._lazy_checkpoint: loading.LazyCheckpoint | None = None  # the full checkpoint being restored
-        self._stage_only = False  # built on the meta device: each rank holds only its stage
+        self._saved = SavedState(self._pipelined)  # the checkpoint hooks' work, the file being restored
 
     @property
     def accelerator(self) -> Any:
@@ -263,9 +251,14 @@ class _GPipeStrategyLogic(_Base):
         return module
 
     @property
-    def _plain_names(self) -> list[str] | None:
-        """The user's Sequential's parameter names, in model order, while the stage is installed."""
-        return partition.plain_parameter_names(self._installed) if self._installed is not None else None
+    def balance_used(self) -> list[int] | None:
+        """The balance the stages were cut with (layers per stage); ``None`` before setup."""
+        return self._pipelined.balance
+
+    @property
+    def last_received_skips(self) -> list[tuple[str, int]] | None:
+        """``(skip, source stage)`` pairs this stage received, kept at teardown (inspection)."""
+        return self._pipelined.received_skips
 
     @property
     def _torch_optimizers(self) -> list[Optimizer]:
@@ -317,88 +310,49 @@ class _GPipeStrategyLogic(_Base):
             yield
 
     def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
-        """Raise before any process starts if the model cannot be cut (:func:`.partition.check_model`).
-
-        A ``torch.compile``-d Sequential is replaced by the Sequential itself first
-        (:func:`.partition.uncompile`); each stage is compiled with the user's settings instead.
-        """
-        undone, user_compile = partition.uncompile(model)
-        if undone:
-            self._uncompiled += undone
-            self._user_compile = user_compile
-        return partition.check_model(model, self.module_name, self.balance, self.layout.stages)
+        """Raise before any process starts if the model cannot be cut (:meth:`.Pipelined.check_model`)."""
+        return self._pipelined.check_model(model, self.module_name, self.balance, self.layout.stages)
 
     def _partition(self) -> None:
         """Cut the user's Sequential and put this rank's :class:`PipelineStage` in its place."""
         model = self._module
-        name, seq, balance = self.check_model(model)
-        self._stage_only = has_meta(seq)
-        if self._stage_only:
-            check_stage_only_balance(self.balance)
-        balance = choose_balance(
-            self.balance, model, seq, balance, stages=self.layout.stages, chunks=self.chunks_used,
+        choose = functools.partial(
+            choose_balance, self.balance, model, stages=self.layout.stages, chunks=self.chunks_used,
             device=self.root_device, rank=self.global_rank, broadcast=self.broadcast,
             to_device=self.batch_to_device, optimizer_state_factor=self.optimizer_state_factor,
         )  # fmt: skip
-        partition.check_tied_parameters(seq, balance)
-        start_stage(
-            model, name, seq, balance, self.layout, self.global_rank, self.root_device, self._stage_only
-        )
-        stage = build_stage(
-            seq, balance, self.layout, self.global_rank, self.chunks_used, self.checkpoint, self.root_device
-        )
-        self._installed = partition.install(model, name, stage, deferred_batch_norm=self.deferred_batch_norm)
-        self.tied = tied.find_tied(seq, balance)
-        stage_compile = partition.stage_compiler(self.compile, self._user_compile)
-        if stage_compile is not None:
-            stage.compile(stage_compile)
-        self._stage = stage
-        check_nothing_meta(model)
-        self.balance_used = balance
-        self._describe(model, seq, balance)
 
-    def _describe(self, model: pl.LightningModule, seq: nn.Sequential, balance: list[int]) -> None:
-        """Start the stage's timeline (``timeline=True``); log the placement, the balance chosen and this stage."""
+        def build(seq: nn.Sequential, balance: list[int]) -> PipelineStage:
+            layout, rank, device = self.layout, self.global_rank, self.root_device
+            return build_stage(seq, balance, layout, rank, self.chunks_used, self.checkpoint, device)
+
+        stage = self._pipelined.install(
+            model, self.check_model(model), self.balance, self.layout, self.global_rank, self.root_device,
+            choose, build, deferred_batch_norm=self.deferred_batch_norm, compile=self.compile,
+        )  # fmt: skip
         if self.timeline:
             replica = self.layout.replica_of(self.global_rank)
-            self._timeline = self._pipe.timeline = Timeline(
+            self._timeline = stage.timeline = Timeline(
                 self.stage_index, self.layout.stages, self.global_rank, replica
             )
-        if self.is_global_zero:
-            ranks = [self.layout.rank(0, j) for j in range(self.layout.stages)]
-            rank_zero_info(partition.placement(seq, balance, ranks))
-        if isinstance(self.balance, str) and self.is_global_zero and profiled(model):
-            log_choice(model, self.balance, balance)
-        where = f"rank {self.global_rank} runs stage {self.stage_index}/{self.layout.stages}"
-        log.info(f"gpipe: {where} with layers {self._pipe.layer_names}")
+        self._pipelined.describe(model, self.balance, self.layout, self.global_rank)
 
     def _unpartition(self) -> None:
         """Put the user's full Sequential back, loaded with every stage's trained state."""
-        if self._installed is None or self._stage is None:
-            return
-        self.last_received_skips = list(self._stage.received_skips)
-        full = None
-        if not self._failed and not self._stage_only and _compat.distributed_is_initialized():
-            self._arrive("gathering the model's state (end of fit)")
-            full = state.gather_sequential_state(
-                self._stage, self.layout, self.global_rank, to_all=True, tied=self.tied
-            )
-        partition.uninstall(self._installed, full)
-        partition.recompile(self._uncompiled)
-        self._installed, self._stage, self._uncompiled = None, None, []
+        gather = not self._failed and _compat.distributed_is_initialized()
+        self._pipelined.uninstall(self.layout, self.global_rank, self._arrive, gather=gather)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._partition()  # before the optimizers: they only ever see this stage's parameters
-        assert self.model is not None and self._stage is not None and self._groups is not None
+        assert self.model is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        state.broadcast_from_first_replica(self._stage, self.layout, self.global_rank, self._groups.data)
-        if self.tied and _compat.distributed_is_initialized():
-            self._tied_groups = tied.new_tied_groups(self.tied, self._stage, self.layout, self.global_rank)
-            tied.broadcast_tied(self._tied_groups)  # the copies start equal
+        state.broadcast_from_first_replica(self._pipe, self.layout, self.global_rank, self._groups.data)
+        if _compat.distributed_is_initialized():
+            self._pipelined.tie(self.layout, self.global_rank)  # the tied copies start equal
         metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_optimizers(trainer)
@@ -407,29 +361,15 @@ class _GPipeStrategyLogic(_Base):
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         self._metric_sharing = metrics.install_metric_sharing(trainer, self.share_last_stage_metrics)
-        name = self._installed.name if self._installed is not None else ""
-        replicas, last = self.layout.replicas, self.is_last_stage
+        pipelined, replicas, last = self._pipelined, self.layout.replicas, self.is_last_stage
         adapt_callbacks(
-            trainer, self._module, self.namespace, name, self._cut_copy, replicas, last, self.whole_model
-        )
-
-    def _cut_copy(self, seq: nn.Sequential) -> nn.Module:
-        """This stage's part of a copy of the pipelined Sequential (a callback's copy of the module)."""
-        assert self.balance_used is not None
-        return nn.Sequential(OrderedDict(partition.cut(seq, self.balance_used, self.stage_index)))
-
-    def whole_model(self) -> contextlib.AbstractContextManager[None]:
-        """The module holds its whole Sequential (every stage's layers; other stages' weights are not
-        trained here) inside this context, the stage again after it. For summaries that count the model."""
-        return partition.whole_sequential(self._installed, self._stage)
+            trainer, self._module, self.namespace, pipelined.name or "", pipelined.cut_copy, replicas, last,
+            pipelined.whole_model,
+        )  # fmt: skip
 
     def _setup_optimizers(self, trainer: pl.Trainer) -> None:
-        partition.add_placeholder_parameter(self._pipe, self.root_device)  # if none is trainable
-        self._pipe.configuring = True  # layers of other stages are empty there (PipelineStage.__getitem__)
-        try:
+        with self._pipelined.configuring(self.root_device):  # over this stage's parameters only
             self.setup_optimizers(trainer)
-        finally:
-            self._pipe.configuring = False
         if len(self.optimizers) > 1:
             raise ValueError(
                 f"configure_optimizers returned {len(self.optimizers)} optimizers; the gpipe strategy runs one "
@@ -439,15 +379,13 @@ class _GPipeStrategyLogic(_Base):
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
         assert self._groups is not None
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        counted = tied.norm_parameters(params, self._tied_groups, self.stage_index)  # a tied parameter once
-        self.last_grad_norm = clip_grad_norm_(
-            params,
-            float(clip_val),
-            self.gradient_clip_norm_type,
+        group, tied_groups, norm_type = (
             self._groups.pipeline,
-            self.root_device,
-            counted,
+            self._pipelined.tied_groups,
+            self.gradient_clip_norm_type,
+        )
+        self.last_grad_norm = clip_optimizer_gradients(
+            optimizer, clip_val, norm_type, group, self.root_device, tied_groups, self.stage_index
         )
 
     @override
@@ -459,8 +397,8 @@ class _GPipeStrategyLogic(_Base):
 
     @property
     def _pipe(self) -> PipelineStage:
-        assert self._stage is not None, "the stage exists from setup to teardown"
-        return self._stage
+        assert self._pipelined.stage is not None, "the stage exists from setup to teardown"
+        return self._pipelined.stage
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -471,14 +409,7 @@ class _GPipeStrategyLogic(_Base):
         if self.deferred_batch_norm:
             commit_deferred_batch_norm(stage)  # once per mini-batch, after all its micro-batches
         if not stage.ran_forward:
-            if out is not None:
-                name = self._installed.name if self._installed is not None else "?"
-                raise PipelineUsageError(
-                    f"the pipelined module was not called in training_step, which returned a loss (stage "
-                    f"{self.stage_index}): the step ran something other than the pipelined nn.Sequential "
-                    f"{name!r} (a wrapper or a reference to it kept from before fit) and would train "
-                    "wrongly; call the Sequential itself (it may be torch.compile-d: the strategy compiles each stage)"
-                )
+            self._pipelined.refuse_uncalled(out)
             return out
         return stage.share_outcome(out, _compat.attached_trainer(self._module), training=True)
 
@@ -536,11 +467,11 @@ class _GPipeStrategyLogic(_Base):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
         self._pipe.backward()
-        if self._tied_groups is not None and not self._accumulating():  # once per optimizer step
-            tied.sum_tied_gradients(self._tied_groups)  # before clipping and the step
-        if self.layout.replicas > 1 and not self._accumulating():
-            assert self._groups is not None
-            allreduce_gradients(self._pipe.parameters(), self._groups.data, self.layout.replicas)
+        if not self._accumulating():  # once per optimizer step, before clipping and the step
+            data = self._groups.data if self._groups is not None else None
+            synchronize_gradients(
+                self._pipe.parameters(), self._pipelined.tied_groups, data, self.layout.replicas
+            )
         if self._timeline is not None:
             self._timeline.end_step()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
@@ -568,13 +499,9 @@ class _GPipeStrategyLogic(_Base):
 
     def share_last_stage_metrics(self, trainer: pl.Trainer) -> None:
         """Give every stage of each pipeline its last stage's ``trainer.callback_metrics``."""
-        layout = self.layout
-        if layout.stages == 1 or self._groups is None or not _compat.distributed_is_initialized():
-            return
-        replica = layout.replica_of(self.global_rank)
-        src = layout.rank(replica, layout.stages - 1)
-        self._arrive(f"sharing epoch metrics over pipeline {replica}", layout.pipeline_ranks(replica))
-        metrics.share_last_stage_metrics(trainer, src, self._groups.pipeline, self.root_device)
+        if self._groups is not None:
+            group, layout, rank = self._groups.pipeline, self.layout, self.global_rank
+            metrics.share_over_pipeline(trainer, layout, rank, group, self.root_device, self._arrive)
 
     @override
     def reduce(
@@ -599,7 +526,7 @@ class _GPipeStrategyLogic(_Base):
         groups.arrive_all("broadcast", self.collective_timeout)
         return groups.broadcast_object(obj, src)
 
-    # -- checkpoints (lightning_gpipe.state) -----------------------------------------------------
+    # -- checkpoints (lightning_gpipe.state.hooks) ------------------------------------------------
 
     @property
     @override
@@ -614,85 +541,49 @@ class _GPipeStrategyLogic(_Base):
         """Write the checkpoint (``checkpoint_format``), recording the pipeline under ``checkpoint["gpipe"]``."""
         record = {"balance": self.balance_used, "balance_by": self.balance, "chunks": self.chunks_used}
         checkpoint["gpipe"] = {**record, "stages": self.layout.stages}
-        if self.checkpoint_format == "sharded" and _compat.distributed_is_initialized():
-            return sharded.save_sharded(checkpoint, filepath, self._module, self._torch_optimizers)
+        if self.checkpoint_format == "sharded":
+            if self._saved.save_sharded(checkpoint, filepath, self._module, self._torch_optimizers):
+                return
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read this rank's part of a checkpoint, with torch's safe unpickler unless ``weights_only=False``.
-
-        ``weights_only`` (or, when ``None``, the strategy's ``weights_only``) decides how every
-        file is unpickled, the sharded checkpoint's metadata included. A full checkpoint file is
-        read stage by stage (:func:`lightning_gpipe.loading.stage_part`): the other stages'
-        tensors are never read, this stage's are read when loaded.
+        """This rank's part of a checkpoint (:meth:`.SavedState.load`), unpickled safely unless
+        ``weights_only=False`` (``None``: the strategy's ``weights_only``).
 
         Raises:
             UnsafeCheckpointError: the safe unpickler refuses the file (the message names it
                 and the opt-in).
         """
         weights_only = self.weights_only if weights_only is None else weights_only
-        if sharded.is_sharded(checkpoint_path):
-            return sharded.load_sharded(checkpoint_path, self._module, self._torch_optimizers, weights_only)
-        if not os.path.isfile(
-            checkpoint_path
-        ):  # a remote path: the CheckpointIO reads it, safely unless opted out
-            return super().load_checkpoint(checkpoint_path, weights_only=loading.safe(weights_only))
-        self._lazy_checkpoint = loading.LazyCheckpoint(checkpoint_path, weights_only)
-        owners = [name for name in self._tied_aliases().values() if name is not None]  # tied copies' states
-        return loading.stage_part(self._lazy_checkpoint, self.lightning_module, self._plain_names, owners)
+        module, optimizers = self.lightning_module, self._torch_optimizers
+        return self._saved.load(checkpoint_path, weights_only, module, optimizers, super().load_checkpoint)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
-        name = self._installed.name if self._installed is not None else None
-        return state.module_state_dict(
-            self._module, self._stage, name, self.layout, self.global_rank, self._arrive, self.tied
-        )
+        return self._saved.model_state(self._module, self.layout, self.global_rank, self._arrive)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """On rank 0: one optimizer ``state_dict`` over the whole model (:func:`.state.merged_optimizer_state`)."""
         if self.checkpoint_format == "sharded":
             return {}  # each stage writes its own shard in save_checkpoint
-        optimizer = _compat.unwrap_optimizer(optimizer)
-        if _compat.distributed_is_initialized() and self.layout.world_size > 1:
-            self._arrive("gathering optimizer states (save_checkpoint)")
-        order = self._plain_names
-        return state.merged_optimizer_state(
-            optimizer, self._module, self.layout, self.global_rank, order, self._tied_aliases()
+        return self._saved.optimizer_state(
+            optimizer, self._module, self.layout, self.global_rank, self._arrive
         )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name)."""
-        states = checkpoint["optimizer_states"]
-        if checkpoint.get(sharded.SHARDED_KEY):
-            return sharded.set_sharded_optimizer_states(self._module, self._torch_optimizers, states)
-        plain = self._plain_names
-        lazy = self._lazy_checkpoint
-        state.load_optimizer_states(
-            self._module, self._torch_optimizers, states, plain, self.root_device,
-            tied_aliases=self._tied_aliases(), read=lazy.materialize if lazy is not None else None,
-        )  # fmt: skip
-
-    def _tied_aliases(self) -> dict[str, str | None]:
-        """This stage's names (in the model) of tied parameters: the owner's name, or ``None`` on the owner."""
-        if self._installed is None:
-            return {}
-        prefix = self._installed.name + "."
-        aliases = tied.canonical_name(self.tied, self.stage_index)
-        return {prefix + k: None if v is None else prefix + v for k, v in aliases.items()}
+        self._saved.load_optimizer_states(checkpoint, self._module, self._torch_optimizers, self.root_device)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Load a full checkpoint into the full or the partitioned module (keeping this stage's keys)."""
-        partitioned = self._stage is not None
-        loading.load_model_state(
-            self._module, checkpoint["state_dict"], strict, self._lazy_checkpoint, partitioned
-        )
+        self._saved.load_model_state(self._module, checkpoint, strict)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -723,8 +614,8 @@ class _GPipeStrategyLogic(_Base):
             restore_callbacks(module.trainer)
         metrics.remove_metric_sharing(self.lightning_module, self._metric_sharing)
         self._metric_sharing = None
-        self._lazy_checkpoint = None
-        if self._stage_only:
+        self._saved.lazy = None
+        if self._pipelined.stage_only:
             # Lightning moves the module to the CPU: first the stage alone, not the other stages' meta layers
             super().teardown()
             self._unpartition()

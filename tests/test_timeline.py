@@ -8,14 +8,8 @@ import json
 import pytest
 
 from lightning_gpipe.simulate import simulate
-from lightning_gpipe.timeline import (
-    Timeline,
-    chrome_trace,
-    mean_bubble_per_step,
-    plot_gantt,
-    step_stats,
-    write_chrome_trace,
-)
+from lightning_gpipe.timeline import Timeline, mean_bubble_per_step, step_stats
+from lightning_gpipe.trace import chrome_trace, plot_gantt, write_chrome_trace
 from tests._harness import check, run_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
