@@ -9,6 +9,7 @@ import importlib
 from lightning_gpipe import _namespace
 from lightning_gpipe.failure import StageError
 from lightning_gpipe.loading import UnsafeCheckpointError, load_from_checkpoint
+from lightning_gpipe.microbatch import MicroBatchError, no_chunk
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.schedule import Action, fill_drain, format_grid
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError
@@ -33,6 +34,7 @@ _namespace.register_twins(GPipeStrategy)
 __all__ = [
     "Action",
     "GPipeStrategy",
+    "MicroBatchError",
     "PartitionError",
     "PipelineStage",
     "PipelineUsageError",
@@ -42,4 +44,5 @@ __all__ = [
     "format_grid",
     "strategy_class",
     "load_from_checkpoint",
+    "no_chunk",
 ]

@@ -31,6 +31,11 @@ from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
 from torch.amp import GradScaler
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.optim import Optimizer
+from torch.utils._pytree import TreeSpec
+from torch.utils._pytree import keystr as _keystr
+from torch.utils._pytree import tree_flatten as _tree_flatten
+from torch.utils._pytree import tree_flatten_with_path as _tree_flatten_with_path
+from torch.utils._pytree import tree_unflatten as _tree_unflatten
 
 __all__ = [
     "BatchNormBase",
@@ -42,6 +47,10 @@ __all__ = [
     "compiled_module",
     "example_input_slot",
     "throughputs",
+    "TreeSpec",
+    "tree_flatten",
+    "tree_leaf_paths",
+    "tree_unflatten",
     "MultiProcessingLauncher",
     "SubprocessScriptLauncher",
     "attached_trainer",
@@ -203,6 +212,23 @@ def load_module_state(
     from pytorch_lightning.core.saving import _load_state
 
     return _load_state(cls, checkpoint, strict=strict, **kwargs)
+
+
+def tree_flatten(value: Any) -> tuple[list[Any], TreeSpec]:
+    """``value``'s leaves in order (tuple and list order, dict insertion order) and its structure
+    (torch's pytree: dicts, lists, tuples, namedtuples and registered types are nodes; ``None`` and
+    any other object is a leaf)."""
+    return _tree_flatten(value)
+
+
+def tree_unflatten(leaves: list[Any], spec: TreeSpec) -> Any:
+    """Inverse of :func:`tree_flatten`: ``spec``'s structure holding ``leaves``."""
+    return _tree_unflatten(leaves, spec)
+
+
+def tree_leaf_paths(value: Any) -> list[tuple[str, Any]]:
+    """``(path, leaf)`` for every leaf of ``value``, paths written as indexing (``['rope'][0]``)."""
+    return [(_keystr(path), leaf) for path, leaf in _tree_flatten_with_path(value)[0]]
 
 
 def migrate_checkpoint(checkpoint: dict[str, Any], path: Any) -> dict[str, Any]:

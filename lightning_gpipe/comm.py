@@ -1,7 +1,10 @@
 """Point-to-point transport between stages: the message header codec and :class:`P2P`.
 
 Every message is a fixed-size int64 *header* followed by the tensors it describes, so shapes and
-dtypes travel with the data on every step (nothing is cached from the first step). Sends are
+dtypes travel with the data on every step (nothing is cached from the first step). A value that is
+not a tensor or a tuple of tensors (a dict, nested lists, ``None``, numbers, strings:
+:mod:`lightning_gpipe.microbatch`) sends its structure and non-tensor leaves as a last uint8 tensor
+of compact JSON (:func:`encode_structure`: a restricted codec, never pickle). Sends are
 asynchronous (``isend``) and their waits are deferred to :meth:`P2P.flush`, so a stage computes
 micro-batch ``i+1`` while micro-batch ``i`` travels. Receives the stage knows are coming
 (:meth:`P2P.expect`: the rest of a phase's micro-batches) are taken in the background, so that
@@ -11,18 +14,33 @@ micro-batch ``i+1`` arrives while the stage computes micro-batch ``i``. Transpor
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["HEADER_SLOTS", "P2P", "Meta", "decode_header", "encode_header", "join_receives"]
+from lightning_gpipe.microbatch import CONSTANTS, SLOT, TREE, TUPLE, MicroBatchError, Structure
+
+__all__ = [
+    "HEADER_SLOTS",
+    "P2P",
+    "Meta",
+    "decode_header",
+    "decode_message",
+    "decode_structure",
+    "encode_header",
+    "encode_message",
+    "encode_structure",
+    "join_receives",
+]
 
 HEADER_SLOTS = 64
 _DTYPES: list[torch.dtype] = [
@@ -42,17 +60,30 @@ _DTYPES: list[torch.dtype] = [
 _CODE = {dt: k for k, dt in enumerate(_DTYPES)}
 
 
-def encode_header(tensors: Sequence[Tensor], is_tuple: bool, chunks: int, device: torch.device) -> Tensor:
-    """Pack ``[chunks, is_tuple, n, (dtype, requires_grad, ndim, *shape) × n]`` into int64 slots.
+def encode_header(
+    tensors: Sequence[Tensor], structure: Structure | None, chunks: int, device: torch.device, blob: int = 0
+) -> Tensor:
+    """Pack ``[chunks, kind, n, (dtype, flags, ndim, *shape) × n]`` into int64 slots.
+
+    ``kind`` is ``structure.kind`` (``None``: a tuple of tensors, none replicated); ``flags`` is
+    ``requires_grad | replicated << 1``. A :data:`~lightning_gpipe.microbatch.TREE` message also
+    describes its structure's ``blob`` bytes (:func:`encode_message`), as a last uint8 tensor.
 
     Raises:
-        ValueError: the description does not fit in :data:`HEADER_SLOTS` slots.
+        ValueError: a tensor's dtype has no code, or the description does not fit in
+            :data:`HEADER_SLOTS` slots.
     """
-    fields = [chunks, int(is_tuple), len(tensors)]
-    for t in tensors:
+    if structure is None:
+        kind, whole = TUPLE, (False,) * len(tensors)
+    else:
+        kind, whole = structure.kind, structure.whole
+    fields = [chunks, kind, len(tensors) + (kind == TREE)]
+    for t, w in zip(tensors, whole):
         if t.dtype not in _CODE:
             raise ValueError(f"cannot send a tensor of dtype {t.dtype} between stages")
-        fields += [_CODE[t.dtype], int(t.requires_grad), t.dim(), *t.shape]
+        fields += [_CODE[t.dtype], int(t.requires_grad) | int(w) << 1, t.dim(), *t.shape]
+    if kind == TREE:
+        fields += [_CODE[torch.uint8], 0, 1, blob]
     if len(fields) > HEADER_SLOTS:
         raise ValueError(
             f"a stage boundary carries {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dims in all, "
@@ -65,23 +96,121 @@ def encode_header(tensors: Sequence[Tensor], is_tuple: bool, chunks: int, device
 
 @dataclass(frozen=True)
 class Meta:
-    """What a header says: the number of micro-batches M, tuple-ness and each tensor's (shape, dtype, requires_grad)."""
+    """What a message says: the number of micro-batches M, the value's structure and each tensor's
+    (shape, dtype, requires_grad).
+
+    ``blob`` is the byte count of a :data:`~lightning_gpipe.microbatch.TREE` structure that follows
+    the tensors (0: none); until it is decoded, such a structure holds only ``kind`` and ``whole``.
+    """
 
     chunks: int
-    is_tuple: bool
+    structure: Structure
     specs: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
+    blob: int = 0
 
 
 def decode_header(header: Tensor) -> Meta:
+    """Inverse of :func:`encode_header`."""
     h = header.tolist()
-    chunks, is_tuple, n = h[0], bool(h[1]), h[2]
-    specs, k = [], 3
+    chunks, kind, n = h[0], h[1], h[2]
+    specs, whole, k = [], [], 3
     for _ in range(n):
-        code, rg, ndim = h[k], bool(h[k + 1]), h[k + 2]
+        code, flags, ndim = h[k], h[k + 1], h[k + 2]
         shape = tuple(h[k + 3 : k + 3 + ndim])
-        specs.append((shape, _DTYPES[code], rg))
+        specs.append((shape, _DTYPES[code], bool(flags & 1)))
+        whole.append(bool(flags & 2))
         k += 3 + ndim
-    return Meta(chunks, is_tuple, tuple(specs))
+    blob = specs.pop()[0][0] if kind == TREE else 0
+    return Meta(chunks, Structure(kind, tuple(whole[: len(specs)])), tuple(specs), blob)
+
+
+def encode_message(
+    tensors: Sequence[Tensor], structure: Structure | None, chunks: int, device: torch.device
+) -> list[Tensor]:
+    """What travels for a value: ``[header, *tensors, blob]``, ``blob`` (uint8) only for a
+    :data:`~lightning_gpipe.microbatch.TREE`; ``structure=None`` sends a tuple of tensors.
+
+    Raises:
+        ValueError: see :func:`encode_header`.
+        MicroBatchError: the structure holds a node or a dict key that cannot travel (see
+            :func:`encode_structure`).
+    """
+    payload = [t.detach().contiguous() for t in tensors]
+    if structure is None or structure.kind != TREE:
+        return [encode_header(tensors, structure, chunks, device), *payload]
+    data = encode_structure(structure)
+    blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    return [encode_header(tensors, structure, chunks, device, len(data)), *payload, blob]
+
+
+def decode_message(meta: Meta, received: list[Tensor]) -> tuple[Meta, list[Tensor]]:
+    """The message's meta and tensors once every tensor :func:`decode_header` announced has arrived
+    (the blob, last, decoded into the structure)."""
+    if not meta.blob:
+        return meta, received
+    blob = received.pop()
+    structure = decode_structure(blob.cpu().numpy().tobytes(), meta.structure.whole)
+    return replace(meta, structure=structure), received
+
+
+def encode_structure(structure: Structure) -> bytes:
+    """A :data:`~lightning_gpipe.microbatch.TREE` structure as compact JSON: a restricted codec, no pickle.
+
+    Nodes are ``["t", ...]`` (tuple), ``["l", ...]`` (list), ``["d", [key, value], ...]`` (dict)
+    and ``["o", ...]`` (OrderedDict); ``["T"]`` is a tensor's place; leaves and dict keys are
+    JSON's own ``null``, ``true``/``false``, numbers (``NaN`` and ``Infinity`` included) and strings.
+
+    Raises:
+        MicroBatchError: a node of another type (a namedtuple, a dataclass, a ``ModelOutput``) or a
+            dict key that is not a constant; the message names its path.
+    """
+    return json.dumps(_encode(structure.template(), ""), separators=(",", ":")).encode()
+
+
+def decode_structure(data: bytes, whole: Sequence[bool]) -> Structure:
+    """Inverse of :func:`encode_structure` (``whole``: per tensor, from the header)."""
+    return Structure.of_template(_decode(json.loads(data)), whole)
+
+
+def _encode(node: Any, path: str) -> Any:
+    if node is SLOT:
+        return ["T"]
+    if type(node) in CONSTANTS:
+        return node
+    if type(node) in (tuple, list):
+        return [
+            "t" if type(node) is tuple else "l",
+            *(_encode(c, f"{path}[{k}]") for k, c in enumerate(node)),
+        ]
+    if type(node) in (dict, OrderedDict):
+        for key in node:
+            if type(key) not in CONSTANTS:
+                raise MicroBatchError(
+                    f"a value between stages has a dict key of type {type(key).__name__} at {path or 'its top'} "
+                    f"({key!r}); keys that travel between stages are str, int, float, bool or None"
+                )
+        items = ([k, _encode(v, f"{path}[{k!r}]")] for k, v in node.items())
+        return ["d" if type(node) is dict else "o", *items]
+    raise MicroBatchError(
+        f"a value between stages holds a {type(node).__name__} at {path or 'its top'}; between stages the "
+        "pipeline carries dicts, lists and tuples (of tensors, None, bool, int, float, str): return its "
+        "fields as a dict or a tuple"
+    )
+
+
+def _decode(node: Any) -> Any:
+    if not isinstance(node, list):
+        return node
+    tag, *rest = node
+    if tag == "T":
+        return SLOT
+    if tag in ("t", "l"):
+        children = [_decode(c) for c in rest]
+        return tuple(children) if tag == "t" else children
+    if tag in ("d", "o"):
+        pairs = [(k, _decode(v)) for k, v in rest]
+        return dict(pairs) if tag == "d" else OrderedDict(pairs)
+    raise ValueError(f"unknown node {tag!r} in a message's structure")
 
 
 class P2P:
@@ -105,11 +234,12 @@ class P2P:
         self._pending: list[tuple[dist.Work, object]] = []
         self._inboxes: dict[int, _Inbox] = {}
 
-    def send(self, tensors: Sequence[Tensor], dst: int, *, is_tuple: bool = True, chunks: int = 0) -> None:
-        """Post an asynchronous send of a header and ``tensors`` to ``dst``; waits happen in :meth:`flush`."""
-        header = encode_header(tensors, is_tuple, chunks, self.device)
-        payload = [header] + [t.detach().contiguous() for t in tensors]
-        for t in payload:
+    def send(
+        self, tensors: Sequence[Tensor], dst: int, *, structure: Structure | None = None, chunks: int = 0
+    ) -> None:
+        """Post an asynchronous send of ``tensors`` (the value ``structure`` describes; ``None``: a
+        tuple of tensors) to ``dst`` (:func:`encode_message`); waits happen in :meth:`flush`."""
+        for t in encode_message(tensors, structure, chunks, self.device):
             work = dist.isend(t, dst)
             assert work is not None
             self._pending.append((work, t))  # keep the buffer alive until the send completes
@@ -144,10 +274,12 @@ class P2P:
         _wait(dist.irecv(header, src))
         meta = decode_header(header)
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
+        if meta.blob:
+            tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))
         works = [dist.irecv(t, src) for t in tensors]
         for w in works:
             _wait(w)
-        return meta, tensors
+        return decode_message(meta, tensors)
 
     def flush(self) -> None:
         """Wait for every posted send."""

@@ -7,8 +7,9 @@ strategy therefore runs the user's ``training_step`` once per micro-batch, as
 ``accumulate_grad_batches`` would run it once per batch:
 
 - the batch is split like the pipeline's input: every tensor of the batch (any nesting of
-  tuples, lists, dicts, dataclasses) along dim 0 into ``min(M, N)`` parts of
-  :func:`lightning_gpipe.microbatch.sizes` ``(N, M)``; other values reach every call whole;
+  tuples, lists, dicts, dataclasses) with the batch's dim 0 ``N`` into ``min(M, N)`` parts of
+  :func:`lightning_gpipe.microbatch.sizes` ``(N, M)``; other tensors (0-d, another dim 0, marked
+  with ``no_chunk``) and other values reach every call whole;
 - the loss call ``i`` returns (a tensor, or a dict's ``"loss"``) is weighted by its share of the
   batch, ``n_i / N``, divided by ``accumulate_grad_batches`` as Lightning divides a loss, scaled
   by the precision plugin's ``GradScaler`` if it has one, and backpropagated by the strategy
@@ -34,7 +35,7 @@ a count that differs between micro-batches, e.g. ``ignore_index`` targets): use
 ``schedule="gpipe"``, which runs ``training_step`` once on the whole batch.
 
 Refused before any process starts (:func:`check_model`): manual optimization. Refused during the
-step: a batch whose tensors disagree on dim 0, a call that returns no loss on the last stage, a
+step: a batch without a tensor with a batch dimension, a call that returns no loss on the last stage, a
 call that does not call the pipelined Sequential while others do.
 """
 
@@ -49,7 +50,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_gpipe import _compat
-from lightning_gpipe.microbatch import sizes
+from lightning_gpipe.microbatch import _marked, sizes
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageDone
 
 __all__ = ["MicroSteps", "check_model", "split_batch"]
@@ -75,27 +76,31 @@ def check_model(model: Any, schedule: str) -> None:
 def split_batch(batch: Any, chunks: int) -> tuple[list[Any], list[int]]:
     """``batch`` as ``min(chunks, N)`` micro-batches, and their sizes (:func:`~lightning_gpipe.microbatch.sizes`).
 
-    Every tensor of the collection is split along dim 0 (``(N, *)`` → ``(n_i, *)``, larger parts
-    first); anything else is shared by every part.
+    The pipeline's split rule (:func:`lightning_gpipe.microbatch.scatter`) over any collection:
+    ``N`` is dim 0 of the first tensor that has one and is not marked with
+    :func:`~lightning_gpipe.microbatch.no_chunk`; every tensor of that dim 0 is split
+    (``(N, *)`` → ``(n_i, *)``, larger parts first); other tensors (0-d, marked, another dim 0) and
+    every other value reach each part whole.
 
     Raises:
-        ValueError: the batch holds no tensor with a dim 0, or its tensors disagree on dim 0.
+        ValueError: the batch holds no tensor with a batch dimension.
     """
-    found: list[tuple[int, ...]] = []
-    apply_to_collection(batch, Tensor, lambda t: found.append(tuple(t.shape)))
-    leading = sorted({shape[0] for shape in found if shape})
-    if len(leading) != 1 or any(not shape for shape in found):
-        shapes = ", ".join(str(list(s)) for s in found) or "none"
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, found.append)
+    n = next((t.shape[0] for t in found if t.dim() > 0 and not _marked(t)), None)
+    if not n:
+        shapes = ", ".join(str(list(t.shape)) for t in found) or "none"
         raise ValueError(
-            "one training_step per micro-batch splits every tensor of the batch along dim 0, but the batch's "
-            f"tensors do not share one (shapes: {shapes}); give every tensor the batch dimension first, or "
-            "use schedule='gpipe'"
+            "one training_step per micro-batch splits the batch along dim 0, but it holds no tensor with a "
+            f"batch dimension (shapes: {shapes}); give a tensor the batch dimension first, or use schedule='gpipe'"
         )
-    parts = sizes(leading[0], chunks)
+    parts = sizes(n, chunks)
     bounds = [sum(parts[:k]) for k in range(len(parts) + 1)]
-    micro = [
-        apply_to_collection(batch, Tensor, lambda t, a=a, b=b: t[a:b]) for a, b in zip(bounds, bounds[1:])
-    ]
+
+    def part(t: Tensor, a: int, b: int) -> Tensor:
+        return t[a:b] if t.dim() > 0 and t.shape[0] == n and not _marked(t) else t
+
+    micro = [apply_to_collection(batch, Tensor, part, a, b) for a, b in zip(bounds, bounds[1:])]
     return micro, parts
 
 

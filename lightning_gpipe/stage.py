@@ -75,7 +75,7 @@ from lightning_gpipe.comm import P2P, Meta
 from lightning_gpipe.effects import ForwardState
 from lightning_gpipe.failure import naming_errors
 from lightning_gpipe.layout import Layout, StageTopology
-from lightning_gpipe.microbatch import Batch, as_tensors, batch_size, from_tensors, join, split
+from lightning_gpipe.microbatch import Structure, flatten, gather, scatter, unflatten
 from lightning_gpipe.outcome import OutcomeChannel, apply_outcome, outcome_of
 from lightning_gpipe.partition import layer_parts, virtual_cut
 from lightning_gpipe.schedule import Action, Grid
@@ -95,6 +95,16 @@ class PipelineUsageError(RuntimeError):
 
 
 @dataclass
+class _Call:
+    """Last stage: one call of the step, for splitting its leaves' gradients per micro-batch."""
+
+    covered: list[int]  # the micro-batches it covered
+    sizes: list[list[int]]  # per leaf, its parts' dim-0 sizes
+    leaves: tuple[Tensor, ...]  # the detached outputs given to the user
+    whole: tuple[bool, ...]  # per leaf: replicated (micro-batch 0's), not joined
+
+
+@dataclass
 class _Run:
     """One step's execution state: where the cursor stands, the micro-batches and what the forward keeps."""
 
@@ -103,11 +113,11 @@ class _Run:
     column: list[Action]  # this stage's actions (only the forwards when not training)
     whole: bool  # one call covers every micro-batch (schedule="gpipe"); else one call per micro-batch
     micro_batches: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # first stage: given inputs
-    in_tuple: bool = False
+    in_structures: dict[int, Structure] = field(default_factory=dict)  # first stage: how they make values
     first: tuple[Meta, list[Tensor]] | None = None  # other stages: micro-batch 0's message, taken early
     taken: Counter[int] = field(default_factory=Counter)  # messages taken before any announcement
-    out_tuple: bool = False
     # keyed by (micro-batch, virtual stage)
+    out_structures: dict[tuple[int, int], Structure] = field(default_factory=dict)  # how outputs make values
     inputs: dict[tuple[int, int], tuple[Tensor, ...]] = field(default_factory=dict)
     outputs: dict[tuple[int, int], tuple[Tensor, ...]] = field(default_factory=dict)
     skips_in: dict[tuple[int, int], dict[str, Tensor]] = field(default_factory=dict)  # received skips
@@ -122,8 +132,9 @@ class _Run:
     announced: int = 0  # receives of column[:announced] are announced
     fill_end: int = 0  # index after the column's last forward
     states: list[ForwardState] = field(default_factory=list)  # recomputed micro-batches' module states
-    # last stage: per call, the micro-batches it covered, their sizes and the leaves given to the user
-    calls: list[tuple[list[int], list[int], tuple[Tensor, ...]]] = field(default_factory=list)
+    # last stage, per call: the micro-batches it covered, each leaf's part sizes, the leaves given to
+    # the user and which of them are replicated (micro-batch 0's)
+    calls: list[_Call] = field(default_factory=list)
     leaf_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     # a grid whose stages take a peer's messages in another order than it sends them
     # (schedule.in_send_order false): per peer stage, the keys (kind, i, virtual stage here, skip)
@@ -152,8 +163,9 @@ class PipelineStage(nn.Sequential):
             :func:`~lightning_gpipe.partition.virtual_cut`); default: one virtual stage holding
             every layer. The stage holds all of them under the user's names either way.
 
-    Shapes: the first stage takes ``(N, *)`` (or a tuple of such) and splits it into
-    ``min(M, N) × (≈N/M, *)``; the last stage returns ``(N, *)`` outputs.
+    Shapes: the first stage takes ``(N, *)`` (or a tuple, or any pytree:
+    :mod:`lightning_gpipe.microbatch`) and splits it into ``min(M, N) × (≈N/M, *)``; the last stage
+    returns ``(N, *)`` outputs (replicated leaves as they are).
     """
 
     def __init__(
@@ -293,9 +305,7 @@ class PipelineStage(nn.Sequential):
     def ran_forward(self) -> bool:
         return self.calls > 0
 
-    def local_forward(
-        self, input: Batch, store: MicroBatchStore | None = None, virtual_stage: int = 0
-    ) -> Any:
+    def local_forward(self, input: Any, store: MicroBatchStore | None = None, virtual_stage: int = 0) -> Any:
         """Virtual stage ``virtual_stage``'s layers (all of this stage's without virtual stages) applied
         in order, as ``nn.Sequential`` would, with ``store`` for skips."""
         compiled = self.__dict__["_compiled"]
@@ -306,7 +316,7 @@ class PipelineStage(nn.Sequential):
                 input = self._modules[name](input)
         return input
 
-    def forward(self, input: Batch) -> Any:  # noqa: A002 - nn.Sequential's own argument name
+    def forward(self, input: Any) -> Any:  # noqa: A002 - nn.Sequential's own argument name
         if not self.active:
             raise PipelineUsageError(
                 "the pipelined nn.Sequential was called outside training/validation/test/predict_step; "
@@ -324,7 +334,7 @@ class PipelineStage(nn.Sequential):
         if run is None:
             run = self._run = self._start(input, train)
         elif top.is_first:
-            run.micro_batches[run.called] = as_tensors(input, "input of the pipelined nn.Sequential")[0]
+            (run.micro_batches[run.called],), run.in_structures[run.called] = scatter(input, 1)
         if run.called == run.chunks:
             raise PipelineUsageError(
                 f"the pipelined nn.Sequential was called for more micro-batches than the step has ({run.chunks})"
@@ -334,25 +344,24 @@ class PipelineStage(nn.Sequential):
         self._advance(run)
         if not top.is_last:
             raise StageDone
-        outputs = [run.outputs[(i, self.virtual_stages - 1)] for i in covered]
-        batch_size(
-            outputs[0], f"output of the last pipeline stage ({top.stage})"
-        )  # a scalar cannot be joined
-        joined = join(outputs)
+        last = self.virtual_stages - 1
+        outputs = [run.outputs[(i, last)] for i in covered]
+        structures = [run.out_structures[(i, last)] for i in covered]
+        joined, structure = gather(outputs, structures, f"output of the last pipeline stage ({top.stage})")
         if train:
             joined = tuple(t.detach().requires_grad_(t.requires_grad) for t in joined)
-            run.calls.append((covered, [o[0].shape[0] for o in outputs], joined))
-        return from_tensors(joined, run.out_tuple)
+            sizes = [[o[k].shape[0] if o[k].dim() else 1 for o in outputs] for k in range(len(joined))]
+            run.calls.append(_Call(covered, sizes, joined, structure.whole))
+        return unflatten(structure, joined)
 
-    def _start(self, input: Batch, train: bool) -> _Run:
+    def _start(self, input: Any, train: bool) -> _Run:
         """A new run at the step's first call: M from the split (first stage) or the first message."""
         top = self.topology
         if top.is_first:
-            tensors, in_tuple = as_tensors(input, "input of the pipelined nn.Sequential")
-            parts = split(tensors, self.chunks) if self._micro is None else [tensors]
-            chunks = len(parts) if self._micro is None else self._micro
-            run = self._new_run(train, chunks)
-            run.micro_batches, run.in_tuple = dict(enumerate(parts)), in_tuple
+            parts, structure = scatter(input, self.chunks if self._micro is None else 1)
+            run = self._new_run(train, len(parts) if self._micro is None else self._micro)
+            run.micro_batches = dict(enumerate(parts))
+            run.in_structures = dict.fromkeys(range(len(parts)), structure)
             return run
         with self._span("recv", 0):  # M comes with the first message
             first = self.p2p.recv(self._rank(top.stage - 1))
@@ -455,20 +464,23 @@ class PipelineStage(nn.Sequential):
         key = (i, u)
         first_part = top.is_first and u == 0
         last_part = top.is_last and u == v - 1
-        x, x_tuple = (run.micro_batches.pop(i), run.in_tuple) if first_part else ((), False)
+        x = run.micro_batches.pop(i) if first_part else ()
+        x_structure = run.in_structures.pop(i) if first_part else None
         run.forwarded.add(key)
         store = MicroBatchStore()
         received = schedule.receives(action, top.stage, top.stages, top.skips, v)
         for t in received:
             meta, tensors = self._receive(t, i, run)
             if t.skip is None:
-                x, x_tuple = _as_inputs(meta, tensors, run.train), meta.is_tuple
+                x, x_structure = _as_inputs(meta, tensors, run.train), meta.structure
             else:
                 store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
                 self.received_skips.append((t.skip, t.peer))
+        assert x_structure is not None  # the first stage's split, or the message's
         with self._span("forward", i), self._naming_errors("forward", i, x):
-            y = self._compute(i, u, run, from_tensors(x, x_tuple), store)
-        y_tensors, run.out_tuple = as_tensors(y, f"output of pipeline stage {top.stage}")
+            y = self._compute(i, u, run, unflatten(x_structure, x), store)
+        kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
+        y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
         sent = schedule.sends(action, top.stage, top.stages, top.skips, v)
         if run.train:
             run.inputs[key] = x
@@ -476,9 +488,10 @@ class PipelineStage(nn.Sequential):
             run.skips_out[key] = {t.skip: store[t.skip] for t in sent if t.skip is not None}
         if run.train or last_part:
             run.outputs[key] = y_tensors
+            run.out_structures[key] = y_structure
         for t in sent:  # the output first, then the skips: the order in which they are received
             payload = y_tensors if t.skip is None else (store[t.skip],)
-            self._post(run, action, t, payload, is_tuple=run.out_tuple or t.skip is not None)
+            self._post(run, action, t, payload, structure=y_structure if t.skip is None else None)
 
     def _receive(self, t: schedule.Transfer, i: int, run: _Run) -> tuple[Meta, list[Tensor]]:
         if t.skip is None and run.first is not None:
@@ -500,7 +513,7 @@ class PipelineStage(nn.Sequential):
         for stage, n in messages.items():
             self.p2p.expect(self._rank(stage), n)
 
-    def _compute(self, i: int, u: int, run: _Run, x: Batch, store: MicroBatchStore) -> Any:
+    def _compute(self, i: int, u: int, run: _Run, x: Any, store: MicroBatchStore) -> Any:
         """Virtual stage ``u``'s layers on micro-batch ``i``, recomputable under ``checkpoint``."""
         if not (run.train and recompute.recomputes(self.checkpoint_mode, i, run.chunks)):
             return self.local_forward(x, store, u)
@@ -662,17 +675,25 @@ class PipelineStage(nn.Sequential):
         run.skips_in[key] = run.skips_out[key] = {}
 
     def _leaf_grads(self, run: _Run, i: int) -> tuple[Tensor, ...]:
-        """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's leaves."""
+        """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's
+        leaves: a joined leaf's split as it was joined, a replicated leaf's to the call's first
+        micro-batch (zeros to the others)."""
         if i not in run.leaf_grads:
-            call = next(c for c in run.calls if i in c[0])
+            call = next(c for c in run.calls if i in c.covered)
             run.calls.remove(call)  # the leaves are not needed again: their gradients are split here
-            covered, sizes, leaves = call
-            parts = [
-                (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).split(sizes)
-                for leaf in leaves
-                if leaf.requires_grad
-            ]
-            run.leaf_grads.update({k: tuple(p[n] for p in parts) for n, k in enumerate(covered)})
+            per: dict[int, list[Tensor]] = {k: [] for k in call.covered}
+            for leaf, sizes, whole in zip(call.leaves, call.sizes, call.whole):
+                if not leaf.requires_grad:
+                    continue
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                parts = (
+                    (grad, *(torch.zeros_like(grad) for _ in call.covered[1:]))
+                    if whole
+                    else grad.split(sizes)
+                )
+                for k, part in zip(call.covered, parts):
+                    per[k].append(part)
+            run.leaf_grads.update({k: tuple(v) for k, v in per.items()})
         return run.leaf_grads.pop(i)
 
 

@@ -12,6 +12,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gpipe.microbatch import no_chunk
 from lightning_gpipe.skip import Pop, Stash
 
 # The Lightning namespace the models and Trainers come from: "pytorch_lightning" (default) or
@@ -52,6 +53,63 @@ class Embed(nn.Module):
     def forward(self, inputs):
         x, ids, mask = inputs
         return self.lin(x), ids, mask
+
+
+def pytree_input(x, mask):
+    """The pytree model's input: ``{"h": (N, T, d), "mask": bool (N, T), "causal": bool (T, T),
+    "rope": (cos, sin) each (T, d), "scale": 0.5, "note": None}`` (N = 10, T = 7: h and mask split,
+    the rest replicated)."""
+    t, d = x.shape[1], x.shape[2]
+    angle = torch.arange(t, dtype=x.dtype).unsqueeze(-1) * torch.linspace(0.1, 1.0, d, dtype=x.dtype)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    return {
+        "h": x,
+        "mask": mask,
+        "causal": causal,
+        "rope": (angle.cos(), angle.sin()),
+        "scale": 0.5,
+        "note": None,
+    }
+
+
+class RopeGain(nn.Module):
+    """Scales the rotary tables by a learned gain: replicated tensors that require grad, kept whole."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, dim))
+
+    def forward(self, inputs):
+        cos, sin = inputs["rope"]
+        return {**inputs, "rope": (no_chunk(cos * self.gain), no_chunk(sin * self.gain))}
+
+
+class RopeBlock(nn.Module):
+    """The pytree model's dict → the same dict with ``h`` updated from every other entry."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, inputs):
+        assert inputs["note"] is None and isinstance(inputs["scale"], float)
+        h, mask, causal = inputs["h"], inputs["mask"], inputs["causal"]
+        cos, sin = inputs["rope"]
+        rotated = h * cos + torch.roll(h, 1, dims=-1) * sin
+        mixed = causal.to(h.dtype) @ rotated / causal.sum(-1, keepdim=True)  # (T, T) @ (N, T, d)
+        return {**inputs, "h": h + torch.tanh(self.lin(mixed)) * inputs["scale"] * mask.unsqueeze(-1)}
+
+
+class DictHead(nn.Module):
+    """The pytree model's last layer: ``{"y": (N, T, out), "rope": the tables, "scale", "note"}``."""
+
+    def __init__(self, dim: int, out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, out)
+
+    def forward(self, inputs):
+        y = self.lin(inputs["h"]) * inputs["mask"].unsqueeze(-1)
+        return {"y": y, "rope": inputs["rope"], "scale": inputs["scale"], "note": inputs["note"]}
 
 
 class _RaiseInBackward(torch.autograd.Function):
@@ -198,6 +256,8 @@ def build_layers(kind: str) -> nn.Sequential:
         )
     if kind == "tuple":
         return nn.Sequential(Embed(8, 5), Mix(8, 5), Mix(8, 5), Head(8, 3))
+    if kind == "pytree":  # a dict with split, replicated and non-tensor leaves between stages
+        return nn.Sequential(RopeGain(8), *(RopeBlock(8) for _ in range(4)), DictHead(8, 3))
     if kind == "lrl":  # over 3 stages: [Linear], [ReLU] (no parameters), [Linear]
         return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
     if kind == "unet":  # over 3 stages (balance [2, 2, 2]) stage 0 hands "enc" to stage 2, never to stage 1
@@ -315,6 +375,8 @@ class Net(pl.LightningModule):
         self.indices: list[list[int]] = []
 
     def forward(self, x):
+        if self.kind == "pytree":
+            x = pytree_input(*x)
         if self.iterate_layers:
             for layer in self.layers:
                 x = layer(x)
@@ -324,6 +386,8 @@ class Net(pl.LightningModule):
         return self.layers(x)
 
     def _loss(self, out, y):
+        if self.kind == "pytree":  # the replicated tables reach the loss too
+            return F.mse_loss(out["y"], y) + 0.1 * out["rope"][0].square().mean()
         return F.cross_entropy(out, y) if self.kind == "cls" else F.mse_loss(out, y)
 
     def training_step(self, batch, batch_idx):
@@ -338,7 +402,7 @@ class Net(pl.LightningModule):
             out = out + self(inputs[0])
         loss = self._loss(out, y)
         self.losses.append(loss.item())
-        self.shapes.append(tuple(out.shape))
+        self.shapes.append(tuple((out["y"] if self.kind == "pytree" else out).shape))
         self.log("train_loss", loss, sync_dist=self.sync_dist)
         if batch_idx == self.stop_at:  # decided after the pipelined call: on the last stage only
             self.trainer.should_stop = True
@@ -474,6 +538,10 @@ def make_data(
             torch.randn(n, 3, 5, 5, generator=g), torch.randn(n, 4, 5, 5, generator=g), *extra
         )
         return DataLoader(data, batch_size=batch, shuffle=False)
+    if kind == "pytree":
+        x = torch.randn(n, 7, 8, generator=g)
+        mask = torch.rand(n, 7, generator=g) > 0.3
+        return DataLoader(TensorDataset(x, mask, torch.randn(n, 7, 3, generator=g)), batch_size=batch)
     if kind == "tuple":
         x = torch.randn(n, 7, 4, generator=g)
         ids = torch.randint(0, 5, (n, 7), generator=g)

@@ -270,3 +270,29 @@ def test_load_module_state():
 def test_migrate_checkpoint():
     checkpoint = {"state_dict": {}, "pytorch-lightning_version": pl.__version__}
     assert _compat.migrate_checkpoint(checkpoint, None)["state_dict"] == {}
+
+
+def test_tree_flatten():
+    leaves, spec = _compat.tree_flatten({"a": (1, torch.zeros(1)), "b": [None, "s"]})
+    assert leaves[0] == 1 and isinstance(leaves[1], torch.Tensor) and leaves[2:] == [None, "s"]
+    assert isinstance(spec, _compat.TreeSpec)
+
+
+def test_tree_unflatten():
+    value = {"a": (1, 2.5), "b": [None, "s"], 3: ()}
+    leaves, spec = _compat.tree_flatten(value)
+    assert _compat.tree_unflatten(leaves, spec) == value
+
+
+def test_tree_leaf_paths():
+    assert _compat.tree_leaf_paths({"a": [1, (2,)], 3: None}) == [
+        ("['a'][0]", 1),
+        ("['a'][1][0]", 2),
+        ("[3]", None),
+    ]
+
+
+def test_TreeSpec():
+    assert (
+        _compat.tree_flatten((1, 2))[1] == _compat.tree_flatten((3, 4))[1] != _compat.tree_flatten([1, 2])[1]
+    )

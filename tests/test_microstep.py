@@ -4,6 +4,7 @@ import pytest
 import torch
 import torchmetrics
 
+from lightning_gpipe.microbatch import no_chunk
 from lightning_gpipe.microstep import _LogRecorder, split_batch
 
 
@@ -17,11 +18,18 @@ def test_every_tensor_of_the_batch_splits_like_the_input():
     assert split_batch((torch.zeros(2, 3), torch.zeros(2)), 4)[1] == [1, 1]  # N < M: N micro-batches
 
 
-@pytest.mark.parametrize(
-    "batch", [(torch.zeros(4, 2), torch.zeros(5)), (torch.zeros(4), torch.tensor(1.0)), ("no tensors",)]
-)
-def test_a_batch_without_one_dim_0_is_refused(batch):
-    with pytest.raises(ValueError, match=r"do not share one \(shapes: .*\); .* use schedule='gpipe'"):
+def test_tensors_without_the_batch_dimension_reach_every_call_whole():
+    table, scale, mark = torch.zeros(7, 2), torch.tensor(2.0), no_chunk(torch.zeros(10, 3))
+    parts, sizes = split_batch((torch.zeros(10, 2), table, scale, mark), 3)
+    assert sizes == [4, 3, 3] and [p[0].shape[0] for p in parts] == [4, 3, 3]
+    assert all(p[1] is table and p[2] is scale and p[3] is mark for p in parts)
+
+
+@pytest.mark.parametrize("batch", [(torch.tensor(1.0),), ("no tensors",), (no_chunk(torch.zeros(4, 2)),)])
+def test_a_batch_without_a_batch_dimension_is_refused(batch):
+    with pytest.raises(
+        ValueError, match=r"holds no tensor with a batch dimension \(shapes: .*\); .* schedule='gpipe'"
+    ):
         split_batch(batch, 2)
 
 

@@ -17,13 +17,14 @@ from torch import nn
 
 from lightning_gpipe import StageError
 from lightning_gpipe.balance import uniform_balance
-from lightning_gpipe.comm import P2P, decode_header, encode_header
+from lightning_gpipe.comm import P2P, decode_header, decode_message, encode_message
 from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import sizes
 from lightning_gpipe.schedule import fill_drain, format_grid, messages, one_f_one_b, stage_actions
 from lightning_gpipe.skip import Pop, Stash
 from lightning_gpipe.stage import PipelineStage, PipelineUsageError, StageDone, build_stage
 from tests._harness import check, run_ranks
+from tests.models import build_layers, pytree_input
 
 
 def test_indexing_a_stage_uses_the_whole_sequentials_indices():
@@ -81,9 +82,10 @@ class FakeP2P:
         self.announced: Counter[int] = Counter()
         self.received: Counter[int] = Counter()
 
-    def send(self, tensors, dst, *, is_tuple=True, chunks=0):
-        meta = decode_header(encode_header(tensors, is_tuple, chunks, self.device))
-        self.network.queues[(self.rank, dst)].append((meta, [t.detach().clone() for t in tensors]))
+    def send(self, tensors, dst, *, structure=None, chunks=0):
+        header, *payload = encode_message(tensors, structure, chunks, self.device)
+        message = decode_message(decode_header(header), [t.clone() for t in payload])
+        self.network.queues[(self.rank, dst)].append(message)
 
     def expect(self, src, messages):
         assert self.left[src] == 0, f"messages announced from rank {src} are still to be received"
@@ -127,7 +129,7 @@ class Recorder:
             self.peak_held = max(self.peak_held, sum(1 for out in run.outputs.values() if out))
 
 
-def _step(seq, balance, chunks, x, y, checkpoint="except_last"):
+def _step(seq, balance, chunks, x, y, checkpoint="except_last", loss_fn=nn.functional.mse_loss):
     """One training step of ``seq`` cut by ``balance`` into stages over a fake network.
 
     Returns the stages in stage order, the loss, and per stage ``(announced, received)`` per
@@ -147,7 +149,7 @@ def _step(seq, balance, chunks, x, y, checkpoint="except_last"):
         assert (result is StageDone) == (not stage.topology.is_last)
         out = result if stage.topology.is_last else out
         forward[stage.topology.stage] = stage.p2p.phase()
-    loss = nn.functional.mse_loss(out, y)
+    loss = loss_fn(out, y)
     for stage in reversed(stages):  # the last stage sends the loss message before the others take it
         assert stage.share_outcome(loss if stage.topology.is_last else None, None, training=True) is not None
         if not stage.topology.is_last:
@@ -232,9 +234,10 @@ class BlockingNetwork:
 class ThreadP2P(FakeP2P):
     """:class:`FakeP2P` over a :class:`BlockingNetwork`: a receive waits up to 20 s for its message."""
 
-    def send(self, tensors, dst, *, is_tuple=True, chunks=0):
-        meta = decode_header(encode_header(tensors, is_tuple, chunks, self.device))
-        self.network.queues[(self.rank, dst)].put((meta, [t.detach().clone() for t in tensors]))
+    def send(self, tensors, dst, *, structure=None, chunks=0):
+        header, *payload = encode_message(tensors, structure, chunks, self.device)
+        message = decode_message(decode_header(header), [t.clone() for t in payload])
+        self.network.queues[(self.rank, dst)].put(message)
 
     def recv(self, src):
         if self.left[src]:
@@ -382,6 +385,40 @@ def test_every_rank_of_a_run_executes_exactly_its_column(tmp_path, k):
             grid = (fill_drain if name == "gpipe" else one_f_one_b)(k, int(m))
             expected = [str(a) for a in stage_actions(grid, run["stage"])]
             assert run["actions"] == expected, f"{name}: K={k}, M={m}, stage {run['stage']}"
+
+
+def _pytree_loss(out, y):
+    """Uses the per-sample output, the replicated tables handed back, and checks the constants."""
+    assert out["scale"] == 0.5 and out["note"] is None
+    return nn.functional.mse_loss(out["y"], y) + 0.1 * (out["rope"][0] * out["rope"][1]).sum()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_executor_passes_a_pytree_and_matches_the_unpartitioned_model(checkpoint):
+    """A dict of split, replicated and non-tensor leaves across 3 stages, batch 10, chunks 4: the
+    loss, every parameter's gradient, the split input's and the replicated input table's
+    (the sum over micro-batches) equal one device."""
+    torch.manual_seed(0)
+    seq = build_layers("pytree")
+    x, mask, y = torch.randn(10, 7, 8), torch.rand(10, 7) > 0.3, torch.randn(10, 7, 3)
+
+    def inputs():
+        value = pytree_input(x.clone().requires_grad_(), mask)
+        value["rope"] = (value["rope"][0].requires_grad_(), value["rope"][1])  # a replicated leaf with grad
+        return value
+
+    ref_in = inputs()
+    reference = _pytree_loss(seq(ref_in), y)
+    reference.backward()
+    expected = {n: p.grad.clone() for n, p in seq.named_parameters()}
+    seq.zero_grad()
+    pipe_in = inputs()
+    stages, loss, _, _ = _step(seq, [2, 2, 2], 4, pipe_in, y, checkpoint, loss_fn=_pytree_loss)
+    assert abs(loss.item() - reference.item()) <= 1e-6
+    worst = max((p.grad - expected[n]).abs().max().item() for n, p in seq.named_parameters())
+    assert worst <= 1e-5 and seq[0].gain.grad.abs().sum() > 0
+    assert torch.allclose(pipe_in["h"].grad, ref_in["h"].grad, atol=1e-5)
+    assert torch.allclose(pipe_in["rope"][0].grad, ref_in["rope"][0].grad, atol=1e-5)
 
 
 def test_an_error_in_a_stages_layers_names_the_stage_the_micro_batch_and_the_shapes():

@@ -104,6 +104,21 @@ def test_tuple_boundaries_with_long_ids_and_bool_mask(gpipe_job):
 
 
 @pytest.mark.timeout(300)
+def test_pytree_boundaries_with_split_replicated_and_constant_leaves(gpipe_job):
+    """Stages pass {"h": (N, T, d), "mask": bool (N, T), "causal": bool (T, T), "rope": (cos, sin)
+    (T, d), "scale": 0.5, "note": None}; the rotary tables are replicated and require grad (a learned
+    gain on stage 0), the last stage hands them back in its output dict and the loss uses them.
+    3 stages, batch 10, chunks 4: every gradient equals one device's (the gain's: the sum over
+    micro-batches)."""
+    reference = train_single_device("pytree", seed=0, steps=2, batch=10, record_grads=True)
+    runs = [{"chunks": 4, "checkpoint": "except_last", "balance": [2, 2, 2]}]
+    results, grads = gpipe_job("pytree", 3, runs, steps=2, batch=10, record_grads=True)
+    assert results[0]["shapes"] == [(10, 7, 3)] * 2
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference.losses)) <= 1e-5
+    assert _grads_match_reference(grads[0], reference) <= 1e-5
+
+
+@pytest.mark.timeout(300)
 def test_sequence_lengths_change_between_steps(gpipe_job):
     """Batches with sequence lengths 7, 13, 5 through 3 stages: shapes right, gradients equal one device."""
     reference = train_single_device("seq", seed=0, steps=3, batch=6, record_grads=True)
