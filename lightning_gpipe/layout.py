@@ -8,12 +8,13 @@ rank-zero logging, progress bar and checkpoint decisions see true values.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from lightning_gpipe.skip import Route
 
-__all__ = ["Layout", "StageTopology", "check_pipeline_parallel_size"]
+__all__ = ["Layout", "StageTopology", "check_pipeline_parallel_size", "layer_parts", "layer_stages"]
 
 
 def check_pipeline_parallel_size(size: Any) -> int | None:
@@ -107,3 +108,18 @@ class StageTopology:
     @property
     def is_last(self) -> bool:
         return self.stage == self.stages - 1
+
+
+def layer_stages(balance: Sequence[int], stages: int | None = None) -> list[int]:
+    """The stage of every layer: ``layer_stages([2, 1]) == [0, 0, 1]``.
+
+    With ``stages`` K below ``len(balance)`` (one entry per part), part ``c``'s layers are on stage
+    ``c mod K``: ``layer_stages([1, 1, 1, 1], 2) == [0, 1, 0, 1]``.
+    """
+    k = len(balance) if stages is None else stages
+    return [c % k for c, n in enumerate(balance) for _ in range(n)]
+
+
+def layer_parts(balance: Sequence[int]) -> list[int]:
+    """The part of every layer (the entry of ``balance`` it belongs to): ``layer_parts([2, 1]) == [0, 0, 1]``."""
+    return [c for c, n in enumerate(balance) for _ in range(n)]

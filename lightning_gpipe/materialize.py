@@ -192,8 +192,9 @@ def materialize_stage(
     otherwise each layer is initialized by :func:`materialize_layers` (its ``reset_parameters()``,
     from a random stream of the global seed and the layer's index).
     """
+    from lightning_gpipe.layout import layer_stages
     from lightning_gpipe.loading import CHECKPOINT_SOURCE, LazyCheckpoint
-    from lightning_gpipe.partition import cut, layer_stages
+    from lightning_gpipe.partition import cut
 
     layers = cut(sequential, balance, stage, stages)
     source = getattr(model, CHECKPOINT_SOURCE, None)

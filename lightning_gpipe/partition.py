@@ -18,6 +18,7 @@ from lightning_gpipe._compat import (
     register_state_dict_hook,
 )
 from lightning_gpipe.batchnorm import defer_batch_norms, restore_batch_norms
+from lightning_gpipe.layout import layer_parts
 
 
 class PartitionError(ValueError):
@@ -342,21 +343,6 @@ def placement(sequential: nn.Sequential, balance: Sequence[int], ranks: Sequence
                         count += p.numel()
         lines.append(f"  stage {j} (rank {ranks[j]}): layers {' + '.join(ranges)}, {count:,} parameters")
     return "\n".join(lines)
-
-
-def layer_stages(balance: Sequence[int], stages: int | None = None) -> list[int]:
-    """The stage of every layer: ``layer_stages([2, 1]) == [0, 0, 1]``.
-
-    With ``stages`` K below ``len(balance)`` (one entry per part), part ``c``'s layers are on stage
-    ``c mod K``: ``layer_stages([1, 1, 1, 1], 2) == [0, 1, 0, 1]``.
-    """
-    k = len(balance) if stages is None else stages
-    return [c % k for c, n in enumerate(balance) for _ in range(n)]
-
-
-def layer_parts(balance: Sequence[int]) -> list[int]:
-    """The part of every layer (the entry of ``balance`` it belongs to): ``layer_parts([2, 1]) == [0, 0, 1]``."""
-    return [c for c, n in enumerate(balance) for _ in range(n)]
 
 
 @dataclass

@@ -74,10 +74,10 @@ from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P, Meta
 from lightning_gpipe.effects import ForwardState
 from lightning_gpipe.failure import naming_errors
-from lightning_gpipe.layout import Layout, StageTopology
+from lightning_gpipe.layout import Layout, StageTopology, layer_parts
 from lightning_gpipe.microbatch import Structure, flatten, gather, scatter, unflatten
 from lightning_gpipe.outcome import OutcomeChannel, apply_outcome, outcome_of
-from lightning_gpipe.partition import layer_parts, virtual_cut
+from lightning_gpipe.partition import virtual_cut
 from lightning_gpipe.schedule import Action, Grid
 from lightning_gpipe.skip import MicroBatchStore, routes, use_store
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gpipe._compat import children
-from lightning_gpipe.layout import Layout
+from lightning_gpipe.layout import Layout, layer_stages
 
 __all__ = [
     "Tied",
@@ -69,8 +69,6 @@ class Tied:
 
 
 def _layer_stage(sequential: nn.Sequential, balance: Sequence[int], stages: int | None) -> dict[str, int]:
-    from lightning_gpipe.partition import layer_stages
-
     stage_of = layer_stages(balance, stages)
     return {name: stage_of[k] for k, name in enumerate(children(sequential))}
 
@@ -93,7 +91,7 @@ def find_tied(sequential: nn.Sequential, balance: Sequence[int], stages: int | N
     """The parameters of ``sequential`` that layers on different stages of ``balance`` share, in model order.
 
     ``stages``: the number of stages K when ``balance`` has one entry per part (virtual stages;
-    :func:`lightning_gpipe.partition.layer_stages`); default: one entry per stage.
+    :func:`lightning_gpipe.layout.layer_stages`); default: one entry per stage.
     """
     named = sequential.named_parameters(remove_duplicate=False)
     return _shared(named, _layer_stage(sequential, balance, stages))

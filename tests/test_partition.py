@@ -3,7 +3,8 @@
 import torch
 from torch import nn
 
-from lightning_gpipe.partition import cut, install, layer_stages, plain_parameter_names, uninstall
+from lightning_gpipe.layout import layer_stages
+from lightning_gpipe.partition import cut, install, plain_parameter_names, uninstall
 
 
 def test_cut_keeps_a_module_repeated_in_the_sequential():

@@ -14,15 +14,13 @@ from lightning_gpipe.balance import (
     uniform_balance,
 )
 from lightning_gpipe.balance.choose import check_balance_spec
-from lightning_gpipe.layout import Layout
+from lightning_gpipe.layout import Layout, layer_parts, layer_stages
 from lightning_gpipe.materialize import materialize_layers, materialize_stage
 from lightning_gpipe.partition import (
     PartitionError,
     check_model,
     check_tied_parameters,
     cut,
-    layer_parts,
-    layer_stages,
     placement,
     virtual_cut,
 )
