@@ -5,7 +5,9 @@ bubble share, the cost model's error, and the largest model that fits a memory b
 ``-m`` sweeps over any of them) runs, one after another, each in fresh processes
 (:mod:`benchmarks.worker`):
 
-- ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under Lightning, ``timeline=True``;
+- ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under Lightning, ``timeline=True``, with the
+  config's ``schedule`` and ``virtual_stages`` (``bare`` and ``peer`` run fill-drain only and are
+  skipped under another schedule);
 - ``bare``: the same stages driven by a plain PyTorch loop (Lightning overhead = ours vs bare);
 - ``peer``: ``torch.distributed.pipelining`` ``ScheduleGPipe(scale_grads=False)``, same split and
   micro-batches;
@@ -110,6 +112,8 @@ COLUMNS = [
     "ideal_mb_samples_per_s",
     "vs_ideal_mb",
     "vs_ideal_mb_best",
+    "schedule",
+    "virtual_stages",
 ]
 
 # The one-process baselines: 1 thread, K threads, 1 thread on the pipeline's micro-batches.
@@ -158,7 +162,8 @@ def _launch(spec: dict[str, Any], timeout: float) -> None:
 
 
 def _balance(cfg: DictConfig, model: torch.nn.Sequential, sample: torch.Tensor) -> list[int]:
-    stages, balance = cfg.stages, cfg.balance
+    """Layers per part: ``K`` parts, or ``K·v`` with ``virtual_stages`` v (parts in model order)."""
+    stages, balance = cfg.stages * cfg.virtual_stages, cfg.balance
     if balance == "uniform":
         return uniform_balance(len(model), stages)
     if balance == "parameters":
@@ -171,8 +176,9 @@ def _balance(cfg: DictConfig, model: torch.nn.Sequential, sample: torch.Tensor) 
 def _profile(
     model: torch.nn.Sequential, balance: list[int], sample: torch.Tensor, threads: int
 ) -> dict[str, list[float]]:
-    """Per stage: forward and backward seconds of one micro-batch ``sample``, and bytes per sample
-    saved for backward (``activation``) and of the stage's input (``input``)."""
+    """Per part (``len(balance)``: one per stage, or ``K·v`` with virtual stages): forward and
+    backward seconds of one micro-batch ``sample``, and bytes per sample saved for backward
+    (``activation``) and of the part's input (``input``)."""
     torch.set_num_threads(threads)
     layers = profile_layers(model, sample, timeout=1.5, warmup=2)
     per_sample = 1.0 / sample.shape[0]
@@ -223,13 +229,17 @@ def _row(
         "samples_per_s": cfg.batch_size / _median(step) if step else None,
         "samples_per_s_best": cfg.batch_size / min(step) if step else None,
         "bubble": _median(result.get("bubble")),
-        "bubble_ideal": ideal_bubble(k, m) if run in ("ours", "bare", "peer") else None,
+        "bubble_ideal": ideal_bubble(k, m, cfg.virtual_stages if run == "ours" else 1)
+        if run in ("ours", "bare", "peer")
+        else None,
         "window_s": _median(result.get("window_s")),
         "latency_eff_s": result.get("latency_eff_s"),
         **_span_columns(result.get("spans")),
         "activation_bytes": max(a for a in act if a is not None) if any(a is not None for a in act) else None,
         "activation_bytes_stages": "|".join(str(a) for a in act) if any(a is not None for a in act) else None,
         "rss_bytes": max(r["rss_bytes"] for r in stage_results),
+        "schedule": cfg.schedule if run == "ours" else "gpipe" if run in ("bare", "peer") else None,
+        "virtual_stages": cfg.virtual_stages if run == "ours" else 1 if run in ("bare", "peer") else None,
     }
 
 
@@ -255,7 +265,8 @@ def predict_window(row: dict[str, Any], sizes: list[float] | None = None) -> flo
 
     Args:
         row: a row with ``forward_s_stages``, ``backward_s_stages``, ``stages``, ``chunks``,
-            ``checkpoint``, ``batch_size`` and optionally ``latency_s``/``bandwidth_bytes_per_s``.
+            ``checkpoint``, ``batch_size`` and optionally ``latency_s``/``bandwidth_bytes_per_s``,
+            ``schedule`` and ``virtual_stages`` (default ``"gpipe"``, 1).
         sizes: bytes per micro-batch at each boundary (needed with a finite bandwidth).
 
     Returns:
@@ -274,6 +285,8 @@ def predict_window(row: dict[str, Any], sizes: list[float] | None = None) -> flo
         bandwidth=bandwidth if sizes else math.inf,
         boundary_bytes=sizes or 0.0,
         batch_size=int(row["batch_size"]),
+        schedule=str(row.get("schedule") or "gpipe"),
+        virtual_stages=int(row.get("virtual_stages") or 1),
     ).step_time
 
 
@@ -287,6 +300,15 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
     unknown = set(cfg.runs) - {"ours", "bare", "peer", "single"}
     if unknown:
         raise ValueError(f"runs may hold ours, bare, peer, single (unknown: {sorted(unknown)})")
+    runs = list(cfg.runs)
+    if cfg.schedule != "gpipe" and {"bare", "peer"} & set(runs):
+        skipped = [r for r in runs if r in ("bare", "peer")]
+        print(
+            f"benchmark: skipping {', '.join(skipped)} (they run fill-drain only; schedule={cfg.schedule} "
+            "applies to ours)",
+            flush=True,
+        )
+        runs = [r for r in runs if r not in skipped]
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     assert isinstance(model_cfg, dict)
     model = build_model(model_cfg)
@@ -300,7 +322,7 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
     results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp:
         for repeat in range(max(1, cfg.repeats)):  # interleaved: ours, bare, peer, single, ours, ...
-            for run in cfg.runs:
+            for run in runs:
                 out = Path(tmp) / f"{run}{repeat}"
                 out.mkdir()
                 spec = {
@@ -310,6 +332,8 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
                     "stages": cfg.stages,
                     "chunks": cfg.chunks,
                     "checkpoint": cfg.checkpoint,
+                    "schedule": cfg.schedule,
+                    "virtual_stages": cfg.virtual_stages,
                     "batch_size": cfg.batch_size,
                     "threads": cfg.threads,
                     "warmup": max(1, cfg.warmup),
@@ -351,6 +375,8 @@ def _keep_timelines(cfg: DictConfig, run: str, out: Path) -> None:
             target = Path(str(cfg.csv)).parent / "timelines"
             target.mkdir(parents=True, exist_ok=True)
             tag = f"{run}_{cfg.model.name}_n{cfg.batch_size}_k{cfg.stages}_m{cfg.chunks}_{cfg.checkpoint}"
+            if run == "ours" and cfg.schedule != "gpipe":
+                tag += f"_{cfg.schedule}" + (f"_v{cfg.virtual_stages}" if cfg.virtual_stages > 1 else "")
             (target / f"{tag}{Path(name).suffix}").write_bytes((out / name).read_bytes())
 
 
@@ -399,6 +425,8 @@ def _rows(
                 cfg.chunks,
                 profile["forward"],
                 profile["backward"],
+                schedule=row["schedule"],
+                virtual_stages=row["virtual_stages"],
                 checkpoint=cfg.checkpoint,
                 batch_size=cfg.batch_size,
                 activation_bytes=profile["activation"],
@@ -617,7 +645,8 @@ def _least_disturbed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     config = ("model", "num_layers", "width", "stages", "chunks", "checkpoint", "batch_size", "balance")
     kept: dict[tuple, dict[str, Any]] = {}
     for r in rows:
-        key = (*(r[c] for c in config if r["run"] not in SINGLES or c != "stages"), r["run"])
+        schedule = (r.get("schedule") or "gpipe", r.get("virtual_stages") or "1")
+        key = (*(r[c] for c in config if r["run"] not in SINGLES or c != "stages"), *schedule, r["run"])
         if key not in kept or float(r["samples_per_s_best"]) > float(kept[key]["samples_per_s_best"]):
             kept[key] = dict(r)
     groups: dict[tuple, list[dict[str, Any]]] = {}

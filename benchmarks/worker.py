@@ -4,7 +4,8 @@ Usage: ``python -m benchmarks.worker SPEC.json`` (the benchmark writes the spec)
 is one of:
 
 - ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under a Lightning ``Trainer`` (Lightning's
-  launcher re-runs this command for the other stages), with ``timeline=True``;
+  launcher re-runs this command for the other stages), with ``timeline=True`` and the spec's
+  ``schedule`` and ``virtual_stages``;
 - ``bare``: the same :class:`~lightning_gpipe.stage.PipelineStage` per process, driven by a plain
   PyTorch loop (no Lightning): the Lightning overhead is ``ours`` against this;
 - ``peer``: ``torch.distributed.pipelining`` with ``ScheduleGPipe(scale_grads=False)`` on the same
@@ -195,6 +196,8 @@ def run_ours(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         chunks=spec["chunks"],
         balance=spec["balance"],
         checkpoint=spec["checkpoint"],
+        schedule=spec.get("schedule", "gpipe"),
+        virtual_stages=spec.get("virtual_stages", 1),
         timeline=True,
         timeline_dir=spec["out"],
     )

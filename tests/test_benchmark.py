@@ -9,7 +9,8 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from benchmarks.benchmark import COLUMNS, benchmark, capacity, report
+from benchmarks.benchmark import COLUMNS, benchmark, capacity, predict_window, report
+from lightning_gpipe.simulate import simulate
 from tests._harness import ROOT, _env
 
 TINY = ["model.width=1024", "model.num_layers=4", "batch_size=512", "warmup=2", "timed=3", "threads=1"]
@@ -100,3 +101,24 @@ def test_capacity_grows_with_recompute(tmp_path):
     assert all(r["need_bytes"] <= 25165824 for r in rows.values())
     with (tmp_path / "capacity.csv").open() as f:
         assert [r["checkpoint"] for r in csv.DictReader(f)] == ["never", "always"]
+
+
+@pytest.mark.timeout(30)
+def test_other_schedules_skip_the_fill_drain_runs_and_reach_the_cost_model(tmp_path, capsys):
+    """schedule=1f1b skips bare and peer with a message; predict_window plays the row's own schedule."""
+    cfg = _compose([*TINY, "schedule=1f1b", "runs=[bare,peer]", "predict=false", f"csv={tmp_path / 'b.csv'}"])
+    assert benchmark(cfg) == []
+    assert "skipping bare, peer" in capsys.readouterr().out
+    row = {
+        "forward_s_stages": "1|1",
+        "backward_s_stages": "2|2",
+        "stages": 2,
+        "chunks": 4,
+        "checkpoint": "never",
+        "batch_size": 8,
+        "schedule": "interleaved_1f1b",
+        "virtual_stages": 2,
+    }
+    expected = simulate(2, 4, 1.0, 2.0, schedule="interleaved_1f1b", virtual_stages=2, checkpoint="never")
+    assert predict_window(row) == pytest.approx(expected.step_time)
+    assert predict_window(row) < predict_window({**row, "schedule": "gpipe", "virtual_stages": 1})
