@@ -417,10 +417,15 @@ every other schedule runs it once per micro-batch (:mod:`lightning_gpipe.microst
 def check_virtual_stages(name: str, virtual_stages: Any, stages: int = 2) -> int:
     """Return ``virtual_stages`` if schedule ``name`` runs that many virtual stages per stage on ``stages`` stages.
 
+    ``None`` picks the schedule's default: 2 for ``"interleaved_1f1b"`` (interleaving with one
+    virtual stage would be plain 1F1B), 1 for the others.
+
     Raises:
-        ValueError: not an integer >= 1, or the schedule cannot run it (only ``"interleaved_1f1b"``
-            runs more than one; it needs two or more stages).
+        ValueError: not ``None`` or an integer >= 1, or the schedule cannot run it (only
+            ``"interleaved_1f1b"`` runs more than one; it needs two or more stages).
     """
+    if virtual_stages is None:
+        virtual_stages = 2 if name == "interleaved_1f1b" else 1
     _check_count("virtual_stages", virtual_stages)
     SCHEDULES[name](stages, 1, virtual_stages)  # each schedule refuses what it cannot run
     return int(virtual_stages)

@@ -93,7 +93,8 @@ class _GPipeStrategyLogic(_Base):
             activations; ``training_step`` runs once per micro-batch, :mod:`lightning_gpipe.microstep`);
             the names of :data:`lightning_gpipe.schedule.SCHEDULES`; or ``"interleaved_1f1b"``
             (Megatron-LM's interleaved 1F1B, with ``virtual_stages``).
-        virtual_stages: virtual stages per stage v (default 1). With v > 1 (``schedule=
+        virtual_stages: virtual stages per stage v (default ``None``: 2 under
+            ``"interleaved_1f1b"``, else 1). With v > 1 (``schedule=
             "interleaved_1f1b"``, K ≥ 2) the Sequential is cut into K·v parts and stage j holds parts
             j, j+K, …, dividing the bubble by about v (:func:`lightning_gpipe.schedule.interleaved_1f1b`);
             ``balance`` then gives (or balances) K·v parts in model order. Skip connections across
@@ -175,7 +176,7 @@ class _GPipeStrategyLogic(_Base):
         start_method: str = "popen",
         weights_only: bool | None = None,
         schedule: str = "gpipe",
-        virtual_stages: int = 1,
+        virtual_stages: int | None = None,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         self.chunks = check_chunks(chunks) if chunks is not None else None

@@ -139,6 +139,7 @@ IMAGE_RUNS = [
 FIRST_BN = "layers.0.embedder.normalization."
 
 
+@pytest.mark.slow  # about 25 s; GPT-2 and Llama over two stages stay in the default suite
 @pytest.mark.timeout(900)
 def test_resnet_and_vit_over_two_stages_train_like_one_device(tmp_path):
     """ViT (LayerNorm) with 4 micro-batches, and ResNet (BatchNorm) with 1, equal one device within 1e-5 after

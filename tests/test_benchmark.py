@@ -21,6 +21,7 @@ def _compose(overrides: list[str]):
         return compose(config_name="benchmark", overrides=overrides)
 
 
+@pytest.mark.slow  # about 40 s: two M values; the every-run-kind test covers the driver in the default suite
 @pytest.mark.timeout(150)
 def test_sweep_writes_csv_rows_and_bubble_falls_from_m1_to_m8(tmp_path):
     """Hydra multirun over chunks=1,8 (ours only): one CSV row each, bubble in (0, 1), lower at M=8."""

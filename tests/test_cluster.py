@@ -108,6 +108,7 @@ def test_torchrun_one_node_writes_one_directory_and_says_when_no_validation_ran(
     ]
 
 
+@pytest.mark.slow  # about 15 s; the one-node torchrun and Slurm tests cover the cluster path in the default suite
 @pytest.mark.timeout(240)
 def test_torchrun_two_nodes_on_localhost_write_one_directory(tmp_path):
     """Two torchrun agents (--nnodes=2, c10d rendezvous), one rank each, trainer.num_nodes=2."""
@@ -178,6 +179,7 @@ def test_submitit_local_sweep_runs_each_job_as_two_tasks(tmp_path):
     assert len(tasks) == 4 and {t.rsplit("_", 3)[-2] for t in tasks} == {"0", "1"}, (tasks, out[-3000:])
 
 
+@pytest.mark.slow  # about 25 s; the multirun test in test_recipes covers Hydra sweeps in the default suite
 @pytest.mark.timeout(240)
 def test_optuna_sweep_runs_two_trials_on_throughput(tmp_path):
     """hparams_search=pipeline_optuna with 2 trials: each trial is a 2-process job returning samples/s."""

@@ -38,7 +38,11 @@ def _first_error_line(out: str) -> str:
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "where, layer, stage, rank",
-    [("forward", 2, 1, 1), ("backward", 2, 1, 1), ("forward", 4, 2, 0)],
+    [  # the middle-stage cases take about 20 s each: in the slow set
+        pytest.param("forward", 2, 1, 1, marks=pytest.mark.slow),
+        pytest.param("backward", 2, 1, 1, marks=pytest.mark.slow),
+        ("forward", 4, 2, 0),
+    ],
     ids=["middle-stage-forward", "middle-stage-backward", "last-stage-on-launcher-rank"],
 )
 def test_rank_failure_exits_all_ranks(tmp_path, where, layer, stage, rank):

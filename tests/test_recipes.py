@@ -482,13 +482,14 @@ def test_schedule_and_virtual_stages_come_from_the_pipeline_config():
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_multirun_over_schedules_trains_the_main_job_under_each(tmp_path):
-    """``-m pipeline.schedule=gpipe,1f1b``: one 2-process job per schedule, each trains."""
+    """``-m pipeline.schedule=gpipe,1f1b,interleaved_1f1b``: one 2-process job per schedule, each trains
+    (interleaved with its default of 2 virtual stages per stage)."""
     sweep = tmp_path / "sweep"
     out = check(
         run_script(
             "recipes/train.py",
             "-m",
-            "pipeline.schedule=gpipe,1f1b",
+            "pipeline.schedule=gpipe,1f1b,interleaved_1f1b",
             f"data.path={_corpus(tmp_path)}",
             f"hydra.sweep.dir={sweep}",
             *TINY["transformer"],
@@ -496,8 +497,9 @@ def test_multirun_over_schedules_trains_the_main_job_under_each(tmp_path):
             timeout=280,
         )
     )
-    assert out.count("[train] 2 stages,") == 2, out[-3000:]
-    for job, schedule in (("0", "gpipe"), ("1", "1f1b")):
+    assert out.count("[train] 2 stages,") == 3, out[-3000:]
+    assert "2 stages × 2 virtual stages" in out, out[-3000:]
+    for job, schedule in (("0", "gpipe"), ("1", "1f1b"), ("2", "interleaved_1f1b")):
         config = yaml.safe_load((sweep / job / ".hydra" / "config.yaml").read_text())
         assert config["pipeline"]["schedule"] == schedule
         losses = _train_losses(sweep / job)
