@@ -152,7 +152,9 @@ class MicroSteps:
         for p in params:
             p.grad = None
         log = _LogRecorder(module)
-        outs, losses, uncalled = [], [], None
+        last: Any = None  # the last call's output: only it is returned (earlier ones would keep their graphs)
+        losses: list[Tensor] = []
+        uncalled = None
         stage.start_micro_steps(len(micro))
         try:
             with log:
@@ -167,7 +169,7 @@ class MicroSteps:
                             f"training_step did not call the pipelined nn.Sequential for micro-batch {i} but did "
                             "for micro-batch 0; under a per-micro-batch schedule every call must call it once"
                         )
-                    outs.append(out)
+                    last = out
                     if not stage.topology.is_last:
                         continue
                     loss = out.get("loss") if isinstance(out, Mapping) else out
@@ -195,7 +197,6 @@ class MicroSteps:
             return StageDone
         combined = torch.stack([loss.double() * (n / total) for n, loss in zip(parts, losses)]).sum()
         loss_out = combined.to(losses[0].dtype).requires_grad_(losses[0].is_floating_point())
-        last = outs[-1]
         return {**last, "loss": loss_out} if isinstance(last, Mapping) else loss_out
 
     def deposit(self) -> None:

@@ -222,6 +222,7 @@ def test_predict_returns_last_stage_outputs_in_order(gpipe_job):
         assert torch.allclose(ours, ref, atol=1e-5)
 
 
+@pytest.mark.slow  # about 35 s: three processes then two; tests/test_state.py covers the sharded format in the default suite
 @pytest.mark.timeout(400)
 def test_sharded_checkpoint_saved_by_3_stages_resumes_on_2(gpipe_job, tmp_path):
     """checkpoint_format="sharded": each of 3 stages writes its shard; 2 stages resume and match one device."""
@@ -319,6 +320,7 @@ def test_gradient_clipping_by_value_matches_one_device(gpipe_job):
     assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
 
 
+@pytest.mark.slow  # about 20 s; the plain-module resume test covers resuming in the default suite
 @pytest.mark.timeout(300)
 def test_resume_at_epoch_boundary_equals_uninterrupted_run(gpipe_job, tmp_path):
     """Save after epoch 1 (5 steps, 3 stages), resume for epoch 2: the same as 2 uninterrupted epochs on one device."""

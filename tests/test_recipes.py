@@ -258,7 +258,10 @@ def test_summary_lists_only_files_that_exist(tmp_path):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("model", ["transformer", "amoebanet"])
+@pytest.mark.parametrize(
+    "model",
+    ["transformer", pytest.param("amoebanet", marks=pytest.mark.slow)],  # amoebanet: about 25 s
+)
 def test_train_two_stages_loss_falls(model, tmp_path):
     # AmoebaNet also chooses its balance by profiled time, and (BatchNorm) runs deferred batch norm
     data = (

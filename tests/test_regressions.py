@@ -11,6 +11,7 @@ from tests.conftest import max_diff
 from tests.models import alternate, train_single_device
 
 
+@pytest.mark.slow  # about 30 s
 @pytest.mark.timeout(300)
 def test_val_val_train_val_alternation_matches_one_device(tmp_path):
     """20 rounds of validate, validate, one training step, validate (chunks 4, 3 stages, fresh Trainers)."""
