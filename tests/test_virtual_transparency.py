@@ -53,6 +53,7 @@ def test_interleaved_1f1b_with_two_virtual_stages_matches_single_device(gpipe_jo
         assert param_diff <= 1e-5, f"{where}: parameters differ by {param_diff}"
 
 
+@pytest.mark.slow  # about 30 s: three jobs; tests/test_virtual_partition.py checks every layout in one process
 @pytest.mark.timeout(400)
 def test_checkpoint_saved_with_virtual_stages_loads_into_the_plain_module_and_another_layout(
     gpipe_job, tmp_path
