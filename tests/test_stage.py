@@ -225,10 +225,20 @@ def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
 
 
 class BlockingNetwork:
-    """Queues between ranks whose receives wait (stages run in threads, as processes would)."""
+    """Queues between ranks whose receives wait (stages run in threads, as processes would).
+
+    A queue is made under a lock: a ``defaultdict(queue.Queue)`` read by the sender and the
+    receiver at once can build two queues for one pair, and the receive then waits on the one
+    nobody sends to.
+    """
 
     def __init__(self) -> None:
-        self.queues: defaultdict[tuple[int, int], queue.Queue] = defaultdict(queue.Queue)
+        self._queues: dict[tuple[int, int], queue.Queue] = {}
+        self._lock = threading.Lock()
+
+    def queue(self, src: int, dst: int) -> queue.Queue:
+        with self._lock:
+            return self._queues.setdefault((src, dst), queue.Queue())
 
 
 class ThreadP2P(FakeP2P):
@@ -237,13 +247,13 @@ class ThreadP2P(FakeP2P):
     def send(self, tensors, dst, *, structure=None, chunks=0):
         header, *payload = encode_message(tensors, structure, chunks, self.device)
         message = decode_message(decode_header(header), [t.clone() for t in payload])
-        self.network.queues[(self.rank, dst)].put(message)
+        self.network.queue(self.rank, dst).put(message)
 
     def recv(self, src):
         if self.left[src]:
             self.left[src] -= 1
         self.received[src] += 1
-        return self.network.queues[(src, self.rank)].get(timeout=20)
+        return self.network.queue(src, self.rank).get(timeout=20)
 
 
 def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last"):
