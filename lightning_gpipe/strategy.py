@@ -41,10 +41,9 @@ from lightning_gpipe import _compat, groups, loading, metrics, microstep, partit
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, check_collective_timeout, watch_signals
 from lightning_gpipe.balance.choose import check_balance_spec, choose_balance
-from lightning_gpipe.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.callbacks import adapt_callbacks, restore_callbacks
 from lightning_gpipe.failure import report_and_abort
-from lightning_gpipe.gradients import clip_optimizer_gradients, synchronize_gradients
+from lightning_gpipe.gradients import clip_optimizer_gradients
 from lightning_gpipe.launcher import check_start_method, new_launcher
 from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
 from lightning_gpipe.loading import UnsafeCheckpointError
@@ -53,8 +52,9 @@ from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.pipelined import Pipelined
 from lightning_gpipe.recompute import check_mode
 from lightning_gpipe.schedule import SCHEDULES, check_schedule, check_virtual_stages
-from lightning_gpipe.stage import PipelineStage, StageDone, build_stage
+from lightning_gpipe.stage import PipelineStage, build_stage
 from lightning_gpipe.state.hooks import SavedState
+from lightning_gpipe.steps import StepDriver
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.trace import publish
 
@@ -182,7 +182,6 @@ class _GPipeStrategyLogic(_Base):
         self.chunks = check_chunks(chunks) if chunks is not None else None
         self.checkpoint = check_mode(checkpoint)
         self.schedule = check_schedule(schedule)
-        self._micro_steps = microstep.MicroSteps() if schedule != "gpipe" else None
         self.virtual_stages = check_virtual_stages(self.schedule, virtual_stages)
         self.balance = check_balance_spec(balance, pipeline_parallel_size, self.virtual_stages)
         self.pipeline_parallel_size = check_pipeline_parallel_size(pipeline_parallel_size)
@@ -207,6 +206,10 @@ class _GPipeStrategyLogic(_Base):
         self.compile = partition.check_compile(compile)
         self.start_method = check_start_method(start_method)
         self._saved = SavedState(self._pipelined)  # the checkpoint hooks' work, the file being restored
+        micro_steps = microstep.MicroSteps() if schedule != "gpipe" else None
+        self._steps = StepDriver(
+            self._pipelined, micro_steps, self.deferred_batch_norm
+        )  # the step hooks' work
 
     @property
     def accelerator(self) -> Any:
@@ -375,7 +378,9 @@ class _GPipeStrategyLogic(_Base):
         assert self.model is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        state.broadcast_from_first_replica(self._pipe, self.layout, self.global_rank, self._groups.data)
+        state.broadcast_from_first_replica(
+            self._steps.stage, self.layout, self.global_rank, self._groups.data
+        )
         if _compat.distributed_is_initialized():
             self._pipelined.tie(self.layout, self.global_rank)  # the tied copies start equal
         metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
@@ -420,55 +425,26 @@ class _GPipeStrategyLogic(_Base):
 
     # -- steps ------------------------------------------------------------------------------------
 
-    @property
-    def _pipe(self) -> PipelineStage:
-        assert self._pipelined.stage is not None, "the stage exists from setup to teardown"
-        return self._pipelined.stage
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        if self._timeline is not None:
-            self._timeline.begin_step(self.lightning_module.trainer.global_step)  # type: ignore[union-attr]
-        stage, step = self._pipe, super().training_step
-        if self._micro_steps is not None:  # one training_step per micro-batch (lightning_gpipe.microstep)
-            out = self._micro_steps.training_step(step, stage, self._module, self.precision_plugin, self.chunks_used, *args, **kwargs)  # fmt: skip
-        else:
-            out = stage.run_step(step, True, *args, **kwargs)
-        if self.deferred_batch_norm:
-            commit_deferred_batch_norm(stage)  # once per mini-batch, after all its micro-batches
-        if not stage.ran_forward:
-            self._pipelined.refuse_uncalled(out)
-            return out
-        return stage.share_outcome(out, _compat.attached_trainer(self._module), training=True)
+        step, plugin, timeline = super().training_step, self.precision_plugin, self._timeline
+        return self._steps.training_step(
+            step, self._module, plugin, self.chunks_used, timeline, *args, **kwargs
+        )
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(super().validation_step, *args, **kwargs)
+        return self._steps.eval_step(super().validation_step, self._module, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._eval_step(super().test_step, *args, **kwargs)
-
-    def _eval_step(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
-        out = _none_if_done(self._pipe.run_step(hook, False, *args, **kwargs))
-        if not self._pipe.ran_forward:
-            return out
-        return self._pipe.share_outcome(out, _compat.attached_trainer(self._module), training=False)
+        return self._steps.eval_step(super().test_step, self._module, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The last stage's predictions, on every stage of its pipeline (as each DDP rank holds its own).
-
-        ``trainer.predict`` then returns, on every rank, the predictions of its pipeline's data
-        shard (D = 1: all of them), so ``torch.cat(trainer.predict(...))`` works everywhere.
-        Prediction writers run only on last stages (:mod:`lightning_gpipe.callbacks`), so each
-        prediction is written once per replica. With ``return_predictions=False`` nothing is sent.
-        """
-        out = _none_if_done(self._pipe.run_step(super().predict_step, False, *args, **kwargs))
-        module = self._module
-        if _compat.attached_trainer(module) is None or not module.trainer.predict_loop.return_predictions:
-            return out
-        return self._from_last_stage(out)
+        """The last stage's predictions, on every stage of its pipeline (:meth:`.StepDriver.predict_step`)."""
+        hook, module = super().predict_step, self._module
+        return self._steps.predict_step(hook, module, self._from_last_stage, *args, **kwargs)
 
     def _from_last_stage(self, obj: Any) -> Any:
         """``obj`` of this pipeline's last stage, on every stage of the pipeline (tensors on CPU)."""
@@ -489,31 +465,16 @@ class _GPipeStrategyLogic(_Base):
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
-        """The user's loss backward (last stage), then every stage's backward drain."""
+        """The user's loss backward (last stage), then every stage's backward drain (:meth:`.StepDriver.drain`)."""
         self.pre_backward(closure_loss)
         module = self._module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        self._pipe.backward()
-        if self._micro_steps is not None:
-            self._micro_steps.deposit()  # the gradients the step's micro-batch calls made
-        if not self._accumulating():  # once per optimizer step, before clipping and the step
-            data = self._groups.data if self._groups is not None else None
-            synchronize_gradients(
-                self._pipe.parameters(), self._pipelined.tied_groups, data, self.layout.replicas
-            )
-        if self._timeline is not None:
-            self._timeline.end_step()
+        data = self._groups.data if self._groups is not None else None
+        self._steps.drain(self.lightning_module, data, self.layout.replicas, self._timeline)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
-
-    def _accumulating(self) -> bool:
-        """Whether this backward is followed by another before the optimizer step (gradient accumulation)."""
-        module = self.lightning_module
-        if module is None or not module.automatic_optimization or _compat.attached_trainer(module) is None:
-            return False
-        return _compat.should_accumulate(module.trainer)
 
     # -- collectives ----------------------------------------------------------------------------
 
@@ -668,10 +629,6 @@ class _GPipeStrategyLogic(_Base):
 class GPipeStrategy(_GPipeStrategyLogic, ParallelStrategy):
     __doc__ = _GPipeStrategyLogic.__doc__
     namespace = PYTORCH_LIGHTNING
-
-
-def _none_if_done(out: Any) -> Any:
-    return None if out is StageDone else out
 
 
 __all__ = ["GPipeStrategy", "PartitionError", "UnsafeCheckpointError"]
