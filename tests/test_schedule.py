@@ -1,27 +1,20 @@
-from collections import Counter
-
 import pytest
 
 from lightning_gpipe.schedule import (
     SCHEDULES,
     Action,
-    Transfer,
     bubble_share,
     check_schedule,
     fill_drain,
     format_grid,
     ideal_bubble,
-    messages,
     needs_loss,
     one_f_one_b,
     place,
-    receives,
-    sends,
     split_phases,
     stage_actions,
     validate,
 )
-from lightning_gpipe.skip import Route
 
 EXPECTED_K3_M4 = """\
 step  stage0  stage1  stage2
@@ -104,44 +97,6 @@ def test_phases_cut_each_column_before_its_first_backward():
     assert split_phases([Action("F", 0)]) == ([Action("F", 0)], [])
     assert needs_loss(Action("B", 0), 2, 3) and not needs_loss(Action("B", 0), 1, 3)
     assert not needs_loss(Action("F", 0), 2, 3)
-
-
-def test_messages_each_action_receives_and_sends_mirror_each_other():
-    skips = [Route("a", 0, 2), Route("b", 1, 2), Route("c", 2, 2)]  # "c" stays on its stage: no message
-    F, B = Action("F", 1), Action("B", 1)
-    assert receives(F, 0, 3, skips) == [] and sends(F, 0, 3, skips) == [Transfer(1), Transfer(2, "a")]
-    assert receives(F, 1, 3, skips) == [Transfer(0)] and sends(F, 1, 3, skips) == [
-        Transfer(2),
-        Transfer(2, "b"),
-    ]
-    assert receives(F, 2, 3, skips) == [Transfer(1), Transfer(0, "a"), Transfer(1, "b")]
-    assert sends(F, 2, 3, skips) == []
-    assert receives(B, 2, 3, skips) == [] and sends(B, 2, 3, skips) == [
-        Transfer(1),
-        Transfer(0, "a"),
-        Transfer(1, "b"),
-    ]
-    assert receives(B, 1, 3, skips) == [Transfer(2), Transfer(2, "b")] and sends(B, 1, 3, skips) == [
-        Transfer(0)
-    ]
-    assert receives(B, 0, 3, skips) == [Transfer(1), Transfer(2, "a")] and sends(B, 0, 3, skips) == []
-    # every message sent is received by its peer, in the same order per pair of stages
-    for action in (F, B):
-        for j in range(3):
-            for t in sends(action, j, 3, skips):
-                assert Transfer(j, t.skip) in receives(action, t.peer, 3, skips)
-
-
-def test_message_counts_follow_the_actions():
-    skips = [Route("a", 0, 2)]
-    forward, backward = split_phases(stage_actions(fill_drain(3, 4), 2))
-    assert messages(forward, 2, 3, skips) == Counter({1: 4, 0: 4})
-    assert messages(backward, 2, 3, skips) == Counter()
-    forward, backward = split_phases(stage_actions(fill_drain(3, 4), 0))
-    assert messages(forward, 0, 3, skips) == Counter()
-    assert messages(backward, 0, 3, skips) == Counter({1: 4, 2: 4})
-    no_skip_grads = messages(backward, 0, 3, skips, flows=lambda action, t: t.skip is None)
-    assert no_skip_grads == Counter({1: 4})
 
 
 ONE_F_ONE_B_K3_M4 = """\

@@ -1,33 +1,23 @@
-"""Interleaved 1F1B (virtual stages) as data: literal grids, Megatron-LM's order, transfers, message order."""
-
-from collections import Counter
+"""Interleaved 1F1B (virtual stages) as data: literal grids, Megatron-LM's order, parts, validation (messages: test_schedule_messages.py)."""
 
 import pytest
 
 from lightning_gpipe.schedule import (
     SCHEDULES,
     Action,
-    Transfer,
     bubble_share,
     fill_drain,
     format_grid,
     holder,
     ideal_bubble,
-    in_send_order,
     interleaved_1f1b,
-    messages,
-    needs_loss,
     one_f_one_b,
     part,
     place,
-    receives,
-    send_order,
-    sends,
     stage_actions,
     validate,
     virtual_stages_of,
 )
-from lightning_gpipe.skip import Route
 
 EXPECTED_K2_V2_M4 = """\
 step  stage0  stage1
@@ -172,90 +162,6 @@ def test_in_flight_forwards_do_not_grow_with_micro_batches():
 def test_parts_and_places():
     assert [part(j, u, 3) for u in range(2) for j in range(3)] == [0, 1, 2, 3, 4, 5]
     assert [holder(c, 3) for c in range(6)] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
-
-
-def test_transfers_name_virtual_stages_and_wrap_from_the_last_stage_to_the_first():
-    k, v = 2, 2  # stage 0: parts 0, 2; stage 1: parts 1, 3
-    f0, f1, b0, b1 = Action("F", 3), Action("F", 3, 1), Action("B", 3), Action("B", 3, 1)
-    assert receives(f0, 0, k, virtual_stages=v) == []  # part 0: the input of the pipeline
-    assert sends(f0, 0, k, virtual_stages=v) == [Transfer(1, None, 0)]
-    assert receives(f0, 1, k, virtual_stages=v) == [Transfer(0, None, 0)]
-    assert sends(f0, 1, k, virtual_stages=v) == [Transfer(0, None, 1)]  # part 1 -> part 2 on stage 0
-    assert receives(f1, 0, k, virtual_stages=v) == [Transfer(1, None, 0)]
-    assert sends(f1, 1, k, virtual_stages=v) == []  # part 3: the last
-    assert receives(b1, 1, k, virtual_stages=v) == []  # its gradient comes from the loss
-    assert needs_loss(b1, 1, k, 2) and not needs_loss(b0, 1, k, 2) and not needs_loss(b1, 0, k, 2)
-    assert sends(b1, 1, k, virtual_stages=v) == [Transfer(0, None, 1)]
-    assert sends(b1, 0, k, virtual_stages=v) == [Transfer(1, None, 0)]  # part 2 -> part 1
-    assert receives(b0, 1, k, virtual_stages=v) == [Transfer(0, None, 1)]
-    assert sends(b0, 0, k, virtual_stages=v) == []
-    # skips between parts: part 0 stashes "a" for part 3
-    skips = [Route("a", 0, 3)]
-    assert sends(f0, 0, k, skips, v) == [Transfer(1, None, 0), Transfer(1, "a", 1)]
-    assert receives(f1, 1, k, skips, v) == [Transfer(0, None, 1), Transfer(0, "a", 0)]
-    assert sends(b1, 1, k, skips, v) == [Transfer(0, None, 1), Transfer(0, "a", 0)]
-    assert receives(b0, 0, k, skips, v) == [Transfer(1, None, 0), Transfer(1, "a", 1)]
-
-
-def test_every_message_sent_is_received_by_the_action_it_names():
-    for k, m, v in [(2, 4, 2), (3, 5, 2), (4, 8, 3), (2, 5, 3)]:
-        grid = interleaved_1f1b(k, m, v)
-        for j in range(k):
-            for action in stage_actions(grid, j):
-                for t in sends(action, j, k, virtual_stages=v):
-                    received = receives(
-                        Action(action.kind, action.i, t.virtual_stage), t.peer, k, virtual_stages=v
-                    )
-                    assert Transfer(j, None, action.virtual_stage) in received
-
-
-def _grids():
-    for name, schedule in SCHEDULES.items():
-        for k in range(1, 5):
-            for m in range(1, 9):
-                for v in (1, 2, 3):
-                    try:
-                        grid = schedule(k, m, v)
-                    except ValueError as err:  # a schedule may refuse virtual stages; say so
-                        assert "virtual" in str(err), (name, k, m, v, err)
-                        continue
-                    yield name, k, m, v, grid
-
-
-def test_message_order_is_consistent_for_every_schedule():
-    """Per pair of stages, the messages one sends are the ones the other takes, one for one.
-
-    Where a column takes them in the sender's order (``in_send_order``), the transport's order is
-    the order they are needed. Otherwise (interleaved, two stages, an odd micro-batch group) the
-    receiving stage takes them in :func:`send_order` and holds each until its action runs, which
-    cannot deadlock: each message is sent before the step of the action that takes it.
-    """
-    unordered = []
-    for name, k, m, v, grid in _grids():
-        steps = {}
-        for step, row in enumerate(grid):
-            for j, a in enumerate(row):
-                if a is not None:
-                    steps[(j, a)] = step
-        for stage in range(k):
-            taken = [(a, t) for a in stage_actions(grid, stage) for t in receives(a, stage, k, (), v)]
-            for peer in range(k):
-                sent = send_order(grid, stage, peer)
-                assert Counter(sent) == Counter(x for x in taken if x[1].peer == peer), (name, k, m, v)
-                for a, t in sent:  # sent before the step of the action that takes it
-                    assert steps[(peer, Action(a.kind, a.i, t.virtual_stage))] < steps[(stage, a)]
-        if not in_send_order(grid):
-            unordered.append((name, k, m, v))
-    assert all(name == "interleaved_1f1b" and k == 2 and v > 1 for name, k, m, v in unordered)
-    assert ("interleaved_1f1b", 2, 5, 2) in unordered  # groups of 3 and 2
-    assert ("interleaved_1f1b", 2, 4, 2) not in unordered
-    assert all(in_send_order(fill_drain(k, m)) for k in range(1, 5) for m in range(1, 9))
-
-
-def test_messages_are_counted_per_peer_stage_across_virtual_stages():
-    grid = interleaved_1f1b(2, 4, 2)
-    assert messages(stage_actions(grid, 1), 1, 2, virtual_stages=2) == Counter({0: 4 + 4 + 4})
-    assert messages(stage_actions(grid, 0), 0, 2, virtual_stages=2) == Counter({1: 4 + 4 + 4})
 
 
 def test_validate_names_parts_across_virtual_stages():

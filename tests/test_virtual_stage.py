@@ -14,7 +14,7 @@ from lightning_gpipe.layout import Layout
 from lightning_gpipe.microbatch import sizes
 from lightning_gpipe.schedule import format_grid, in_send_order, interleaved_1f1b, messages, stage_actions
 from lightning_gpipe.stage import StageDone, build_stage
-from tests.test_stage import BlockingNetwork, Recorder, ThreadP2P, _by_rank, _reference_grads
+from tests.test_executor import BlockingNetwork, Recorder, ThreadP2P, _by_rank, _reference_grads
 
 
 def _net(blocks: int) -> nn.Sequential:

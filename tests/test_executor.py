@@ -1,0 +1,409 @@
+"""The stage executor (:mod:`lightning_gpipe.executor`): the schedule column it runs.
+
+The executor tests run K stages in one process over a fake transport (no torch.distributed):
+every stage's forward phase in stage order, the loss, every stage's backward phase in reverse
+stage order. Sends never block, so this order completes any fill-drain step.
+"""
+
+import json
+import queue
+import threading
+from collections import Counter, defaultdict, deque
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe import StageError
+from lightning_gpipe.balance import uniform_balance
+from lightning_gpipe.comm import decode_header, decode_message, encode_message
+from lightning_gpipe.layout import Layout
+from lightning_gpipe.microbatch import sizes
+from lightning_gpipe.schedule import fill_drain, format_grid, messages, one_f_one_b, stage_actions
+from lightning_gpipe.skip import Pop, Stash
+from lightning_gpipe.stage import PipelineUsageError, StageDone, build_stage
+from tests._harness import check, run_ranks
+from tests.models import build_layers, pytree_input
+
+# -- the executor over a fake transport ----------------------------------------------------------
+
+
+class FakeNetwork:
+    """Queues between ranks; messages are encoded and decoded with the real header codec."""
+
+    def __init__(self) -> None:
+        self.queues: defaultdict[tuple[int, int], deque] = defaultdict(deque)
+
+
+class FakeP2P:
+    """The :class:`~lightning_gpipe.comm.P2P` interface over a :class:`FakeNetwork`, checking announcements.
+
+    Like the real transport, announcing from a rank whose earlier announcement is not all taken
+    is an error. ``announced`` and ``received`` count messages per source rank.
+    """
+
+    def __init__(self, network: FakeNetwork, rank: int) -> None:
+        self.network, self.rank, self.device = network, rank, torch.device("cpu")
+        self.left: Counter[int] = Counter()  # announced messages not yet taken, per source
+        self.announced: Counter[int] = Counter()
+        self.received: Counter[int] = Counter()
+
+    def send(self, tensors, dst, *, structure=None, chunks=0):
+        header, *payload = encode_message(tensors, structure, chunks, self.device)
+        message = decode_message(decode_header(header), [t.clone() for t in payload])
+        self.network.queues[(self.rank, dst)].append(message)
+
+    def expect(self, src, messages):
+        assert self.left[src] == 0, f"messages announced from rank {src} are still to be received"
+        self.left[src] = messages
+        self.announced[src] += messages
+
+    def recv(self, src):
+        if self.left[src]:
+            self.left[src] -= 1
+        self.received[src] += 1
+        return self.network.queues[(src, self.rank)].popleft()
+
+    def flush(self):
+        pass
+
+    def settle(self):
+        pass
+
+    def phase(self):
+        """What this phase announced and received (counts reset); every announced message must be taken."""
+        assert not +self.left, f"announced but never received: {+self.left}"
+        done = (+self.announced, +self.received)
+        self.announced, self.received = Counter(), Counter()
+        return done
+
+
+class Recorder:
+    """Stands in for the timeline: keeps the forward and backward spans, in order, and (given the
+    stage) the most micro-batches whose outputs the stage held at once."""
+
+    def __init__(self, stage=None):
+        self.actions, self.stage, self.peak_held = [], stage, 0
+
+    @contextmanager
+    def span(self, kind, i):
+        if kind in ("forward", "backward"):
+            self.actions.append(f"{kind[0].upper()}{i}")
+        yield
+        run = self.stage._run if self.stage is not None else None
+        if run is not None:
+            self.peak_held = max(self.peak_held, sum(1 for out in run.outputs.values() if out))
+
+
+def _step(seq, balance, chunks, x, y, checkpoint="except_last", loss_fn=nn.functional.mse_loss):
+    """One training step of ``seq`` cut by ``balance`` into stages over a fake network.
+
+    Returns the stages in stage order, the loss, and per stage ``(announced, received)`` per
+    source rank in its forward phase and in its backward phase.
+    """
+    k, network = len(balance), FakeNetwork()
+    stages = []
+    for stage_index in range(k):
+        rank = Layout(k, k).rank(0, stage_index)
+        stage = build_stage(seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"))
+        stage.p2p, stage.timeline = FakeP2P(network, rank), Recorder()
+        stages.append(stage)
+    forward, backward = {}, {}
+    out = None
+    for stage in stages:
+        result = stage.run_step(stage, True, x)
+        assert (result is StageDone) == (not stage.topology.is_last)
+        out = result if stage.topology.is_last else out
+        forward[stage.topology.stage] = stage.p2p.phase()
+    loss = loss_fn(out, y)
+    for stage in reversed(stages):  # the last stage sends the loss message before the others take it
+        assert stage.share_outcome(loss if stage.topology.is_last else None, None, training=True) is not None
+        if not stage.topology.is_last:
+            assert stage.p2p.phase() == (Counter(), Counter({stage.topology.ranks[-1]: 1}))  # unannounced
+    loss.backward()
+    for stage in reversed(stages):
+        stage.backward()
+        backward[stage.topology.stage] = stage.p2p.phase()
+    return stages, loss, forward, backward
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_executor_runs_exactly_the_fill_drain_column_and_announces_every_message(k, m):
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    stages, _, forward, backward = _step(seq, uniform_balance(3, k), m, x, y)
+    grid = fill_drain(k, m)
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        assert stage.timeline.actions == [str(a) for a in stage_actions(grid, j)], (
+            f"stage {j}\n{format_grid(grid)}"
+        )
+        previous = Counter({top.prev_rank: m}) if top.prev_rank is not None else Counter()
+        following = Counter({top.next_rank: m}) if top.next_rank is not None else Counter()
+        first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
+        assert forward[j] == (previous - first, previous)  # the first message comes before M is known
+        assert backward[j] == (following, following)
+
+
+def _by_rank(topology, counts):
+    return Counter({topology.ranks[stage]: n for stage, n in counts.items()})
+
+
+def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
+    torch.manual_seed(0)
+    seq = nn.Sequential(
+        Stash("a", nn.Linear(4, 6)),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        Stash("b", nn.Tanh()),
+        Pop("a"),
+        nn.Linear(6, 6),
+        Pop("b"),
+        nn.Linear(6, 2),
+    )
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    plain = [p.detach().clone() for p in seq.parameters()]
+    reference = nn.functional.mse_loss(seq(x), y)
+    reference.backward()
+    expected = [p.grad.clone() for p in seq.parameters()]
+    seq.zero_grad()
+    with torch.no_grad():
+        for p, v in zip(seq.parameters(), plain):
+            p.copy_(v)
+    stages, loss, forward, backward = _step(seq, [2, 3, 3], 3, x, y, checkpoint="always")
+    assert torch.allclose(loss, reference)
+    for p, g in zip(seq.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+    skips = stages[0].topology.skips
+    assert {(r.name, r.source, r.target) for r in skips} == {("a", 0, 1), ("b", 1, 2)}
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        column = stage_actions(fill_drain(3, 3), j)
+        assert stage.timeline.actions == [str(a) for a in column]
+        f, b = column[:3], column[3:]
+        assert forward[j][1] == _by_rank(top, messages(f, j, 3, skips))
+        assert (
+            backward[j] == (_by_rank(top, messages(b, j, 3, skips)),) * 2
+        )  # every skip's gradient flows here
+    assert stages[2].received_skips == [("b", 1)] * 3 and stages[1].received_skips == [("a", 0)] * 3
+
+
+class BlockingNetwork:
+    """Queues between ranks whose receives wait (stages run in threads, as processes would).
+
+    A queue is made under a lock: a ``defaultdict(queue.Queue)`` read by the sender and the
+    receiver at once can build two queues for one pair, and the receive then waits on the one
+    nobody sends to.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[tuple[int, int], queue.Queue] = {}
+        self._lock = threading.Lock()
+
+    def queue(self, src: int, dst: int) -> queue.Queue:
+        with self._lock:
+            return self._queues.setdefault((src, dst), queue.Queue())
+
+
+class ThreadP2P(FakeP2P):
+    """:class:`FakeP2P` over a :class:`BlockingNetwork`: a receive waits up to 20 s for its message."""
+
+    def send(self, tensors, dst, *, structure=None, chunks=0):
+        header, *payload = encode_message(tensors, structure, chunks, self.device)
+        message = decode_message(decode_header(header), [t.clone() for t in payload])
+        self.network.queue(self.rank, dst).put(message)
+
+    def recv(self, src):
+        if self.left[src]:
+            self.left[src] -= 1
+        self.received[src] += 1
+        return self.network.queue(src, self.rank).get(timeout=20)
+
+
+def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last"):
+    """One training step of ``seq`` with one call per micro-batch, each stage in its own thread.
+
+    The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
+    the batch, right after its call, as :mod:`lightning_gpipe.microstep` does. Returns the stages
+    and, per stage, ``(announced, received)`` per source rank over the step.
+    """
+    k, network = len(balance), BlockingNetwork()
+    parts = sizes(x.shape[0], chunks)
+    xs, ys = x.split(parts), y.split(parts)
+    stages = []
+    for j in range(k):
+        rank = Layout(k, k).rank(0, j)
+        stage = build_stage(
+            seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"), schedule=schedule
+        )
+        stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder(stage)
+        stages.append(stage)
+    counts, errors = {}, []
+
+    def run(stage):
+        try:
+            stage.start_micro_steps(len(parts))
+            for i, (xi, yi) in enumerate(zip(xs, ys)):
+                out = stage.run_step(stage, True, xi)
+                if stage.topology.is_last:
+                    (nn.functional.mse_loss(out, yi) * len(yi) / len(y)).backward()
+                    stage.loss_backpropagated(i)
+            stage.end_micro_steps()
+            counts[stage.topology.stage] = stage.p2p.phase()
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(stage,)) for stage in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(counts) == k, "a stage never finished its column"
+    return stages, counts
+
+
+def _reference_grads(seq, x, y):
+    seq.zero_grad()
+    nn.functional.mse_loss(seq(x), y).backward()
+    grads = [p.grad.clone() for p in seq.parameters()]
+    seq.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, m):
+    """Batch 10 (not divisible by 3, 4 or 8): the recorded actions are one_f_one_b's columns, every
+    announced message is received, and the gradients equal the unpartitioned model's."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    expected = _reference_grads(seq, x, y)
+    checkpoint = ["always", "except_last", "never"][m % 3]
+    stages, counts = _micro_step(seq, uniform_balance(3, k), m, x, y, one_f_one_b, checkpoint)
+    grid = one_f_one_b(k, min(m, 10))
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        column = stage_actions(grid, j)
+        assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
+        assert counts[j][1] == _by_rank(top, messages(column, j, k, top.skips))
+        assert stage.timeline.peak_held == min(k - j, m), f"stage {j} held too many micro-batches"
+        assert counts[j][0] == counts[j][1] - (
+            Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
+        )
+    for p, g in zip(seq.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [fill_drain, one_f_one_b])
+def test_one_call_per_micro_batch_with_skips_across_stages(schedule):
+    """Skip connections across stages, recompute always: any valid schedule runs with one call per micro-batch."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(
+        Stash("a", nn.Linear(4, 6)),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        Stash("b", nn.Tanh()),
+        Pop("a"),
+        nn.Linear(6, 6),
+        Pop("b"),
+        nn.Linear(6, 2),
+    )
+    x, y = torch.randn(7, 4), torch.randn(7, 2)
+    expected = _reference_grads(seq, x, y)
+    stages, counts = _micro_step(seq, [2, 3, 3], 4, x, y, schedule, checkpoint="always")
+    for p, g in zip(seq.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+    skips = stages[0].topology.skips
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        column = stage_actions(schedule(3, 4), j)
+        assert stage.timeline.actions == [str(a) for a in column]
+        assert counts[j][1] == _by_rank(top, messages(column, j, 3, skips))
+    assert stages[2].received_skips == [("b", 1)] * 4 and stages[1].received_skips == [("a", 0)] * 4
+
+
+def test_one_call_per_step_refuses_a_schedule_that_needs_a_loss_before_the_last_forward():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    stage = build_stage(seq, [2], Layout(1, 1), 0, 2, "never", torch.device("cpu"), schedule=one_f_one_b)
+    with pytest.raises(PipelineUsageError, match="needs the user's training_step once per micro-batch"):
+        stage.run_step(stage, True, torch.zeros(4, 4))
+
+
+def test_a_micro_step_that_never_calls_the_sequential_names_where_the_column_stopped():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    stage = build_stage(seq, [2], Layout(1, 1), 0, 3, "never", torch.device("cpu"), schedule=one_f_one_b)
+    stage.start_micro_steps(3)
+    out = stage.run_step(stage, True, torch.zeros(2, 4))
+    out.sum().backward()
+    stage.loss_backpropagated(0)
+    with pytest.raises(
+        PipelineUsageError, match=r"stage 0 stopped at F1 of its column with 1 of 3 micro-batches"
+    ):
+        stage.end_micro_steps()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_every_rank_of_a_run_executes_exactly_its_column(tmp_path, k):
+    """K processes over torch.distributed, M in {1, 3, 4}, fill-drain with one call per step and 1F1B
+    with one call per micro-batch: the recorded actions are the schedule's."""
+    for result in run_ranks("tests/workers/schedule_run.py", k, str(tmp_path), "1", "3", "4", timeout=240):
+        check(result)
+    for rank in range(k):
+        recorded = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert sorted(recorded) == sorted(f"{name}:{m}" for name in ("gpipe", "1f1b") for m in (1, 3, 4))
+        for key, run in recorded.items():
+            name, m = key.split(":")
+            grid = (fill_drain if name == "gpipe" else one_f_one_b)(k, int(m))
+            expected = [str(a) for a in stage_actions(grid, run["stage"])]
+            assert run["actions"] == expected, f"{name}: K={k}, M={m}, stage {run['stage']}"
+
+
+def _pytree_loss(out, y):
+    """Uses the per-sample output, the replicated tables handed back, and checks the constants."""
+    assert out["scale"] == 0.5 and out["note"] is None
+    return nn.functional.mse_loss(out["y"], y) + 0.1 * (out["rope"][0] * out["rope"][1]).sum()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_executor_passes_a_pytree_and_matches_the_unpartitioned_model(checkpoint):
+    """A dict of split, replicated and non-tensor leaves across 3 stages, batch 10, chunks 4: the
+    loss, every parameter's gradient, the split input's and the replicated input table's
+    (the sum over micro-batches) equal one device."""
+    torch.manual_seed(0)
+    seq = build_layers("pytree")
+    x, mask, y = torch.randn(10, 7, 8), torch.rand(10, 7) > 0.3, torch.randn(10, 7, 3)
+
+    def inputs():
+        value = pytree_input(x.clone().requires_grad_(), mask)
+        value["rope"] = (value["rope"][0].requires_grad_(), value["rope"][1])  # a replicated leaf with grad
+        return value
+
+    ref_in = inputs()
+    reference = _pytree_loss(seq(ref_in), y)
+    reference.backward()
+    expected = {n: p.grad.clone() for n, p in seq.named_parameters()}
+    seq.zero_grad()
+    pipe_in = inputs()
+    stages, loss, _, _ = _step(seq, [2, 2, 2], 4, pipe_in, y, checkpoint, loss_fn=_pytree_loss)
+    assert abs(loss.item() - reference.item()) <= 1e-6
+    worst = max((p.grad - expected[n]).abs().max().item() for n, p in seq.named_parameters())
+    assert worst <= 1e-5 and seq[0].gain.grad.abs().sum() > 0
+    assert torch.allclose(pipe_in["h"].grad, ref_in["h"].grad, atol=1e-5)
+    assert torch.allclose(pipe_in["rope"][0].grad, ref_in["rope"][0].grad, atol=1e-5)
+
+
+def test_an_error_in_a_stages_layers_names_the_stage_the_micro_batch_and_the_shapes():
+    seq = nn.Sequential(nn.Linear(16, 4), nn.Tanh())
+    stage = build_stage(seq, [2], Layout(1, 1), 0, 2, "never", torch.device("cpu"))
+    with pytest.raises(StageError) as info:
+        stage.run_step(stage, True, torch.zeros(4, 17))
+    message = str(info.value)
+    assert "stage 0 (layers 0..1) failed in forward of micro-batch 0 on input from the batch" in message
+    assert "of shape [(2, 17) float32]; its first layer (Linear) expects (*, 16)" in message
+    assert isinstance(info.value.__cause__, RuntimeError)
