@@ -9,7 +9,7 @@ from its cursor while the actions are runnable, announces the messages each stre
 :mod:`lightning_gpipe.recompute`, replaying the module state its forward saw:
 :mod:`lightning_gpipe.effects`) and sends in the order each peer takes its messages (where the
 grid's stages take them in another order than sent, :func:`~lightning_gpipe.schedule.in_send_order`,
-a send waits for its turn). The stage's module face (layers under the user's names, the calls,
+a send waits for its turn: :mod:`lightning_gpipe.outbox`). The stage's module face (layers under the user's names, the calls,
 the step's contracts) is :mod:`lightning_gpipe.stage`.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe import recompute, schedule
+from lightning_gpipe import outbox, recompute, schedule
 from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P, Meta
 from lightning_gpipe.effects import ForwardState
@@ -118,16 +118,9 @@ class ColumnExecutor(nn.Module):
                 "needs the user's training_step once per micro-batch (GPipeStrategy(schedule=...) does that)"
             )
         run = StepRun(train, chunks, column, whole, fill_end=fill_end)
-        if train and v > 1 and not schedule.in_send_order(grid, top.skips):
-            for peer in range(top.stages):
-                taken: list[tuple[str, int, int, str | None]] = [
-                    (a.kind, a.i, t.virtual_stage, t.skip)
-                    for a in schedule.stage_actions(grid, peer)
-                    for t in schedule.receives(a, peer, top.stages, top.skips, v)
-                    if t.peer == top.stage
-                ]
-                if taken:
-                    run.order[peer], run.outbox[peer] = taken, {}
+        if train and v > 1:  # sends wait for their turn where a peer takes them out of order
+            run.order = outbox.taking_order(grid, top, v)
+            run.outbox = {peer: {} for peer in run.order}
         return run
 
     def _ready(self, action: Action, run: StepRun) -> bool:
@@ -272,10 +265,8 @@ class ColumnExecutor(nn.Module):
                 with self._span("send", action.i):
                     self.p2p.send(payload, self._rank(t.peer), chunks=run.chunks, **options)
             return
-        box = run.outbox[t.peer]
-        box[(action.kind, action.i, action.virtual_stage, t.skip)] = (payload, options)
-        while order and order[0] in box:
-            ready, ready_options = box.pop(order.pop(0))
+        key = (action.kind, action.i, action.virtual_stage, t.skip)
+        for ready, ready_options in outbox.release(order, run.outbox[t.peer], key, (payload, options)):
             if ready is not None:
                 with self._span("send", action.i):
                     self.p2p.send(ready, self._rank(t.peer), chunks=run.chunks, **ready_options)

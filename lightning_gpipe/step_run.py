@@ -67,7 +67,7 @@ class StepRun:
     leaf_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     # a grid whose stages take a peer's messages in another order than it sends them
     # (schedule.in_send_order false): per peer stage, the keys (kind, i, virtual stage here, skip)
-    # in the order the peer takes them; sends wait in outbox until their turn
+    # in the order the peer takes them (lightning_gpipe.outbox); sends wait in outbox until their turn
     order: dict[int, list[tuple[str, int, int, str | None]]] = field(default_factory=dict)
     outbox: dict[int, dict[tuple[str, int, int, str | None], Any]] = field(default_factory=dict)
 
