@@ -181,8 +181,10 @@ def _profile(
     model: torch.nn.Sequential, balance: list[int], sample: torch.Tensor, threads: int
 ) -> dict[str, list[float]]:
     """Per part (``len(balance)``: one per stage, or ``K·v`` with virtual stages): forward and
-    backward seconds of one micro-batch ``sample``, and bytes per sample saved for backward
-    (``activation``) and of the part's input (``input``)."""
+    backward seconds of one micro-batch ``sample``, bytes per sample saved for backward
+    (``activation``) and of the part's input (``input``), and bytes its backward needs beyond what
+    its forward kept (``workspace``, :func:`_backward_workspace`); ``output``: bytes per sample of
+    the model's output (the loss's input)."""
     torch.set_num_threads(threads)
     layers = profile_layers(model, sample, timeout=1.5, warmup=2)
     per_sample = 1.0 / sample.shape[0]
@@ -198,7 +200,30 @@ def _profile(
             out["activation"].append(sum(p.activation_bytes for p in layers[a:b]) * per_sample)
     out["input"] = input_bytes
     out["boundary_bytes_per_sample"] = input_bytes[1:]
+    out["output"] = [x.numel() * x.element_size() * per_sample]
+    out["workspace"] = _backward_workspace(model, balance, sample)
     return out
+
+
+def _backward_workspace(model: torch.nn.Sequential, balance: list[int], sample: torch.Tensor) -> list[float]:
+    """Per part, bytes one micro-batch's backward needs at its peak beyond what its forward left
+    alive, under :class:`TensorMemoryMeter`: the gradient arriving from the next part, the
+    gradients passed between layers, and each weight's gradient before it is added into ``.grad``
+    (which exists, as in every step after the first)."""
+    workspace, x = [], sample
+    for c, (a, b) in enumerate(stage_bounds(balance)):
+        part = torch.nn.Sequential(*list(model)[a:b])
+        x = x.detach().requires_grad_(c > 0)  # a received activation needs its gradient sent back
+        part(x).sum().backward()  # create .grad
+        with TensorMemoryMeter() as meter:
+            y = part(x)
+            kept = meter.live
+            meter.peak = kept
+            y.backward(torch.ones_like(y))  # the gradient received from the next part
+        workspace.append(float(meter.peak - kept))
+        x = y
+    model.zero_grad(set_to_none=True)
+    return workspace
 
 
 def _median(values: list[float] | None) -> float | None:
@@ -365,7 +390,40 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
     rows = _rows(cfg, results, params, profile, balance)
     _append_csv(Path(str(cfg.csv)), rows)
     print(format_table(rows))
+    grads = [0] * cfg.stages  # the per-micro-batch steps make each stage's gradients afresh
+    for c, (a, b) in enumerate(stage_bounds(balance)):
+        grads[c % cfg.stages] += sum(
+            p.numel() * p.element_size() for layer in list(model)[a:b] for p in layer.parameters()
+        )
+    print(format_memory(rows, grads))
     return rows
+
+
+def format_memory(rows: list[dict[str, Any]], step_gradient_bytes: list[int]) -> str:
+    """Per run, each stage's measured peak tensor MiB next to the cost model's
+    (:func:`lightning_gpipe.simulate.peak_activation_memory`, backward workspace and loss side
+    included) and their ratio, stage order. Under ``ours`` with a schedule other than ``gpipe`` the
+    per-micro-batch steps (:mod:`lightning_gpipe.microstep`) make the step's parameter gradients
+    afresh, which the meter counts: the measure is the meter less ``step_gradient_bytes`` (per
+    stage), the meter's own reading after it."""
+    lines = []
+    for r in rows:
+        measured, model = r.get("activation_bytes_stages"), r.get("predicted_activation_bytes_stages")
+        if not measured or not model:
+            continue
+        fresh = r["run"] == "ours" and r.get("schedule") not in (None, "gpipe")
+        pairs = []
+        for j, (a, b) in enumerate(zip(str(measured).split("|"), str(model).split("|"))):
+            meter, predicted = float(a), float(b)
+            value = meter - (step_gradient_bytes[j] if fresh else 0)
+            ratio = f"{value / predicted:.2f}" if predicted else "–"
+            pairs.append(
+                f"{value / 2**20:.1f} [meter {meter / 2**20:.1f}] (model {predicted / 2**20:.1f}, ratio {ratio})"
+            )
+        lines.append(
+            f"{r['run']} {_schedule_name(r)} M={r['chunks']}: peak MiB per stage: " + " | ".join(pairs)
+        )
+    return "\n".join(lines)
 
 
 def _median_step(per_rank: list[dict[str, Any]]) -> float:
@@ -444,6 +502,8 @@ def _rows(
                 batch_size=cfg.batch_size,
                 activation_bytes=profile["activation"],
                 input_bytes=profile["input"],
+                workspace_bytes=profile["workspace"],
+                output_bytes=profile["output"][0],
             )
             assert sim.peak_activation_bytes is not None
             row["predicted_bubble"] = sim.bubble

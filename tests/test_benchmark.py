@@ -7,13 +7,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from benchmarks.benchmark import (
     COLUMNS,
+    _backward_workspace,
     add_ratios,
     benchmark,
     capacity,
+    format_memory,
     format_table,
     predict_window,
     report,
@@ -211,3 +214,43 @@ def test_schedules_run_ours_against_the_peers_same_schedule(tmp_path, schedule, 
     assert rows["ours"]["bubble_ideal"] == pytest.approx(ideal_bubble(2, 4, v))
     stages = [float(b) for b in rows["ours"]["bubble_stages"].split("|")]
     assert len(stages) == 2 and all(0.0 <= b < 1.0 for b in stages)
+
+
+def test_backward_workspace_is_the_backward_peak_above_what_the_forward_kept():
+    """Two Linear(8, 8) parts, 2 samples (float32), .grad existing: the backward of part 0 needs the
+    received gradient (2·8·4 = 64 bytes), the weight's gradient before it is added into .grad
+    (8·8·4 = 256) and the bias's (32): 352; part 1 also the gradient of its input, sent back (64): 416."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    assert _backward_workspace(model, [1, 1], torch.randn(2, 8)) == [352.0, 416.0]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_memory_lines_put_the_model_next_to_each_stage_less_fresh_gradients():
+    mib = 2**20
+    rows = [
+        {
+            "run": "ours",
+            "schedule": "1f1b",
+            "virtual_stages": 1,
+            "chunks": 4,
+            "activation_bytes_stages": f"{28 * mib}|{26 * mib}",
+            "predicted_activation_bytes_stages": f"{13 * mib}|{10 * mib}",
+        },
+        {
+            "run": "ours",
+            "schedule": "gpipe",
+            "virtual_stages": 1,
+            "chunks": 4,
+            "activation_bytes_stages": f"{21 * mib}|{25 * mib}",
+            "predicted_activation_bytes_stages": f"{21 * mib}|{20 * mib}",
+        },
+    ]
+    lines = format_memory(rows, [16 * mib, 16 * mib]).splitlines()
+    assert lines[0] == (
+        "ours 1f1b M=4: peak MiB per stage: 12.0 [meter 28.0] (model 13.0, ratio 0.92)"
+        " | 10.0 [meter 26.0] (model 10.0, ratio 1.00)"
+    )
+    assert lines[1].endswith(
+        "21.0 [meter 21.0] (model 21.0, ratio 1.00) | 25.0 [meter 25.0] (model 20.0, ratio 1.25)"
+    )
