@@ -23,7 +23,9 @@ peak RSS; ``ours`` and ``bare`` also the bubble share, each stage's idle share o
 (``bubble_stages``) and the step window from the timeline. With
 ``predict``, each stage's saved bytes are profiled layer by layer
 (:func:`lightning_gpipe.balance.profile_layers`, one micro-batch) for the cost model's activation
-memory; :func:`lightning_gpipe.simulate.simulate` predicts the step window from the run's own
+memory, with each part's backward workspace (its backward's peak above what its forward kept,
+under the tensor-memory meter) and the output's bytes per sample; each stage's measured peak is
+printed next to the model's; :func:`lightning_gpipe.simulate.simulate` predicts the step window from the run's own
 per-stage forward/backward span medians (timeline) and the P2P latency of a ping-pong in ``bare``
 (and, as a second prediction, the in-run message delay). Rows are appended to ``csv``
 and printed with the ratios: ours/ideal, where ideal = K·M/(M+(K-1)/v) × single-stage (1 thread)
