@@ -105,11 +105,16 @@ def test_predictions_with_two_pipelines_follow_ddp(gpipe_job):
 
 
 @pytest.mark.timeout(300)
-def test_simple_and_advanced_profilers_report_every_rank(gpipe_job, tmp_path):
-    """profiler="simple" and "advanced" (2 stages): each rank writes its own report,
-    which names the strategy's steps."""
-    runs = [{"chunks": 2, "profiler": "simple"}, {"chunks": 2, "profiler": "advanced"}]
-    gpipe_job("mlp", 2, runs, steps=3)
+def test_simple_advanced_and_pytorch_profilers_report_every_rank(gpipe_job, tmp_path):
+    """profiler="simple", "advanced" and "pytorch" (2 stages, validation every 2 steps for the
+    pytorch profiler, whose steps then cycle while sends are in flight): each rank writes its own
+    report, which names the strategy's steps."""
+    runs = [
+        {"chunks": 2, "profiler": "simple"},
+        {"chunks": 2, "profiler": "advanced"},
+        {"chunks": 2, "profiler": "pytorch", "trainer": {"max_steps": 6, "val_check_interval": 2}},
+    ]
+    gpipe_job("mlp", 2, runs, steps=3, val=True)
     for kind in ("simple", "advanced"):
         for rank in (0, 1):
             report = (tmp_path / "profiles" / f"fit-{kind}-{rank}.txt").read_text()
@@ -117,6 +122,9 @@ def test_simple_and_advanced_profilers_report_every_rank(gpipe_job, tmp_path):
                 kind,
                 rank,
             )
+    for rank in (0, 1):
+        report = (tmp_path / "profiles" / f"fit-pytorch-{rank}.txt").read_text()
+        assert "[pl][profile]" in report and "training_step" in report, (rank, report[-2000:])
 
 
 def test_pruning_keeps_this_stages_parameters_and_refuses_a_global_ranking_across_stages():
@@ -158,17 +166,16 @@ def test_tuners_are_refused_with_a_clear_error(finder):
         refuse_tuners([getattr(pl.callbacks, finder)()], namespace)
 
 
-@pytest.mark.slow  # about 90 s: one 2-process job of five runs
+@pytest.mark.slow  # about 40 s: one 2-process job of four runs and their one-device references
 @pytest.mark.timeout(400)
-def test_pruning_lr_monitor_and_pytorch_profiler_two_stages(gpipe_job, tmp_path):
+def test_pruning_lr_monitor_and_accumulation_scheduler_two_stages(gpipe_job):
     """2 stages, one job:
     - ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=False), 2 epochs, made permanent: the pruned weights equal
       one device's (the callback listed every stage's layers in setup, before the cut);
     - the same not made permanent, with the lottery ticket: weight_orig and weight_mask equal one device's;
     - LearningRateMonitor with ReduceLROnPlateau stepping on the last stage's loss: every rank logs
       one device's learning rates;
-    - GradientAccumulationScheduler({0: 1, 1: 2}), 2 epochs: the parameters equal one device's;
-    - profiler="pytorch" with validation every 2 steps: each rank writes its own report.
+    - GradientAccumulationScheduler({0: 1, 1: 2}), 2 epochs: the parameters equal one device's.
     """
     epochs2 = {"max_epochs": 2, "max_steps": -1}
     prune = {"amount": 0.3, "use_global_unstructured": False}
@@ -213,7 +220,6 @@ def test_pruning_lr_monitor_and_pytorch_profiler_two_stages(gpipe_job, tmp_path)
             "features": {"lr_monitor": {"logging_interval": "step"}},
         },
         {"chunks": 2, "features": {"accumulation": accumulation}, "trainer": epochs2},
-        {"chunks": 2, "profiler": "pytorch", "trainer": {**epochs2, "val_check_interval": 2}},
     ]
     results, _ = gpipe_job("mlp", 2, runs, steps=5, batch=10, val=True, timeout=360)
     for result, ref in zip(results[:2], refs):
@@ -224,6 +230,3 @@ def test_pruning_lr_monitor_and_pytorch_profiler_two_stages(gpipe_job, tmp_path)
     for record in results[2]["ranks"]:
         assert [m["lr-SGD"] for m in record["logged"] if "lr-SGD" in m] == pytest.approx(expected_lrs)
     assert max_diff(results[3]["state"], accumulated.state_dict()) <= 1e-5
-    for rank in (0, 1):
-        report = (tmp_path / "profiles" / f"fit-pytorch-{rank}.txt").read_text()
-        assert "[pl][profile]" in report and "training_step" in report, (rank, report[-2000:])
