@@ -53,6 +53,35 @@ def test_sweep_writes_csv_rows_and_bubble_falls_from_m1_to_m8(tmp_path):
     assert "normalized to the same run at M=1" in report(out)
 
 
+@pytest.mark.timeout(120)
+def test_ours_and_the_peer_report_throughput_memory_bubble_and_their_ratio(tmp_path):
+    """ours and peer at M=4 with recompute (the default suite's driver check): the ratio, bubble,
+    memory meter and cost model filled in."""
+    cfg = _compose(
+        [
+            *TINY,
+            "chunks=4",
+            "checkpoint=always",
+            "runs=[ours,peer]",
+            f"csv={tmp_path / 'b.csv'}",
+            "timeout=100",
+        ]
+    )
+    rows = {r["run"]: r for r in benchmark(cfg)}
+    assert set(rows) == {"ours", "peer"}
+    ours = rows["ours"]
+    assert ours["vs_peer"] == pytest.approx(ours["samples_per_s"] / rows["peer"]["samples_per_s"])
+    for key in ("predicted_window_s", "predicted_bubble"):
+        assert isinstance(ours[key], float), key
+    assert 0.0 < ours["bubble"] < 1.0 and ours["bubble_ideal"] == pytest.approx(1 / 5)
+    for run in ("ours", "peer"):
+        assert rows[run]["activation_bytes"] > 0 and rows[run]["rss_bytes"] > 0
+    assert len(ours["activation_bytes_stages"].split("|")) == 2
+    with (tmp_path / "b.csv").open() as f:
+        assert [r["run"] for r in csv.DictReader(f)] == ["ours", "peer"]
+
+
+@pytest.mark.slow  # about 55 s (six launches); the ours/peer test covers the driver in the default suite
 @pytest.mark.timeout(150)
 def test_every_run_kind_reports_throughput_memory_and_ratios(tmp_path):
     """ours, bare, peer and single at M=4 with recompute: ratios, memory meter and cost model filled in."""

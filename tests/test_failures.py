@@ -74,6 +74,7 @@ def test_failure_while_the_next_messages_are_still_being_received_exits_without_
     assert "terminate called" not in out and "Fatal Python error" not in out, out[-3000:]
 
 
+@pytest.mark.slow  # about 25 s; the message is checked in process (test_stage.py) and a rank's failure ending every rank by the launcher-rank case
 @pytest.mark.timeout(200)
 def test_wrong_shape_between_stages_is_named(tmp_path):
     rc, out, seconds = _run_failing_job(tmp_path, wrong_shape=True)

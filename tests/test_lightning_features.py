@@ -207,6 +207,7 @@ def test_bf16_mixed_on_cpu_trains_close_to_one_device(gpipe_job):
     assert len(one_f_one_b) == 5 and max(abs(a - b) for a, b in zip(one_f_one_b, reference.losses)) <= 2e-2
 
 
+@pytest.mark.slow  # about 20 s; test_callbacks.py checks predictions on every rank against one device in the default suite
 @pytest.mark.timeout(300)
 def test_predict_returns_last_stage_outputs_in_order(gpipe_job):
     reference, trainer = train_single_device("mlp", 0, steps=3, return_trainer=True)
@@ -308,6 +309,7 @@ def test_several_optimizers_fail_with_a_clear_error(tmp_path):
     assert "multiple optimizers" in out or "supports a single optimizer" in out
 
 
+@pytest.mark.slow  # about 20 s; clipping by value is elementwise within a stage, and the clipping hook runs in the default suite's global-norm test
 @pytest.mark.timeout(300)
 def test_gradient_clipping_by_value_matches_one_device(gpipe_job):
     extra = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"}
