@@ -168,10 +168,11 @@ def test_tuners_are_refused_with_a_clear_error(finder):
 
 @pytest.mark.slow  # about 40 s: one 2-process job of four runs and their one-device references
 @pytest.mark.timeout(400)
-def test_pruning_lr_monitor_and_accumulation_scheduler_two_stages(gpipe_job):
+def test_pruning_lr_monitor_and_accumulation_scheduler_two_stages(gpipe_job, tmp_path):
     """2 stages, one job:
     - ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=False), 2 epochs, made permanent: the pruned weights equal
       one device's (the callback listed every stage's layers in setup, before the cut);
+      a checkpoint saved at the last epoch's end holds them under their plain names;
     - the same not made permanent, with the lottery ticket: weight_orig and weight_mask equal one device's;
     - LearningRateMonitor with ReduceLROnPlateau stepping on the last stage's loss: every rank logs
       one device's learning rates;
@@ -221,9 +222,16 @@ def test_pruning_lr_monitor_and_accumulation_scheduler_two_stages(gpipe_job):
         },
         {"chunks": 2, "features": {"accumulation": accumulation}, "trainer": epochs2},
     ]
-    results, _ = gpipe_job("mlp", 2, runs, steps=5, batch=10, val=True, timeout=360)
+    saving = {"checkpoint": {"save_last": True, "save_on_train_epoch_end": True}}
+    on = {"enable_checkpointing": True}
+    results, _ = gpipe_job(
+        "mlp", 2, runs, steps=5, batch=10, val=True, callbacks=saving, trainer=on, timeout=360
+    )
     for result, ref in zip(results[:2], refs):
         assert max_diff(result["state"], ref.state_dict()) <= 1e-5
+    # the last epoch's checkpoint, pruning made permanent: every stage's weights under their plain names
+    saved = torch.load(tmp_path / "ckpt0" / "last.ckpt", weights_only=False)["state_dict"]
+    assert max_diff(saved, refs[0].state_dict()) <= 1e-5
     assert any(k.endswith("weight_mask") for k in results[1]["state"])
     expected_lrs = [m["lr-SGD"] for m in lr_ref.logger.logged if "lr-SGD" in m]
     assert len(expected_lrs) == 5 and len(set(expected_lrs)) > 1  # the plateau halved it
