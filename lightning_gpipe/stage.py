@@ -200,7 +200,7 @@ class PipelineStage(nn.Sequential):
         self._run: _Run | None = None  # the step in progress
         self._micro: int | None = None  # one call per micro-batch: their number in this step
         self.timeline: Any = (
-            None  # a lightning_gpipe.timeline.Timeline (anything with span(kind, i)), or None
+            None  # a lightning_gpipe.timeline.Timeline (anything with span(kind, i, u)), or None
         )
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
         self.__dict__["_compiled"] = (
@@ -273,9 +273,10 @@ class PipelineStage(nn.Sequential):
             "where it lives, or outside fit (the Sequential is whole again afterwards)"
         )
 
-    def _span(self, kind: str, i: int) -> Any:
-        """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on the timeline."""
-        return self.timeline.span(kind, i) if self.timeline is not None else nullcontext()
+    def _span(self, kind: str, i: int, u: int = 0) -> Any:
+        """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on virtual
+        stage ``u`` on the timeline."""
+        return self.timeline.span(kind, i, u) if self.timeline is not None else nullcontext()
 
     # -- the forward phase ------------------------------------------------------------------
 
@@ -470,14 +471,14 @@ class PipelineStage(nn.Sequential):
         store = MicroBatchStore()
         received = schedule.receives(action, top.stage, top.stages, top.skips, v)
         for t in received:
-            meta, tensors = self._receive(t, i, run)
+            meta, tensors = self._receive(t, i, u, run)
             if t.skip is None:
                 x, x_structure = _as_inputs(meta, tensors, run.train), meta.structure
             else:
                 store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
                 self.received_skips.append((t.skip, t.peer))
         assert x_structure is not None  # the first stage's split, or the message's
-        with self._span("forward", i), self._naming_errors("forward", i, x):
+        with self._span("forward", i, u), self._naming_errors("forward", i, x):
             y = self._compute(i, u, run, unflatten(x_structure, x), store)
         kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
         y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
@@ -493,11 +494,11 @@ class PipelineStage(nn.Sequential):
             payload = y_tensors if t.skip is None else (store[t.skip],)
             self._post(run, action, t, payload, structure=y_structure if t.skip is None else None)
 
-    def _receive(self, t: schedule.Transfer, i: int, run: _Run) -> tuple[Meta, list[Tensor]]:
+    def _receive(self, t: schedule.Transfer, i: int, u: int, run: _Run) -> tuple[Meta, list[Tensor]]:
         if t.skip is None and run.first is not None:
             first, run.first = run.first, None
             return first
-        with self._span("recv", i):
+        with self._span("recv", i, u):
             return self.p2p.recv(self._rank(t.peer))
 
     def _rank(self, stage: int) -> int:
@@ -526,7 +527,7 @@ class PipelineStage(nn.Sequential):
             partial(self.local_forward, virtual_stage=u),
             x,
             store,
-            context=lambda: self._recompute_context(i, state, layers),
+            context=lambda: self._recompute_context(i, u, state, layers),
         )
 
     def _virtual_modules(self, u: int) -> list[nn.Module]:
@@ -540,15 +541,15 @@ class PipelineStage(nn.Sequential):
         order = run.order.get(t.peer)
         if order is None:
             if payload is not None:
-                with self._span("send", action.i):
+                with self._span("send", action.i, action.virtual_stage):
                     self.p2p.send(payload, self._rank(t.peer), chunks=run.chunks, **options)
             return
         box = run.outbox[t.peer]
         box[(action.kind, action.i, action.virtual_stage, t.skip)] = (payload, options)
         while order and order[0] in box:
-            ready, ready_options = box.pop(order.pop(0))
+            (_, ready_i, ready_u, _), (ready, ready_options) = order[0], box.pop(order.pop(0))
             if ready is not None:
-                with self._span("send", action.i):
+                with self._span("send", ready_i, ready_u):
                     self.p2p.send(ready, self._rank(t.peer), chunks=run.chunks, **ready_options)
 
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
@@ -558,8 +559,10 @@ class PipelineStage(nn.Sequential):
         return naming_errors(top.stage, self.layer_names, first, phase, i, x, keep=(PipelineUsageError,))
 
     @contextmanager
-    def _recompute_context(self, i: int, state: ForwardState, layers: Sequence[nn.Module]) -> Iterator[None]:
-        with self._span("recompute", i), state.replay(layers), no_accumulate():
+    def _recompute_context(
+        self, i: int, u: int, state: ForwardState, layers: Sequence[nn.Module]
+    ) -> Iterator[None]:
+        with self._span("recompute", i, u), state.replay(layers), no_accumulate():
             yield
 
     # -- the step outcome --------------------------------------------------------------------
@@ -657,14 +660,14 @@ class PipelineStage(nn.Sequential):
         for t in schedule.receives(action, top.stage, top.stages, top.skips, v):
             if not _flows(run, action, t):
                 continue
-            with self._span("recv", i):
+            with self._span("recv", i, u):
                 _, grads = self.p2p.recv(self._rank(t.peer))
             if t.skip is None:
                 dy = grads
             else:  # the gradient of a skip this stage sent on comes straight back
                 y_grad, dy = [*y_grad, run.skips_out[key][t.skip]], [*dy, *grads]
         if y_grad:
-            with self._span("backward", i), self._naming_errors("backward", i, run.inputs[key]):
+            with self._span("backward", i, u), self._naming_errors("backward", i, run.inputs[key]):
                 torch.autograd.backward(y_grad, dy)
         for t in schedule.sends(action, top.stage, top.stages, top.skips, v):
             sources = run.inputs[key] if t.skip is None else (run.skips_in[key][t.skip],)
