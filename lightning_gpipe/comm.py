@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_gpipe._compat import unrecorded
 from lightning_gpipe.microbatch import CONSTANTS, SLOT, TREE, TUPLE, MicroBatchError, Structure
 
 __all__ = [
@@ -242,9 +243,13 @@ class P2P:
         self, tensors: Sequence[Tensor], dst: int, *, structure: Structure | None = None, chunks: int = 0
     ) -> None:
         """Post an asynchronous send of ``tensors`` (the value ``structure`` describes; ``None``: a
-        tuple of tensors) to ``dst`` (:func:`encode_message`); waits happen in :meth:`flush`."""
+        tuple of tensors) to ``dst`` (:func:`encode_message`); waits happen in :meth:`flush`.
+
+        The sends open no profiler event (:func:`lightning_gpipe._compat.unrecorded`): a wait deferred
+        past the profiler's next step would close it in a freed event list."""
         for t in encode_message(tensors, structure, chunks, self.device):
-            work = dist.isend(t, dst)
+            with unrecorded():  # the send may complete after the profiler's next cycle began
+                work = dist.isend(t, dst)
             assert work is not None
             if self.background:
                 self._waiter.put(work, t)
