@@ -6,11 +6,12 @@ bubble share, the cost model's error, and the largest model that fits a memory b
 (:mod:`benchmarks.worker`):
 
 - ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under Lightning, ``timeline=True``, with the
-  config's ``schedule`` and ``virtual_stages`` (``bare`` and ``peer`` run fill-drain only and are
-  skipped under another schedule);
+  config's ``schedule`` and ``virtual_stages``;
 - ``bare``: the same stages driven by a plain PyTorch loop (Lightning overhead = ours vs bare);
-- ``peer``: ``torch.distributed.pipelining`` ``ScheduleGPipe(scale_grads=False)``, same split and
-  micro-batches;
+  fill-drain only, skipped under another schedule;
+- ``peer``: ``torch.distributed.pipelining``'s same schedule with ``scale_grads=False``, same split
+  and micro-batches: ``ScheduleGPipe``, ``Schedule1F1B``, or ``ScheduleInterleaved1F1B`` holding
+  our parts ``p, p+K, …`` on rank ``p`` under ``schedule=interleaved_1f1b``;
 - ``single``: the plain model in one process with 1 thread (the one-stage baseline), with
   K × ``threads`` threads (the pipeline's total, row ``single_mt``) and with 1 thread on the
   pipeline's M micro-batches, gradients accumulated (row ``single_mb``).
@@ -18,14 +19,18 @@ bubble share, the cost model's error, and the largest model that fits a memory b
 Every run reports samples/s (``batch_size`` / median seconds between step ends over the timed
 steps; with ``repeats`` > 1 the list runs again, interleaved, and each run keeps its least
 disturbed repeat, which matters on a shared machine), the peak tensor bytes of one step per stage (:class:`benchmarks.memory.TensorMemoryMeter`) and
-peak RSS; ``ours`` and ``bare`` also the bubble share and step window from the timeline. With
+peak RSS; ``ours`` and ``bare`` also the bubble share, each stage's idle share of the window
+(``bubble_stages``) and the step window from the timeline. With
 ``predict``, each stage's saved bytes are profiled layer by layer
 (:func:`lightning_gpipe.balance.profile_layers`, one micro-batch) for the cost model's activation
-memory; :func:`lightning_gpipe.simulate.simulate` predicts the step window from the run's own
+memory, with each part's backward workspace (its backward's peak above what its forward kept,
+under the tensor-memory meter) and the output's bytes per sample; each stage's measured peak is
+printed next to the model's; :func:`lightning_gpipe.simulate.simulate` predicts the step window from the run's own
 per-stage forward/backward span medians (timeline) and the P2P latency of a ping-pong in ``bare``
 (and, as a second prediction, the in-run message delay). Rows are appended to ``csv``
-and printed with the ratios: ours/ideal, where ideal = K·M/(M+K-1) × single-stage (1 thread)
-samples/s; the same against the ideal from ``single_mb`` (one process on the same micro-batches,
+and printed with the ratios: ours/ideal, where ideal = K·M/(M+(K-1)/v) × single-stage (1 thread)
+samples/s (v = 1 but under ``interleaved_1f1b``: the bubble-limited speed-up, Narayanan et al.,
+SC 2021, section 2.2.1); the same against the ideal from ``single_mb`` (one process on the same micro-batches,
 so that the smaller matrices' slower kernels are not counted against the schedule); ours/peer;
 and the Lightning overhead ``ours step / bare step - 1``.
 
@@ -88,6 +93,7 @@ COLUMNS = [
     "samples_per_s_best",
     "bubble",
     "bubble_ideal",
+    "bubble_stages",
     "window_s",
     "forward_s_stages",
     "backward_s_stages",
@@ -177,8 +183,10 @@ def _profile(
     model: torch.nn.Sequential, balance: list[int], sample: torch.Tensor, threads: int
 ) -> dict[str, list[float]]:
     """Per part (``len(balance)``: one per stage, or ``K·v`` with virtual stages): forward and
-    backward seconds of one micro-batch ``sample``, and bytes per sample saved for backward
-    (``activation``) and of the part's input (``input``)."""
+    backward seconds of one micro-batch ``sample``, bytes per sample saved for backward
+    (``activation``) and of the part's input (``input``), and bytes its backward needs beyond what
+    its forward kept (``workspace``, :func:`_backward_workspace`); ``output``: bytes per sample of
+    the model's output (the loss's input)."""
     torch.set_num_threads(threads)
     layers = profile_layers(model, sample, timeout=1.5, warmup=2)
     per_sample = 1.0 / sample.shape[0]
@@ -194,7 +202,30 @@ def _profile(
             out["activation"].append(sum(p.activation_bytes for p in layers[a:b]) * per_sample)
     out["input"] = input_bytes
     out["boundary_bytes_per_sample"] = input_bytes[1:]
+    out["output"] = [x.numel() * x.element_size() * per_sample]
+    out["workspace"] = _backward_workspace(model, balance, sample)
     return out
+
+
+def _backward_workspace(model: torch.nn.Sequential, balance: list[int], sample: torch.Tensor) -> list[float]:
+    """Per part, bytes one micro-batch's backward needs at its peak beyond what its forward left
+    alive, under :class:`TensorMemoryMeter`: the gradient arriving from the next part, the
+    gradients passed between layers, and each weight's gradient before it is added into ``.grad``
+    (which exists, as in every step after the first)."""
+    workspace, x = [], sample
+    for c, (a, b) in enumerate(stage_bounds(balance)):
+        part = torch.nn.Sequential(*list(model)[a:b])
+        x = x.detach().requires_grad_(c > 0)  # a received activation needs its gradient sent back
+        part(x).sum().backward()  # create .grad
+        with TensorMemoryMeter() as meter:
+            y = part(x)
+            kept = meter.live
+            meter.peak = kept
+            y.backward(torch.ones_like(y))  # the gradient received from the next part
+        workspace.append(float(meter.peak - kept))
+        x = y
+    model.zero_grad(set_to_none=True)
+    return workspace
 
 
 def _median(values: list[float] | None) -> float | None:
@@ -212,6 +243,8 @@ def _row(
     step = result["step_s"]
     act = [r.get("activation_bytes") for r in stage_results]
     k, m = cfg.stages, len(microbatch_sizes(cfg.batch_size, cfg.chunks))
+    schedule = cfg.schedule if run in ("ours", "peer") else "gpipe" if run == "bare" else None
+    v = cfg.virtual_stages if run in ("ours", "peer") else 1
     return {
         "run": run,
         "model": cfg.model.name,
@@ -229,8 +262,9 @@ def _row(
         "samples_per_s": cfg.batch_size / _median(step) if step else None,
         "samples_per_s_best": cfg.batch_size / min(step) if step else None,
         "bubble": _median(result.get("bubble")),
-        "bubble_ideal": ideal_bubble(k, m, cfg.virtual_stages if run == "ours" else 1)
-        if run in ("ours", "bare", "peer")
+        "bubble_ideal": ideal_bubble(k, m, v) if run in ("ours", "bare", "peer") else None,
+        "bubble_stages": "|".join(f"{b:.4g}" for b in _median_per_stage(result.get("stage_bubble")))
+        if result.get("stage_bubble")
         else None,
         "window_s": _median(result.get("window_s")),
         "latency_eff_s": result.get("latency_eff_s"),
@@ -238,9 +272,14 @@ def _row(
         "activation_bytes": max(a for a in act if a is not None) if any(a is not None for a in act) else None,
         "activation_bytes_stages": "|".join(str(a) for a in act) if any(a is not None for a in act) else None,
         "rss_bytes": max(r["rss_bytes"] for r in stage_results),
-        "schedule": cfg.schedule if run == "ours" else "gpipe" if run in ("bare", "peer") else None,
-        "virtual_stages": cfg.virtual_stages if run == "ours" else 1 if run in ("bare", "peer") else None,
+        "schedule": schedule,
+        "virtual_stages": v if run in ("ours", "bare", "peer") else None,
     }
+
+
+def _median_per_stage(per_step: list[list[float]]) -> list[float]:
+    """Per stage, the median over steps of ``per_step[step][stage]``."""
+    return [statistics.median(values) for values in zip(*per_step)]
 
 
 def _span_columns(spans: dict[str, list[float]] | None) -> dict[str, str]:
@@ -301,14 +340,13 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
     if unknown:
         raise ValueError(f"runs may hold ours, bare, peer, single (unknown: {sorted(unknown)})")
     runs = list(cfg.runs)
-    if cfg.schedule != "gpipe" and {"bare", "peer"} & set(runs):
-        skipped = [r for r in runs if r in ("bare", "peer")]
+    if cfg.schedule != "gpipe" and "bare" in runs:
         print(
-            f"benchmark: skipping {', '.join(skipped)} (they run fill-drain only; schedule={cfg.schedule} "
-            "applies to ours)",
+            f"benchmark: skipping bare (it runs fill-drain only; schedule={cfg.schedule} applies to ours "
+            "and peer)",
             flush=True,
         )
-        runs = [r for r in runs if r not in skipped]
+        runs = [r for r in runs if r != "bare"]
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     assert isinstance(model_cfg, dict)
     model = build_model(model_cfg)
@@ -354,7 +392,40 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
     rows = _rows(cfg, results, params, profile, balance)
     _append_csv(Path(str(cfg.csv)), rows)
     print(format_table(rows))
+    grads = [0] * cfg.stages  # the per-micro-batch steps make each stage's gradients afresh
+    for c, (a, b) in enumerate(stage_bounds(balance)):
+        grads[c % cfg.stages] += sum(
+            p.numel() * p.element_size() for layer in list(model)[a:b] for p in layer.parameters()
+        )
+    print(format_memory(rows, grads))
     return rows
+
+
+def format_memory(rows: list[dict[str, Any]], step_gradient_bytes: list[int]) -> str:
+    """Per run, each stage's measured peak tensor MiB next to the cost model's
+    (:func:`lightning_gpipe.simulate.peak_activation_memory`, backward workspace and loss side
+    included) and their ratio, stage order. Under ``ours`` with a schedule other than ``gpipe`` the
+    per-micro-batch steps (:mod:`lightning_gpipe.microstep`) make the step's parameter gradients
+    afresh, which the meter counts: the measure is the meter less ``step_gradient_bytes`` (per
+    stage), the meter's own reading after it."""
+    lines = []
+    for r in rows:
+        measured, model = r.get("activation_bytes_stages"), r.get("predicted_activation_bytes_stages")
+        if not measured or not model:
+            continue
+        fresh = r["run"] == "ours" and r.get("schedule") not in (None, "gpipe")
+        pairs = []
+        for j, (a, b) in enumerate(zip(str(measured).split("|"), str(model).split("|"))):
+            meter, predicted = float(a), float(b)
+            value = meter - (step_gradient_bytes[j] if fresh else 0)
+            ratio = f"{value / predicted:.2f}" if predicted else "–"
+            pairs.append(
+                f"{value / 2**20:.1f} [meter {meter / 2**20:.1f}] (model {predicted / 2**20:.1f}, ratio {ratio})"
+            )
+        lines.append(
+            f"{r['run']} {_schedule_name(r)} M={r['chunks']}: peak MiB per stage: " + " | ".join(pairs)
+        )
+    return "\n".join(lines)
 
 
 def _median_step(per_rank: list[dict[str, Any]]) -> float:
@@ -401,7 +472,9 @@ def _rows(
         by_stage = sorted(per_rank, key=lambda r: r["stage"])
         result = dict(by_stage[-1])  # the last stage's step times
         for r in per_rank:  # the timeline summary, gathered on global rank 0
-            result.update({key: r[key] for key in ("bubble", "window_s", "latency_eff_s") if key in r})
+            result.update(
+                {key: r[key] for key in ("bubble", "stage_bubble", "window_s", "latency_eff_s") if key in r}
+            )
         rows[run] = _row(cfg, run, result, by_stage, params, balance)
     k = cfg.stages
     bare = next((r for r in results.get("bare", []) if "latency_s" in r), {})
@@ -431,6 +504,8 @@ def _rows(
                 batch_size=cfg.batch_size,
                 activation_bytes=profile["activation"],
                 input_bytes=profile["input"],
+                workspace_bytes=profile["workspace"],
+                output_bytes=profile["output"][0],
             )
             assert sim.peak_activation_bytes is not None
             row["predicted_bubble"] = sim.bubble
@@ -446,7 +521,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Fill ``ideal_samples_per_s``, ``vs_ideal``, ``vs_peer`` and ``lightning_overhead`` (from median
     steps) and their ``_best`` twins (from the shortest step) in rows of one configuration.
 
-    ideal = K·M/(M+K-1) × the single run's samples/s (same threads per process as a stage);
+    ideal = K·M/(M+(K-1)/v) × the single run's samples/s (same threads per process as a stage; v
+    the row's virtual stages, 1 but under interleaved 1F1B: the bubble-limited speed-up);
     ``vs_ideal_mb`` takes the ideal from ``single_mb`` instead (one process on the same
     micro-batches: what is left is the schedule's own loss, not the smaller matrices' slower
     kernels). At M=1, ``single_mb`` is ``single``.
@@ -458,10 +534,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             if row["run"] not in ("ours", "bare", "peer"):
                 continue
             k, m = int(row["stages"]), len(microbatch_sizes(int(row["batch_size"]), int(row["chunks"])))
+            v = int(row.get("virtual_stages") or 1)
             for base_run, name in (("single", ""), ("single_mb" if m > 1 else "single", "_mb")):
                 base = by_run.get(base_run)
                 if base and base.get(key):
-                    ideal = k * m / (m + k - 1) * float(base[key])
+                    ideal = k * m / (m + (k - 1) / v) * float(base[key])
                     if not suffix:
                         row[f"ideal{name}_samples_per_s"] = ideal
                     row[f"vs_ideal{name}{suffix}"] = float(row[key]) / ideal
@@ -487,14 +564,25 @@ def _fmt(value: Any, spec: str = ".3g", scale: float = 1.0) -> str:
     return format(float(value) * scale, spec)
 
 
+def _schedule_name(row: dict[str, Any]) -> str:
+    """``gpipe``, ``1f1b``, ``interleaved_1f1b v=2``; ``–`` for the one-process runs."""
+    if not row.get("schedule"):
+        return "–"
+    v = int(row.get("virtual_stages") or 1)
+    return str(row["schedule"]) + (f" v={v}" if v > 1 else "")
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of benchmark rows: throughput and ratios from the median step (and from the
-    shortest step, in parentheses), bubble, step window against the cost model, memory."""
+    shortest step, in parentheses), the ideal K·M/(M+(K-1)/v) × one stage's samples/s, the measured
+    bubble of the pipeline (against the schedule's ideal) and of each stage (stage order), step
+    window against the cost model, memory."""
     head = (
-        "| run | K | M | checkpoint | samples/s | vs ideal | vs ideal, same micro-batches | vs peer "
-        "| Lightning overhead | bubble (ideal) | window ms (model) | act. MiB (model) | RSS MiB |"
+        "| run | schedule | K | M | checkpoint | samples/s | ideal samples/s | vs ideal | vs ideal, same micro-batches "
+        "| vs peer | Lightning overhead | bubble (ideal) | bubble per stage | window ms (model) | act. MiB (model) "
+        "| RSS MiB |"
     )
-    lines = [head, "|" + "---|" * 13]
+    lines = [head, "|" + "---|" * 16]
 
     def pair(key: str, spec: str) -> str:
         best = r.get(key + "_best") if key != "samples_per_s" else r.get("samples_per_s_best")
@@ -502,9 +590,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
     for r in rows:
         lines.append(
-            f"| {r['run']} | {r['stages']} | {r['chunks']} | {r['checkpoint']} | {pair('samples_per_s', '.0f')} "
+            f"| {r['run']} | {_schedule_name(r)} | {r['stages']} | {r['chunks']} | {r['checkpoint']} "
+            f"| {pair('samples_per_s', '.0f')} | {_fmt(r.get('ideal_samples_per_s'), '.0f')} "
             f"| {pair('vs_ideal', '.2f')} | {pair('vs_ideal_mb', '.2f')} | {pair('vs_peer', '.2f')} | {pair('lightning_overhead', '+.1%')} "
             f"| {_fmt(r['bubble'], '.2f')} ({_fmt(r['bubble_ideal'], '.2f')}) "
+            f"| {' / '.join(_fmt(b, '.2f') for b in str(r['bubble_stages']).split('|')) if r.get('bubble_stages') else '–'} "
             f"| {_fmt(r['window_s'], '.1f', 1e3)} ({_fmt(r['predicted_window_s'], '.1f', 1e3)}) "
             f"| {_fmt(r['activation_bytes'], '.1f', 2**-20)} ({_fmt(r['predicted_activation_bytes'], '.1f', 2**-20)}) "
             f"| {_fmt(r['rss_bytes'], '.0f', 2**-20)} |"
@@ -654,9 +744,15 @@ def _least_disturbed(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault(tuple(r[c] for c in config if c not in ("stages", "balance")), []).append(r)
     for group in groups.values():
         singles = [r for r in group if r["run"] in SINGLES]
-        for k in {r["stages"] for r in group if r not in singles}:
-            add_ratios([r for r in group if r["stages"] == k and r not in singles] + singles)
+        pipelines = [r for r in group if r not in singles]
+        for setting in {_setting(r) for r in pipelines}:  # K and the schedule: one ours, bare, peer each
+            add_ratios([r for r in pipelines if _setting(r) == setting] + singles)
     return list(kept.values())
+
+
+def _setting(row: dict[str, Any]) -> tuple[str, str, str]:
+    """A pipeline row's K, schedule and v (CSV rows before the schedule columns: gpipe, 1)."""
+    return (str(row["stages"]), str(row.get("schedule") or "gpipe"), str(row.get("virtual_stages") or 1))
 
 
 def report(path: str | Path) -> str:
@@ -664,18 +760,22 @@ def report(path: str | Path) -> str:
     (K, checkpoint) the M sweep normalized to M=1 and the cost model's error."""
     rows = _least_disturbed(list(csv.DictReader(Path(path).open())))
     parts = [format_table(rows)]
-    groups: dict[tuple[str, str, str], dict[int, dict[str, dict]]] = {}
+    groups: dict[tuple[str, str, str, str, int], dict[int, dict[str, dict]]] = {}
     for r in rows:
-        key = (r["model"], r["stages"] if r["run"] not in SINGLES else "", r["checkpoint"])
+        if r["run"] in SINGLES:
+            continue
+        v = int(r.get("virtual_stages") or 1)
+        key = (r["model"], r["stages"], r["checkpoint"], r.get("schedule") or "gpipe", v)
         groups.setdefault(key, {}).setdefault(int(r["chunks"]), {})[r["run"]] = r
-    for (model, k, checkpoint), by_m in sorted(groups.items()):
-        if not k or 1 not in by_m:
+    for (model, k, checkpoint, schedule, v), by_m in sorted(groups.items()):
+        if 1 not in by_m:
             continue
         stages = int(k)
+        name = schedule + (f" v={v}" if v > 1 else "")
         lines = [
-            f"\n{model}, K={stages}, checkpoint={checkpoint}: samples/s normalized to the same run at M=1 "
-            "(median step; shortest step in parentheses)",
-            "| M | ideal K·M/(M+K-1) | ours | bare | peer | GPipe Table 2 (Transformer, K=2) |",
+            f"\n{model}, K={stages}, checkpoint={checkpoint}, schedule={name}: samples/s normalized to the same "
+            "run at M=1 (median step; shortest step in parentheses)",
+            "| M | ideal K·M/(M+(K-1)/v) | ours | bare | peer | GPipe Table 2 (Transformer, K=2) |",
             "|---|---|---|---|---|---|",
         ]
         for m, runs in sorted(by_m.items()):
@@ -689,7 +789,7 @@ def report(path: str | Path) -> str:
                 else:
                     cells.append("–")
             gpipe = GPIPE_TABLE2_K2.get(m) if stages == 2 else None
-            ideal = stages * m / (m + stages - 1)  # in units of the one-stage throughput, 1 at M=1
+            ideal = stages * m / (m + (stages - 1) / v)  # in units of the one-stage throughput
             lines.append(f"| {m} | {ideal:.2f} | " + " | ".join(cells) + f" | {gpipe if gpipe else '–'} |")
         model_rows = [
             (m, runs[run]) for m, runs in sorted(by_m.items()) for run in ("ours", "bare") if run in runs

@@ -8,8 +8,10 @@ is one of:
   ``schedule`` and ``virtual_stages``;
 - ``bare``: the same :class:`~lightning_gpipe.stage.PipelineStage` per process, driven by a plain
   PyTorch loop (no Lightning): the Lightning overhead is ``ours`` against this;
-- ``peer``: ``torch.distributed.pipelining`` with ``ScheduleGPipe(scale_grads=False)`` on the same
-  split and micro-batches;
+- ``peer``: ``torch.distributed.pipelining`` on the same split and micro-batches, the spec's
+  schedule: ``ScheduleGPipe``, ``Schedule1F1B`` or, under ``interleaved_1f1b``,
+  ``ScheduleInterleaved1F1B`` with the peer's stages ``p, p+K, …`` (our parts) on rank ``p``
+  (all with ``scale_grads=False``);
 - ``single``: the plain model in one process, once with ``threads`` threads (the one-stage baseline
   of the ideal speed-up), once with K × ``threads`` (the same total threads as the pipeline) and
   once with ``threads`` threads on the pipeline's M micro-batches (``single_mb``: the baseline of
@@ -41,7 +43,7 @@ from benchmarks.workloads import Batch, build_model, loss_fn, make_batches, summ
 from lightning_gpipe.comm import P2P
 from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import split
-from lightning_gpipe.partition import cut
+from lightning_gpipe.partition import cut, virtual_cut
 from lightning_gpipe.stage import PipelineStage, StageDone
 from lightning_gpipe.timeline import Timeline, gather, step_stats
 from lightning_gpipe.trace import plot_gantt, write_chrome_trace
@@ -74,13 +76,15 @@ def _result(spec: dict[str, Any], watch: Stopwatch, meter: TensorMemoryMeter | N
 
 
 def _timeline_summary(records: list[dict[str, Any]] | None, spec: dict[str, Any]) -> dict[str, Any]:
-    """Per timed step: the pipeline's bubble and window (seconds), from gathered timeline records."""
+    """Per timed step: the pipeline's bubble, each stage's idle share of the window (stage order),
+    and the window (seconds), from gathered timeline records."""
     if not records:
         return {}
     lo, hi = spec["warmup"], spec["warmup"] + spec["timed"]
     stats = [s for s in step_stats(records) if lo <= s.index < hi]
     return {
         "bubble": [s.bubble for s in stats],
+        "stage_bubble": [list(s.stage_bubble) for s in stats],
         "window_s": [s.window for s in stats],
         "busy_s": [list(s.busy) for s in stats],
         "spans": _span_medians(records, lo, hi),
@@ -112,12 +116,15 @@ def _effective_latency(records: list[dict[str, Any]], lo: int, hi: int) -> float
     return sorted(delays)[len(delays) // 2] if delays else None
 
 
-def _phase_spans(events: list[tuple[str, int, float, float]], kind: str, phase: str) -> dict[int, tuple]:
-    """``kind`` spans by micro-batch, before (forward) or after (backward) the stage's first backward."""
-    first_backward = min((a for k, _, a, _ in events if k == "backward"), default=float("inf"))
+def _phase_spans(
+    events: list[tuple[str, int, float, float, int]], kind: str, phase: str
+) -> dict[tuple, tuple]:
+    """``kind`` spans by (micro-batch, virtual stage), before (forward) or after (backward) the
+    stage's first backward."""
+    first_backward = min((a for k, _, a, _, _ in events if k == "backward"), default=float("inf"))
     return {
-        i: (a, b)
-        for k, i, a, b in events
+        (i, u): (a, b)
+        for k, i, a, b, u in events
         if k == kind and ((a < first_backward) if phase == "forward" else (a >= first_backward))
     }
 
@@ -129,7 +136,7 @@ def _span_medians(records: list[dict[str, Any]], lo: int, hi: int) -> dict[str, 
         by_kind: dict[str, list[float]] = {}
         for index, events in rec["events"].items():
             if lo <= index < hi:
-                for kind, _, a, b in events:
+                for kind, _, a, b, _ in events:
                     by_kind.setdefault(kind, []).append(b - a)
         for kind, values in by_kind.items():
             out.setdefault(kind, []).append(sorted(values)[len(values) // 2])
@@ -310,24 +317,34 @@ def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     return rank, result
 
 
-# -- peer: torch.distributed.pipelining ScheduleGPipe ---------------------------------------------
+# -- peer: torch.distributed.pipelining, the same schedule -----------------------------------------
 
 
 def run_peer(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     from torch.distributed.pipelining import PipelineStage as PeerStage
-    from torch.distributed.pipelining import ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     rank, world = _init_process_group()
     model_cfg = spec["model"]
-    submodule = nn.Sequential(OrderedDict(cut(build_model(model_cfg), spec["balance"], rank)))
-    stage = PeerStage(submodule, rank, world, torch.device("cpu"))
-    schedule = ScheduleGPipe(
-        stage,
-        n_microbatches=spec["chunks"],
-        loss_fn=summed_loss_fn(model_cfg, spec["batch_size"]),
-        scale_grads=False,
-    )
-    optimizer = torch.optim.SGD(submodule.parameters(), lr=spec["lr"])
+    name = spec.get("schedule", "gpipe")
+    parts = len(spec["balance"])  # K, or K·v with virtual stages: rank p runs parts p, p+K, ...
+    submodules = [
+        nn.Sequential(OrderedDict(layers))
+        for layers in virtual_cut(build_model(model_cfg), spec["balance"], rank, world)
+    ]
+    stages = [
+        PeerStage(sub, rank + u * world, parts, torch.device("cpu")) for u, sub in enumerate(submodules)
+    ]
+    options = {
+        "n_microbatches": spec["chunks"],
+        "loss_fn": summed_loss_fn(model_cfg, spec["batch_size"]),
+        "scale_grads": False,
+    }
+    if name == "interleaved_1f1b":
+        schedule: Any = ScheduleInterleaved1F1B(stages, **options)
+    else:
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stages[0], **options)
+    optimizer = torch.optim.SGD([p for sub in submodules for p in sub.parameters()], lr=spec["lr"])
     batches = make_batches(model_cfg, spec["batch_size"])
     watch, meter = Stopwatch(spec["warmup"], spec["timed"]), None
     for step in range(_steps(spec)):

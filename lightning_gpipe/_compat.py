@@ -8,7 +8,8 @@ touches an underscored attribute of Lightning or torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytorch_lightning as pl
@@ -25,6 +26,7 @@ from lightning_fabric.utilities.optimizer import _optimizers_to_device as optimi
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncher
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
 from torch import nn
+from torch._C._autograd import _enable_record_function
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
 from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
@@ -56,6 +58,7 @@ __all__ = [
     "attached_trainer",
     "checkpoint_offset",
     "children",
+    "unrecorded",
     "default_process_group_backend",
     "distributed_is_initialized",
     "flatten_dense_tensors",
@@ -236,3 +239,21 @@ def migrate_checkpoint(checkpoint: dict[str, Any], path: Any) -> dict[str, Any]:
     from pytorch_lightning.utilities.migration.utils import _pl_migrate_checkpoint
 
     return _pl_migrate_checkpoint(checkpoint, checkpoint_path=path)
+
+
+@contextmanager
+def unrecorded() -> Iterator[None]:
+    """No profiler event (``RecordFunction``) is opened in this thread inside the context; on again after it.
+
+    A Gloo ``isend`` posted while ``torch.profiler`` runs opens an event that its worker thread
+    closes when the send completes. A send whose wait is deferred past the profiler's next
+    ``step()`` (Lightning's ``PyTorchProfiler`` steps when a training or validation step returns)
+    then writes into the event list of a cycle already freed: heap corruption, a segmentation
+    fault or ``free(): invalid next size`` later in ``prepare_trace``. Sends posted here carry no
+    event. (``torch._C._autograd._enable_record_function``; RecordFunction is on by default.)
+    """
+    _enable_record_function(False)
+    try:
+        yield
+    finally:
+        _enable_record_function(True)

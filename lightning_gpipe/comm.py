@@ -5,8 +5,9 @@ dtypes travel with the data on every step (nothing is cached from the first step
 not a tensor or a tuple of tensors (a dict, nested lists, ``None``, numbers, strings:
 :mod:`lightning_gpipe.microbatch`) sends its structure and non-tensor leaves as a last uint8 tensor
 of compact JSON (:func:`encode_structure`: a restricted codec, never pickle). Sends are
-asynchronous (``isend``) and their waits are deferred to :meth:`P2P.flush`, so a stage computes
-micro-batch ``i+1`` while micro-batch ``i`` travels. Receives the stage knows are coming
+asynchronous (``isend``) and their waits are deferred to :meth:`P2P.flush` (on CPU a thread waits
+for them as they complete and frees their buffers), so a stage computes micro-batch ``i+1`` while
+micro-batch ``i`` travels. Receives the stage knows are coming
 (:meth:`P2P.expect`: the rest of a phase's micro-batches) are taken in the background, so that
 micro-batch ``i+1`` arrives while the stage computes micro-batch ``i``. Transport is
 ``torch.distributed`` on the default group with global ranks: Gloo on CPU, NCCL on CUDA.
@@ -18,7 +19,7 @@ import json
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_gpipe._compat import unrecorded
 from lightning_gpipe.microbatch import CONSTANTS, SLOT, TREE, TUPLE, MicroBatchError, Structure
 
 __all__ = [
@@ -224,8 +226,10 @@ class P2P:
 
     Args:
         device: where received tensors are allocated (the stage's device).
-        background: receive announced messages in a background thread (default: on CPU devices,
-            i.e. Gloo; on CUDA every receive is posted when it is needed).
+        background: receive announced messages in a background thread, and wait for each send
+            in another as it completes, dropping its buffer (default: on CPU devices, i.e. Gloo,
+            whose send ``Work.is_completed()`` stays ``False`` until waited for; on CUDA every
+            receive is posted when it is needed and :meth:`settle` polls the sends).
     """
 
     def __init__(self, device: torch.device, background: bool | None = None) -> None:
@@ -233,16 +237,24 @@ class P2P:
         self.background = device.type == "cpu" if background is None else background
         self._pending: list[tuple[dist.Work, object]] = []
         self._inboxes: dict[int, _Inbox] = {}
+        self._waiter = _SendWaiter()  # background: waits for the sends posted, in order
 
     def send(
         self, tensors: Sequence[Tensor], dst: int, *, structure: Structure | None = None, chunks: int = 0
     ) -> None:
         """Post an asynchronous send of ``tensors`` (the value ``structure`` describes; ``None``: a
-        tuple of tensors) to ``dst`` (:func:`encode_message`); waits happen in :meth:`flush`."""
+        tuple of tensors) to ``dst`` (:func:`encode_message`); waits happen in :meth:`flush`.
+
+        The sends open no profiler event (:func:`lightning_gpipe._compat.unrecorded`): a wait deferred
+        past the profiler's next step would close it in a freed event list."""
         for t in encode_message(tensors, structure, chunks, self.device):
-            work = dist.isend(t, dst)
+            with unrecorded():  # the send may complete after the profiler's next cycle began
+                work = dist.isend(t, dst)
             assert work is not None
-            self._pending.append((work, t))  # keep the buffer alive until the send completes
+            if self.background:
+                self._waiter.put(work, t)
+            else:
+                self._pending.append((work, t))  # keep the buffer alive until the send completes
 
     def expect(self, src: int, messages: int) -> None:
         """Announce that the next ``messages`` receives from ``src`` follow in this phase; take them early.
@@ -282,14 +294,28 @@ class P2P:
         return decode_message(meta, tensors)
 
     def flush(self) -> None:
-        """Wait for every posted send."""
+        """Wait for every posted send.
+
+        Raises:
+            RuntimeError: (or the transport's own error) a send failed, e.g. its peer went away.
+        """
         pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()
+        self._waiter.close()
 
     def settle(self) -> None:
-        """Forget the sends that have completed (their buffers may be freed), without waiting."""
+        """Forget the sends that have completed (their buffers may be freed), without waiting.
+
+        With background transport (Gloo) a thread waits for each send as it is posted and drops
+        its buffer once the peer has it: a Gloo send's ``Work.is_completed()`` stays ``False``
+        until ``wait()`` is called, so polling it would keep every buffer to :meth:`flush`.
+        """
         self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
+
+    def sends_in_flight(self) -> int:
+        """Sends posted whose buffers are still held (not yet known to have completed)."""
+        return len(self._pending) + self._waiter.held
 
 
 class _Inbox:
@@ -328,6 +354,64 @@ class _Inbox:
         return item
 
 
+class _SendWaiter:
+    """Waits, in a thread, for the sends :meth:`P2P.send` posts, in order, and drops each buffer
+    once its send has completed, so that a stage that sends as it goes (1F1B) frees what it sent
+    as the peer takes it rather than at the step's :meth:`P2P.flush`.
+
+    The thread runs while sends are left to wait for (a later :meth:`put` starts another);
+    :meth:`close` waits for every send put so far and raises the first send's error, if any (the
+    later sends are then not waited for).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sends: deque[tuple[dist.Work, Tensor]] = deque()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def held(self) -> int:
+        """Sends put whose buffers are still held."""
+        with self._lock:
+            return len(self._sends)
+
+    def put(self, work: dist.Work, buffer: Tensor) -> None:
+        with self._lock:
+            self._sends.append((work, buffer))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="gpipe-send-wait", daemon=True)
+                _RECEIVING.add(self._thread)
+                self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    if not self._sends:
+                        self._thread = None
+                        return
+                    work = self._sends[0][0]
+                if self._error is None:
+                    try:
+                        work.wait()
+                    except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
+                        self._error = err
+                with self._lock:
+                    self._sends.popleft()  # the buffer goes now: its send has completed
+        finally:
+            _RECEIVING.discard(threading.current_thread())
+
+    def close(self) -> None:
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
 def _wait(work: dist.Work | None) -> None:
     assert work is not None
     work.wait()
@@ -337,7 +421,7 @@ _RECEIVING: set[threading.Thread] = set()  # background receive threads still ru
 
 
 def join_receives(timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds, all together, for background receives still running.
+    """Wait up to ``timeout`` seconds, all together, for background receives (and send waits) still running.
 
     Returns:
         ``True`` when none is left running.

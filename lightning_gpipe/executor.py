@@ -68,9 +68,10 @@ class ColumnExecutor(nn.Module):
         """Names of this stage's layers, as in the user's Sequential."""
         return list(self._modules)
 
-    def _span(self, kind: str, i: int) -> Any:
-        """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on the timeline."""
-        return self.timeline.span(kind, i) if self.timeline is not None else nullcontext()
+    def _span(self, kind: str, i: int, u: int = 0) -> Any:
+        """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on virtual
+        stage ``u`` on the timeline."""
+        return self.timeline.span(kind, i, u) if self.timeline is not None else nullcontext()
 
     def local_forward(self, input: Any, store: MicroBatchStore | None = None, virtual_stage: int = 0) -> Any:
         """Virtual stage ``virtual_stage``'s layers (all of this stage's without virtual stages) applied
@@ -192,14 +193,14 @@ class ColumnExecutor(nn.Module):
         store = MicroBatchStore()
         received = schedule.receives(action, top.stage, top.stages, top.skips, v)
         for t in received:
-            meta, tensors = self._receive(t, i, run)
+            meta, tensors = self._receive(t, i, u, run)
             if t.skip is None:
                 x, x_structure = _as_inputs(meta, tensors, run.train), meta.structure
             else:
                 store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
                 self.received_skips.append((t.skip, t.peer))
         assert x_structure is not None  # the first stage's split, or the message's
-        with self._span("forward", i), self._naming_errors("forward", i, x):
+        with self._span("forward", i, u), self._naming_errors("forward", i, x):
             y = self._compute(i, u, run, unflatten(x_structure, x), store)
         kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
         y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
@@ -215,11 +216,11 @@ class ColumnExecutor(nn.Module):
             payload = y_tensors if t.skip is None else (store[t.skip],)
             self._post(run, action, t, payload, structure=y_structure if t.skip is None else None)
 
-    def _receive(self, t: Transfer, i: int, run: StepRun) -> tuple[Meta, list[Tensor]]:
+    def _receive(self, t: Transfer, i: int, u: int, run: StepRun) -> tuple[Meta, list[Tensor]]:
         if t.skip is None and run.first is not None:
             first, run.first = run.first, None
             return first
-        with self._span("recv", i):
+        with self._span("recv", i, u):
             return self.p2p.recv(self._rank(t.peer))
 
     def _rank(self, stage: int) -> int:
@@ -248,7 +249,7 @@ class ColumnExecutor(nn.Module):
             partial(self.local_forward, virtual_stage=u),
             x,
             store,
-            context=lambda: self._recompute_context(i, state, layers),
+            context=lambda: self._recompute_context(i, u, state, layers),
         )
 
     def _virtual_modules(self, u: int) -> list[nn.Module]:
@@ -262,13 +263,14 @@ class ColumnExecutor(nn.Module):
         order = run.order.get(t.peer)
         if order is None:
             if payload is not None:
-                with self._span("send", action.i):
+                with self._span("send", action.i, action.virtual_stage):
                     self.p2p.send(payload, self._rank(t.peer), chunks=run.chunks, **options)
             return
         key = (action.kind, action.i, action.virtual_stage, t.skip)
-        for ready, ready_options in outbox.release(order, run.outbox[t.peer], key, (payload, options)):
+        item = (payload, options, action.i, action.virtual_stage)
+        for ready, ready_options, ready_i, ready_u in outbox.release(order, run.outbox[t.peer], key, item):
             if ready is not None:
-                with self._span("send", action.i):
+                with self._span("send", ready_i, ready_u):
                     self.p2p.send(ready, self._rank(t.peer), chunks=run.chunks, **ready_options)
 
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
@@ -278,8 +280,10 @@ class ColumnExecutor(nn.Module):
         return naming_errors(top.stage, self.layer_names, first, phase, i, x, keep=(PipelineUsageError,))
 
     @contextmanager
-    def _recompute_context(self, i: int, state: ForwardState, layers: Sequence[nn.Module]) -> Iterator[None]:
-        with self._span("recompute", i), state.replay(layers), no_accumulate():
+    def _recompute_context(
+        self, i: int, u: int, state: ForwardState, layers: Sequence[nn.Module]
+    ) -> Iterator[None]:
+        with self._span("recompute", i, u), state.replay(layers), no_accumulate():
             yield
 
     def _backward_one(self, action: Action, run: StepRun) -> None:
@@ -291,14 +295,14 @@ class ColumnExecutor(nn.Module):
         for t in schedule.receives(action, top.stage, top.stages, top.skips, v):
             if not _flows(run, action, t):
                 continue
-            with self._span("recv", i):
+            with self._span("recv", i, u):
                 _, grads = self.p2p.recv(self._rank(t.peer))
             if t.skip is None:
                 dy = grads
             else:  # the gradient of a skip this stage sent on comes straight back
                 y_grad, dy = [*y_grad, run.skips_out[key][t.skip]], [*dy, *grads]
         if y_grad:
-            with self._span("backward", i), self._naming_errors("backward", i, run.inputs[key]):
+            with self._span("backward", i, u), self._naming_errors("backward", i, run.inputs[key]):
                 torch.autograd.backward(y_grad, dy)
         for t in schedule.sends(action, top.stage, top.stages, top.skips, v):
             sources = run.inputs[key] if t.skip is None else (run.skips_in[key][t.skip],)

@@ -152,7 +152,9 @@ class MicroSteps:
         for p in params:
             p.grad = None
         log = _LogRecorder(module)
-        last: Any = None  # the last call's output: only it is returned (earlier ones would keep their graphs)
+        last: dict[str, Any] | None = (
+            None  # the last call's dict output, less its loss (returned with the combined one)
+        )
         losses: list[Tensor] = []
         uncalled = None
         stage.start_micro_steps(len(micro))
@@ -169,7 +171,6 @@ class MicroSteps:
                             f"training_step did not call the pipelined nn.Sequential for micro-batch {i} but did "
                             "for micro-batch 0; under a per-micro-batch schedule every call must call it once"
                         )
-                    last = out
                     if not stage.topology.is_last:
                         continue
                     loss = out.get("loss") if isinstance(out, Mapping) else out
@@ -179,12 +180,18 @@ class MicroSteps:
                             "per-micro-batch schedule backpropagates every micro-batch's loss: return one from "
                             "every call, or use schedule='gpipe' to skip steps by returning None"
                         )
-                    losses.append(loss.detach())
+                    losses.append(_kept(loss))
+                    last = (
+                        {k: None if k == "loss" else v for k, v in out.items()}
+                        if isinstance(out, Mapping)
+                        else None
+                    )
                     scaled = loss * (parts[i] / total / accumulate)
                     if isinstance(scaler, torch.amp.GradScaler):
                         scaled = scaler.scale(scaled)
                     precision_plugin.backward(scaled, module, None)
                     stage.loss_backpropagated(i)
+                    del out, loss, scaled  # nothing of a call outlives its backward but its loss value
             stage.end_micro_steps()
         finally:
             self._made = [(p, p.grad) for p in params]
@@ -197,7 +204,7 @@ class MicroSteps:
             return StageDone
         combined = torch.stack([loss.double() * (n / total) for n, loss in zip(parts, losses)]).sum()
         loss_out = combined.to(losses[0].dtype).requires_grad_(losses[0].is_floating_point())
-        return {**last, "loss": loss_out} if isinstance(last, Mapping) else loss_out
+        return {**last, "loss": loss_out} if last is not None else loss_out
 
     def deposit(self) -> None:
         """Add the gradients made during the step's calls to the parameters' (in Lightning's ``backward``)."""
@@ -210,6 +217,17 @@ class MicroSteps:
                     p.grad = g
                 else:
                     p.grad += g
+
+
+def _kept(value: Any) -> Any:
+    """What a step keeps of a micro-batch's value to the end of the step: a tensor detached and copied.
+
+    A loss is a scalar, but it may hold much more: ``F.mse_loss`` returns a 0-d view of its
+    element-wise buffer (one micro-batch's output size), and its graph holds the output leaves
+    and their gradients; a detached view would keep the buffer, an undetached value the graph,
+    for every micro-batch, to the end of the step. A copy owns only its own elements.
+    """
+    return value.detach().clone() if isinstance(value, Tensor) else value
 
 
 class _LogRecorder:
@@ -244,7 +262,7 @@ class _LogRecorder:
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         options = self.signature.bind(self.module, name, value, *args, **kwargs).arguments
         options = {k: v for k, v in options.items() if k not in ("self", "name", "value")}
-        self.records.setdefault(name, []).append((self.micro_batch, value, options))
+        self.records.setdefault(name, []).append((self.micro_batch, _kept(value), options))
 
     def replay(self, parts: list[int]) -> None:
         """Log every recorded name once through the module's ``log``, its values combined (module docstring)."""

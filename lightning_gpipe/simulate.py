@@ -102,6 +102,8 @@ def peak_activation_memory(
     *,
     schedule: str | Schedule = "gpipe",
     virtual_stages: int = 1,
+    workspace_bytes: float | Sequence[float] = 0.0,
+    output_bytes: float = 0.0,
 ) -> list[float]:
     """Peak bytes of activations each stage holds for backward during one step.
 
@@ -123,6 +125,23 @@ def peak_activation_memory(
     ``a`` is treated as the part's inner activations; if it also counts the boundary input,
     the estimate with re-materialization is high by one micro-batch's input.
 
+    Two terms count what a backward needs beyond what was kept, so that the estimate is the peak
+    a memory meter sees during the step (both 0 by default: the kept bytes alone):
+
+    - ``workspace_bytes`` (``w``, bytes): one micro-batch's backward peak on a part above what
+      its forward kept, added while each backward runs: the gradient arriving from the next
+      part, the activation gradients passed between layers, and each weight's gradient before
+      it is added into ``.grad`` (a Linear(1024, 1024)'s is 4 MiB, whatever the micro-batch).
+      Measured on a micro-batch of the run's size (it depends on it);
+    - ``output_bytes`` (``o``, bytes per sample): the last part's output, which the loss
+      receives; while the last part's backwards run, the output and its gradient are alive,
+      ``2·o`` per sample: one micro-batch's (``2·o·N/M``) under schedules that run the loss
+      per micro-batch, the whole mini-batch's (``2·o·N``) under ``"gpipe"``, whose
+      ``training_step`` sees the joined output of all micro-batches.
+
+    So 1F1B's ``"never"`` peak on the last stage is ``(N/M)·a + w + 2·o·N/M``, and GPipe's
+    ``N·a + w + 2·o·N``.
+
     Args:
         stages (int): number of stages ``K``.
         chunks (int): number of micro-batches ``M`` (fewer if ``N < M``).
@@ -137,6 +156,11 @@ def peak_activation_memory(
         schedule: a name in :data:`~lightning_gpipe.schedule.SCHEDULES` or a schedule
             function (default: ``"gpipe"``, fill-drain).
         virtual_stages (int): virtual stages per stage ``v`` (default: 1).
+        workspace_bytes: ``w``, bytes one micro-batch's backward needs on a part beyond what
+            its forward kept; a scalar, ``K`` values (every part of a stage) or ``K·v`` values
+            (default: 0).
+        output_bytes (float): ``o``, bytes per sample of the last part's output, the loss's
+            input (default: 0).
 
     Returns:
         list[float]: peak bytes per stage, shape ``(K,)``.
@@ -153,8 +177,12 @@ def peak_activation_memory(
     v = virtual_stages
     a = _per_part("activation_bytes", activation_bytes, stages, v, split=True)
     b = _per_part("input_bytes", input_bytes, stages, v, split=False)
+    w = _per_part("workspace_bytes", workspace_bytes, stages, v, split=False)
+    _check_value("output_bytes", output_bytes)
     recompute = recomputed(checkpoint, len(sizes))
     grid = _grid(schedule, stages, len(sizes), v)
+    whole_batch = schedule in ("gpipe", schedule_module.fill_drain)  # one training_step per mini-batch
+    last = stages * v - 1
     peaks = []
     for k in range(stages):
         held = peak = 0.0
@@ -164,8 +192,9 @@ def peak_activation_memory(
             if action.kind == "F":
                 held += kept
             else:
-                if recompute[i]:
-                    peak = max(peak, held + a[c] * sizes[i])
+                loss_side = 2 * output_bytes * (sum(sizes) if whole_batch else sizes[i]) if c == last else 0.0
+                rematerialized = a[c] * sizes[i] if recompute[i] else 0.0
+                peak = max(peak, held + rematerialized + w[c] + loss_side)
                 held -= kept
             peak = max(peak, held)
         peaks.append(peak)
@@ -187,6 +216,8 @@ def simulate(
     batch_size: int | None = None,
     activation_bytes: float | Sequence[float] = 0.0,
     input_bytes: float | Sequence[float] = 0.0,
+    workspace_bytes: float | Sequence[float] = 0.0,
+    output_bytes: float = 0.0,
     timeline: bool = False,
 ) -> Simulation:
     """Plays one training step of a schedule through the cost model of the module docstring.
@@ -217,6 +248,11 @@ def simulate(
             :func:`peak_activation_memory`; default: 0).
         input_bytes: per sample, bytes of a part's boundary input; a scalar, ``K`` or ``K·v``
             values (default: 0).
+        workspace_bytes: bytes one micro-batch's backward needs on a part beyond what its
+            forward kept; a scalar, ``K`` or ``K·v`` values (see :func:`peak_activation_memory`;
+            default: 0).
+        output_bytes (float): per sample, bytes of the last part's output, the loss's input
+            (default: 0).
         timeline (bool): also return every stage's events (default: False).
 
     Returns:
@@ -312,6 +348,8 @@ def simulate(
             checkpoint,
             schedule=schedule,
             virtual_stages=v,
+            workspace_bytes=workspace_bytes,
+            output_bytes=output_bytes,
         )
     return Simulation(
         step_time=step_time,

@@ -143,7 +143,7 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         self._run: StepRun | None = None  # the step in progress
         self._micro: int | None = None  # one call per micro-batch: their number in this step
         self.timeline: Any = (
-            None  # a lightning_gpipe.timeline.Timeline (anything with span(kind, i)), or None
+            None  # a lightning_gpipe.timeline.Timeline (anything with span(kind, i, u)), or None
         )
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
         self.__dict__["_compiled"] = (

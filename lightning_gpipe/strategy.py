@@ -361,8 +361,9 @@ class _GPipeStrategyLogic(_Base):
         if self.timeline:
             replica = self.layout.replica_of(self.global_rank)
             self._timeline = stage.timeline = Timeline(
-                self.stage_index, self.layout.stages, self.global_rank, replica
-            )
+                self.stage_index, self.layout.stages, self.global_rank, replica,
+                virtual_stages=self.virtual_stages, schedule=self.schedule,
+            )  # fmt: skip
         self._pipelined.describe(model, self.balance, self.layout, self.global_rank)
 
     def _unpartition(self) -> None:

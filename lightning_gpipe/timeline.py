@@ -1,8 +1,9 @@
 """Per-stage event record of the pipeline, and the bubble share per step.
 
 Each rank keeps a :class:`Timeline`; :class:`~lightning_gpipe.stage.PipelineStage` calls
-``timeline.span(kind, i)`` around its forward, recompute, backward, send and receive of
-micro-batch ``i`` (``"recompute"`` runs inside ``"backward"``), and the strategy marks the step
+``timeline.span(kind, i, u)`` around its forward, recompute, backward, send and receive of
+micro-batch ``i`` on its virtual stage ``u`` (0 without virtual stages; ``"recompute"`` runs
+inside ``"backward"``), and the strategy marks the step
 boundaries: a *step* runs from the start of ``training_step`` (the forward fill) to the end of
 the backward drain. Times are ``time.perf_counter`` seconds, a clock that all processes of one
 host share.
@@ -16,8 +17,11 @@ not this step's schedule), and
 
     bubble = 1 - sum_k busy_k / (K · window)
 
-which is ``(K-1)/(M+K-1)`` for equal stages and free communication
-(:func:`lightning_gpipe.simulate.ideal_bubble`).
+which is ``(K-1)/(M+K-1)`` for equal stages and free communication under fill-drain and 1F1B,
+and ``(K-1)/(v·M+K-1)`` under interleaved 1F1B with ``v`` virtual stages per stage
+(:func:`lightning_gpipe.schedule.ideal_bubble`). A stage's own bubble is its idle share of that
+window, ``1 - busy_k / window`` (:attr:`StepStats.stage_bubble`); its virtual stages' work
+counts together, as they share one device.
 
 After training, :func:`gather` brings every rank's record to global rank 0 (one
 ``gather_object``), where :func:`step_stats` combines them per step;
@@ -40,6 +44,7 @@ __all__ = [
     "BUSY",
     "KINDS",
     "LETTERS",
+    "Span",
     "StepStats",
     "Timeline",
     "gather",
@@ -48,24 +53,25 @@ __all__ = [
 ]
 
 KINDS = ("forward", "recompute", "backward", "send", "recv")
+Span = tuple[str, int, float, float, int]  # (kind, micro-batch, start, end, virtual stage)
 BUSY = ("forward", "backward")  # recompute runs inside backward
 LETTERS = {"forward": "F", "recompute": "R", "backward": "B", "send": "S", "recv": "W"}  # trace labels
 
 
 class _Span:
-    """Context manager appending ``(kind, i, start, end)`` to an open step's events."""
+    """Context manager appending ``(kind, i, start, end, u)`` to an open step's events."""
 
-    __slots__ = ("_timeline", "_kind", "_i", "_start")
+    __slots__ = ("_timeline", "_kind", "_i", "_u", "_start")
 
-    def __init__(self, timeline: Timeline, kind: str, i: int) -> None:
-        self._timeline, self._kind, self._i = timeline, kind, i
+    def __init__(self, timeline: Timeline, kind: str, i: int, u: int) -> None:
+        self._timeline, self._kind, self._i, self._u = timeline, kind, i, u
         self._start = 0.0
 
     def __enter__(self) -> None:
         self._start = self._timeline.clock()
 
     def __exit__(self, *exc: object) -> None:
-        self._timeline._add(self._kind, self._i, self._start, self._timeline.clock())
+        self._timeline._add(self._kind, self._i, self._start, self._timeline.clock(), self._u)
 
 
 class _Null:
@@ -87,9 +93,9 @@ class Timeline:
     Every completed step keeps a summary ``(index, step, start, end, busy, first, last)``: seconds
     of the step's begin and end, of computing, and of its first compute's start and last compute's
     end (``start``/``end`` without compute); the events
-    (``(kind, micro-batch, start, end)``, seconds) of the last ``keep_steps`` steps are kept for
-    the trace and the Gantt chart. Spans outside an open step (validation, prediction) are not
-    recorded.
+    (``(kind, micro-batch, start, end, virtual stage)``, seconds) of the last ``keep_steps``
+    steps are kept for the trace and the Gantt chart. Spans outside an open step (validation,
+    prediction) are not recorded.
 
     Args:
         stage: this rank's stage index ``j``.
@@ -98,6 +104,10 @@ class Timeline:
         replica: data-parallel replica of this rank's pipeline.
         keep_steps: steps whose events are kept (default: 100).
         clock: seconds; ``time.perf_counter`` by default.
+        virtual_stages: virtual stages v this stage holds (default: 1); its virtual stage ``u``
+            runs the model's part ``j + u·K``.
+        schedule: the schedule's name, for the chart's title and the ideal bubble (default:
+            ``"gpipe"``).
     """
 
     def __init__(
@@ -108,12 +118,15 @@ class Timeline:
         replica: int = 0,
         keep_steps: int = 100,
         clock: Callable[[], float] = time.perf_counter,
+        virtual_stages: int = 1,
+        schedule: str = "gpipe",
     ) -> None:
         self.stage, self.stages, self.rank, self.replica = stage, stages, rank, replica
+        self.virtual_stages, self.schedule = virtual_stages, schedule
         self.clock = clock
         self.summaries: list[tuple[int, int, float, float, float, float, float]] = []
-        self.events: deque[tuple[int, list[tuple[str, int, float, float]]]] = deque(maxlen=max(keep_steps, 0))
-        self._open: list[tuple[str, int, float, float]] | None = None
+        self.events: deque[tuple[int, list[Span]]] = deque(maxlen=max(keep_steps, 0))
+        self._open: list[Span] | None = None
         self._start = 0.0
         self._step = 0
         self._busy = 0.0
@@ -136,14 +149,15 @@ class Timeline:
             self.events.append((index, self._open))
         self._open = None
 
-    def span(self, kind: str, i: int) -> Any:
-        """A context manager recording ``kind`` (one of :data:`KINDS`) of micro-batch ``i``."""
-        return _Span(self, kind, i) if self._open is not None else _NULL
+    def span(self, kind: str, i: int, u: int = 0) -> Any:
+        """A context manager recording ``kind`` (one of :data:`KINDS`) of micro-batch ``i`` on
+        virtual stage ``u``."""
+        return _Span(self, kind, i, u) if self._open is not None else _NULL
 
-    def _add(self, kind: str, i: int, start: float, end: float) -> None:
+    def _add(self, kind: str, i: int, start: float, end: float, u: int = 0) -> None:
         if self._open is None:
             return
-        self._open.append((kind, i, start, end))
+        self._open.append((kind, i, start, end, u))
         if kind in BUSY:
             self._busy += end - start
             if self._first is None:
@@ -164,6 +178,8 @@ class Timeline:
             "stages": self.stages,
             "rank": self.rank,
             "replica": self.replica,
+            "virtual_stages": self.virtual_stages,
+            "schedule": self.schedule,
             "summaries": list(self.summaries),
             "events": {index: events for index, events in self.events},
         }
@@ -202,7 +218,7 @@ def _shift(record: dict[str, Any], offset: float) -> None:
         for n, s, a, b, busy, f, e in record["summaries"]
     ]
     record["events"] = {
-        index: [(k, i, a + offset, b + offset) for k, i, a, b in events]
+        index: [(k, i, a + offset, b + offset, u) for k, i, a, b, u in events]
         for index, events in record["events"].items()
     }
 
@@ -219,6 +235,8 @@ class StepStats:
         window: seconds from there to the last backward's end on any stage.
         busy: seconds each stage computed, shape ``(K,)``, stage order.
         bubble: ``1 - sum(busy) / (K · window)``.
+        schedule: the schedule's name (the records' ``"schedule"``, ``"gpipe"`` if absent).
+        virtual_stages: v, virtual stages per stage (the records' ``"virtual_stages"``, 1 if absent).
     """
 
     index: int
@@ -228,10 +246,13 @@ class StepStats:
     window: float
     busy: tuple[float, ...]
     bubble: float
+    schedule: str = "gpipe"
+    virtual_stages: int = 1
 
     @property
     def stage_bubble(self) -> tuple[float, ...]:
-        """Each stage's idle share of the common window, shape ``(K,)``."""
+        """Each stage's idle share of the common window, ``1 - busy_k / window``, shape ``(K,)``
+        (all of a stage's virtual stages together)."""
         return tuple(1.0 - b / self.window if self.window > 0 else 0.0 for b in self.busy)
 
 
@@ -249,7 +270,19 @@ def step_stats(records: Sequence[dict[str, Any]]) -> list[StepStats]:
             window = max(row[6] for row in rows) - start
             busy = tuple(row[4] for row in rows)
             bubble = 1.0 - sum(busy) / (k * window) if window > 0 else 0.0
-            stats.append(StepStats(rows[0][0], rows[0][1], replica, start, window, busy, bubble))
+            stats.append(
+                StepStats(
+                    rows[0][0],
+                    rows[0][1],
+                    replica,
+                    start,
+                    window,
+                    busy,
+                    bubble,
+                    schedule=str(recs[0].get("schedule", "gpipe")),
+                    virtual_stages=int(recs[0].get("virtual_stages", 1)),
+                )
+            )
     return stats
 
 

@@ -16,9 +16,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from lightning_gpipe.schedule import ideal_bubble
 from lightning_gpipe.timeline import BUSY, LETTERS, Timeline, gather, mean_bubble_per_step, step_stats
 
-__all__ = ["chrome_trace", "plot_gantt", "publish", "typical_step", "write_chrome_trace"]
+__all__ = ["chrome_trace", "label", "plot_gantt", "publish", "typical_step", "write_chrome_trace"]
+
+
+def label(kind: str, i: int, u: int, virtual_stages: int) -> str:
+    """A span's name: ``F3`` (forward of micro-batch 3), ``R3``, ``B3``, ``send 3``, ``recv 3``;
+    with virtual stages (``virtual_stages > 1``) its virtual stage follows, as in
+    :func:`lightning_gpipe.schedule.format_grid`: ``F3v1``, ``send 3v1``."""
+    name = f"{LETTERS[kind]}{i}" if kind in BUSY or kind == "recompute" else f"{kind} {i}"
+    return name + (f"v{u}" if virtual_stages > 1 else "")
 
 
 def chrome_trace(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -26,10 +35,11 @@ def chrome_trace(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     One process per rank, named after its stage (sorted by replica, then stage); every step and
     every span is a complete (``"X"``) event with ``ts``/``dur`` in microseconds from the
-    earliest recorded time. Span names: ``F3`` (forward of micro-batch 3), ``R3``, ``B3``,
-    ``send 3``, ``recv 3``.
+    earliest recorded time. Span names: :func:`label` (``F3``, ``R3``, ``B3``, ``send 3``,
+    ``recv 3``; ``F3v1`` … with virtual stages); each span's ``args`` give its ``micro_batch``,
+    ``virtual_stage`` and ``step``.
     """
-    starts = [a for rec in records for events in rec["events"].values() for _, _, a, _ in events]
+    starts = [a for rec in records for events in rec["events"].values() for _, _, a, _, _ in events]
     starts += [row[2] for rec in records for row in rec["summaries"] if row[0] in rec["events"]]
     origin = min(starts, default=0.0)
 
@@ -39,6 +49,7 @@ def chrome_trace(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     for rec in records:
         pid, stage, replica = rec["rank"], rec["stage"], rec["replica"]
+        v = rec.get("virtual_stages", 1)
         name = f"stage {stage}" + (f" (replica {replica})" if replica else "") + f" · rank {pid}"
         events.append({"ph": "M", "pid": pid, "tid": 0, "name": "process_name", "args": {"name": name}})
         sort = replica * rec["stages"] + stage
@@ -60,18 +71,17 @@ def chrome_trace(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
                     "args": {"global_step": step, "busy_s": busy},
                 }
             )
-            for kind, i, a, b in spans:
-                label = f"{LETTERS[kind]}{i}" if kind in BUSY or kind == "recompute" else f"{kind} {i}"
+            for kind, i, a, b, u in spans:
                 events.append(
                     {
                         "ph": "X",
-                        "name": label,
+                        "name": label(kind, i, u, v),
                         "cat": kind,
                         "pid": pid,
                         "tid": 0,
                         "ts": us(a),
                         "dur": us(b) - us(a),
-                        "args": {"micro_batch": i, "step": index},
+                        "args": {"micro_batch": i, "virtual_stage": u, "step": index},
                     }
                 )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -108,9 +118,11 @@ def plot_gantt(
     """Draw one step of one pipeline as a Gantt chart (GPipe paper, figure 2c) into a PNG.
 
     Stages are rows (stage 0 on top); each forward ``F i`` and backward ``B i`` is a box
-    labelled with its micro-batch, a recompute ``R i`` is drawn inside its backward, sends and
-    receives are thin grey bars under the boxes, and idle time is left blank. The right margin
-    gives each stage's idle share; the title the pipeline's bubble against ``(K-1)/(M+K-1)``.
+    labelled with its micro-batch (and, with virtual stages, its virtual stage, ``F i v u``, the
+    boxes of virtual stage ``u > 0`` hatched), a recompute ``R i`` is drawn inside its backward,
+    sends and receives are thin grey bars under the boxes, and idle time is left blank. The right
+    margin gives each stage's idle share; the title the schedule, the pipeline's bubble and the
+    ideal ``(K-1)/(v·M+K-1)`` (:func:`lightning_gpipe.schedule.ideal_bubble`).
 
     Args:
         records: gathered records (:func:`gather`).
@@ -135,7 +147,8 @@ def plot_gantt(
         raise ValueError(f"no kept events for step {index} of replica {replica}; record more steps")
     stats = next(s for s in step_stats(records) if s.replica == replica and s.index == index)
     k = len(recs)
-    m = 1 + max((i for r in recs for _, i, _, _ in r["events"][index]), default=0)
+    m = 1 + max((i for r in recs for _, i, _, _, _ in r["events"][index]), default=0)
+    v = stats.virtual_stages
     t0 = stats.start
     ms = 1e3
     fig, ax = plt.subplots(figsize=(11, 0.8 * k + 1.6))
@@ -143,8 +156,8 @@ def plot_gantt(
     for row, rec in enumerate(recs):
         y = k - 1 - row
         events = rec["events"][index]
-        recomputed = {i: (a, b) for kind, i, a, b in events if kind == "recompute"}
-        for kind, i, a, b in events:
+        recomputed = {(i, u): (a, b) for kind, i, a, b, u in events if kind == "recompute"}
+        for kind, i, a, b, u in events:
             x, w = (a - t0) * ms, (b - a) * ms
             if kind in ("send", "recv"):
                 ax.broken_barh([(x, w)], (y - 0.42, 0.1), facecolors=_COLORS["comm"])
@@ -156,16 +169,17 @@ def plot_gantt(
                 facecolors=_COLORS[kind],
                 edgecolors="white",
                 linewidth=0.5,
+                hatch="//" if u % 2 else None,
                 zorder=3 if on_top else 2,
             )
-            if kind == "backward" and i in recomputed:  # label the part after the recompute
-                x = max(x, (recomputed[i][1] - t0) * ms)
+            if kind == "backward" and (i, u) in recomputed:  # label the part after the recompute
+                x = max(x, (recomputed[i, u][1] - t0) * ms)
                 w = (b - t0) * ms - x
             if w > span * 0.012:
                 ax.text(
                     x + w / 2,
                     y + 0.05,
-                    f"{LETTERS[kind]}{i}",
+                    label(kind, i, u, v),
                     ha="center",
                     va="center",
                     fontsize=7,
@@ -173,10 +187,11 @@ def plot_gantt(
                     zorder=4,
                 )
         ax.text(span * 1.01, y, f"idle {stats.stage_bubble[row]:.0%}", va="center", fontsize=8)
-    ideal = (k - 1) / (m + k - 1)
+    ideal = ideal_bubble(k, m, v)
+    layout = f"K={k} stages" + (f" × v={v} virtual stages" if v > 1 else "")
     ax.set_title(
         title
-        or f"GPipe step: K={k} stages, M={m} micro-batches, bubble {stats.bubble:.1%} (ideal {ideal:.1%})"
+        or f"{stats.schedule} step: {layout}, M={m} micro-batches, bubble {stats.bubble:.1%} (ideal {ideal:.1%})"
     )
     ax.set_yticks(range(k))
     ax.set_yticklabels([f"stage {rec['stage']}" for rec in reversed(recs)])

@@ -660,13 +660,19 @@ class Writer(pl.callbacks.BasePredictionWriter):
 
 def feature_callbacks(names: dict) -> list:
     """Lightning callbacks by name, from the test namespace: ``{"swa": kwargs, "ema": kwargs,
-    "throughput": kwargs, "summary": kwargs, "writer": kwargs}``."""
+    "throughput": kwargs, "summary": kwargs, "writer": kwargs, "pruning": kwargs (ModelPruning("l1_unstructured")),
+    "lr_monitor": kwargs, "accumulation": {"scheduling": {epoch (str or int): factor}}}``."""
     made = {
         "swa": lambda kw: pl.callbacks.StochasticWeightAveraging(**kw),
         "ema": lambda kw: pl.callbacks.EMAWeightAveraging(**kw),
         "throughput": lambda kw: pl.callbacks.ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0), **kw),
         "summary": lambda kw: pl.callbacks.ModelSummary(**kw),
         "writer": lambda kw: Writer(**kw),
+        "pruning": lambda kw: pl.callbacks.ModelPruning("l1_unstructured", **kw),
+        "lr_monitor": lambda kw: pl.callbacks.LearningRateMonitor(**kw),
+        "accumulation": lambda kw: pl.callbacks.GradientAccumulationScheduler(
+            {int(epoch): factor for epoch, factor in kw["scheduling"].items()}
+        ),
     }
     return [made[name](kw) for name, kw in names.items()]
 

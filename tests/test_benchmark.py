@@ -7,11 +7,25 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
-from benchmarks.benchmark import COLUMNS, benchmark, capacity, predict_window, report
+from benchmarks.benchmark import (
+    COLUMNS,
+    _backward_workspace,
+    add_ratios,
+    benchmark,
+    capacity,
+    format_memory,
+    format_table,
+    predict_window,
+    report,
+)
+from benchmarks.worker import _timeline_summary
+from lightning_gpipe.schedule import ideal_bubble
 from lightning_gpipe.simulate import simulate
 from tests._harness import ROOT, _env
+from tests.test_timeline import records_from_simulation
 
 TINY = ["model.width=1024", "model.num_layers=4", "batch_size=512", "warmup=2", "timed=3", "threads=1"]
 
@@ -134,11 +148,11 @@ def test_capacity_grows_with_recompute(tmp_path):
 
 
 @pytest.mark.timeout(30)
-def test_other_schedules_skip_the_fill_drain_runs_and_reach_the_cost_model(tmp_path, capsys):
-    """schedule=1f1b skips bare and peer with a message; predict_window plays the row's own schedule."""
-    cfg = _compose([*TINY, "schedule=1f1b", "runs=[bare,peer]", "predict=false", f"csv={tmp_path / 'b.csv'}"])
+def test_other_schedules_skip_the_bare_loop_and_reach_the_cost_model(tmp_path, capsys):
+    """schedule=1f1b skips bare (a fill-drain loop) with a message; predict_window plays the row's own schedule."""
+    cfg = _compose([*TINY, "schedule=1f1b", "runs=[bare]", "predict=false", f"csv={tmp_path / 'b.csv'}"])
     assert benchmark(cfg) == []
-    assert "skipping bare, peer" in capsys.readouterr().out
+    assert "skipping bare" in capsys.readouterr().out
     row = {
         "forward_s_stages": "1|1",
         "backward_s_stages": "2|2",
@@ -152,3 +166,91 @@ def test_other_schedules_skip_the_fill_drain_runs_and_reach_the_cost_model(tmp_p
     expected = simulate(2, 4, 1.0, 2.0, schedule="interleaved_1f1b", virtual_stages=2, checkpoint="never")
     assert predict_window(row) == pytest.approx(expected.step_time)
     assert predict_window(row) < predict_window({**row, "schedule": "gpipe", "virtual_stages": 1})
+
+
+def test_interleaved_rows_take_the_bubble_limited_ideal_and_show_each_stages_bubble():
+    """Under interleaved_1f1b v=2 the ideal is K·M/(M+(K-1)/v) × one stage's samples/s, for ours and
+    the peer alike; ours/peer is their ratio; the table names the schedule and each stage's bubble."""
+    base = {"stages": 2, "chunks": 8, "batch_size": 64, "checkpoint": "never"}
+    ours = {**base, "run": "ours", "samples_per_s": 300.0, "samples_per_s_best": 320.0}
+    ours.update(schedule="interleaved_1f1b", virtual_stages=2, bubble=0.1, bubble_ideal=ideal_bubble(2, 8, 2))
+    ours["bubble_stages"] = "0.08|0.12"
+    peer = {**ours, "run": "peer", "samples_per_s": 250.0, "bubble": None, "bubble_stages": None}
+    single = {**base, "run": "single", "stages": 1, "samples_per_s": 200.0, "samples_per_s_best": 200.0}
+    rows = [ours, peer, single]
+    add_ratios(rows)
+    ideal = 2 * 8 / (8 + 1 / 2) * 200.0
+    assert ours["ideal_samples_per_s"] == pytest.approx(ideal) == peer["ideal_samples_per_s"]
+    assert ours["vs_ideal"] == pytest.approx(300.0 / ideal)
+    assert ours["vs_peer"] == pytest.approx(300.0 / 250.0)
+    table = format_table([{c: r.get(c) for c in COLUMNS} for r in rows])
+    assert "| ours | interleaved_1f1b v=2 | 2 | 8 |" in table
+    assert "| 0.10 (0.06) | 0.08 / 0.12 |" in table
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_the_workers_timeline_summary_gives_each_stages_bubble(schedule, v):
+    """benchmarks.worker's summary of gathered records: the bubble and each stage's idle share per timed step."""
+    records, sim = records_from_simulation(2, 4, schedule=schedule, virtual_stages=v, steps=3)
+    summary = _timeline_summary(records, {"warmup": 1, "timed": 2})
+    assert summary["bubble"] == [pytest.approx(sim.bubble)] * 2
+    assert summary["stage_bubble"] == [pytest.approx([1 - b / sim.step_time for b in sim.busy])] * 2
+
+
+@pytest.mark.slow  # about 60 s: four small jobs; the every-run-kind test covers the driver in the default suite
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
+def test_schedules_run_ours_against_the_peers_same_schedule(tmp_path, schedule, v):
+    """schedule=1f1b and interleaved_1f1b (v=2): ours and the peer (Schedule1F1B /
+    ScheduleInterleaved1F1B) run, ours/peer and the measured bubble per stage are filled in."""
+    overrides = [*TINY, "chunks=4", f"schedule={schedule}", f"virtual_stages={v}", "memory=false"]
+    cfg = _compose(
+        [*overrides, "runs=[ours,peer]", "predict=false", f"csv={tmp_path / 'b.csv'}", "timeout=200"]
+    )
+    rows = {r["run"]: r for r in benchmark(cfg)}
+    assert set(rows) == {"ours", "peer"}
+    assert all((r["schedule"], r["virtual_stages"]) == (schedule, v) for r in rows.values())
+    assert isinstance(rows["ours"]["vs_peer"], float) and rows["peer"]["samples_per_s"] > 0
+    assert rows["ours"]["bubble_ideal"] == pytest.approx(ideal_bubble(2, 4, v))
+    stages = [float(b) for b in rows["ours"]["bubble_stages"].split("|")]
+    assert len(stages) == 2 and all(0.0 <= b < 1.0 for b in stages)
+
+
+def test_backward_workspace_is_the_backward_peak_above_what_the_forward_kept():
+    """Two Linear(8, 8) parts, 2 samples (float32), .grad existing: the backward of part 0 needs the
+    received gradient (2·8·4 = 64 bytes), the weight's gradient before it is added into .grad
+    (8·8·4 = 256) and the bias's (32): 352; part 1 also the gradient of its input, sent back (64): 416."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    assert _backward_workspace(model, [1, 1], torch.randn(2, 8)) == [352.0, 416.0]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_memory_lines_put_the_model_next_to_each_stage_less_fresh_gradients():
+    mib = 2**20
+    rows = [
+        {
+            "run": "ours",
+            "schedule": "1f1b",
+            "virtual_stages": 1,
+            "chunks": 4,
+            "activation_bytes_stages": f"{28 * mib}|{26 * mib}",
+            "predicted_activation_bytes_stages": f"{13 * mib}|{10 * mib}",
+        },
+        {
+            "run": "ours",
+            "schedule": "gpipe",
+            "virtual_stages": 1,
+            "chunks": 4,
+            "activation_bytes_stages": f"{21 * mib}|{25 * mib}",
+            "predicted_activation_bytes_stages": f"{21 * mib}|{20 * mib}",
+        },
+    ]
+    lines = format_memory(rows, [16 * mib, 16 * mib]).splitlines()
+    assert lines[0] == (
+        "ours 1f1b M=4: peak MiB per stage: 12.0 [meter 28.0] (model 13.0, ratio 0.92)"
+        " | 10.0 [meter 26.0] (model 10.0, ratio 1.00)"
+    )
+    assert lines[1].endswith(
+        "21.0 [meter 21.0] (model 21.0, ratio 1.00) | 25.0 [meter 25.0] (model 20.0, ratio 1.25)"
+    )

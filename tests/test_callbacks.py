@@ -105,11 +105,16 @@ def test_predictions_with_two_pipelines_follow_ddp(gpipe_job):
 
 
 @pytest.mark.timeout(300)
-def test_simple_and_advanced_profilers_report_every_rank(gpipe_job, tmp_path):
-    """profiler="simple" and "advanced" (2 stages): each rank writes its own report,
-    which names the strategy's steps."""
-    runs = [{"chunks": 2, "profiler": "simple"}, {"chunks": 2, "profiler": "advanced"}]
-    gpipe_job("mlp", 2, runs, steps=3)
+def test_simple_advanced_and_pytorch_profilers_report_every_rank(gpipe_job, tmp_path):
+    """profiler="simple", "advanced" and "pytorch" (2 stages, validation every 2 steps for the
+    pytorch profiler, whose steps then cycle while sends are in flight): each rank writes its own
+    report, which names the strategy's steps."""
+    runs = [
+        {"chunks": 2, "profiler": "simple"},
+        {"chunks": 2, "profiler": "advanced"},
+        {"chunks": 2, "profiler": "pytorch", "trainer": {"max_steps": 6, "val_check_interval": 2}},
+    ]
+    gpipe_job("mlp", 2, runs, steps=3, val=True)
     for kind in ("simple", "advanced"):
         for rank in (0, 1):
             report = (tmp_path / "profiles" / f"fit-{kind}-{rank}.txt").read_text()
@@ -117,3 +122,119 @@ def test_simple_and_advanced_profilers_report_every_rank(gpipe_job, tmp_path):
                 kind,
                 rank,
             )
+    for rank in (0, 1):
+        report = (tmp_path / "profiles" / f"fit-pytorch-{rank}.txt").read_text()
+        assert "[pl][profile]" in report and "training_step" in report, (rank, report[-2000:])
+
+
+def test_pruning_keeps_this_stages_parameters_and_refuses_a_global_ranking_across_stages():
+    """One process: of the (layer, name) pairs ModelPruning listed on the whole model, the last stage
+    (layers 3..4) keeps its own, the lottery ticket's saved layers follow their new indices, and a
+    global ranking over parameters that span stages raises."""
+    from lightning_gpipe.callbacks import _prune_this_stage
+
+    model = Net("mlp")
+    last = model.layers[4]
+    pruning = pl.callbacks.ModelPruning(
+        "l1_unstructured", amount=0.5, use_lottery_ticket_hypothesis=True, use_global_unstructured=False
+    )
+    pruning.setup(None, model, "fit")
+    _prune_this_stage(pruning, model.layers[3:])
+    assert pruning._parameters_to_prune == [(last, "weight"), (last, "bias")]
+    assert [ref["names"] for ref in pruning._original_layers.values()] == [[(0, "weight"), (1, "bias")]]
+    pruning.apply_pruning(0.5)
+    pruning.apply_lottery_ticket_hypothesis()
+    assert int((last.weight_mask == 0).sum()) == 24 and not hasattr(model.layers[0], "weight_mask")
+    ranked = pl.callbacks.ModelPruning(
+        "l1_unstructured", amount=0.5
+    )  # Lightning's default: one global ranking
+    model = Net("mlp")
+    ranked.setup(None, model, "fit")
+    with pytest.raises(ValueError, match=r"\(this stage holds 2 of the 6 .*use_global_unstructured=False"):
+        _prune_this_stage(ranked, model.layers[3:])
+
+
+@pytest.mark.parametrize("finder", ["BatchSizeFinder", "LearningRateFinder"])
+def test_tuners_are_refused_with_a_clear_error(finder):
+    """BatchSizeFinder and LearningRateFinder (what Tuner.scale_batch_size / lr_find add) raise, as
+    Lightning's own distributed strategies refuse them; other callbacks pass."""
+    from lightning_gpipe.callbacks import refuse_tuners
+
+    namespace = "lightning" if pl.__name__.startswith("lightning") else "pytorch_lightning"
+    refuse_tuners([pl.callbacks.LearningRateMonitor()], namespace)
+    with pytest.raises(ValueError, match=rf"{finder} is not supported under the gpipe strategy .*one-device"):
+        refuse_tuners([getattr(pl.callbacks, finder)()], namespace)
+
+
+@pytest.mark.slow  # about 40 s: one 2-process job of four runs and their one-device references
+@pytest.mark.timeout(400)
+def test_pruning_lr_monitor_and_accumulation_scheduler_two_stages(gpipe_job, tmp_path):
+    """2 stages, one job:
+    - ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=False), 2 epochs, made permanent: the pruned weights equal
+      one device's (the callback listed every stage's layers in setup, before the cut);
+      a checkpoint saved at the last epoch's end holds them under their plain names;
+    - the same not made permanent, with the lottery ticket: weight_orig and weight_mask equal one device's;
+    - LearningRateMonitor with ReduceLROnPlateau stepping on the last stage's loss: every rank logs
+      one device's learning rates;
+    - GradientAccumulationScheduler({0: 1, 1: 2}), 2 epochs: the parameters equal one device's.
+    """
+    epochs2 = {"max_epochs": 2, "max_steps": -1}
+    prune = {"amount": 0.3, "use_global_unstructured": False}
+    keep = {**prune, "make_pruning_permanent": False, "use_lottery_ticket_hypothesis": True}
+    refs = [
+        train_single_device(
+            "mlp",
+            0,
+            steps=-1,
+            val=True,
+            trainer_extra=epochs2,
+            callbacks=tuple(feature_callbacks({"pruning": kw})),
+        )
+        for kw in (prune, keep)
+    ]
+    lr_ref = train_single_device(
+        "mlp",
+        0,
+        steps=5,
+        plateau=True,
+        return_trainer=True,
+        trainer_extra={"logger": _recorder(), "log_every_n_steps": 1},
+        callbacks=tuple(feature_callbacks({"lr_monitor": {"logging_interval": "step"}})),
+    )[1]
+    accumulation = {"scheduling": {"0": 1, "1": 2}}
+    accumulated = train_single_device(
+        "mlp",
+        0,
+        steps=-1,
+        val=True,
+        trainer_extra=epochs2,
+        callbacks=tuple(feature_callbacks({"accumulation": accumulation})),
+    )
+    runs = [
+        {"chunks": 2, "features": {"pruning": prune}, "trainer": epochs2},
+        {"chunks": 2, "features": {"pruning": keep}, "trainer": epochs2},
+        {
+            "chunks": 2,
+            "net": {"plateau": True},
+            "record_logs": True,
+            "trainer": {"log_every_n_steps": 1},
+            "features": {"lr_monitor": {"logging_interval": "step"}},
+        },
+        {"chunks": 2, "features": {"accumulation": accumulation}, "trainer": epochs2},
+    ]
+    saving = {"checkpoint": {"save_last": True, "save_on_train_epoch_end": True}}
+    on = {"enable_checkpointing": True}
+    results, _ = gpipe_job(
+        "mlp", 2, runs, steps=5, batch=10, val=True, callbacks=saving, trainer=on, timeout=360
+    )
+    for result, ref in zip(results[:2], refs):
+        assert max_diff(result["state"], ref.state_dict()) <= 1e-5
+    # the last epoch's checkpoint, pruning made permanent: every stage's weights under their plain names
+    saved = torch.load(tmp_path / "ckpt0" / "last.ckpt", weights_only=False)["state_dict"]
+    assert max_diff(saved, refs[0].state_dict()) <= 1e-5
+    assert any(k.endswith("weight_mask") for k in results[1]["state"])
+    expected_lrs = [m["lr-SGD"] for m in lr_ref.logger.logged if "lr-SGD" in m]
+    assert len(expected_lrs) == 5 and len(set(expected_lrs)) > 1  # the plateau halved it
+    for record in results[2]["ranks"]:
+        assert [m["lr-SGD"] for m in record["logged"] if "lr-SGD" in m] == pytest.approx(expected_lrs)
+    assert max_diff(results[3]["state"], accumulated.state_dict()) <= 1e-5

@@ -33,6 +33,9 @@ def test_announced_and_unannounced_messages_arrive_in_order_with_their_shapes_an
         assert len(tensors) == len(theirs)
         for a, b in zip(tensors, theirs):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    # a send's buffer is dropped once the peer has it, not at the step's flush (1F1B's memory)
+    held = json.loads((tmp_path / "held.json").read_text())
+    assert held["posted"] <= 4 and held["held_once_received"] == 0, held
 
 
 @pytest.mark.timeout(120)

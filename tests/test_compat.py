@@ -296,3 +296,12 @@ def test_TreeSpec():
     assert (
         _compat.tree_flatten((1, 2))[1] == _compat.tree_flatten((3, 4))[1] != _compat.tree_flatten([1, 2])[1]
     )
+
+
+def test_unrecorded():
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with _compat.unrecorded():
+            torch.ones(3).add(1)
+        torch.ones(3).mul(2)
+    names = {e.name for e in prof.events()}
+    assert "aten::mul" in names and "aten::add" not in names

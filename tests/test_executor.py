@@ -80,16 +80,16 @@ class FakeP2P:
 
 
 class Recorder:
-    """Stands in for the timeline: keeps the forward and backward spans, in order, and (given the
-    stage) the most micro-batches whose outputs the stage held at once."""
+    """Stands in for the timeline: keeps the forward and backward spans (with their virtual stage),
+    in order, and (given the stage) the most micro-batches whose outputs the stage held at once."""
 
     def __init__(self, stage=None):
         self.actions, self.stage, self.peak_held = [], stage, 0
 
     @contextmanager
-    def span(self, kind, i):
-        if kind in ("forward", "backward"):
-            self.actions.append(f"{kind[0].upper()}{i}")
+    def span(self, kind, i, u=0):
+        if kind in ("forward", "backward"):  # as str(Action): F3, or F3v1 on virtual stage 1
+            self.actions.append(f"{kind[0].upper()}{i}" + (f"v{u}" if u else ""))
         yield
         run = self.stage._run if self.stage is not None else None
         if run is not None:

@@ -76,3 +76,79 @@ def test_values_logged_per_micro_batch_are_logged_once_combined_by_size():
     assert value.item() == 10 and options["batch_size"] == 10 and options["reduce_fx"] == "sum"
     assert logged["worst"][0].item() == 0.0
     assert logged["metric"][0] is metric
+
+
+class StageModule(FakeModule):
+    """What MicroSteps needs of a LightningModule: its parameters, log (recorded), no trainer."""
+
+    def __init__(self, stage):
+        super().__init__()
+        self.stage, self._trainer = stage, None
+
+    def parameters(self):
+        return self.stage.parameters()
+
+
+class Backward:
+    """A precision plugin's backward: the loss's own."""
+
+    def backward(self, tensor, module, *args):
+        tensor.backward()
+
+
+def live_bytes_after_each_micro_batch(chunks, returns, rows=32, width=64):
+    """One 1F1B step of a one-stage pipeline (M = ``chunks`` micro-batches of ``rows`` rows) under
+    the tensor-memory meter: its live bytes after each micro-batch's backward, and its peak."""
+    from benchmarks.memory import TensorMemoryMeter
+    from lightning_gpipe.comm import P2P
+    from lightning_gpipe.layout import StageTopology
+    from lightning_gpipe.microstep import MicroSteps
+    from lightning_gpipe.schedule import one_f_one_b
+    from lightning_gpipe.stage import PipelineStage
+
+    torch.manual_seed(0)
+    layers = [(str(k), torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())) for k in range(2)]
+    stage = PipelineStage(
+        layers,
+        StageTopology(0, 1, None, None),
+        chunks,
+        "never",
+        P2P(torch.device("cpu")),
+        schedule=one_f_one_b,
+    )
+    module = StageModule(stage)
+    batch = (torch.randn(rows * chunks, width), torch.randn(rows * chunks, width))
+
+    def training_step(batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(stage(x), y)  # a 0-d view of a micro-batch-sized buffer
+        if returns == "logged":
+            module.log("loss", loss)  # the value with its graph
+        return {"loss": loss, "n": x.shape[0]} if returns == "dict" else loss
+
+    lives = []
+    backpropagated = stage.loss_backpropagated
+
+    def loss_backpropagated(i):
+        backpropagated(i)
+        lives.append(meter.live)
+
+    stage.loss_backpropagated = loss_backpropagated
+    steps = MicroSteps()
+    with TensorMemoryMeter() as meter:
+        out = steps.training_step(training_step, stage, module, Backward(), chunks, batch, 0)
+    loss = out["loss"] if returns == "dict" else out
+    return lives, meter.peak, loss, rows * width * 4
+
+
+@pytest.mark.parametrize("returns", ["loss", "logged", "dict"])
+def test_one_f_one_b_keeps_no_micro_batch_sized_tensor_to_the_end_of_the_step(returns):
+    # 1F1B's activation memory is flat in M: what a call leaves once its backward has run (its
+    # loss value, a logged value, its output) must not hold a micro-batch-sized tensor. The
+    # loss of F.mse_loss views its element-wise buffer (rows × width floats): kept as it is,
+    # it grew the step's memory by one micro-batch's output per micro-batch.
+    lives4, peak4, loss4, micro = live_bytes_after_each_micro_batch(4, returns)
+    lives8, peak8, loss8, _ = live_bytes_after_each_micro_batch(8, returns)
+    assert max(lives8) - lives8[0] < micro // 4, lives8  # after micro-batch i: no growth with i
+    assert max(lives8) - max(lives4) < micro // 4 and peak8 - peak4 < micro // 4, (peak4, peak8)
+    assert loss4.untyped_storage().nbytes() == loss8.untyped_storage().nbytes() == 4

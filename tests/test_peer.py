@@ -1,4 +1,5 @@
-"""Our gradients equal those of PyTorch's own torch.distributed.pipelining ScheduleGPipe and Schedule1F1B."""
+"""Our gradients equal those of PyTorch's own torch.distributed.pipelining ScheduleGPipe, Schedule1F1B
+and ScheduleInterleaved1F1B."""
 
 import pytest
 import torch
@@ -15,9 +16,10 @@ def _peer_grads(tmp_path, prefix):
 
 
 @pytest.mark.timeout(300)
-def test_gradients_match_torch_pipelining_schedule_gpipe_and_1f1b(gpipe_job, tmp_path):
+def test_gradients_match_torch_pipelining_schedule_gpipe_1f1b_and_interleaved(gpipe_job, tmp_path):
     """Same 2-stage split, batch 8 in 4 micro-batches, one step: schedule="gpipe" against ScheduleGPipe,
-    schedule="1f1b" against Schedule1F1B.
+    schedule="1f1b" against Schedule1F1B, schedule="interleaved_1f1b" with virtual_stages=2 against
+    ScheduleInterleaved1F1B on the same 4 parts (each rank holds the peer's stages p and p+2 of 4).
 
     The peer sums per-micro-batch losses, so its loss function scales each micro-batch's summed
     error by 1/(N·outputs), which makes the sum the full batch's mean, our user's loss (under
@@ -26,13 +28,22 @@ def test_gradients_match_torch_pipelining_schedule_gpipe_and_1f1b(gpipe_job, tmp
     runs = [
         {"chunks": 4, "checkpoint": "always"},
         {"chunks": 4, "checkpoint": "except_last", "schedule": "1f1b"},
+        {"chunks": 4, "checkpoint": "never", "schedule": "interleaved_1f1b", "virtual_stages": 2},
     ]
     _, grads = gpipe_job("mlp", 2, runs, steps=1, batch=8, record_grads=True)
     for rc_out in run_ranks(
-        "tests/workers/peer_pipelining.py", 2, str(tmp_path), "4", "8", "gpipe", "1f1b", timeout=180
+        "tests/workers/peer_pipelining.py",
+        2,
+        str(tmp_path),
+        "4",
+        "8",
+        "gpipe",
+        "1f1b",
+        "interleaved_1f1b",
+        timeout=180,
     ):
         check(rc_out)
-    for run_grads, prefix in zip(grads, ("peer_", "peer_1f1b_")):
+    for run_grads, prefix in zip(grads, ("peer_", "peer_1f1b_", "peer_interleaved_1f1b_")):
         peer = _peer_grads(tmp_path, prefix)
         ours = {}
         for rank_grads in run_grads:

@@ -143,3 +143,64 @@ def test_unknown_schedule_and_unsupported_virtual_stages_are_refused():
     with pytest.raises(TypeError, match="virtual_stages must be an int"):
         simulate(2, 2, 1.0, 1.0, virtual_stages=2.0)  # type: ignore[arg-type]
     assert simulate(2, 4, 1.0, 1.0, schedule=interleaved_1f1b, virtual_stages=2).step_time > 0
+
+
+def test_backward_workspace_and_loss_side_by_hand():
+    """K = 2, M = 2, N = 4 (2 samples each), a = 100 / 50 per sample, "never"; workspace w = 7 / 3
+    bytes, output o = 5 bytes per sample.
+
+    1F1B: stage 0 runs F0 F1 B0 B1: 400 held when B0 starts, + w = 407. Stage 1 (last) runs
+    F0 B0 F1 B1: 100 held + w 3 + one micro-batch's output and gradient 2·5·2 = 20: 123.
+    Fill-drain: stage 0 407 again; stage 1 holds 200, and its loss saw the whole batch:
+    200 + 3 + 2·5·4 = 243. With "always" (b = 10): stage 1 under 1F1B holds 20 at B0, which
+    recomputes 100: 20 + 100 + 3 + 20 = 143.
+    """
+    extra = {"workspace_bytes": [7.0, 3.0], "output_bytes": 5.0}
+    args = (2, 2, 4, [100.0, 50.0])
+    assert peak_activation_memory(*args, checkpoint="never", schedule="1f1b", **extra) == [407.0, 123.0]
+    assert peak_activation_memory(*args, checkpoint="never", **extra) == [407.0, 243.0]
+    always = peak_activation_memory(*args, [10.0, 10.0], "always", schedule="1f1b", **extra)
+    assert always[1] == 143.0
+    # the defaults (0) keep the kept bytes alone
+    assert peak_activation_memory(*args, checkpoint="never", schedule="1f1b") == [400.0, 100.0]
+    sim = simulate(
+        2,
+        2,
+        1.0,
+        1.0,
+        schedule="1f1b",
+        checkpoint="never",
+        batch_size=4,
+        activation_bytes=[100.0, 50.0],
+        **extra,
+    )
+    assert sim.peak_activation_bytes == [407.0, 123.0]
+
+
+def test_backward_workspace_per_part_under_interleaving_by_hand():
+    """K = 2, v = 2, M = 2, one sample each, 1 byte per sample per part, workspace 10, 20, 30, 40
+    bytes on parts 0..3 (part 3, stage 1's second virtual stage, is last), output 5 bytes.
+
+    Stage 0: F0v0 F1v0 F0v1 F1v1 hold 4, B0v1 (part 2) 4 + 30 = 34. Stage 1: F0v0 F1v0 F0v1 hold 3,
+    B0v1 (part 3) 3 + 40 + 2·5·1 = 53; later B0v0 (part 1) 2 + 20 = 22.
+    """
+    peaks = peak_activation_memory(
+        2,
+        2,
+        2,
+        2.0,
+        checkpoint="never",
+        schedule="interleaved_1f1b",
+        virtual_stages=2,
+        workspace_bytes=[10.0, 20.0, 30.0, 40.0],
+        output_bytes=5.0,
+    )
+    assert peaks == [34.0, 53.0]
+
+
+@pytest.mark.parametrize(
+    "extra", [{"workspace_bytes": -1.0}, {"output_bytes": -1.0}, {"workspace_bytes": [1.0] * 3}]
+)
+def test_backward_terms_are_checked(extra):
+    with pytest.raises(ValueError, match="workspace_bytes|output_bytes"):
+        peak_activation_memory(2, 2, 4, 1.0, schedule="1f1b", **extra)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from lightning_gpipe.schedule import ideal_bubble
 from lightning_gpipe.simulate import simulate
 from lightning_gpipe.timeline import Timeline, mean_bubble_per_step, step_stats
 from lightning_gpipe.trace import chrome_trace, plot_gantt, write_chrome_trace
@@ -16,29 +17,50 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 _KIND = {"F": "forward", "B": "backward", "R": "recompute"}
 
 
-def records_from_simulation(stages: int, chunks: int, checkpoint: str = "never", steps: int = 1):
-    """Gathered-timeline records of a simulated step (K stages), as the strategy would produce.
+def records_from_simulation(
+    stages: int,
+    chunks: int,
+    checkpoint: str = "never",
+    steps: int = 1,
+    schedule: str = "gpipe",
+    virtual_stages: int = 1,
+    latency: float = 0.25,
+):
+    """Gathered-timeline records of a simulated step (K stages, v virtual stages each), as the
+    strategy would produce.
 
     The stage's recompute runs inside its backward span, as in the engine.
     """
     sim = simulate(
-        stages, chunks, forward=1.0, backward=2.0, checkpoint=checkpoint, latency=0.25, timeline=True
+        stages,
+        chunks,
+        forward=1.0,
+        backward=2.0,
+        checkpoint=checkpoint,
+        latency=latency,
+        timeline=True,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
     )
     assert sim.timeline is not None
     records = []
     for j, events in enumerate(sim.timeline):
-        recompute_start = {e.microbatch: e.start for e in events if e.kind == "R"}
+        recompute_start = {(e.microbatch, e.virtual_stage): e.start for e in events if e.kind == "R"}
         spans = []
         for e in events:
-            start = recompute_start.get(e.microbatch, e.start) if e.kind == "B" else e.start
-            spans.append((_KIND[e.kind], e.microbatch, start, e.end))
-        busy = sum(b - a for kind, _, a, b in spans if kind != "recompute")
+            start = (
+                recompute_start.get((e.microbatch, e.virtual_stage), e.start) if e.kind == "B" else e.start
+            )
+            spans.append((_KIND[e.kind], e.microbatch, start, e.end, e.virtual_stage))
+        busy = sum(b - a for kind, _, a, b, _ in spans if kind != "recompute")
         records.append(
             {
                 "stage": j,
                 "stages": stages,
                 "rank": stages - 1 - j,
                 "replica": 0,
+                "virtual_stages": virtual_stages,
+                "schedule": schedule,
                 "summaries": [
                     (
                         n,
@@ -52,7 +74,8 @@ def records_from_simulation(stages: int, chunks: int, checkpoint: str = "never",
                     for n in range(steps)
                 ],
                 "events": {
-                    n: [(k, i, a + n * 100.0, b + n * 100.0) for k, i, a, b in spans] for n in range(steps)
+                    n: [(k, i, a + n * 100.0, b + n * 100.0, u) for k, i, a, b, u in spans]
+                    for n in range(steps)
                 },
             }
         )
@@ -69,6 +92,46 @@ def test_bubble_of_simulated_steps_equals_the_cost_model(stages, chunks):
     assert mean_bubble_per_step(records) == [(0, pytest.approx(sim.bubble)), (1, pytest.approx(sim.bubble))]
 
 
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+
+
+@pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
+@pytest.mark.parametrize(("stages", "chunks"), [(2, 4), (3, 6), (4, 8)])
+def test_bubble_per_stage_of_every_schedule_equals_the_cost_model(schedule, v, stages, chunks):
+    """Each stage's idle share of the window is 1 - its busy time / the step (all its virtual
+    stages together); with free communication the pipeline's bubble is the schedule's ideal
+    (K-1)/(v·M+K-1)."""
+    for latency in (0.25, 0.0):
+        records, sim = records_from_simulation(
+            stages, chunks, schedule=schedule, virtual_stages=v, latency=latency
+        )
+        (stats,) = step_stats(records)
+        assert (stats.schedule, stats.virtual_stages) == (schedule, v)
+        assert stats.bubble == pytest.approx(sim.bubble)
+        assert stats.stage_bubble == pytest.approx([1 - b / sim.step_time for b in sim.busy])
+        assert {u for r in records for *_, u in r["events"][0]} == set(range(v))
+    assert stats.bubble == pytest.approx(ideal_bubble(stages, chunks, v))
+
+
+def test_chrome_trace_and_gantt_name_the_virtual_stage(tmp_path):
+    """Interleaved K=2, v=2, M=4: every forward is named F{i}v{u} and carries its virtual stage;
+    each stage runs M forwards on each of its v virtual stages; the Gantt chart draws the step."""
+    records, _ = records_from_simulation(
+        2, 4, checkpoint="except_last", schedule="interleaved_1f1b", virtual_stages=2
+    )
+    spans = [e for e in chrome_trace(records)["traceEvents"] if e["ph"] == "X" and e["cat"] != "step"]
+    for pid in (0, 1):
+        forwards = [e for e in spans if e["pid"] == pid and e["cat"] == "forward"]
+        assert sorted(e["name"] for e in forwards) == sorted(f"F{i}v{u}" for i in range(4) for u in (0, 1))
+        assert all(e["name"].endswith(f"v{e['args']['virtual_stage']}") for e in forwards)
+    assert {e["name"] for e in spans if e["cat"] == "recompute"} == {
+        f"R{i}v{u}" for i in range(3) for u in (0, 1)
+    }
+    gpipe, _ = records_from_simulation(2, 4)
+    assert "F0" in {e["name"] for e in chrome_trace(gpipe)["traceEvents"]}  # no v without virtual stages
+    assert plot_gantt(records, tmp_path / "interleaved.png").read_bytes()[:8] == PNG_MAGIC
+
+
 def test_timeline_records_spans_only_inside_a_step_and_sums_busy_time():
     now = [0.0]
     timeline = Timeline(stage=0, stages=2, clock=lambda: now[0])
@@ -83,6 +146,26 @@ def test_timeline_records_spans_only_inside_a_step_and_sums_busy_time():
     assert timeline.summaries == [(0, 7, 5.0, 11.0, 2.5, 5.0, 10.0)]
     assert timeline.bubble() == [pytest.approx(1 - 2.5 / 6.0)]
     assert [e[0] for e in timeline.record()["events"][0]] == ["forward", "send", "recv", "backward"]
+
+
+def test_timeline_keeps_each_spans_virtual_stage_and_counts_both_as_busy():
+    now = [0.0]
+    timeline = Timeline(
+        stage=1, stages=2, clock=lambda: now[0], virtual_stages=2, schedule="interleaved_1f1b"
+    )
+    timeline.begin_step(step=0)
+    for kind, i, u, seconds in [("forward", 0, 0, 1.0), ("recv", 0, 1, 0.5), ("forward", 0, 1, 1.0)]:
+        with timeline.span(kind, i, u):
+            now[0] += seconds
+    timeline.end_step()
+    record = timeline.record()
+    assert record["events"][0] == [
+        ("forward", 0, 0.0, 1.0, 0),
+        ("recv", 0, 1.0, 1.5, 1),
+        ("forward", 0, 1.5, 2.5, 1),
+    ]
+    assert (record["virtual_stages"], record["schedule"]) == (2, "interleaved_1f1b")
+    assert timeline.summaries == [(0, 0, 0.0, 2.5, 2.0, 0.0, 2.5)]
 
 
 def test_chrome_trace_is_valid_json_with_one_process_per_stage(tmp_path):

@@ -14,6 +14,8 @@ from lightning_gpipe.layout import Layout
 from lightning_gpipe.microbatch import sizes
 from lightning_gpipe.schedule import format_grid, in_send_order, interleaved_1f1b, messages, stage_actions
 from lightning_gpipe.stage import StageDone, build_stage
+from lightning_gpipe.timeline import Timeline, step_stats
+from lightning_gpipe.trace import chrome_trace
 from tests.test_executor import BlockingNetwork, Recorder, ThreadP2P, _by_rank, _reference_grads
 
 
@@ -94,7 +96,7 @@ def test_interleaved_columns_run_as_printed_and_give_the_plain_gradients(k, v, m
         top, j = stage.topology, stage.topology.stage
         assert stage.virtual_stages == v
         column = stage_actions(grid, j)
-        assert stage.timeline.actions == [f"{a.kind}{a.i}" for a in column], f"stage {j}\n{format_grid(grid)}"
+        assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
         assert counts[j][1] == _by_rank(top, messages(column, j, k, top.skips, virtual_stages=v))
     for p, g in zip(seq.parameters(), expected):
         torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=0)
@@ -115,3 +117,47 @@ def test_evaluation_runs_every_virtual_stage_forward(k, v, m):
     assert all(outputs[j] is StageDone for j in range(k - 1))
     with torch.no_grad():
         torch.testing.assert_close(outputs[k - 1], seq(x), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize(("k", "v", "m"), [(2, 2, 4), (3, 2, 5)])
+def test_timeline_spans_carry_the_virtual_stage_and_give_each_stages_bubble(k, v, m):
+    """A real Timeline on every stage of an interleaved step: each stage's forward and backward
+    spans are its column's actions with their virtual stages, in order; the trace names them
+    F{i}v{u}; the bubble and each stage's idle share come out of the window, in [0, 1)."""
+    seq = _net(k * v)
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    stages = _stages(seq, k, v, m, "except_last", BlockingNetwork())
+    parts = sizes(10, m)
+    for stage in stages:
+        j = stage.topology.stage
+        stage.timeline = Timeline(j, k, k - 1 - j, virtual_stages=v, schedule="interleaved_1f1b")
+
+    def body(stage):
+        stage.timeline.begin_step(0)
+        stage.start_micro_steps(len(parts))
+        for i, (xi, yi) in enumerate(zip(x.split(parts), y.split(parts))):
+            out = stage.run_step(stage, True, xi)
+            if stage.topology.is_last:
+                (nn.functional.mse_loss(out, yi) * len(yi) / len(y)).backward()
+                stage.loss_backpropagated(i)
+        stage.end_micro_steps()
+        stage.timeline.end_step()
+
+    _in_threads(stages, body)
+    grid = interleaved_1f1b(k, m, v)
+    records = [stage.timeline.record() for stage in stages]
+    for j, record in enumerate(records):
+        done = [
+            (kind[0].upper(), i, u)
+            for kind, i, _, _, u in record["events"][0]
+            if kind in ("forward", "backward")
+        ]
+        assert done == [(a.kind, a.i, a.virtual_stage) for a in stage_actions(grid, j)], f"stage {j}"
+        recomputed = {(i, u) for kind, i, _, _, u in record["events"][0] if kind == "recompute"}
+        assert recomputed == {(i, u) for i in range(m - 1) for u in range(v)}, f"stage {j}"
+    (stats,) = step_stats(records)
+    assert (stats.schedule, stats.virtual_stages, len(stats.stage_bubble)) == ("interleaved_1f1b", v, k)
+    assert 0.0 <= stats.bubble < 1.0 and all(0.0 <= b < 1.0 for b in stats.stage_bubble)
+    assert stats.bubble == pytest.approx(sum(stats.stage_bubble) / k)
+    names = {e["name"] for e in chrome_trace(records)["traceEvents"] if e.get("cat") == "forward"}
+    assert names == {f"F{i}v{u}" for i in range(m) for u in range(v)}

@@ -3,7 +3,9 @@
 Usage: python tests/workers/p2p.py OUT MODE
 MODE "order": rank 0 sends 6 messages of changing shapes and dtypes, then 2 more after a barrier;
 rank 1 announces the first 6 (background receives) and takes the last 2 in its own thread;
-it writes what it got to OUT/received.pt and rank 0 writes what it sent to OUT/sent.pt.
+it writes what it got to OUT/received.pt and rank 0 writes what it sent to OUT/sent.pt, and to
+OUT/held.json how many sends it held just after posting the last 2 and once rank 1 had them
+(before any flush).
 MODE "peer_exits": rank 0 sends 1 of the 3 messages rank 1 announced, then exits; rank 1 writes
 the error its second receive raised (and how long it took) to OUT/error.json.
 """
@@ -41,13 +43,22 @@ if mode == "order":
         dist.barrier()
         for k, m in enumerate(messages[6:], start=6):
             p2p.send(m, 1, chunks=k)
+        posted = p2p.sends_in_flight()
+        dist.barrier()  # rank 1 has received them: their buffers go without a flush
+        deadline = time.monotonic() + 20
+        while p2p.sends_in_flight() and time.monotonic() < deadline:
+            p2p.settle()
+            time.sleep(0.01)
+        held = {"posted": posted, "held_once_received": p2p.sends_in_flight()}
         p2p.flush()
         torch.save(messages, out / "sent.pt")
+        (out / "held.json").write_text(json.dumps(held))
     else:
         p2p.expect(0, 6)
         got = [p2p.recv(0) for _ in range(6)]
         dist.barrier()
         got += [p2p.recv(0) for _ in range(2)]
+        dist.barrier()
         torch.save([(meta.chunks, tensors) for meta, tensors in got], out / "received.pt")
 elif mode == "peer_exits":
     if rank == 0:

@@ -32,9 +32,9 @@ class Recorder:
         self.actions: list[str] = []
 
     @contextmanager
-    def span(self, kind: str, i: int):
-        if kind in ("forward", "backward"):
-            self.actions.append(f"{kind[0].upper()}{i}")
+    def span(self, kind: str, i: int, u: int = 0):
+        if kind in ("forward", "backward"):  # as str(Action)
+            self.actions.append(f"{kind[0].upper()}{i}" + (f"v{u}" if u else ""))
         yield
 
 

@@ -9,8 +9,8 @@ stage) also writes the full trained state.
 A run may carry, for that run only: "net" (Net kwargs), "trainer" (Trainer kwargs), "features"
 (tests.models.feature_callbacks names), "record_logs" (a Recorder logger), "example_input"
 (example_input_array set), "predict_only" (no fit: predict on ``predict_samples`` samples),
-"validate" (trainer.validate after fit), "fit" (false: no fit), "profiler" ("simple" or
-"advanced": reports in ``out/profiles``).
+"validate" (trainer.validate after fit), "fit" (false: no fit), "profiler" ("simple",
+"advanced" or "pytorch": reports in ``out/profiles``).
 Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs (GPipeStrategy kwargs per run; "{k}" in save/resume paths is the run index), steps, batch, seed, lr, samples,
 net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
@@ -79,9 +79,15 @@ def trainer_for(run, max_steps, callbacks=(), overrides=None):
     }
     if run.pop("record_logs", False):
         kwargs["logger"] = Recorder()
-    profiler = run.pop("profiler", None)  # "simple" | "advanced": a report file per rank in out/profiles
+    profiler = run.pop(
+        "profiler", None
+    )  # "simple" | "advanced" | "pytorch": a report file per rank in out/profiles
     if profiler is not None:
-        kinds = {"simple": pl.profilers.SimpleProfiler, "advanced": pl.profilers.AdvancedProfiler}
+        kinds = {
+            "simple": pl.profilers.SimpleProfiler,
+            "advanced": pl.profilers.AdvancedProfiler,
+            "pytorch": pl.profilers.PyTorchProfiler,
+        }
         kwargs["profiler"] = kinds[profiler](dirpath=out / "profiles", filename=profiler)
     strategy = lightning_gpipe.GPipeStrategy(**run)
     return pl.Trainer(strategy=strategy, devices=spec["devices"], callbacks=list(callbacks), **kwargs)
