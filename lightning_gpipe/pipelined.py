@@ -14,6 +14,7 @@ which saved state is translated between the stage and the whole model.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -23,14 +24,16 @@ import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_gpipe import partition, state, tied
-from lightning_gpipe.balance.choose import log_choice, profiled
+from lightning_gpipe import _compat, microstep, partition, state, tied
+from lightning_gpipe.balance.choose import choose_balance, log_choice, profiled
 from lightning_gpipe.layout import Layout
 from lightning_gpipe.materialize import check_nothing_meta, check_stage_only_balance, has_meta
-from lightning_gpipe.stage import PipelineStage, PipelineUsageError
+from lightning_gpipe.schedule import SCHEDULES, check_virtual_stages
+from lightning_gpipe.stage import PipelineStage, PipelineUsageError, build_stage
 from lightning_gpipe.start_state import start_stage
+from lightning_gpipe.timeline import Timeline
 
-__all__ = ["Pipelined"]
+__all__ = ["Pipelined", "check_model", "partition_model", "unpartition_model"]
 
 log = logging.getLogger(__name__)
 
@@ -224,3 +227,53 @@ class Pipelined:
         """The module holds its whole Sequential (every stage's layers; other stages' weights are not
         trained here) inside this context, the stage again after it. For summaries that count the model."""
         return partition.whole_sequential(self.installed, self.stage)
+
+
+# -- the strategy's set-up and teardown of its stage (GPipeStrategy.setup, teardown) ----------------
+# ``strategy`` is the GPipeStrategy (typed Any: this module is below it in the import graph).
+
+
+def check_model(strategy: Any, model: nn.Module) -> tuple[str, nn.Sequential, list[int]]:
+    """Raise before any process starts if the model cannot be cut (:meth:`.Pipelined.check_model`)
+    or cannot run its schedule (:func:`.microstep.check_model`)."""
+    microstep.check_model(model, strategy.schedule)
+    stages, v = strategy.layout.stages, strategy.virtual_stages
+    check_virtual_stages(strategy.schedule, v, stages)  # interleaving needs two or more stages
+    return strategy._pipelined.check_model(model, strategy.module_name, strategy.balance, stages, v)
+
+
+def partition_model(strategy: Any) -> None:
+    """Cut the user's Sequential and put this rank's :class:`PipelineStage` in its place."""
+    model = strategy._module
+    choose = functools.partial(
+        choose_balance, strategy.balance, model, stages=strategy.layout.stages * strategy.virtual_stages,
+        chunks=strategy.chunks_used,
+        device=strategy.root_device, rank=strategy.global_rank, broadcast=strategy.broadcast,
+        to_device=strategy.batch_to_device, optimizer_state_factor=strategy.optimizer_state_factor,
+    )  # fmt: skip
+
+    def build(seq: nn.Sequential, balance: list[int]) -> PipelineStage:
+        layout, rank, device = strategy.layout, strategy.global_rank, strategy.root_device
+        schedule = SCHEDULES[strategy.schedule]
+        return build_stage(
+            seq, balance, layout, rank, strategy.chunks_used, strategy.checkpoint, device, schedule
+        )
+
+    stage = strategy._pipelined.install(
+        model, check_model(strategy, model), strategy.balance, strategy.layout, strategy.global_rank,
+        strategy.root_device, choose, build, deferred_batch_norm=strategy.deferred_batch_norm,
+        compile=strategy.compile,
+    )  # fmt: skip
+    if strategy.timeline:
+        replica = strategy.layout.replica_of(strategy.global_rank)
+        strategy._timeline = stage.timeline = Timeline(
+            strategy.stage_index, strategy.layout.stages, strategy.global_rank, replica,
+            virtual_stages=strategy.virtual_stages, schedule=strategy.schedule,
+        )  # fmt: skip
+    strategy._pipelined.describe(model, strategy.balance, strategy.layout, strategy.global_rank)
+
+
+def unpartition_model(strategy: Any) -> None:
+    """Put the user's full Sequential back, loaded with every stage's trained state."""
+    gather = not strategy._failed and _compat.distributed_is_initialized()
+    strategy._pipelined.uninstall(strategy.layout, strategy.global_rank, strategy._arrive, gather=gather)

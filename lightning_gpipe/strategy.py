@@ -17,7 +17,6 @@ metrics (:mod:`~lightning_gpipe.metrics`), the timeline (:mod:`~lightning_gpipe.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Generator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -40,7 +39,7 @@ from typing_extensions import override
 from lightning_gpipe import _compat, groups, loading, metrics, microstep, partition, precision, state
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, check_collective_timeout, watch_signals
-from lightning_gpipe.balance.choose import check_balance_spec, choose_balance
+from lightning_gpipe.balance.choose import check_balance_spec
 from lightning_gpipe.callbacks import adapt_callbacks, restore_callbacks
 from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import clip_optimizer_gradients
@@ -49,10 +48,9 @@ from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
 from lightning_gpipe.loading import UnsafeCheckpointError
 from lightning_gpipe.microbatch import check_chunks
 from lightning_gpipe.partition import PartitionError
-from lightning_gpipe.pipelined import Pipelined
+from lightning_gpipe.pipelined import Pipelined, check_model, partition_model, unpartition_model
 from lightning_gpipe.recompute import check_mode
-from lightning_gpipe.schedule import SCHEDULES, check_schedule, check_virtual_stages
-from lightning_gpipe.stage import PipelineStage, build_stage
+from lightning_gpipe.schedule import check_schedule, check_virtual_stages
 from lightning_gpipe.state.hooks import SavedState
 from lightning_gpipe.steps import StepDriver
 from lightning_gpipe.timeline import Timeline
@@ -330,52 +328,14 @@ class _GPipeStrategyLogic(_Base):
             yield
 
     def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
-        """Raise before any process starts if the model cannot be cut (:meth:`.Pipelined.check_model`)
-        or cannot run its schedule (:func:`.microstep.check_model`)."""
-        microstep.check_model(model, self.schedule)
-        stages, v = self.layout.stages, self.virtual_stages
-        check_virtual_stages(self.schedule, v, stages)  # interleaving needs two or more stages
-        return self._pipelined.check_model(model, self.module_name, self.balance, stages, v)
-
-    def _partition(self) -> None:
-        """Cut the user's Sequential and put this rank's :class:`PipelineStage` in its place."""
-        model = self._module
-        choose = functools.partial(
-            choose_balance, self.balance, model, stages=self.layout.stages * self.virtual_stages,
-            chunks=self.chunks_used,
-            device=self.root_device, rank=self.global_rank, broadcast=self.broadcast,
-            to_device=self.batch_to_device, optimizer_state_factor=self.optimizer_state_factor,
-        )  # fmt: skip
-
-        def build(seq: nn.Sequential, balance: list[int]) -> PipelineStage:
-            layout, rank, device = self.layout, self.global_rank, self.root_device
-            schedule = SCHEDULES[self.schedule]
-            return build_stage(
-                seq, balance, layout, rank, self.chunks_used, self.checkpoint, device, schedule
-            )
-
-        stage = self._pipelined.install(
-            model, self.check_model(model), self.balance, self.layout, self.global_rank, self.root_device,
-            choose, build, deferred_batch_norm=self.deferred_batch_norm, compile=self.compile,
-        )  # fmt: skip
-        if self.timeline:
-            replica = self.layout.replica_of(self.global_rank)
-            self._timeline = stage.timeline = Timeline(
-                self.stage_index, self.layout.stages, self.global_rank, replica,
-                virtual_stages=self.virtual_stages, schedule=self.schedule,
-            )  # fmt: skip
-        self._pipelined.describe(model, self.balance, self.layout, self.global_rank)
-
-    def _unpartition(self) -> None:
-        """Put the user's full Sequential back, loaded with every stage's trained state."""
-        gather = not self._failed and _compat.distributed_is_initialized()
-        self._pipelined.uninstall(self.layout, self.global_rank, self._arrive, gather=gather)
+        """Raise before any process starts if the model cannot be cut or run (:func:`.pipelined.check_model`)."""
+        return check_model(self, model)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self._partition()  # before the optimizers: they only ever see this stage's parameters
+        partition_model(self)  # before the optimizers: they only ever see this stage's parameters
         assert self.model is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -392,10 +352,10 @@ class _GPipeStrategyLogic(_Base):
         if trainer.state.fn == TrainerFn.FITTING:
             _compat.optimizers_to_device(self.optimizers, self.root_device)
         self._metric_sharing = metrics.install_metric_sharing(trainer, self.share_last_stage_metrics)
-        pipelined, replicas, last = self._pipelined, self.layout.replicas, self.is_last_stage
+        piped, replicas, last = self._pipelined, self.layout.replicas, self.is_last_stage
         adapt_callbacks(
-            trainer, self._module, self.namespace, pipelined.name or "", pipelined.cut_copy, replicas, last,
-            pipelined.whole_model,
+            trainer, self._module, self.namespace, piped.name or "", piped.cut_copy, replicas, last,
+            piped.whole_model,
         )  # fmt: skip
 
     def _setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -610,9 +570,9 @@ class _GPipeStrategyLogic(_Base):
         if self._pipelined.stage_only:
             # Lightning moves the module to the CPU: first the stage alone, not the other stages' meta layers
             super().teardown()
-            self._unpartition()
+            unpartition_model(self)
             return
-        self._unpartition()
+        unpartition_model(self)
         super().teardown()
 
     @classmethod
