@@ -26,16 +26,43 @@ construction) does not run here; give the layer a ``reset_parameters`` that does
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe import _compat
 from lightning_gpipe._compat import children
+
+
+@contextlib.contextmanager
+def tensor_init_context(
+    default: Callable[..., contextlib.AbstractContextManager[Any]],
+    precision_plugin: Any,
+    empty_init: bool | None,
+) -> Generator[None, None, None]:
+    """Where ``Trainer.init_module`` and ``configure_model`` create tensors (``GPipeStrategy.tensor_init_context``).
+
+    ``empty_init=True``, and ``None`` inside ``configure_model`` (which runs on every rank
+    once the processes are up): on the meta device; at setup the strategy cuts the meta
+    Sequential and materializes only this rank's stage (:func:`materialize_stage`:
+    each layer initialized by its ``reset_parameters()`` from a stream seeded by the global
+    seed and the layer's index, the same for any stage count). Otherwise (``False``, or
+    ``None`` before the processes start), Lightning's default (``default``, the strategy's
+    inherited ``tensor_init_context``): on this rank's device. The precision plugin's dtype applies either way.
+    """
+    meta = empty_init is True or (empty_init is None and _compat.distributed_is_initialized())
+    if not meta:
+        with default(empty_init=empty_init):
+            yield
+        return
+    with torch.device("meta"), precision_plugin.tensor_init_context():
+        yield
 
 
 def layer_seed(seed: int, index: int) -> int:

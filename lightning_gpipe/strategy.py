@@ -46,6 +46,7 @@ from lightning_gpipe.gradients import clip_optimizer_gradients
 from lightning_gpipe.launcher import check_start_method, new_launcher
 from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
 from lightning_gpipe.loading import UnsafeCheckpointError
+from lightning_gpipe.materialize import tensor_init_context
 from lightning_gpipe.microbatch import check_chunks
 from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.pipelined import Pipelined, check_model, partition_model, unpartition_model
@@ -309,22 +310,10 @@ class _GPipeStrategyLogic(_Base):
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Where ``Trainer.init_module`` and ``configure_model`` create tensors.
-
-        ``empty_init=True``, and ``None`` inside ``configure_model`` (which runs on every rank
-        once the processes are up): on the meta device; at setup the strategy cuts the meta
-        Sequential and materializes only this rank's stage (:mod:`lightning_gpipe.materialize`:
-        each layer initialized by its ``reset_parameters()`` from a stream seeded by the global
-        seed and the layer's index, the same for any stage count). Otherwise (``False``, or
-        ``None`` before the processes start), Lightning's default: on this rank's device.
-        The precision plugin's dtype applies either way.
-        """
-        meta = empty_init is True or (empty_init is None and _compat.distributed_is_initialized())
-        if not meta:
-            with super().tensor_init_context(empty_init=empty_init):
-                yield
-            return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        """Where ``Trainer.init_module`` and ``configure_model`` create tensors: on the meta device with
+        ``empty_init=True`` (and ``None`` inside ``configure_model``), only this rank's stage materialized
+        at setup; otherwise on this rank's device (:func:`.materialize.tensor_init_context`)."""
+        with tensor_init_context(super().tensor_init_context, self.precision_plugin, empty_init):
             yield
 
     def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
