@@ -52,7 +52,7 @@ from lightning_gpipe.partition import PartitionError
 from lightning_gpipe.pipelined import Pipelined, check_model, partition_model, unpartition_model
 from lightning_gpipe.recompute import check_mode
 from lightning_gpipe.schedule import check_schedule, check_virtual_stages
-from lightning_gpipe.state.hooks import SavedState
+from lightning_gpipe.state.hooks import CheckpointHooks, SavedState
 from lightning_gpipe.steps import StepDriver
 from lightning_gpipe.timeline import Timeline
 from lightning_gpipe.trace import publish
@@ -63,7 +63,7 @@ else:
     _Base = object
 
 
-class _GPipeStrategyLogic(_Base):
+class _GPipeStrategyLogic(CheckpointHooks, _Base):
     """GPipe pipeline parallelism (Huang et al. 2019, arXiv 1811.06965) as a Lightning strategy.
 
     The LightningModule's ``nn.Sequential`` is cut into K consecutive stages, one per process;
@@ -270,18 +270,9 @@ class _GPipeStrategyLogic(_Base):
         return module
 
     @property
-    def balance_used(self) -> list[int] | None:
-        """The balance the stages were cut with (layers per stage); ``None`` before setup."""
-        return self._pipelined.balance
-
-    @property
     def last_received_skips(self) -> list[tuple[str, int]] | None:
         """``(skip, source stage)`` pairs this stage received, kept at teardown (inspection)."""
         return self._pipelined.received_skips
-
-    @property
-    def _torch_optimizers(self) -> list[Optimizer]:
-        return [_compat.unwrap_optimizer(o) for o in self.optimizers]
 
     @override
     def _configure_launcher(self) -> None:
@@ -466,65 +457,6 @@ class _GPipeStrategyLogic(_Base):
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         groups.arrive_all("broadcast", self.collective_timeout)
         return groups.broadcast_object(obj, src)
-
-    # -- checkpoints (lightning_gpipe.state.hooks) ------------------------------------------------
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        """Checkpoints load into the partitioned module, each stage taking its own part."""
-        return True
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        """Write the checkpoint (``checkpoint_format``), recording the pipeline under ``checkpoint["gpipe"]``."""
-        record = {"balance": self.balance_used, "balance_by": self.balance, "chunks": self.chunks_used}
-        checkpoint["gpipe"] = {**record, "stages": self.layout.stages, "virtual_stages": self.virtual_stages}
-        if self.checkpoint_format == "sharded":
-            if self._saved.save_sharded(checkpoint, filepath, self._module, self._torch_optimizers):
-                return
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """This rank's part of a checkpoint (:meth:`.SavedState.load`), unpickled safely unless
-        ``weights_only=False`` (``None``: the strategy's ``weights_only``).
-
-        Raises:
-            UnsafeCheckpointError: the safe unpickler refuses the file (the message names it
-                and the opt-in).
-        """
-        weights_only = self.weights_only if weights_only is None else weights_only
-        module, optimizers = self.lightning_module, self._torch_optimizers
-        return self._saved.load(checkpoint_path, weights_only, module, optimizers, super().load_checkpoint)
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
-        if self.checkpoint_format == "sharded":
-            return {}  # each stage writes its own shard in save_checkpoint
-        return self._saved.model_state(self._module, self.layout, self.global_rank, self._arrive)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """On rank 0: one optimizer ``state_dict`` over the whole model (:func:`.state.merged_optimizer_state`)."""
-        if self.checkpoint_format == "sharded":
-            return {}  # each stage writes its own shard in save_checkpoint
-        return self._saved.optimizer_state(
-            optimizer, self._module, self.layout, self.global_rank, self._arrive
-        )
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name)."""
-        self._saved.load_optimizer_states(checkpoint, self._module, self._torch_optimizers, self.root_device)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        """Load a full checkpoint into the full or the partitioned module (keeping this stage's keys)."""
-        self._saved.load_model_state(self._module, checkpoint, strict)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

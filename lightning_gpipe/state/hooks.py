@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_gpipe import loading, state
 from lightning_gpipe._compat import distributed_is_initialized, unwrap_optimizer
@@ -26,7 +27,13 @@ from lightning_gpipe.layout import Layout
 from lightning_gpipe.pipelined import Pipelined
 from lightning_gpipe.state import sharded
 
-__all__ = ["SavedState"]
+if TYPE_CHECKING:  # the hooks are typed as the pytorch_lightning strategy they become part of
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies.parallel import ParallelStrategy as _Base
+else:
+    _Base = object
+
+__all__ = ["CheckpointHooks", "SavedState"]
 
 
 class SavedState:
@@ -119,3 +126,93 @@ class SavedState:
         """Load a full checkpoint into the full or the partitioned module (keeping this stage's keys)."""
         partitioned = self.pipelined.stage is not None
         loading.load_model_state(module, checkpoint["state_dict"], strict, self.lazy, partitioned)
+
+
+class CheckpointHooks(_Base):
+    """``GPipeStrategy``'s checkpoint hooks, each handing its work to the strategy's :class:`SavedState`."""
+
+    _saved: SavedState
+    _pipelined: Pipelined
+    checkpoint_format: str
+    weights_only: bool | None
+    virtual_stages: int
+    balance: list[int] | str | None
+
+    if TYPE_CHECKING:  # the strategy's own, declared for the type checker
+
+        @property
+        def layout(self) -> Layout: ...
+
+        @property
+        def chunks_used(self) -> int: ...
+
+        @property
+        def _module(self) -> pl.LightningModule: ...
+
+        def _arrive(self, operation: str, ranks: list[int] | None = None) -> None: ...
+
+    @property
+    def balance_used(self) -> list[int] | None:
+        """The balance the stages were cut with (layers per stage); ``None`` before setup."""
+        return self._pipelined.balance
+
+    @property
+    def _torch_optimizers(self) -> list[Optimizer]:
+        return [unwrap_optimizer(o) for o in self.optimizers]
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the partitioned module, each stage taking its own part."""
+        return True
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        """Write the checkpoint (``checkpoint_format``), recording the pipeline under ``checkpoint["gpipe"]``."""
+        record = {"balance": self.balance_used, "balance_by": self.balance, "chunks": self.chunks_used}
+        checkpoint["gpipe"] = {**record, "stages": self.layout.stages, "virtual_stages": self.virtual_stages}
+        if self.checkpoint_format == "sharded":
+            if self._saved.save_sharded(checkpoint, filepath, self._module, self._torch_optimizers):
+                return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """This rank's part of a checkpoint (:meth:`.SavedState.load`), unpickled safely unless
+        ``weights_only=False`` (``None``: the strategy's ``weights_only``).
+
+        Raises:
+            UnsafeCheckpointError: the safe unpickler refuses the file (the message names it
+                and the opt-in).
+        """
+        weights_only = self.weights_only if weights_only is None else weights_only
+        module, optimizers = self.lightning_module, self._torch_optimizers
+        return self._saved.load(checkpoint_path, weights_only, module, optimizers, super().load_checkpoint)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
+        if self.checkpoint_format == "sharded":
+            return {}  # each stage writes its own shard in save_checkpoint
+        return self._saved.model_state(self._module, self.layout, self.global_rank, self._arrive)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """On rank 0: one optimizer ``state_dict`` over the whole model (:func:`.state.merged_optimizer_state`)."""
+        if self.checkpoint_format == "sharded":
+            return {}  # each stage writes its own shard in save_checkpoint
+        return self._saved.optimizer_state(
+            optimizer, self._module, self.layout, self.global_rank, self._arrive
+        )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name)."""
+        self._saved.load_optimizer_states(checkpoint, self._module, self._torch_optimizers, self.root_device)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load a full checkpoint into the full or the partitioned module (keeping this stage's keys)."""
+        self._saved.load_model_state(self._module, checkpoint, strict)
