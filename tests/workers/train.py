@@ -180,7 +180,11 @@ for k, run in enumerate(spec["runs"]):
     if isinstance(layers, _compat.OptimizedModule):
         layers = _compat.compiled_module(layers)
     record = {
-        "strategy_class": type(trainer.strategy).__mro__[2].__module__,
+        "strategy_class": next(  # the Lightning base the strategy became (its namespace)
+            k.__module__
+            for k in type(trainer.strategy).__mro__
+            if not k.__module__.startswith("lightning_gpipe")
+        ),
         "stage_compiled": getattr(model, "stage_compiled", None),
         "chunks_used": getattr(trainer.strategy, "chunks_used", None),
         "logged": getattr(trainer.logger, "logged", None),
