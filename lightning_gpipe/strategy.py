@@ -10,6 +10,7 @@ Where the rest lives: rank layout (:mod:`~lightning_gpipe.layout`), process grou
 (:mod:`~lightning_gpipe.pipelined`, cutting in :mod:`~lightning_gpipe.partition`), its starting
 weights (:mod:`~lightning_gpipe.start_state`, :mod:`~lightning_gpipe.materialize`), gradients
 (:mod:`~lightning_gpipe.gradients`), the checkpoint hooks (:mod:`~lightning_gpipe.state.hooks`),
+collectives (:mod:`~lightning_gpipe.collectives`),
 metrics (:mod:`~lightning_gpipe.metrics`), the timeline (:mod:`~lightning_gpipe.timeline`,
 :mod:`~lightning_gpipe.trace`), the launcher (:mod:`~lightning_gpipe.launcher`).
 """
@@ -25,7 +26,6 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies.parallel import ParallelStrategy
@@ -38,9 +38,10 @@ from typing_extensions import override
 
 from lightning_gpipe import _compat, groups, loading, metrics, microstep, partition, precision, state
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
-from lightning_gpipe.arrival import SIGNAL_GRACE_S, arrive, check_collective_timeout, watch_signals
+from lightning_gpipe.arrival import SIGNAL_GRACE_S, check_collective_timeout, watch_signals
 from lightning_gpipe.balance.choose import check_balance_spec
 from lightning_gpipe.callbacks import adapt_callbacks, restore_callbacks
+from lightning_gpipe.collectives import Collectives
 from lightning_gpipe.failure import report_and_abort
 from lightning_gpipe.gradients import clip_optimizer_gradients
 from lightning_gpipe.launcher import check_start_method, new_launcher
@@ -63,7 +64,7 @@ else:
     _Base = object
 
 
-class _GPipeStrategyLogic(CheckpointHooks, _Base):
+class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
     """GPipe pipeline parallelism (Huang et al. 2019, arXiv 1811.06965) as a Lightning strategy.
 
     The LightningModule's ``nn.Sequential`` is cut into K consecutive stages, one per process;
@@ -387,21 +388,6 @@ class _GPipeStrategyLogic(CheckpointHooks, _Base):
         hook, module = super().predict_step, self._module
         return self._steps.predict_step(hook, module, self._from_last_stage, *args, **kwargs)
 
-    def _from_last_stage(self, obj: Any) -> Any:
-        """``obj`` of this pipeline's last stage, on every stage of the pipeline (tensors on CPU)."""
-        pipeline = self._groups.pipeline if self._groups is not None else None
-        return groups.from_last_stage(obj, self.layout, self.global_rank, pipeline)
-
-    def share_evaluation_results(self, results: Any, trainer: Any) -> Any:
-        """``trainer.validate``/``test``'s return value: the last stage's, on every stage of its pipeline.
-
-        Only the last stage logs; as under DDP, every rank returns the logged metrics.
-        """
-        fn = getattr(getattr(trainer, "state", None), "fn", None)
-        if getattr(fn, "value", None) not in ("validate", "test"):
-            return results
-        return self._from_last_stage(results)
-
     @override
     def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
@@ -417,46 +403,11 @@ class _GPipeStrategyLogic(CheckpointHooks, _Base):
         self.post_backward(closure_loss)
         return closure_loss
 
-    # -- collectives ----------------------------------------------------------------------------
-
-    def _arrive(self, operation: str, ranks: list[int] | None = None) -> None:
-        """Fail within ``collective_timeout`` seconds, naming the ranks missing, if some never reach ``operation``."""
-        arrive(operation, self.collective_timeout, ranks)
-
     def _forward_signal(self, signum: int) -> None:
         """On SIGTERM/SIGINT, the launching rank passes the signal on to the ranks it started."""
         kill = getattr(self._launcher, "kill", None)
         if callable(kill):
             kill(signum)
-
-    def share_last_stage_metrics(self, trainer: pl.Trainer) -> None:
-        """Give every stage of each pipeline its last stage's ``trainer.callback_metrics``."""
-        if self._groups is not None:
-            group, layout, rank = self._groups.pipeline, self.layout, self.global_rank
-            metrics.share_over_pipeline(trainer, layout, rank, group, self.root_device, self._arrive)
-
-    @override
-    def reduce(
-        self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor:
-        """Reduce over the last stage's data-parallel replicas (where losses and metrics live)."""
-        last_stage_data = self._groups.last_stage_data if self._groups is not None else None
-        return groups.reduce(tensor, group if group is not None else last_stage_data, reduce_op)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
-        groups.arrive_all("reduce_boolean_decision", self.collective_timeout)
-        return groups.all_agree(decision, self.root_device, everyone=all)
-
-    @override
-    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
-        groups.arrive_all(f"barrier {name!r}" if name else "barrier", self.collective_timeout)
-        groups.barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        groups.arrive_all("broadcast", self.collective_timeout)
-        return groups.broadcast_object(obj, src)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
