@@ -5,9 +5,9 @@ dtypes travel with the data on every step (nothing is cached from the first step
 not a tensor or a tuple of tensors (a dict, nested lists, ``None``, numbers, strings:
 :mod:`lightning_gpipe.microbatch`) sends its structure and non-tensor leaves as a last uint8 tensor
 of compact JSON (:func:`encode_structure`: a restricted codec, never pickle). Sends are
-asynchronous (``isend``) and their waits are deferred to :meth:`P2P.flush` (on CPU a thread waits
-for them as they complete and frees their buffers), so a stage computes micro-batch ``i+1`` while
-micro-batch ``i`` travels. Receives the stage knows are coming
+asynchronous (``isend``) and their waits are deferred to :meth:`P2P.flush` (on CPU one thread posts
+each encoded message and another waits for the sends as they complete and frees their buffers),
+so a stage computes micro-batch ``i+1`` while micro-batch ``i`` travels. Receives the stage knows are coming
 (:meth:`P2P.expect`: the rest of a phase's micro-batches) are taken in the background, so that
 micro-batch ``i+1`` arrives while the stage computes micro-batch ``i``. Transport is
 ``torch.distributed`` on the default group with global ranks: Gloo on CPU, NCCL on CUDA.
@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -91,9 +90,9 @@ def encode_header(
             f"a stage boundary carries {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dims in all, "
             f"more than a {HEADER_SLOTS}-slot header can describe; pass fewer tensors between stages"
         )
-    header = torch.zeros(HEADER_SLOTS, dtype=torch.int64)
-    header[: len(fields)] = torch.tensor(fields, dtype=torch.int64)
-    return header.to(device)
+    # one op (a send's hot path)
+    header = torch.tensor(fields + [0] * (HEADER_SLOTS - len(fields)), dtype=torch.int64)
+    return header if device.type == "cpu" else header.to(device)
 
 
 @dataclass(frozen=True)
@@ -224,6 +223,10 @@ class P2P:
     be exact: a receive left posted would take a message meant for a later phase. The stage
     derives it from its schedule's actions (:func:`lightning_gpipe.schedule.messages`).
 
+    The background threads outlive a phase: each waits up to :data:`LINGER_S` seconds for the next
+    announcement (or send) before it ends, so a step starts none (a thread's start costs the
+    stage's thread a scheduling round, on the critical path of a busy machine).
+
     Args:
         device: where received tensors are allocated (the stage's device).
         background: receive announced messages in a background thread, and wait for each send
@@ -238,23 +241,26 @@ class P2P:
         self._pending: list[tuple[dist.Work, object]] = []
         self._inboxes: dict[int, _Inbox] = {}
         self._waiter = _SendWaiter()  # background: waits for the sends posted, in order
+        self._poster = _Poster(self._waiter)  # background: posts the sends, in order
 
     def send(
         self, tensors: Sequence[Tensor], dst: int, *, structure: Structure | None = None, chunks: int = 0
     ) -> None:
-        """Post an asynchronous send of ``tensors`` (the value ``structure`` describes; ``None``: a
-        tuple of tensors) to ``dst`` (:func:`encode_message`); waits happen in :meth:`flush`.
+        """Send ``tensors`` (the value ``structure`` describes; ``None``: a tuple of tensors) to
+        ``dst`` (:func:`encode_message`) asynchronously; waits happen in :meth:`flush`.
+
+        With background transport the message is encoded here (its errors are raised here) and
+        posted by a background thread, so the stage's thread goes on computing while the transport
+        copies the tensors out; messages to every peer are posted in the order sent.
 
         The sends open no profiler event (:func:`lightning_gpipe._compat.unrecorded`): a wait deferred
         past the profiler's next step would close it in a freed event list."""
-        for t in encode_message(tensors, structure, chunks, self.device):
-            with unrecorded():  # the send may complete after the profiler's next cycle began
-                work = dist.isend(t, dst)
-            assert work is not None
-            if self.background:
-                self._waiter.put(work, t)
-            else:
-                self._pending.append((work, t))  # keep the buffer alive until the send completes
+        message = encode_message(tensors, structure, chunks, self.device)
+        if self.background:
+            self._poster.put(message, dst)
+            return
+        for t in message:
+            self._pending.append((_post(t, dst), t))  # keep the buffer alive until the send completes
 
     def expect(self, src: int, messages: int) -> None:
         """Announce that the next ``messages`` receives from ``src`` follow in this phase; take them early.
@@ -264,21 +270,19 @@ class P2P:
         """
         if messages <= 0 or not self.background:
             return
-        if src in self._inboxes:
+        inbox = self._inboxes.get(src)
+        if inbox is not None and inbox.left:
             raise RuntimeError(f"messages announced from rank {src} are still to be received")
-        self._inboxes[src] = _Inbox(self, src, messages)
+        if inbox is None:
+            inbox = self._inboxes[src] = _Inbox(self, src)
+        inbox.order(messages)
 
     def recv(self, src: int) -> tuple[Meta, list[Tensor]]:
         """Receive one message from ``src``: its header, then its tensors (allocated from the header)."""
         inbox = self._inboxes.get(src)
-        if inbox is None:
+        if inbox is None or not inbox.left:
             return self.receive_now(src)
-        try:
-            return inbox.take()
-        finally:
-            if inbox.left == 0:
-                del self._inboxes[src]
-                inbox.thread.join()
+        return inbox.take()
 
     def receive_now(self, src: int) -> tuple[Meta, list[Tensor]]:
         """Post the receives of one message from ``src`` and wait for them (in the calling thread)."""
@@ -302,6 +306,7 @@ class P2P:
         pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()
+        self._poster.close()
         self._waiter.close()
 
     def settle(self) -> None:
@@ -315,35 +320,89 @@ class P2P:
 
     def sends_in_flight(self) -> int:
         """Sends posted whose buffers are still held (not yet known to have completed)."""
-        return len(self._pending) + self._waiter.held
+        return len(self._pending) + self._poster.held + self._waiter.held
 
 
-class _Inbox:
-    """A thread that receives ``messages`` messages from ``src`` in order, for :meth:`P2P.recv` to take.
+LINGER_S = 5.0
+"""Seconds an idle background thread of :class:`P2P` (a source's receiver, the send poster, the
+send waiter) waits for more work before it ends."""
+
+
+class _Background:
+    """A daemon thread that works while :meth:`_has_work` and, idle, lingers :data:`LINGER_S` seconds
+    for more before it ends; busy, it counts in :func:`join_receives`.
+
+    Subclasses hold their work under ``self._cond`` and call :meth:`_wake` after adding some."""
+
+    name = "gpipe-background"
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def _has_work(self) -> bool:
+        raise NotImplementedError
+
+    def _work(self) -> None:
+        """Do one unit of work (called without the lock)."""
+        raise NotImplementedError
+
+    def _wake(self) -> None:
+        """Under ``self._cond``: work arrived; start the thread if none runs, count it busy."""
+        _busy(self, True)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        else:
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._has_work():
+                    _busy(self, False)
+                    self._cond.notify_all()  # those waiting for the work to be done
+                    if not self._cond.wait_for(self._has_work, timeout=LINGER_S):
+                        self._thread = None
+                        return
+            self._work()
+
+
+class _Inbox(_Background):
+    """Receives the messages announced from ``src`` in order, for :meth:`P2P.recv` to take.
 
     A receive that fails (a peer went away, the group was destroyed after a failure elsewhere)
-    is handed to the stage as its exception, and the thread ends.
+    is handed to the stage as its exception, and the rest of the announcement is dropped.
     """
 
-    def __init__(self, p2p: P2P, src: int, messages: int) -> None:
-        self.left = messages
+    def __init__(self, p2p: P2P, src: int) -> None:
+        super().__init__()
+        self.name = f"gpipe-recv-from-{src}"
+        self.p2p, self.src = p2p, src
+        self.left = 0  # announced and not yet taken (the stage's thread)
+        self._orders = 0  # announced and not yet received (under the lock)
         self._box: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.thread = threading.Thread(
-            target=self._run, args=(p2p, src, messages), name=f"gpipe-recv-from-{src}", daemon=True
-        )
-        _RECEIVING.add(self.thread)
-        self.thread.start()
 
-    def _run(self, p2p: P2P, src: int, messages: int) -> None:
+    def order(self, messages: int) -> None:
+        self.left += messages
+        with self._cond:
+            self._orders += messages
+            self._wake()
+
+    def _has_work(self) -> bool:
+        return self._orders > 0
+
+    def _work(self) -> None:
         try:
-            for _ in range(messages):
-                try:
-                    self._box.put(p2p.receive_now(src))
-                except BaseException as err:  # noqa: BLE001 - handed to the stage, which raises it
-                    self._box.put(err)
-                    return
-        finally:
-            _RECEIVING.discard(threading.current_thread())
+            item: Any = self.p2p.receive_now(self.src)
+        except BaseException as err:  # noqa: BLE001 - handed to the stage, which raises it
+            with self._cond:
+                self._orders = 0  # the rest of the announcement is not received
+            self._box.put(err)
+            return
+        with self._cond:
+            self._orders -= 1
+        self._box.put(item)
 
     def take(self) -> tuple[Meta, list[Tensor]]:
         item = self._box.get()
@@ -354,62 +413,112 @@ class _Inbox:
         return item
 
 
-class _SendWaiter:
+class _Poster(_Background):
+    """Posts, in a thread, the messages :meth:`P2P.send` encodes (in order, each one's tensors
+    in order) and hands each send to ``waiter``; never waits for a send itself, so that a send
+    to one peer never waits behind another peer's receive.
+
+    :meth:`close` waits until every message put so far is posted and raises the first posting
+    error, if any (the later messages are then dropped).
+    """
+
+    name = "gpipe-send-post"
+
+    def __init__(self, waiter: _SendWaiter) -> None:
+        super().__init__()
+        self._waiter = waiter
+        self._messages: deque[tuple[list[Tensor], int]] = deque()
+        self._error: BaseException | None = None
+
+    @property
+    def held(self) -> int:
+        """Tensors put and not yet posted."""
+        with self._cond:
+            return sum(len(m) for m, _ in self._messages)
+
+    def put(self, message: list[Tensor], dst: int) -> None:
+        with self._cond:
+            self._messages.append((message, dst))
+            self._wake()
+
+    def _has_work(self) -> bool:
+        return bool(self._messages)
+
+    def _work(self) -> None:
+        with self._cond:
+            message, dst = self._messages[0]
+        if self._error is None:
+            try:
+                for t in message:
+                    self._waiter.put(_post(t, dst), t)
+            except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
+                self._error = err
+        with self._cond:
+            self._messages.popleft()
+
+    def close(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._messages)
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+class _SendWaiter(_Background):
     """Waits, in a thread, for the sends :meth:`P2P.send` posts, in order, and drops each buffer
     once its send has completed, so that a stage that sends as it goes (1F1B) frees what it sent
     as the peer takes it rather than at the step's :meth:`P2P.flush`.
 
-    The thread runs while sends are left to wait for (a later :meth:`put` starts another);
     :meth:`close` waits for every send put so far and raises the first send's error, if any (the
     later sends are then not waited for).
     """
 
+    name = "gpipe-send-wait"
+
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        super().__init__()
         self._sends: deque[tuple[dist.Work, Tensor]] = deque()
-        self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
     @property
     def held(self) -> int:
         """Sends put whose buffers are still held."""
-        with self._lock:
+        with self._cond:
             return len(self._sends)
 
     def put(self, work: dist.Work, buffer: Tensor) -> None:
-        with self._lock:
+        with self._cond:
             self._sends.append((work, buffer))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="gpipe-send-wait", daemon=True)
-                _RECEIVING.add(self._thread)
-                self._thread.start()
+            self._wake()
 
-    def _run(self) -> None:
-        try:
-            while True:
-                with self._lock:
-                    if not self._sends:
-                        self._thread = None
-                        return
-                    work = self._sends[0][0]
-                if self._error is None:
-                    try:
-                        work.wait()
-                    except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
-                        self._error = err
-                with self._lock:
-                    self._sends.popleft()  # the buffer goes now: its send has completed
-        finally:
-            _RECEIVING.discard(threading.current_thread())
+    def _has_work(self) -> bool:
+        return bool(self._sends)
+
+    def _work(self) -> None:
+        with self._cond:
+            work = self._sends[0][0]
+        if self._error is None:
+            try:
+                work.wait()
+            except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
+                self._error = err
+        with self._cond:
+            self._sends.popleft()  # the buffer goes now: its send has completed
 
     def close(self) -> None:
-        with self._lock:
-            thread = self._thread
-        if thread is not None:
-            thread.join()
+        with self._cond:
+            self._cond.wait_for(lambda: not self._sends)
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+def _post(t: Tensor, dst: int) -> dist.Work:
+    """``dist.isend(t, dst)``, with no profiler event (:func:`lightning_gpipe._compat.unrecorded`)."""
+    with unrecorded():  # the send may complete after the profiler's next cycle began
+        work = dist.isend(t, dst)
+    assert work is not None
+    return work
 
 
 def _wait(work: dist.Work | None) -> None:
@@ -417,16 +526,24 @@ def _wait(work: dist.Work | None) -> None:
     work.wait()
 
 
-_RECEIVING: set[threading.Thread] = set()  # background receive threads still running
+_BUSY: set[_Background] = set()  # background receivers and send waiters with work in hand
+_BUSY_CHANGED = threading.Condition()
+
+
+def _busy(worker: _Background, busy: bool) -> None:
+    with _BUSY_CHANGED:
+        if busy:
+            _BUSY.add(worker)
+        else:
+            _BUSY.discard(worker)
+            _BUSY_CHANGED.notify_all()
 
 
 def join_receives(timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds, all together, for background receives (and send waits) still running.
+    """Wait up to ``timeout`` seconds for the background receives (and send waits) still in hand.
 
     Returns:
-        ``True`` when none is left running.
+        ``True`` when none is left in hand (idle background threads hold no transport work).
     """
-    deadline = time.monotonic() + timeout
-    for thread in list(_RECEIVING):
-        thread.join(max(deadline - time.monotonic(), 0.0))
-    return not any(t.is_alive() for t in _RECEIVING)
+    with _BUSY_CHANGED:
+        return _BUSY_CHANGED.wait_for(lambda: not _BUSY, timeout=timeout)

@@ -2,11 +2,14 @@
 
 import json
 import math
+import threading
+import time
 from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
 
+from lightning_gpipe import comm
 from lightning_gpipe.comm import (
     HEADER_SLOTS,
     P2P,
@@ -50,9 +53,14 @@ def test_a_background_receive_from_a_peer_that_exited_raises_in_the_stage(tmp_pa
 
 def test_announcing_twice_before_taking_everything_is_an_error():
     p2p = P2P(torch.device("cpu"))
-    p2p._inboxes[3] = object()  # an announcement from rank 3 still being received
+    p2p.expect(3, 2)  # no process group here: the background receive fails, and hands the stage its error
     with pytest.raises(RuntimeError, match="from rank 3 are still to be received"):
         p2p.expect(3, 2)
+    with pytest.raises(ValueError, match="process group"):
+        p2p.recv(3)
+    p2p.expect(3, 1)  # the failed announcement is dropped: the next one is taken afresh
+    with pytest.raises(ValueError, match="process group"):
+        p2p.recv(3)
     assert P2P(torch.device("cuda")).background is False  # CUDA receives are posted when needed
     P2P(torch.device("cuda")).expect(3, 2)  # and announcing is then a no-op
 
@@ -135,3 +143,49 @@ def test_nodes_and_keys_that_cannot_travel_are_refused_naming_their_path():
     tensors, structure = flatten({("a", 1): torch.zeros(2)}, "value")
     with pytest.raises(MicroBatchError, match=r"dict key of type tuple at its top \(\('a', 1\)\)"):
         encode_message(tensors, structure, 1, torch.device("cpu"))
+
+
+class _Send:
+    """A send's work that completes when ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+    def wait(self) -> bool:
+        return self.done.wait(10)
+
+
+def test_the_send_waiter_drops_buffers_as_sends_complete_and_one_thread_serves_every_phase(monkeypatch):
+    monkeypatch.setattr(comm, "LINGER_S", 30.0)
+    waiter = comm._SendWaiter()
+    threads = []
+    for _ in range(2):  # two phases, each ended by close() (P2P.flush)
+        works = [_Send(), _Send()]
+        for w in works:
+            waiter.put(w, torch.zeros(1))
+        threads.append(waiter._thread)
+        assert waiter.held == 2 and not comm.join_receives(0.05)  # busy: sends in hand
+        works[0].done.set()
+        deadline = time.monotonic() + 10
+        while waiter.held != 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert waiter.held == 1  # the first buffer went as its send completed
+        works[1].done.set()
+        waiter.close()
+        assert waiter.held == 0 and comm.join_receives(1.0)  # idle: nothing in hand
+    assert threads[0] is threads[1] and threads[0].is_alive()  # no thread started for the second phase
+
+
+def test_an_idle_background_thread_ends_after_lingering(monkeypatch):
+    monkeypatch.setattr(comm, "LINGER_S", 0.05)
+    waiter = comm._SendWaiter()
+    work = _Send()
+    work.done.set()
+    waiter.put(work, torch.zeros(1))
+    thread = waiter._thread
+    waiter.close()
+    thread.join(5)
+    assert not thread.is_alive() and waiter._thread is None
+    waiter.put(work, torch.zeros(1))  # work after the end starts a thread again
+    waiter.close()
+    assert waiter.held == 0
