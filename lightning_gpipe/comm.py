@@ -11,11 +11,21 @@ so a stage computes micro-batch ``i+1`` while micro-batch ``i`` travels. Receive
 (:meth:`P2P.expect`: the rest of a phase's micro-batches) are taken in the background, so that
 micro-batch ``i+1`` arrives while the stage computes micro-batch ``i``. Transport is
 ``torch.distributed`` on the default group with global ranks: Gloo on CPU, NCCL on CUDA.
+
+On CPU a message travels *framed* (:func:`frame_message`): one uint8 buffer holding a frame word
+pair, the header and the tensors' bytes, received into a buffer of the room the receiver keeps for
+its source, so a message costs the transport one send and one receive instead of one per tensor
+plus the header. Gloo takes a send shorter than the receive's buffer; a message larger than the
+room travels as the frame and header alone, its tensors after it, and grows the room on both sides
+alike (each side follows the same sequence of messages), so steady shapes travel in one buffer
+from their second message on. NCCL receives need the exact size: on CUDA the header and each
+tensor travel as messages of their own.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import queue
 import threading
 from collections import OrderedDict, deque
@@ -31,6 +41,8 @@ from lightning_gpipe._compat import unrecorded
 from lightning_gpipe.microbatch import CONSTANTS, SLOT, TREE, TUPLE, MicroBatchError, Structure
 
 __all__ = [
+    "FIRST_ROOM",
+    "FRAME_BYTES",
     "HEADER_SLOTS",
     "P2P",
     "Meta",
@@ -40,7 +52,9 @@ __all__ = [
     "encode_header",
     "encode_message",
     "encode_structure",
+    "frame_message",
     "join_receives",
+    "unframe",
 ]
 
 HEADER_SLOTS = 64
@@ -154,6 +168,61 @@ def decode_message(meta: Meta, received: list[Tensor]) -> tuple[Meta, list[Tenso
     return replace(meta, structure=structure), received
 
 
+FRAME_SLOTS = 2
+"""int64 slots before the header of a framed message: its total bytes and whether its tensors are in it."""
+FRAME_BYTES = 8 * (FRAME_SLOTS + HEADER_SLOTS)
+FIRST_ROOM = 64 * 1024
+"""Bytes a receiver takes a source's first framed message into (its room grows with larger messages)."""
+_ALIGN = 16  # every tensor starts at a multiple of 16 bytes: aligned for every dtype that travels
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def frame_message(message: Sequence[Tensor], room: int) -> tuple[list[Tensor], int]:
+    """``[header, *tensors]`` (:func:`encode_message`) as what travels framed to a peer that keeps
+    ``room`` bytes for it, and the message's framed size in bytes.
+
+    Within ``room``: one uint8 buffer ``[total, 1, header, tensor bytes (each padded to 16)…]``.
+    Larger: ``[total, 0, header]`` alone, then the tensors as they are; both sides then keep
+    ``max(room, total)`` for the next message.
+    """
+    header, *tensors = message
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    total = FRAME_BYTES + sum(_padded(n) for n in sizes)
+    fused = total <= room
+    buffer = torch.empty(total if fused else FRAME_BYTES, dtype=torch.uint8, device=header.device)
+    words = buffer[:FRAME_BYTES].view(torch.int64)
+    words[:FRAME_SLOTS] = torch.tensor([total, int(fused)], dtype=torch.int64)
+    words[FRAME_SLOTS:] = header
+    if not fused:
+        return [buffer, *tensors], total
+    offset = FRAME_BYTES
+    for t, n in zip(tensors, sizes):
+        buffer[offset : offset + n] = t.reshape(-1).view(torch.uint8)
+        offset += _padded(n)
+    return [buffer], total
+
+
+def unframe(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
+    """The tensors of a fused framed message received into ``buffer``: views into it, or copies
+    with ``copy`` (a buffer much larger than its message is then not held) and where the tensors'
+    dtypes differ (``torch.save`` refuses views of one storage as different types)."""
+    specs = [(shape, dtype) for shape, dtype, _ in meta.specs]
+    if meta.blob:
+        specs.append(((meta.blob,), torch.uint8))
+    copy = copy or len({dtype for _, dtype in specs}) > 1
+    tensors, offset = [], FRAME_BYTES
+    for shape, dtype in specs:
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        t = buffer[offset : offset + nbytes].view(dtype).view(shape)
+        tensors.append(t.clone() if copy else t)
+        offset += _padded(nbytes)
+    return tensors
+
+
 def encode_structure(structure: Structure) -> bytes:
     """A :data:`~lightning_gpipe.microbatch.TREE` structure as compact JSON: a restricted codec, no pickle.
 
@@ -240,6 +309,9 @@ class P2P:
         self.background = device.type == "cpu" if background is None else background
         self._pending: list[tuple[dist.Work, object]] = []
         self._inboxes: dict[int, _Inbox] = {}
+        self.framed = self.device.type == "cpu"  # Gloo: one buffer per message (frame_message)
+        self._room_to: dict[int, int] = {}  # framed: the room each destination keeps for this sender
+        self._room_from: dict[int, int] = {}  # framed: the room kept for each source
         self._waiter = _SendWaiter()  # background: waits for the sends posted, in order
         self._poster = _Poster(self._waiter)  # background: posts the sends, in order
 
@@ -256,6 +328,10 @@ class P2P:
         The sends open no profiler event (:func:`lightning_gpipe._compat.unrecorded`): a wait deferred
         past the profiler's next step would close it in a freed event list."""
         message = encode_message(tensors, structure, chunks, self.device)
+        if self.framed:
+            room = self._room_to.get(dst, FIRST_ROOM)
+            message, total = frame_message(message, room)
+            self._room_to[dst] = max(room, total)
         if self.background:
             self._poster.put(message, dst)
             return
@@ -286,9 +362,23 @@ class P2P:
 
     def receive_now(self, src: int) -> tuple[Meta, list[Tensor]]:
         """Post the receives of one message from ``src`` and wait for them (in the calling thread)."""
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        _wait(dist.irecv(header, src))
-        meta = decode_header(header)
+        if not self.framed:
+            header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+            _wait(dist.irecv(header, src))
+            return self._receive_tensors(decode_header(header), src)
+        room = self._room_from.get(src, FIRST_ROOM)
+        buffer = torch.empty(room, dtype=torch.uint8, device=self.device)
+        _wait(dist.irecv(buffer, src))
+        words = buffer[:FRAME_BYTES].view(torch.int64)
+        total, fused = words[:FRAME_SLOTS].tolist()
+        meta = decode_header(words[FRAME_SLOTS:])
+        self._room_from[src] = max(room, total)
+        if not fused:
+            return self._receive_tensors(meta, src)
+        return decode_message(meta, unframe(buffer, meta, copy=2 * total < room))
+
+    def _receive_tensors(self, meta: Meta, src: int) -> tuple[Meta, list[Tensor]]:
+        """The tensors ``meta`` announces, each received as a message of its own."""
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
         if meta.blob:
             tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))

@@ -11,6 +11,8 @@ import torch
 
 from lightning_gpipe import comm
 from lightning_gpipe.comm import (
+    FIRST_ROOM,
+    FRAME_BYTES,
     HEADER_SLOTS,
     P2P,
     decode_header,
@@ -19,6 +21,8 @@ from lightning_gpipe.comm import (
     encode_header,
     encode_message,
     encode_structure,
+    frame_message,
+    unframe,
 )
 from lightning_gpipe.microbatch import TENSOR, TUPLE, MicroBatchError, Structure, flatten, unflatten
 from tests._harness import check, run_ranks
@@ -189,3 +193,63 @@ def test_an_idle_background_thread_ends_after_lingering(monkeypatch):
     waiter.put(work, torch.zeros(1))  # work after the end starts a thread again
     waiter.close()
     assert waiter.held == 0
+
+
+def _framed_round_trip(tensors, structure=None, room=FIRST_ROOM):
+    message = encode_message(tensors, structure, 3, torch.device("cpu"))
+    framed, total = frame_message(message, room)
+    buffer = torch.zeros(max(room, total), dtype=torch.uint8)  # the receiver's room, larger than the message
+    buffer[: framed[0].numel()] = framed[0]
+    words = buffer[:FRAME_BYTES].view(torch.int64)
+    meta = decode_header(words[2:])
+    return framed, total, words[:2].tolist(), meta, buffer
+
+
+def test_a_framed_message_within_the_room_is_one_aligned_buffer_every_dtype_and_shape_round_trips():
+    tensors = [
+        torch.randn(3, 5),
+        torch.tensor(2.5, dtype=torch.float64),  # 0-dim
+        torch.randn(0, 4),  # empty
+        torch.randn(7).half(),  # 14 bytes: the next tensor starts padded
+        torch.randn(2, 3).bfloat16(),
+        torch.arange(5, dtype=torch.int32),
+        torch.tensor([True, False, True]),
+        torch.randn(3, dtype=torch.complex128),
+        torch.randn(4, 6).t(),  # not contiguous
+    ]
+    framed, total, (size, fused), meta, buffer = _framed_round_trip(tensors)
+    assert len(framed) == 1 and fused == 1 and size == total == framed[0].numel()
+    for received in unframe(buffer, meta), unframe(buffer, meta, copy=True):
+        for a, b in zip(received, tensors):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+            assert a.untyped_storage().data_ptr() != buffer.data_ptr()  # copies: the dtypes differ
+
+
+def test_a_framed_message_of_one_dtype_arrives_as_views_into_its_buffer_unless_copied():
+    tensors = [torch.randn(3, 5), torch.randn(7), torch.tensor(1.5)]
+    _, _, (_, fused), meta, buffer = _framed_round_trip(tensors)
+    views, copies = unframe(buffer, meta), unframe(buffer, meta, copy=True)
+    for a, c, b in zip(views, copies, tensors):
+        assert torch.equal(a, b) and torch.equal(c, b)
+        assert a.untyped_storage().data_ptr() == buffer.data_ptr() != c.untyped_storage().data_ptr()
+        assert a.data_ptr() % 16 == 0  # 7 floats are padded to 32 bytes: the next tensor is aligned
+
+
+def test_a_framed_message_over_the_room_sends_the_frame_then_the_tensors():
+    x, y = torch.randn(150, 128), torch.arange(5)
+    framed, total, (size, fused), meta, _ = _framed_round_trip([x, y], room=FIRST_ROOM)
+    assert fused == 0 and size == total > FIRST_ROOM and framed[0].numel() == FRAME_BYTES
+    assert framed[1] is not None and torch.equal(framed[1], x) and torch.equal(framed[2], y)
+    assert [s for s, _, _ in meta.specs] == [(150, 128), (5,)]
+    again, total_again, (_, fused_again), _, _ = _framed_round_trip([x, y], room=total)  # the grown room
+    assert fused_again == 1 and total_again == total and len(again) == 1
+
+
+def test_a_framed_pytree_message_carries_its_structure():
+    value = {"h": torch.randn(2, 3), "mask": None, "n": 4}
+    tensors, structure = flatten(value, "value")
+    _, _, (_, fused), meta, buffer = _framed_round_trip(tensors, structure)
+    meta, received = decode_message(meta, unframe(buffer, meta))
+    assert fused == 1
+    out = unflatten(meta.structure, received)
+    assert out["mask"] is None and out["n"] == 4 and torch.equal(out["h"], value["h"])

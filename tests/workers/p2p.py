@@ -1,7 +1,7 @@
 """Worker: rank 0 sends messages to rank 1 through lightning_gpipe.comm.P2P (torchrun-style env).
 
 Usage: python tests/workers/p2p.py OUT MODE
-MODE "order": rank 0 sends 6 messages of changing shapes and dtypes, then 2 more after a barrier;
+MODE "order": rank 0 sends 6 messages of changing shapes, sizes and dtypes, then 2 more after a barrier;
 rank 1 announces the first 6 (background receives) and takes the last 2 in its own thread;
 it writes what it got to OUT/received.pt and rank 0 writes what it sent to OUT/sent.pt, and to
 OUT/held.json how many sends it held just after posting the last 2 and once rank 1 had them
@@ -27,8 +27,8 @@ p2p = P2P(torch.device("cpu"))
 torch.manual_seed(0)
 messages = [
     [torch.randn(3, 4)],
-    [torch.randn(5, 4), torch.arange(5)],
-    [torch.randn(1, 7, 2).double()],
+    [torch.randn(150, 128), torch.arange(5)],  # over the first room: the frame, then the tensors
+    [torch.randn(150, 128), torch.arange(5)],  # in the grown room: one buffer
     [torch.randint(0, 9, (2, 3)), torch.rand(2) > 0.5],
     [torch.randn(8)],
     [torch.randn(2, 2).bfloat16()],
