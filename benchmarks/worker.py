@@ -20,7 +20,8 @@ is one of:
 ``bare`` and ``peer`` start like ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the
 benchmark). Every run takes ``warmup`` steps, then ``timed`` steps whose durations (seconds between
 consecutive step ends, optimizer step included) are reported, then, with ``memory``, one step under
-:class:`~benchmarks.memory.TensorMemoryMeter`. Each rank writes ``{out}/{run}_rank{r}.json``.
+:class:`~benchmarks.memory.TensorMemoryMeter`. Every run zeroes gradients the same way
+(:func:`_set_to_none`). Each rank writes ``{out}/{run}_rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -143,6 +144,13 @@ def _span_medians(records: list[dict[str, Any]], lo: int, hi: int) -> dict[str, 
     return out
 
 
+def _set_to_none(spec: dict[str, Any]) -> bool:
+    """``zero_grad(set_to_none=)`` of every run: PyTorch's and Lightning's default (gradients freed
+    after each step) in throughput runs; with ``memory``, gradients stay allocated, so that the
+    metered step counts the step's own tensors and not the gradients' first allocation."""
+    return not spec["memory"]
+
+
 def _steps(spec: dict[str, Any]) -> int:
     return spec["warmup"] + spec["timed"] + (1 if spec["memory"] else 0)
 
@@ -181,7 +189,7 @@ def run_ours(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             return torch.optim.SGD(self.parameters(), lr=spec["lr"])
 
         def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
-            optimizer.zero_grad(set_to_none=False)  # gradients stay allocated, as in the other runs
+            optimizer.zero_grad(set_to_none=_set_to_none(spec))  # as in the other runs
 
     class Measure(pl.Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
@@ -304,7 +312,7 @@ def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             stage.backward()
             timeline.end_step()
             optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
+            optimizer.zero_grad(set_to_none=_set_to_none(spec))
         if meter is None:
             watch.stamp()
     result = _result(spec, watch, meter, stage=stage_index, **probe)
@@ -356,7 +364,7 @@ def run_peer(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             kwargs = {"target": y} if rank == world - 1 else {}
             schedule.step(*args, **kwargs)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
+            optimizer.zero_grad(set_to_none=_set_to_none(spec))
         if meter is None:
             watch.stamp()
     result = _result(spec, watch, meter, stage=rank)
@@ -395,7 +403,7 @@ def run_single(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
                     for xs, ys in zip(split([x], chunks), split([y], chunks)):
                         summed(model(xs[0]), ys[0]).backward()
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=False)
+                optimizer.zero_grad(set_to_none=_set_to_none(spec))
             if meter is None:
                 watch.stamp()
         result[key] = _result(spec, watch, meter, threads=threads)

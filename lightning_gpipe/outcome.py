@@ -13,7 +13,7 @@ current step's values everywhere.
 Wire format: it rides on the message the stages already exchange after a training forward (the
 loss message), one message per other stage and step: a float64 vector
 ``[has_loss, loss, should_stop, keys_follow, n, v_1 … v_n]`` (``8·(n + 5)`` bytes plus the
-transport's 512-byte header), the metric values flattened in key order. The keys (names, dtypes,
+transport's 528-byte frame and header), the metric values flattened in key order. The keys (names, dtypes,
 shapes) travel as a second, uint8 message only when they change (the first step, a new logged
 key), so a steady step costs no extra message. Validation and test steps have no loss message of
 their own; they send the same one (``has_loss = 0``).
