@@ -1,36 +1,21 @@
-"""Point-to-point transport between stages: the message header codec and :class:`P2P`.
+"""Point-to-point transport between stages: :class:`P2P` and its background threads.
 
-Every message is a fixed-size int64 *header* followed by the tensors it describes, so shapes and
-dtypes travel with the data on every step (nothing is cached from the first step). A value that is
-not a tensor or a tuple of tensors (a dict, nested lists, ``None``, numbers, strings:
-:mod:`lightning_gpipe.microbatch`) sends its structure and non-tensor leaves as a last uint8 tensor
-of compact JSON (:func:`encode_structure`: a restricted codec, never pickle). Sends are
-asynchronous (``isend``) and their waits are deferred to :meth:`P2P.flush` (on CPU one thread posts
-each encoded message and another waits for the sends as they complete and frees their buffers),
-so a stage computes micro-batch ``i+1`` while micro-batch ``i`` travels. Receives the stage knows are coming
-(:meth:`P2P.expect`: the rest of a phase's micro-batches) are taken in the background, so that
-micro-batch ``i+1`` arrives while the stage computes micro-batch ``i``. Transport is
-``torch.distributed`` on the default group with global ranks: Gloo on CPU, NCCL on CUDA.
-
-On CPU a message travels *framed* (:func:`frame_message`): one uint8 buffer holding a frame word
-pair, the header and the tensors' bytes, received into a buffer of the room the receiver keeps for
-its source, so a message costs the transport one send and one receive instead of one per tensor
-plus the header. Gloo takes a send shorter than the receive's buffer; a message larger than the
-room travels as the frame and header alone, its tensors after it, and grows the room on both sides
-alike (each side follows the same sequence of messages), so steady shapes travel in one buffer
-from their second message on. NCCL receives need the exact size: on CUDA the header and each
-tensor travel as messages of their own.
+A message is what :mod:`lightning_gpipe.wire` encodes: a header, then the tensors it describes
+(on CPU framed in one buffer). Sends are asynchronous (``isend``) and their waits are deferred to
+:meth:`P2P.flush` (on CPU one thread posts each encoded message and another waits for the sends as
+they complete and frees their buffers), so a stage computes micro-batch ``i+1`` while micro-batch
+``i`` travels. Receives the stage knows are coming (:meth:`P2P.expect`: the rest of a phase's
+micro-batches) are taken in the background, so that micro-batch ``i+1`` arrives while the stage
+computes micro-batch ``i``. The background threads outlive a phase (:data:`LINGER_S`). Transport
+is ``torch.distributed`` on the default group with global ranks: Gloo on CPU, NCCL on CUDA.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import queue
 import threading
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,249 +23,21 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gpipe._compat import unrecorded
-from lightning_gpipe.microbatch import CONSTANTS, SLOT, TREE, TUPLE, MicroBatchError, Structure
+from lightning_gpipe.microbatch import Structure
+from lightning_gpipe.wire import (
+    FIRST_ROOM,
+    FRAME_BYTES,
+    FRAME_SLOTS,
+    HEADER_SLOTS,
+    Meta,
+    decode_header,
+    decode_message,
+    encode_message,
+    frame_message,
+    unframe,
+)
 
-__all__ = [
-    "FIRST_ROOM",
-    "FRAME_BYTES",
-    "HEADER_SLOTS",
-    "P2P",
-    "Meta",
-    "decode_header",
-    "decode_message",
-    "decode_structure",
-    "encode_header",
-    "encode_message",
-    "encode_structure",
-    "frame_message",
-    "join_receives",
-    "unframe",
-]
-
-HEADER_SLOTS = 64
-_DTYPES: list[torch.dtype] = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
-_CODE = {dt: k for k, dt in enumerate(_DTYPES)}
-
-
-def encode_header(
-    tensors: Sequence[Tensor], structure: Structure | None, chunks: int, device: torch.device, blob: int = 0
-) -> Tensor:
-    """Pack ``[chunks, kind, n, (dtype, flags, ndim, *shape) × n]`` into int64 slots.
-
-    ``kind`` is ``structure.kind`` (``None``: a tuple of tensors, none replicated); ``flags`` is
-    ``requires_grad | replicated << 1``. A :data:`~lightning_gpipe.microbatch.TREE` message also
-    describes its structure's ``blob`` bytes (:func:`encode_message`), as a last uint8 tensor.
-
-    Raises:
-        ValueError: a tensor's dtype has no code, or the description does not fit in
-            :data:`HEADER_SLOTS` slots.
-    """
-    if structure is None:
-        kind, whole = TUPLE, (False,) * len(tensors)
-    else:
-        kind, whole = structure.kind, structure.whole
-    fields = [chunks, kind, len(tensors) + (kind == TREE)]
-    for t, w in zip(tensors, whole):
-        if t.dtype not in _CODE:
-            raise ValueError(f"cannot send a tensor of dtype {t.dtype} between stages")
-        fields += [_CODE[t.dtype], int(t.requires_grad) | int(w) << 1, t.dim(), *t.shape]
-    if kind == TREE:
-        fields += [_CODE[torch.uint8], 0, 1, blob]
-    if len(fields) > HEADER_SLOTS:
-        raise ValueError(
-            f"a stage boundary carries {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dims in all, "
-            f"more than a {HEADER_SLOTS}-slot header can describe; pass fewer tensors between stages"
-        )
-    # one op (a send's hot path)
-    header = torch.tensor(fields + [0] * (HEADER_SLOTS - len(fields)), dtype=torch.int64)
-    return header if device.type == "cpu" else header.to(device)
-
-
-@dataclass(frozen=True)
-class Meta:
-    """What a message says: the number of micro-batches M, the value's structure and each tensor's
-    (shape, dtype, requires_grad).
-
-    ``blob`` is the byte count of a :data:`~lightning_gpipe.microbatch.TREE` structure that follows
-    the tensors (0: none); until it is decoded, such a structure holds only ``kind`` and ``whole``.
-    """
-
-    chunks: int
-    structure: Structure
-    specs: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
-    blob: int = 0
-
-
-def decode_header(header: Tensor) -> Meta:
-    """Inverse of :func:`encode_header`."""
-    h = header.tolist()
-    chunks, kind, n = h[0], h[1], h[2]
-    specs, whole, k = [], [], 3
-    for _ in range(n):
-        code, flags, ndim = h[k], h[k + 1], h[k + 2]
-        shape = tuple(h[k + 3 : k + 3 + ndim])
-        specs.append((shape, _DTYPES[code], bool(flags & 1)))
-        whole.append(bool(flags & 2))
-        k += 3 + ndim
-    blob = specs.pop()[0][0] if kind == TREE else 0
-    return Meta(chunks, Structure(kind, tuple(whole[: len(specs)])), tuple(specs), blob)
-
-
-def encode_message(
-    tensors: Sequence[Tensor], structure: Structure | None, chunks: int, device: torch.device
-) -> list[Tensor]:
-    """What travels for a value: ``[header, *tensors, blob]``, ``blob`` (uint8) only for a
-    :data:`~lightning_gpipe.microbatch.TREE`; ``structure=None`` sends a tuple of tensors.
-
-    Raises:
-        ValueError: see :func:`encode_header`.
-        MicroBatchError: the structure holds a node or a dict key that cannot travel (see
-            :func:`encode_structure`).
-    """
-    payload = [t.detach().contiguous() for t in tensors]
-    if structure is None or structure.kind != TREE:
-        return [encode_header(tensors, structure, chunks, device), *payload]
-    data = encode_structure(structure)
-    blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-    return [encode_header(tensors, structure, chunks, device, len(data)), *payload, blob]
-
-
-def decode_message(meta: Meta, received: list[Tensor]) -> tuple[Meta, list[Tensor]]:
-    """The message's meta and tensors once every tensor :func:`decode_header` announced has arrived
-    (the blob, last, decoded into the structure)."""
-    if not meta.blob:
-        return meta, received
-    blob = received.pop()
-    structure = decode_structure(blob.cpu().numpy().tobytes(), meta.structure.whole)
-    return replace(meta, structure=structure), received
-
-
-FRAME_SLOTS = 2
-"""int64 slots before the header of a framed message: its total bytes and whether its tensors are in it."""
-FRAME_BYTES = 8 * (FRAME_SLOTS + HEADER_SLOTS)
-FIRST_ROOM = 64 * 1024
-"""Bytes a receiver takes a source's first framed message into (its room grows with larger messages)."""
-_ALIGN = 16  # every tensor starts at a multiple of 16 bytes: aligned for every dtype that travels
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def frame_message(message: Sequence[Tensor], room: int) -> tuple[list[Tensor], int]:
-    """``[header, *tensors]`` (:func:`encode_message`) as what travels framed to a peer that keeps
-    ``room`` bytes for it, and the message's framed size in bytes.
-
-    Within ``room``: one uint8 buffer ``[total, 1, header, tensor bytes (each padded to 16)…]``.
-    Larger: ``[total, 0, header]`` alone, then the tensors as they are; both sides then keep
-    ``max(room, total)`` for the next message.
-    """
-    header, *tensors = message
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    total = FRAME_BYTES + sum(_padded(n) for n in sizes)
-    fused = total <= room
-    buffer = torch.empty(total if fused else FRAME_BYTES, dtype=torch.uint8, device=header.device)
-    words = buffer[:FRAME_BYTES].view(torch.int64)
-    words[:FRAME_SLOTS] = torch.tensor([total, int(fused)], dtype=torch.int64)
-    words[FRAME_SLOTS:] = header
-    if not fused:
-        return [buffer, *tensors], total
-    offset = FRAME_BYTES
-    for t, n in zip(tensors, sizes):
-        buffer[offset : offset + n] = t.reshape(-1).view(torch.uint8)
-        offset += _padded(n)
-    return [buffer], total
-
-
-def unframe(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
-    """The tensors of a fused framed message received into ``buffer``: views into it, or copies
-    with ``copy`` (a buffer much larger than its message is then not held) and where the tensors'
-    dtypes differ (``torch.save`` refuses views of one storage as different types)."""
-    specs = [(shape, dtype) for shape, dtype, _ in meta.specs]
-    if meta.blob:
-        specs.append(((meta.blob,), torch.uint8))
-    copy = copy or len({dtype for _, dtype in specs}) > 1
-    tensors, offset = [], FRAME_BYTES
-    for shape, dtype in specs:
-        numel = math.prod(shape)
-        nbytes = numel * dtype.itemsize
-        t = buffer[offset : offset + nbytes].view(dtype).view(shape)
-        tensors.append(t.clone() if copy else t)
-        offset += _padded(nbytes)
-    return tensors
-
-
-def encode_structure(structure: Structure) -> bytes:
-    """A :data:`~lightning_gpipe.microbatch.TREE` structure as compact JSON: a restricted codec, no pickle.
-
-    Nodes are ``["t", ...]`` (tuple), ``["l", ...]`` (list), ``["d", [key, value], ...]`` (dict)
-    and ``["o", ...]`` (OrderedDict); ``["T"]`` is a tensor's place; leaves and dict keys are
-    JSON's own ``null``, ``true``/``false``, numbers (``NaN`` and ``Infinity`` included) and strings.
-
-    Raises:
-        MicroBatchError: a node of another type (a namedtuple, a dataclass, a ``ModelOutput``) or a
-            dict key that is not a constant; the message names its path.
-    """
-    return json.dumps(_encode(structure.template(), ""), separators=(",", ":")).encode()
-
-
-def decode_structure(data: bytes, whole: Sequence[bool]) -> Structure:
-    """Inverse of :func:`encode_structure` (``whole``: per tensor, from the header)."""
-    return Structure.of_template(_decode(json.loads(data)), whole)
-
-
-def _encode(node: Any, path: str) -> Any:
-    if node is SLOT:
-        return ["T"]
-    if type(node) in CONSTANTS:
-        return node
-    if type(node) in (tuple, list):
-        return [
-            "t" if type(node) is tuple else "l",
-            *(_encode(c, f"{path}[{k}]") for k, c in enumerate(node)),
-        ]
-    if type(node) in (dict, OrderedDict):
-        for key in node:
-            if type(key) not in CONSTANTS:
-                raise MicroBatchError(
-                    f"a value between stages has a dict key of type {type(key).__name__} at {path or 'its top'} "
-                    f"({key!r}); keys that travel between stages are str, int, float, bool or None"
-                )
-        items = ([k, _encode(v, f"{path}[{k!r}]")] for k, v in node.items())
-        return ["d" if type(node) is dict else "o", *items]
-    raise MicroBatchError(
-        f"a value between stages holds a {type(node).__name__} at {path or 'its top'}; between stages the "
-        "pipeline carries dicts, lists and tuples (of tensors, None, bool, int, float, str): return its "
-        "fields as a dict or a tuple"
-    )
-
-
-def _decode(node: Any) -> Any:
-    if not isinstance(node, list):
-        return node
-    tag, *rest = node
-    if tag == "T":
-        return SLOT
-    if tag in ("t", "l"):
-        children = [_decode(c) for c in rest]
-        return tuple(children) if tag == "t" else children
-    if tag in ("d", "o"):
-        pairs = [(k, _decode(v)) for k, v in rest]
-        return dict(pairs) if tag == "d" else OrderedDict(pairs)
-    raise ValueError(f"unknown node {tag!r} in a message's structure")
+__all__ = ["LINGER_S", "P2P", "join_receives"]
 
 
 class P2P:
@@ -319,7 +76,7 @@ class P2P:
         self, tensors: Sequence[Tensor], dst: int, *, structure: Structure | None = None, chunks: int = 0
     ) -> None:
         """Send ``tensors`` (the value ``structure`` describes; ``None``: a tuple of tensors) to
-        ``dst`` (:func:`encode_message`) asynchronously; waits happen in :meth:`flush`.
+        ``dst`` (:func:`~lightning_gpipe.wire.encode_message`) asynchronously; waits happen in :meth:`flush`.
 
         With background transport the message is encoded here (its errors are raised here) and
         posted by a background thread, so the stage's thread goes on computing while the transport

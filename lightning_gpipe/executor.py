@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe import outbox, recompute, schedule
 from lightning_gpipe.batchnorm import no_accumulate
-from lightning_gpipe.comm import P2P, Meta
+from lightning_gpipe.comm import P2P
 from lightning_gpipe.effects import ForwardState
 from lightning_gpipe.failure import naming_errors
 from lightning_gpipe.layout import StageTopology
@@ -34,6 +34,7 @@ from lightning_gpipe.microbatch import flatten, scatter, unflatten
 from lightning_gpipe.schedule import Action, Grid, Transfer
 from lightning_gpipe.skip import MicroBatchStore, use_store
 from lightning_gpipe.step_run import StepRun
+from lightning_gpipe.wire import Meta
 
 __all__ = ["ColumnExecutor", "PipelineUsageError"]
 

@@ -25,7 +25,7 @@ gradients), ``None``, ``bool``, ``int``, ``float`` or ``str``. What is split and
   on one device.
 
 :class:`Structure` records how a value is made of its tensors; the transport
-(:mod:`lightning_gpipe.comm`) carries it in the message header.
+(:mod:`lightning_gpipe.wire`) carries it in the message header.
 """
 
 from __future__ import annotations

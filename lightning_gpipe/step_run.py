@@ -15,10 +15,10 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_gpipe.comm import Meta
 from lightning_gpipe.effects import ForwardState
 from lightning_gpipe.microbatch import Structure
 from lightning_gpipe.schedule import Action
+from lightning_gpipe.wire import Meta
 
 __all__ = ["Call", "StepRun"]
 

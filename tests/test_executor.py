@@ -17,12 +17,12 @@ from torch import nn
 
 from lightning_gpipe import StageError
 from lightning_gpipe.balance import uniform_balance
-from lightning_gpipe.comm import decode_header, decode_message, encode_message
 from lightning_gpipe.layout import Layout
 from lightning_gpipe.microbatch import sizes
 from lightning_gpipe.schedule import fill_drain, format_grid, messages, one_f_one_b, stage_actions
 from lightning_gpipe.skip import Pop, Stash
 from lightning_gpipe.stage import PipelineUsageError, StageDone, build_stage
+from lightning_gpipe.wire import decode_header, decode_message, encode_message
 from tests._harness import check, run_ranks
 from tests.models import build_layers, pytree_input
 
