@@ -270,6 +270,9 @@ def gather(
             _check_replicas(parts, first, k, what)
             joined.append(parts[0])
             continue
+        if len(parts) == 1:  # one micro-batch per call (schedule="1f1b"): nothing to join, no copy
+            joined.append(parts[0])
+            continue
         try:
             joined.append(torch.cat(parts, dim=0))
         except RuntimeError as err:

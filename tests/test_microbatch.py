@@ -180,3 +180,12 @@ def test_a_tensor_or_a_tuple_of_batch_tensors_splits_and_joins_as_before():
         assert all(all(torch.equal(a, b) for a, b in zip(mb, e)) for mb, e in zip(micro_batches, expected))
         joined, _ = gather(micro_batches, [structure] * 4, "out")
         assert all(torch.equal(a, b) for a, b in zip(joined, join(expected)))
+
+
+def test_gathering_one_micro_batch_returns_its_tensors_without_a_copy():
+    out = {"y": torch.randn(4, 3), "mask": no_chunk(torch.ones(2))}
+    tensors, structure = flatten(out, "output")
+    (joined, mask), _ = gather([tensors], [structure], "output")
+    assert joined is tensors[0] and mask is tensors[1]
+    two, _ = gather([tensors, tensors], [structure, structure], "output")
+    assert two[0].shape == (8, 3) and two[0].data_ptr() != tensors[0].data_ptr()  # several are joined
