@@ -132,7 +132,8 @@ class P2P:
         self._room_from[src] = max(room, total)
         if not fused:
             return self._receive_tensors(meta, src)
-        return decode_message(meta, unframe(buffer, meta, copy=2 * total < room))
+        # a buffer sized for a larger earlier message is not held by a smaller one's tensors
+        return decode_message(meta, unframe(buffer, meta, copy=room - total > room // 8))
 
     def _receive_tensors(self, meta: Meta, src: int) -> tuple[Meta, list[Tensor]]:
         """The tensors ``meta`` announces, each received as a message of its own."""
@@ -153,8 +154,10 @@ class P2P:
         pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()
-        self._poster.close()
-        self._waiter.close()
+        try:
+            self._poster.close()
+        finally:
+            self._waiter.close()  # its error, if the poster had none
 
     def settle(self) -> None:
         """Forget the sends that have completed (their buffers may be freed), without waiting.
@@ -196,12 +199,13 @@ class _Background:
 
     def _wake(self) -> None:
         """Under ``self._cond``: work arrived; start the thread if none runs, count it busy."""
-        _busy(self, True)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
+        if self._thread is None:  # a failed start raises here, leaving nothing half-started
+            thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            thread.start()  # it waits for this lock: _thread is set before it looks
+            self._thread = thread
         else:
             self._cond.notify_all()
+        _busy(self, True)
 
     def _run(self) -> None:
         while True:
@@ -231,10 +235,14 @@ class _Inbox(_Background):
         self._box: queue.SimpleQueue[Any] = queue.SimpleQueue()
 
     def order(self, messages: int) -> None:
-        self.left += messages
         with self._cond:
             self._orders += messages
-            self._wake()
+            try:
+                self._wake()
+            except BaseException:
+                self._orders -= messages
+                raise
+        self.left += messages
 
     def _has_work(self) -> bool:
         return self._orders > 0
@@ -286,7 +294,11 @@ class _Poster(_Background):
     def put(self, message: list[Tensor], dst: int) -> None:
         with self._cond:
             self._messages.append((message, dst))
-            self._wake()
+            try:
+                self._wake()
+            except BaseException:
+                self._messages.pop()
+                raise
 
     def _has_work(self) -> bool:
         return bool(self._messages)
@@ -336,7 +348,11 @@ class _SendWaiter(_Background):
     def put(self, work: dist.Work, buffer: Tensor) -> None:
         with self._cond:
             self._sends.append((work, buffer))
-            self._wake()
+            try:
+                self._wake()
+            except BaseException:
+                self._sends.pop()
+                raise
 
     def _has_work(self) -> bool:
         return bool(self._sends)

@@ -139,7 +139,7 @@ def encode_message(
         MicroBatchError: the structure holds a node or a dict key that cannot travel (see
             :func:`encode_structure`).
     """
-    payload = [t.detach().contiguous() for t in tensors]
+    payload = [t.detach().resolve_conj().resolve_neg().contiguous() for t in tensors]
     if structure is None or structure.kind != TREE:
         return [encode_header(tensors, structure, chunks, device), *payload]
     data = encode_structure(structure)
@@ -195,19 +195,28 @@ def frame_message(message: Sequence[Tensor], room: int) -> tuple[list[Tensor], i
 
 
 def unframe(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
-    """The tensors of a fused framed message received into ``buffer``: views into it, or copies
-    with ``copy`` (a buffer much larger than its message is then not held) and where the tensors'
-    dtypes differ (``torch.save`` refuses views of one storage as different types)."""
+    """The tensors of a fused framed message received into ``buffer``.
+
+    Each one is a tensor on ``buffer``'s memory, not a view of it: its own autograd version
+    counter, so an in-place change of one tensor of a message leaves the others' saved versions
+    alone. Copies instead with ``copy`` (a buffer much larger than its message is then not held)
+    and where the tensors' dtypes differ (``torch.save`` refuses one storage as several types).
+    """
     specs = [(shape, dtype) for shape, dtype, _ in meta.specs]
     if meta.blob:
         specs.append(((meta.blob,), torch.uint8))
     copy = copy or len({dtype for _, dtype in specs}) > 1
+    storage = buffer.untyped_storage()
     tensors, offset = [], FRAME_BYTES
     for shape, dtype in specs:
-        numel = math.prod(shape)
-        nbytes = numel * dtype.itemsize
-        t = buffer[offset : offset + nbytes].view(dtype).view(shape)
-        tensors.append(t.clone() if copy else t)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if copy:
+            t = buffer[offset : offset + nbytes].view(dtype).view(shape).clone()
+        else:  # offsets are multiples of 16 bytes: whole elements of every dtype
+            strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]  # contiguous
+            t = torch.empty(0, dtype=dtype, device=buffer.device)
+            t.set_(storage, offset // dtype.itemsize, shape, strides)
+        tensors.append(t)
         offset += _padded(nbytes)
     return tensors
 

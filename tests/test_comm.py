@@ -97,3 +97,26 @@ def test_an_idle_background_thread_ends_after_lingering(monkeypatch):
     waiter.put(work, torch.zeros(1))  # work after the end starts a thread again
     waiter.close()
     assert waiter.held == 0
+
+
+def test_a_thread_that_cannot_start_leaves_nothing_held_and_nothing_to_wait_for(monkeypatch):
+    waiter = comm._SendWaiter()
+    monkeypatch.setattr(
+        threading.Thread, "start", lambda self: (_ for _ in ()).throw(RuntimeError("no thread"))
+    )
+    with pytest.raises(RuntimeError, match="no thread"):
+        waiter.put(_Send(), torch.zeros(1))
+    assert waiter.held == 0 and waiter._thread is None and comm.join_receives(0.5)
+    waiter.close()  # returns at once: nothing was put
+
+
+def test_flush_waits_for_the_sends_even_when_posting_failed(monkeypatch):
+    p2p = P2P(torch.device("cpu"))
+    posted = _Send()
+    p2p._waiter.put(posted, torch.zeros(1))
+    monkeypatch.setattr(comm, "_post", lambda t, dst: (_ for _ in ()).throw(RuntimeError("peer gone")))
+    p2p.send([torch.randn(2, 2)], 1)  # encoded here, posted by the poster thread: that fails
+    posted.done.set()
+    with pytest.raises(RuntimeError, match="peer gone"):
+        p2p.flush()
+    assert p2p.sends_in_flight() == 0  # the waiter was closed too

@@ -160,3 +160,26 @@ def test_a_framed_pytree_message_carries_its_structure():
     assert fused == 1
     out = unflatten(meta.structure, received)
     assert out["mask"] is None and out["n"] == 4 and torch.equal(out["h"], value["h"])
+
+
+def test_framed_tensors_of_one_message_are_not_views_each_has_its_own_version_counter():
+    h, mask = torch.randn(4, 3), torch.ones(4, 3)
+    _, _, (_, fused), meta, buffer = _framed_round_trip([h, mask])
+    rh, rmask = unframe(buffer, meta)
+    assert fused == 1 and rh._base is None and rmask._base is None
+    assert rh.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # no copy
+    w = torch.randn(3, 2, requires_grad=True)
+    rh.requires_grad_(True)
+    out = torch.sigmoid(rh @ w)  # saves rh and its own output
+    rmask.mul_(2)  # an in-place change of another tensor of the message
+    out.sum().backward()  # rh's saved version is untouched
+    assert torch.equal(rmask, 2 * mask) and torch.equal(rh.detach(), h)
+
+
+def test_conjugate_and_negative_views_travel_as_their_values():
+    z = torch.randn(3, dtype=torch.complex64)
+    tensors = [z.conj(), torch.randn(3, dtype=torch.complex64).conj().imag]  # conj bit, neg bit
+    expected = [t.resolve_conj().resolve_neg() for t in tensors]
+    _, _, _, meta, buffer = _framed_round_trip(tensors)
+    for a, b in zip(unframe(buffer, meta), expected):
+        assert torch.equal(a, b)
