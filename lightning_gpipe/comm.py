@@ -268,112 +268,89 @@ class _Inbox(_Background):
         return item
 
 
-class _Poster(_Background):
-    """Posts, in a thread, the messages :meth:`P2P.send` encodes (in order, each one's tensors
-    in order) and hands each send to ``waiter``; never waits for a send itself, so that a send
-    to one peer never waits behind another peer's receive.
+class _InOrder(_Background):
+    """Handles the items :meth:`put` gives it in its thread, one at a time, in order.
 
-    :meth:`close` waits until every message put so far is posted and raises the first posting
-    error, if any (the later messages are then dropped).
+    :meth:`close` waits until every item put so far is handled and raises the first handling
+    error, if any (the items after it are then dropped unhandled).
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._items: deque[tuple[Any, ...]] = deque()
+        self._error: BaseException | None = None
+
+    def put(self, *item: Any) -> None:
+        with self._cond:
+            self._items.append(item)
+            try:
+                self._wake()
+            except BaseException:
+                self._items.pop()
+                raise
+
+    def _handle(self, *item: Any) -> None:
+        raise NotImplementedError
+
+    def _has_work(self) -> bool:
+        return bool(self._items)
+
+    def _work(self) -> None:
+        with self._cond:
+            item = self._items[0]
+        if self._error is None:
+            try:
+                self._handle(*item)
+            except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
+                self._error = err
+        with self._cond:
+            self._items.popleft()  # what it held goes now
+
+    def close(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: not self._items)
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+class _Poster(_InOrder):
+    """Posts, in a thread, the messages :meth:`P2P.send` encodes (``put(message, dst)``: in order,
+    each one's tensors in order) and hands each send to ``waiter``; never waits for a send itself,
+    so that a send to one peer never waits behind another peer's receive."""
 
     name = "gpipe-send-post"
 
     def __init__(self, waiter: _SendWaiter) -> None:
         super().__init__()
         self._waiter = waiter
-        self._messages: deque[tuple[list[Tensor], int]] = deque()
-        self._error: BaseException | None = None
 
     @property
     def held(self) -> int:
         """Tensors put and not yet posted."""
         with self._cond:
-            return sum(len(m) for m, _ in self._messages)
+            return sum(len(message) for message, _ in self._items)
 
-    def put(self, message: list[Tensor], dst: int) -> None:
-        with self._cond:
-            self._messages.append((message, dst))
-            try:
-                self._wake()
-            except BaseException:
-                self._messages.pop()
-                raise
-
-    def _has_work(self) -> bool:
-        return bool(self._messages)
-
-    def _work(self) -> None:
-        with self._cond:
-            message, dst = self._messages[0]
-        if self._error is None:
-            try:
-                for t in message:
-                    self._waiter.put(_post(t, dst), t)
-            except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
-                self._error = err
-        with self._cond:
-            self._messages.popleft()
-
-    def close(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._messages)
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+    def _handle(self, message: list[Tensor], dst: int) -> None:  # type: ignore[override]
+        for t in message:
+            self._waiter.put(_post(t, dst), t)
 
 
-class _SendWaiter(_Background):
-    """Waits, in a thread, for the sends :meth:`P2P.send` posts, in order, and drops each buffer
-    once its send has completed, so that a stage that sends as it goes (1F1B) frees what it sent
-    as the peer takes it rather than at the step's :meth:`P2P.flush`.
-
-    :meth:`close` waits for every send put so far and raises the first send's error, if any (the
-    later sends are then not waited for).
-    """
+class _SendWaiter(_InOrder):
+    """Waits, in a thread, for the sends :meth:`P2P.send` posts (``put(work, buffer)``), in order,
+    and drops each buffer once its send has completed, so that a stage that sends as it goes
+    (1F1B) frees what it sent as the peer takes it rather than at the step's :meth:`P2P.flush`."""
 
     name = "gpipe-send-wait"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._sends: deque[tuple[dist.Work, Tensor]] = deque()
-        self._error: BaseException | None = None
 
     @property
     def held(self) -> int:
         """Sends put whose buffers are still held."""
         with self._cond:
-            return len(self._sends)
+            return len(self._items)
 
-    def put(self, work: dist.Work, buffer: Tensor) -> None:
-        with self._cond:
-            self._sends.append((work, buffer))
-            try:
-                self._wake()
-            except BaseException:
-                self._sends.pop()
-                raise
-
-    def _has_work(self) -> bool:
-        return bool(self._sends)
-
-    def _work(self) -> None:
-        with self._cond:
-            work = self._sends[0][0]
-        if self._error is None:
-            try:
-                work.wait()
-            except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
-                self._error = err
-        with self._cond:
-            self._sends.popleft()  # the buffer goes now: its send has completed
-
-    def close(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._sends)
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+    def _handle(self, work: dist.Work, buffer: Tensor) -> None:  # type: ignore[override]
+        work.wait()
 
 
 def _post(t: Tensor, dst: int) -> dist.Work:
