@@ -8,6 +8,7 @@ touches an underscored attribute of Lightning or torch.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -73,6 +74,8 @@ __all__ = [
     "register_state_dict_hook",
     "running_loop_data",
     "set_example_input_slot",
+    "set_sigterm_check",
+    "sigterm_exception",
     "scaler_device",
     "scaler_optimizer_state",
     "scaler_scale",
@@ -116,6 +119,23 @@ def running_loop_data(trainer: Any) -> tuple[str, Any]:
     loop, step = _LOOPS.get(getattr(trainer.state.fn, "value", "fit"), _LOOPS["fit"])
     loader = getattr(trainer, loop)._data_source.dataloader()
     return step, loader[0] if isinstance(loader, (list, tuple)) else loader
+
+
+def set_sigterm_check(trainer: Any, check: Callable[[], None] | None) -> None:
+    """Put ``check`` in place of the training epoch loop's per-step SIGTERM broadcast
+    (``_TrainingEpochLoop._broadcast_sigterm_tensor``, called at the start of every training step
+    when several processes run), or Lightning's own back (``None``)."""
+    loop = trainer.fit_loop.epoch_loop
+    if check is None:
+        loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+    else:
+        loop._broadcast_sigterm_tensor = check
+
+
+def sigterm_exception(trainer: Any) -> type[BaseException]:
+    """What the training epoch loop raises on a SIGTERM: its module's ``SIGTERMException`` (the
+    ``pytorch_lightning`` or the ``lightning.pytorch`` one)."""
+    return sys.modules[type(trainer.fit_loop.epoch_loop).__module__].SIGTERMException  # type: ignore[no-any-return]
 
 
 def should_accumulate(trainer: pl.Trainer) -> bool:

@@ -12,7 +12,8 @@ failure protocol then ends every rank. Cost: one store write and one wait per op
 
 :func:`watch_signals` makes ``SIGTERM`` and ``SIGINT`` end a rank within seconds even while its
 main thread is blocked in a receive or a collective (Python runs signal handlers only between
-bytecodes of the main thread, which a blocked wait never reaches).
+bytecodes of the main thread, which a blocked wait never reaches). :class:`SigtermCheck` takes
+the place of Lightning's per-step SIGTERM broadcast, which would join the stages at every step.
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable
+from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 NOTE_KEY = "gpipe/failure"
@@ -168,6 +171,50 @@ def watch_signals(grace: float, on_signal: Callable[[int], None] | None = None) 
     thread = threading.Thread(target=run, name="gpipe-signals", daemon=True)
     thread.start()
     _watch.update(thread=thread, read_fd=read_fd, write_fd=write_fd)
+
+
+class SigtermCheck:
+    """Lightning's per-step SIGTERM check with no wait: rank 0's flag of step ``k`` is acted on at step ``k + 1``.
+
+    Lightning starts every training step with a blocking broadcast of rank 0's
+    ``trainer.received_sigterm`` to every rank (``_TrainingEpochLoop._broadcast_sigterm_tensor``),
+    so that all ranks stop at the same step. In a pipeline that collective joins the stages at
+    every step boundary: the first stage, which starts the next step, waits a round trip for the
+    last one (1.1–2.3 ms a step with two CPU stages, BENCHMARKS.md section 9). Called in its place,
+    this posts the step's broadcast without waiting and reads the previous step's, which has long
+    arrived: every rank still stops at the same step, one step later than under Lightning's check.
+
+    Args:
+        trainer: the Trainer (its ``received_sigterm``).
+        device: where the flag lives (the strategy's root device: NCCL broadcasts CUDA tensors).
+        exception: what to raise on a SIGTERM, after a barrier as Lightning does (its ``SIGTERMException``).
+    """
+
+    def __init__(self, trainer: Any, device: torch.device, exception: type[BaseException]) -> None:
+        self.trainer, self.device, self.exception = trainer, device, exception
+        self._pending: tuple[Any, torch.Tensor] | None = None  # the last step's broadcast and its flag
+
+    def __call__(self) -> None:
+        """Act on the previous step's flag (raise ``exception`` on every rank), then post this step's."""
+        if self._pending is not None:
+            (work, flag), self._pending = self._pending, None
+            work.wait()
+            if flag.item() == 1:
+                with suppress(Exception):
+                    dist.barrier()  # as Lightning: every rank is here, none is left in a collective
+                raise self.exception()
+        flag = torch.tensor(
+            [1 if getattr(self.trainer, "received_sigterm", False) else 0], device=self.device
+        )
+        self._pending = (dist.broadcast(flag, src=0, async_op=True), flag)
+
+    def close(self, timeout: float) -> None:
+        """Wait (at most ``timeout`` seconds) for the last broadcast posted, so that no collective is
+        left in flight when the process group goes; a rank that never posted it is not waited for longer."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            with suppress(Exception):
+                pending[0].wait(timedelta(seconds=timeout))
 
 
 def _raise_system_exit(signum: int, frame: Any) -> None:

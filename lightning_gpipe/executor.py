@@ -55,6 +55,7 @@ class ColumnExecutor(nn.Module):
     timeline: Any
     virtual_layers: list[list[str]]
     received_skips: list[tuple[str, int]]
+    outcome_follows: bool
     _run: StepRun | None
     _micro: int | None
     _modules: dict[str, nn.Module]  # type: ignore[assignment] # as nn.Sequential declares it
@@ -120,6 +121,8 @@ class ColumnExecutor(nn.Module):
                 "needs the user's training_step once per micro-batch (GPipeStrategy(schedule=...) does that)"
             )
         run = StepRun(train, chunks, column, whole, fill_end=fill_end)
+        if train and self.outcome_follows and not top.is_last:
+            run.after_calls[top.stages - 1] = 1  # lightning_gpipe.outcome: one message per training step
         if train and v > 1:  # sends wait for their turn where a peer takes them out of order
             run.order = outbox.taking_order(grid, top, v)
             run.outbox = {peer: {} for peer in run.order}
@@ -157,22 +160,22 @@ class ColumnExecutor(nn.Module):
 
     def _announce_from(self, run: StepRun) -> None:
         """Announce the receives of the column from the cursor up to the first backward whose
-        forward has not run (or, with one call per step, that waits for the step's loss)."""
-        top, end = self.topology, run.pos
+        forward has not run (or, with one call per step, that waits for the step's loss); where
+        that is where the step's calls end, the messages that follow them too (``after_calls``)."""
+        top, end, waits_for_loss = self.topology, run.pos, False
         while end < len(run.column):
             a = run.column[end]
-            if a.kind == "B" and (
-                (a.i, a.virtual_stage) not in run.forwarded or (run.whole and not run.step_loss)
-            ):
+            waits_for_loss = a.kind == "B" and run.whole and not run.step_loss
+            if a.kind == "B" and ((a.i, a.virtual_stage) not in run.forwarded or waits_for_loss):
                 break
             end += 1
         stretch = run.column[run.pos : end]
-        self._announce(
-            schedule.messages(
-                stretch, top.stage, top.stages, top.skips, partial(_flows, run), self.virtual_stages
-            )
-            - run.taken
+        messages = schedule.messages(
+            stretch, top.stage, top.stages, top.skips, partial(_flows, run), self.virtual_stages
         )
+        if end == len(run.column) or waits_for_loss:
+            messages, run.after_calls = messages + run.after_calls, Counter()
+        self._announce(messages - run.taken)
         run.taken, run.announced = Counter(), end
 
     def _execute(self, action: Action, run: StepRun) -> None:

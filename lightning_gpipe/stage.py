@@ -139,6 +139,8 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         self.schedule = schedule
         self.calls = 0
         self.configuring = False  # set by the strategy around configure_optimizers
+        # set by the strategy: every training step ends with the last stage's outcome (share_outcome)
+        self.outcome_follows = False
         self.outcomes = OutcomeChannel(p2p, p2p.device)
         self._run: StepRun | None = None  # the step in progress
         self._micro: int | None = None  # one call per micro-batch: their number in this step

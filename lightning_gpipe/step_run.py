@@ -60,6 +60,9 @@ class StepRun:
     pos: int = 0  # the cursor: index of the next action in column
     announced: int = 0  # receives of column[:announced] are announced
     fill_end: int = 0  # index after the column's last forward
+    # messages that follow the step's calls, per stage (the last stage's step outcome): announced
+    # with the stretch that ends where the calls end, so that they are taken in the background
+    after_calls: Counter[int] = field(default_factory=Counter)
     states: list[ForwardState] = field(default_factory=list)  # recomputed micro-batches' module states
     # last stage, per call: the micro-batches it covered, each leaf's part sizes, the leaves given to
     # the user and which of them are replicated (micro-batch 0's)

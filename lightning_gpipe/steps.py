@@ -70,6 +70,7 @@ class StepDriver:
         if timeline is not None:
             timeline.begin_step(module.trainer.global_step)
         stage = self.stage
+        stage.outcome_follows = True  # share_outcome below: its message is received in the background
         if self.micro_steps is not None:  # one training_step per micro-batch (lightning_gpipe.microstep)
             out = self.micro_steps.training_step(
                 step, stage, module, precision_plugin, chunks, *args, **kwargs

@@ -38,7 +38,7 @@ from typing_extensions import override
 
 from lightning_gpipe import _compat, groups, loading, metrics, microstep, partition, precision, state
 from lightning_gpipe._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
-from lightning_gpipe.arrival import SIGNAL_GRACE_S, check_collective_timeout, watch_signals
+from lightning_gpipe.arrival import SIGNAL_GRACE_S, SigtermCheck, check_collective_timeout, watch_signals
 from lightning_gpipe.balance.choose import check_balance_spec
 from lightning_gpipe.callbacks import adapt_callbacks, restore_callbacks
 from lightning_gpipe.collectives import Collectives
@@ -202,6 +202,7 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
         self._groups: groups.Groups | None = None
         self._metric_sharing: metrics.ShareLastStageMetrics | None = None
         self._timeline: Timeline | None = None
+        self._sigterm: SigtermCheck | None = None  # Lightning's per-step SIGTERM broadcast, deferred
         self._failed = False
         self.compile = partition.check_compile(compile)
         self.start_method = check_start_method(start_method)
@@ -328,6 +329,8 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
         metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_optimizers(trainer)
+            self._sigterm = SigtermCheck(trainer, self.root_device, _compat.sigterm_exception(trainer))
+            _compat.set_sigterm_check(trainer, self._sigterm)
         self.setup_precision_plugin()
         precision.install(self.precision_plugin, self._clip_grad_by_norm)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -436,6 +439,10 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
         module = self.lightning_module
         if module is not None and _compat.attached_trainer(module) is not None:
             restore_callbacks(module.trainer)
+            _compat.set_sigterm_check(module.trainer, None)
+        if self._sigterm is not None and not self._failed:
+            self._sigterm.close(self.collective_timeout)
+        self._sigterm = None
         metrics.remove_metric_sharing(self.lightning_module, self._metric_sharing)
         self._metric_sharing = None
         self._saved.lazy = None

@@ -45,3 +45,17 @@ def test_sigterm_ends_every_rank_while_one_is_blocked_in_a_collective(tmp_path):
     assert rc != 0
     assert seconds < 20, f"the ranks took {seconds:.0f} s to end after SIGTERM:\n{out[-3000:]}"
     assert "got SIGTERM" in out
+
+
+@pytest.mark.timeout(120)
+def test_the_sigterm_check_stops_every_rank_at_the_same_step_without_waiting(tmp_path):
+    """The deferred per-step SIGTERM check (in place of Lightning's blocking broadcast): rank 0's flag,
+    set after step 2, stops both ranks at step 4 (Lightning's own check: step 3), rank 1's own flag
+    counts for nothing, and rank 0 does not wait for rank 1, which comes 50 ms after it to every step."""
+    from tests._harness import check, run_ranks
+
+    for result in run_ranks("tests/workers/sigterm_check.py", 2, str(tmp_path), timeout=100):
+        check(result)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["raised"] for r in ranks] == [4, 4]
+    assert ranks[0]["rank0_waited_s"] < 0.1, ranks[0]  # Lightning's blocking broadcast: 4 × 50 ms

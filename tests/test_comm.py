@@ -9,6 +9,7 @@ import torch
 
 from lightning_gpipe import comm
 from lightning_gpipe.comm import P2P
+from lightning_gpipe.wire import FRAME_BYTES, FRAME_SLOTS, decode_header, decode_message, unframe
 from tests._harness import check, run_ranks
 
 
@@ -115,8 +116,38 @@ def test_flush_waits_for_the_sends_even_when_posting_failed(monkeypatch):
     posted = _Send()
     p2p._waiter.put(posted, torch.zeros(1))
     monkeypatch.setattr(comm, "_post", lambda t, dst: (_ for _ in ()).throw(RuntimeError("peer gone")))
-    p2p.send([torch.randn(2, 2)], 1)  # encoded here, posted by the poster thread: that fails
+    p2p.send([torch.randn(2, 2)], 1)  # encoded and posted by the poster thread: posting fails
     posted.done.set()
     with pytest.raises(RuntimeError, match="peer gone"):
         p2p.flush()
     assert p2p.sends_in_flight() == 0  # the waiter was closed too
+
+
+def test_a_send_returns_at_once_and_its_encoding_error_is_raised_by_the_next_flush(monkeypatch):
+    """The poster thread encodes and frames (off the stage's thread, BENCHMARKS.md section 9): a
+    message that cannot travel is refused at the flush that ends the phase, sends after it are
+    dropped unposted, and the transport is usable again after the flush."""
+    p2p, posted = P2P(torch.device("cpu")), []
+    monkeypatch.setattr(comm, "_post", lambda t, dst: posted.append(t.clone()) or _done())
+    p2p.send([torch.zeros(2, dtype=torch.uint16)], 1)  # no dtype code
+    p2p.send([torch.ones(3)], 1)
+    with pytest.raises(ValueError, match="cannot send a tensor of dtype torch.uint16"):
+        p2p.flush()
+    assert posted == [] and p2p.sends_in_flight() == 0
+    p2p.send([torch.ones(3)], 1)
+    p2p.flush()
+    (meta, (received,)) = decode_message(*_unframed(posted[0]))
+    assert torch.equal(received, torch.ones(3)) and meta.chunks == 0
+
+
+def _done() -> _Send:
+    work = _Send()
+    work.done.set()
+    return work
+
+
+def _unframed(buffer):
+    """A framed message's meta and tensors, as the receiver reads them."""
+    words = buffer[:FRAME_BYTES].view(torch.int64)
+    meta = decode_header(words[FRAME_SLOTS:])
+    return meta, unframe(buffer, meta)

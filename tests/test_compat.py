@@ -72,6 +72,25 @@ def test_should_accumulate(fitted):
     assert model.seen["accumulate"][:2] == [True, False]
 
 
+def test_set_sigterm_check(fitted):
+    _, trainer = fitted
+    loop = trainer.fit_loop.epoch_loop
+    assert callable(type(loop)._broadcast_sigterm_tensor)  # what the check stands in for
+    calls = []
+    _compat.set_sigterm_check(trainer, lambda: calls.append(1))
+    loop._broadcast_sigterm_tensor()
+    assert calls == [1]
+    _compat.set_sigterm_check(trainer, None)
+    assert "_broadcast_sigterm_tensor" not in vars(loop)
+
+
+def test_sigterm_exception(fitted):
+    _, trainer = fitted
+    from pytorch_lightning.utilities.exceptions import SIGTERMException
+
+    assert _compat.sigterm_exception(trainer) is SIGTERMException
+
+
 def test_attached_trainer(fitted):
     model, trainer = fitted
     assert model.seen["trainer"] is trainer

@@ -223,11 +223,12 @@ class ThreadP2P(FakeP2P):
         return self.network.queue(src, self.rank).get(timeout=20)
 
 
-def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last"):
+def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", outcome=False):
     """One training step of ``seq`` with one call per micro-batch, each stage in its own thread.
 
     The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
-    the batch, right after its call, as :mod:`lightning_gpipe.microstep` does. Returns the stages
+    the batch, right after its call, as :mod:`lightning_gpipe.microstep` does; with ``outcome``,
+    the stages then share the step outcome as the strategy has them do. Returns the stages
     and, per stage, ``(announced, received)`` per source rank over the step.
     """
     k, network = len(balance), BlockingNetwork()
@@ -240,18 +241,23 @@ def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last"):
             seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"), schedule=schedule
         )
         stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder(stage)
+        stage.outcome_follows = outcome
         stages.append(stage)
     counts, errors = {}, []
 
     def run(stage):
         try:
             stage.start_micro_steps(len(parts))
+            loss = None
             for i, (xi, yi) in enumerate(zip(xs, ys)):
                 out = stage.run_step(stage, True, xi)
                 if stage.topology.is_last:
-                    (nn.functional.mse_loss(out, yi) * len(yi) / len(y)).backward()
+                    loss = nn.functional.mse_loss(out, yi) * len(yi) / len(y)
+                    loss.backward()
                     stage.loss_backpropagated(i)
             stage.end_micro_steps()
+            if outcome:
+                assert stage.share_outcome(loss, None, training=True) is not None
             counts[stage.topology.stage] = stage.p2p.phase()
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
@@ -297,6 +303,54 @@ def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, 
         )
     for p, g in zip(seq.parameters(), expected):
         assert torch.allclose(p.grad, g, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_the_step_outcome_is_announced_with_the_stretch_that_ends_the_calls_one_call_per_step(k):
+    """Fill-drain, one call per step: a non-last stage announces the last stage's step outcome
+    (:mod:`lightning_gpipe.outcome`) with its forward stretch, so that the transport takes it in
+    the background while the last stage still computes; it is the one message taken before the
+    backward stretch, and nothing is announced that is not received."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    network, stages = FakeNetwork(), []
+    for j in range(k):
+        rank = Layout(k, k).rank(0, j)
+        stage = build_stage(seq, uniform_balance(3, k), Layout(k, k), rank, 4, "never", torch.device("cpu"))
+        stage.p2p, stage.timeline, stage.outcome_follows = FakeP2P(network, rank), Recorder(), True
+        stages.append(stage)
+    out = [stage.run_step(stage, True, x) for stage in stages][-1]
+    last = stages[-1].topology.ranks[-1]
+    for stage in stages[:-1]:
+        assert +stage.p2p.left == Counter({last: 1}), "the outcome is announced with the forward stretch"
+    loss = nn.functional.mse_loss(out, y)
+    for stage in reversed(stages):
+        assert stage.share_outcome(loss if stage.topology.is_last else None, None, training=True) is not None
+    for stage in stages[:-1]:
+        assert not +stage.p2p.left and stage.p2p.received[last] == 1
+    loss.backward()
+    for stage in reversed(stages):
+        stage.backward()
+        stage.p2p.phase()  # every announced message was received
+
+
+@pytest.mark.parametrize("schedule", [one_f_one_b, fill_drain])
+@pytest.mark.parametrize("k", [2, 3])
+def test_the_step_outcome_is_announced_with_the_last_stretch_one_call_per_micro_batch(schedule, k):
+    """One call per micro-batch: the outcome follows the whole column (the last call's backwards),
+    so a non-last stage announces it with its last stretch, after the last stage's gradients."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    stages, counts = _micro_step(seq, uniform_balance(3, k), 4, x, y, schedule, "never", outcome=True)
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        expected = _by_rank(top, messages(stage_actions(schedule(k, 4), j), j, k, top.skips))
+        if not top.is_last:
+            expected[top.ranks[-1]] += 1
+        first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
+        assert counts[j] == (expected - first, expected)
 
 
 @pytest.mark.parametrize("schedule", [fill_drain, one_f_one_b])
