@@ -70,7 +70,7 @@ class P2P:
         self._room_to: dict[int, int] = {}  # framed: the room each destination keeps for this sender
         self._room_from: dict[int, int] = {}  # framed: the room kept for each source
         self._waiter = _SendWaiter()  # background: waits for the sends posted, in order
-        self._poster = _Poster(self, self._waiter)  # background: encodes and posts the sends, in order
+        self._poster = _Poster(self, self._waiter)  # background: frames and posts the sends, in order
 
     def send(
         self, tensors: Sequence[Tensor], dst: int, *, structure: Structure | None = None, chunks: int = 0
@@ -78,26 +78,23 @@ class P2P:
         """Send ``tensors`` (the value ``structure`` describes; ``None``: a tuple of tensors) to
         ``dst`` (:func:`~lightning_gpipe.wire.encode_message`) asynchronously; waits happen in :meth:`flush`.
 
-        With background transport a thread encodes, frames and posts the message, so the stage's
-        thread goes on computing at once (0.04 ms a send against 0.3 ms encoding and framing a
-        0.5 MiB message itself in a running pipeline); an encoding error (a dtype that cannot
-        travel, a header too small) is raised by the next :meth:`flush`. Messages to every peer
-        are posted in the order sent; ``tensors`` must not change until then, as with any
-        asynchronous send.
+        The message is encoded here (a message that cannot travel is refused by the send itself: a
+        per-micro-batch stage may not flush before its peer waits for it). With background
+        transport a thread frames and posts it, so the stage's thread goes on computing at once;
+        messages to every peer are posted in the order sent, and ``tensors`` must not change until
+        then, as with any asynchronous send.
 
         The sends open no profiler event (:func:`lightning_gpipe._compat.unrecorded`): a wait deferred
         past the profiler's next step would close it in a freed event list."""
+        message = encode_message(tensors, structure, chunks, self.device)
         if self.background:
-            self._poster.put(tensors, dst, structure, chunks)
+            self._poster.put(message, dst)  # framed (the copy) and posted by the thread
             return
-        for t in self.encode(tensors, dst, structure, chunks):
+        for t in self.frame(message, dst):
             self._pending.append((_post(t, dst), t))  # keep the buffer alive until the send completes
 
-    def encode(
-        self, tensors: Sequence[Tensor], dst: int, structure: Structure | None, chunks: int
-    ) -> list[Tensor]:
-        """What travels to ``dst`` for ``tensors``: the message, framed on CPU (called in send order)."""
-        message = encode_message(tensors, structure, chunks, self.device)
+    def frame(self, message: list[Tensor], dst: int) -> list[Tensor]:
+        """What travels to ``dst`` for an encoded ``message``: framed on CPU (called in send order)."""
         if self.framed:
             room = self._room_to.get(dst, FIRST_ROOM)
             message, total = frame_message(message, room)
@@ -174,7 +171,13 @@ class P2P:
         With background transport (Gloo) a thread waits for each send as it is posted and drops
         its buffer once the peer has it: a Gloo send's ``Work.is_completed()`` stays ``False``
         until ``wait()`` is called, so polling it would keep every buffer to :meth:`flush`.
+
+        Raises:
+            RuntimeError: (or the transport's own error) framing or posting a send failed in the
+                background; raised here, not only at the next :meth:`flush`, which a stage that
+                sends as it goes reaches only at the end of its column.
         """
+        self._poster.raise_error()
         self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
 
     def sends_in_flight(self) -> int:
@@ -322,11 +325,17 @@ class _InOrder(_Background):
         if error is not None:
             raise error
 
+    def raise_error(self) -> None:
+        """Raise the handling error, if any, without waiting (kept: the items after it are still
+        dropped, and :meth:`close` raises it again)."""
+        error = self._error
+        if error is not None:
+            raise error
+
 
 class _Poster(_InOrder):
-    """Encodes (:meth:`P2P.encode`) and posts, in a thread, the messages :meth:`P2P.send` puts
-    (``put(tensors, dst, structure, chunks)``: in order, each one's tensors in order) and hands each
-    send to ``waiter``; never waits for a send itself, so that a send to one peer never waits
+    """Frames (:meth:`P2P.frame`) and posts, in a thread, the messages :meth:`P2P.send` encodes
+    (``put(message, dst)``: in order, each one's tensors in order) and hands each send to ``waiter``; never waits for a send itself, so that a send to one peer never waits
     behind another peer's receive."""
 
     name = "gpipe-send-post"
@@ -341,10 +350,10 @@ class _Poster(_InOrder):
         with self._cond:
             return sum(len(item[0]) for item in self._items)
 
-    def _handle(  # type: ignore[override]
-        self, tensors: Sequence[Tensor], dst: int, structure: Structure | None, chunks: int
-    ) -> None:
-        for t in self._p2p.encode(tensors, dst, structure, chunks):
+    def _handle(self, message: list[Tensor], dst: int) -> None:  # type: ignore[override]
+        with unrecorded():  # the framing copy too: no profiler event from this thread
+            framed = self._p2p.frame(message, dst)
+        for t in framed:
             self._waiter.put(_post(t, dst), t)
 
 

@@ -58,4 +58,5 @@ def test_the_sigterm_check_stops_every_rank_at_the_same_step_without_waiting(tmp
         check(result)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["raised"] for r in ranks] == [4, 4]
-    assert ranks[0]["rank0_waited_s"] < 0.1, ranks[0]  # Lightning's blocking broadcast: 4 × 50 ms
+    # the barrier before the raise waits 50 ms for rank 1; Lightning's blocking broadcast adds 4 × 50 ms
+    assert ranks[0]["rank0_waited_s"] < 0.15, ranks[0]

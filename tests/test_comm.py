@@ -116,28 +116,50 @@ def test_flush_waits_for_the_sends_even_when_posting_failed(monkeypatch):
     posted = _Send()
     p2p._waiter.put(posted, torch.zeros(1))
     monkeypatch.setattr(comm, "_post", lambda t, dst: (_ for _ in ()).throw(RuntimeError("peer gone")))
-    p2p.send([torch.randn(2, 2)], 1)  # encoded and posted by the poster thread: posting fails
+    p2p.send([torch.randn(2, 2)], 1)  # encoded here, posted by the poster thread: that fails
     posted.done.set()
     with pytest.raises(RuntimeError, match="peer gone"):
         p2p.flush()
     assert p2p.sends_in_flight() == 0  # the waiter was closed too
 
 
-def test_a_send_returns_at_once_and_its_encoding_error_is_raised_by_the_next_flush(monkeypatch):
-    """The poster thread encodes and frames (off the stage's thread, BENCHMARKS.md section 9): a
-    message that cannot travel is refused at the flush that ends the phase, sends after it are
-    dropped unposted, and the transport is usable again after the flush."""
+def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch):
+    """Encoded in the stage's thread (only the framing copy and the post are the poster thread's):
+    under a per-micro-batch schedule the stage may not flush before its peer waits for the message,
+    so an error held until then would leave the peer waiting for the process group's timeout."""
     p2p, posted = P2P(torch.device("cpu")), []
     monkeypatch.setattr(comm, "_post", lambda t, dst: posted.append(t.clone()) or _done())
-    p2p.send([torch.zeros(2, dtype=torch.uint16)], 1)  # no dtype code
-    p2p.send([torch.ones(3)], 1)
     with pytest.raises(ValueError, match="cannot send a tensor of dtype torch.uint16"):
-        p2p.flush()
-    assert posted == [] and p2p.sends_in_flight() == 0
+        p2p.send([torch.zeros(2, dtype=torch.uint16)], 1)
     p2p.send([torch.ones(3)], 1)
     p2p.flush()
-    (meta, (received,)) = decode_message(*_unframed(posted[0]))
+    assert len(posted) == 1  # the good message still travels, framed
+    meta, (received,) = decode_message(*_unframed(posted[0]))
     assert torch.equal(received, torch.ones(3)) and meta.chunks == 0
+
+
+def test_a_failed_background_post_is_raised_by_settle_before_the_flush(monkeypatch):
+    """A stage that sends as it goes (1F1B) settles after every action and flushes only at the end
+    of its column: a send that failed in the poster thread is raised at the next settle, the sends
+    after it are dropped, and the flush raises it too."""
+    p2p, calls = P2P(torch.device("cpu")), []
+
+    def post(t, dst):
+        calls.append(dst)
+        raise RuntimeError("peer gone")
+
+    monkeypatch.setattr(comm, "_post", post)
+    p2p.send([torch.ones(3)], 1)
+    p2p.send([torch.ones(3)], 2)
+    deadline = time.monotonic() + 10
+    while p2p._poster._error is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        p2p.settle()
+    with pytest.raises(RuntimeError, match="peer gone"):
+        p2p.flush()
+    assert calls == [1] and p2p.sends_in_flight() == 0
+    p2p.settle()  # the flush took the error: the transport is usable again
 
 
 def _done() -> _Send:
