@@ -120,6 +120,8 @@ COLUMNS = [
     "vs_ideal_mb_best",
     "schedule",
     "virtual_stages",
+    "vs_peer_paired",
+    "vs_peer_paired_repeats",
 ]
 
 # The one-process baselines: 1 thread, K threads, 1 thread on the pipeline's micro-batches.
@@ -358,6 +360,7 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
     profile = _profile(model, balance, sample, cfg.threads) if cfg.predict else None
     boundary = int(profile["boundary_bytes_per_sample"][-1] * micro) if profile and cfg.stages > 1 else 0
     results: dict[str, list[dict[str, Any]]] = {}
+    repeat_steps: dict[str, list[float]] = {}  # per run, each repeat's median step (seconds)
     with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp:
         for repeat in range(max(1, cfg.repeats)):  # interleaved: ours, bare, peer, single, ours, ...
             for run in runs:
@@ -385,13 +388,16 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
                 _launch(spec, cfg.timeout)
                 files = sorted(out.glob(f"{run}_rank*.json"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
                 per_rank = [json.loads(p.read_text()) for p in files]
+                repeat_steps.setdefault(run, []).append(_median_step(per_rank))
                 if run in results and not _faster(per_rank, results[run]):
                     continue
                 results[run] = per_rank
                 _keep_timelines(cfg, run, out)
     rows = _rows(cfg, results, params, profile, balance)
+    _add_paired(rows, repeat_steps)
     _append_csv(Path(str(cfg.csv)), rows)
     print(format_table(rows))
+    print(format_paired(rows))
     grads = [0] * cfg.stages  # the per-micro-batch steps make each stage's gradients afresh
     for c, (a, b) in enumerate(stage_bounds(balance)):
         grads[c % cfg.stages] += sum(
@@ -548,11 +554,39 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
             ours["lightning_overhead" + suffix] = float(bare[key]) / float(ours[key]) - 1
 
 
+def _add_paired(rows: list[dict[str, Any]], repeat_steps: dict[str, list[float]]) -> None:
+    """``vs_peer_paired`` of ``ours`` and ``bare``: the median over repeats of the peer's median step
+    over the run's, each ratio taken within one repeat (the runs of a repeat follow each other, so
+    a machine that slows down for a while slows both sides of a ratio alike); the per-repeat
+    ratios ``|``-joined in ``vs_peer_paired_repeats``."""
+    peer = repeat_steps.get("peer")
+    for row in rows:
+        own = repeat_steps.get(row["run"]) if row["run"] in ("ours", "bare") else None
+        if peer and own:
+            ratios = [p / o for o, p in zip(own, peer)]
+            row["vs_peer_paired"] = statistics.median(ratios)
+            row["vs_peer_paired_repeats"] = "|".join(f"{r:.3f}" for r in ratios)
+
+
+def format_paired(rows: list[dict[str, Any]]) -> str:
+    """One line per run with a paired ratio to the peer (:func:`_add_paired`)."""
+    lines = [
+        f"{row['run']} / peer, {row['model']} {_schedule_name(row)} M={row['chunks']}, paired: "
+        f"{_fmt(row.get('vs_peer_paired'), '.3f')} "
+        f"(median over repeats; per repeat {str(row.get('vs_peer_paired_repeats', '')).replace('|', ', ')})"
+        for row in rows
+        if row.get("vs_peer_paired") not in (None, "")
+    ]
+    return "\n".join(lines)
+
+
 def _append_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Append ``rows``; to a CSV of an earlier version, under its own header (newer columns left out)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
+    columns = COLUMNS if new else next(csv.reader(path.open()))
     with path.open("a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         if new:
             writer.writeheader()
         writer.writerows(rows)
@@ -759,7 +793,7 @@ def report(path: str | Path) -> str:
     """Tables of a benchmark CSV: every row (the least disturbed invocation of each), then per
     (K, checkpoint) the M sweep normalized to M=1 and the cost model's error."""
     rows = _least_disturbed(list(csv.DictReader(Path(path).open())))
-    parts = [format_table(rows)]
+    parts = [format_table(rows), format_paired(rows)]
     groups: dict[tuple[str, str, str, str, int], dict[int, dict[str, dict]]] = {}
     for r in rows:
         if r["run"] in SINGLES:
