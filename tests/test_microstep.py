@@ -127,13 +127,13 @@ def live_bytes_after_each_micro_batch(chunks, returns, rows=32, width=64):
         return {"loss": loss, "n": x.shape[0]} if returns == "dict" else loss
 
     lives = []
-    backpropagated = stage.loss_backpropagated
+    backpropagate = stage.backpropagate_loss
 
-    def loss_backpropagated(i):
-        backpropagated(i)
+    def backpropagate_loss(i, backward):
+        backpropagate(i, backward)
         lives.append(meter.live)
 
-    stage.loss_backpropagated = loss_backpropagated
+    stage.backpropagate_loss = backpropagate_loss
     steps = MicroSteps()
     with TensorMemoryMeter() as meter:
         out = steps.training_step(training_step, stage, module, Backward(), chunks, batch, 0)
