@@ -294,11 +294,8 @@ class ColumnExecutor(nn.Module):
         """``B i``: receive the gradients of micro-batch ``i``'s outputs, backpropagate, send its inputs' gradients."""
         top, i, u, v = self.topology, action.i, action.virtual_stage, self.virtual_stages
         key = (i, u)
-        needs_loss = schedule.needs_loss(action, top.stage, top.stages, v)
-        # the user's loss backward ran this part's backward (PipelineStage.backpropagate_loss)
-        through = needs_loss and i in run.through
-        y_grad = [] if through else [t for t in run.outputs[key] if t.requires_grad]
-        dy = list(self._leaf_grads(run, i)) if needs_loss and not through else []
+        y_grad = [t for t in run.outputs[key] if t.requires_grad]
+        dy = list(self._leaf_grads(run, i)) if schedule.needs_loss(action, top.stage, top.stages, v) else []
         for t in schedule.receives(action, top.stage, top.stages, top.skips, v):
             if not _flows(run, action, t):
                 continue

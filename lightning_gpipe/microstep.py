@@ -13,9 +13,8 @@ strategy therefore runs the user's ``training_step`` once per micro-batch, as
 - the loss call ``i`` returns (a tensor, or a dict's ``"loss"``) is weighted by its share of the
   batch, ``n_i / N``, divided by ``accumulate_grad_batches`` as Lightning divides a loss, scaled
   by the precision plugin's ``GradScaler`` if it has one, and backpropagated by the strategy
-  right after the call (on the last stage, through the call's output and the stage's last part,
-  whose output the call returns attached to its graph; the stage's backward sends the input's
-  gradient on): for a loss that is a mean over samples the accumulated gradient equals the full batch's;
+  right after the call (on the last stage, into the call's output; the stage's backward carries
+  it on): for a loss that is a mean over samples the accumulated gradient equals the full batch's;
 - the gradients made during the calls are set aside and added to the parameters' gradients in
   Lightning's ``backward`` (which comes after Lightning's ``zero_grad``), so hooks, clipping,
   the optimizer step and gradient accumulation see them where they see a one-device backward's;
@@ -44,7 +43,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from functools import partial
 from typing import Any
 
 import torch
@@ -191,7 +189,8 @@ class MicroSteps:
                     scaled = loss * (parts[i] / total / accumulate)
                     if isinstance(scaler, torch.amp.GradScaler):
                         scaled = scaler.scale(scaled)
-                    stage.backpropagate_loss(i, partial(precision_plugin.backward, scaled, module, None))
+                    precision_plugin.backward(scaled, module, None)
+                    stage.loss_backpropagated(i)
                     del out, loss, scaled  # nothing of a call outlives its backward but its loss value
             stage.end_micro_steps()
         finally:

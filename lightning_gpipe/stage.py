@@ -15,8 +15,8 @@ Two contracts drive the cursor:
   the backward phase when Lightning calls ``backward``;
 - one call per micro-batch (:meth:`PipelineStage.start_micro_steps`, the other schedules,
   :mod:`lightning_gpipe.microstep`): call ``i`` gives micro-batch ``i``; on the last stage
-  ``B i`` runs once the strategy has backpropagated micro-batch ``i``'s loss through its output
-  (:meth:`PipelineStage.backpropagate_loss`); the other stages' backwards wait only for their
+  ``B i`` runs once the strategy has backpropagated micro-batch ``i``'s loss into its output
+  (:meth:`PipelineStage.loss_backpropagated`); the other stages' backwards wait only for their
   gradients, so a 1F1B column interleaves forwards and backwards inside the calls.
 
 In order, within a step:
@@ -26,10 +26,7 @@ In order, within a step:
   header; then each runnable action runs. ``F i``: receive micro-batch ``i`` (and its skips),
   compute it (recomputable under ``torch.utils.checkpoint``), send it on. The last stage returns
   the call's output, its micro-batches concatenated, as leaves detached from the pipeline's
-  graph so that the user's loss backpropagates only to them (one call per micro-batch whose
-  ``B i`` comes next, as on 1F1B's last stage: attached to the last part's graph, so that the
-  user's loss backward runs that part's backward itself, :meth:`PipelineStage.backpropagate_loss`,
-  and ``B i`` only sends); the other stages raise
+  graph so that the user's loss backpropagates only to them; the other stages raise
   :class:`StageDone` to leave the user's step.
 - ``B i``: receive the output's gradient (on the last stage: split the leaves' gradients),
   backpropagate, send the input's gradient.
@@ -80,7 +77,7 @@ from lightning_gpipe.layout import Layout, StageTopology, layer_parts
 from lightning_gpipe.microbatch import gather, scatter, unflatten
 from lightning_gpipe.outcome import OutcomeChannel, apply_outcome, outcome_of
 from lightning_gpipe.partition import virtual_cut
-from lightning_gpipe.schedule import Action, Grid
+from lightning_gpipe.schedule import Grid
 from lightning_gpipe.skip import routes
 from lightning_gpipe.step_run import Call, StepRun
 
@@ -271,9 +268,7 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         outputs = [run.outputs[(i, last)] for i in covered]
         structures = [run.out_structures[(i, last)] for i in covered]
         joined, structure = gather(outputs, structures, f"output of the last pipeline stage ({top.stage})")
-        if train and not run.whole and not run.done and run.column[run.pos] == Action("B", covered[0], last):
-            run.through.add(covered[0])  # B i is next: the user's loss backward runs the part's backward
-        elif train:
+        if train:
             joined = tuple(t.detach().requires_grad_(t.requires_grad) for t in joined)
             sizes = [[o[k].shape[0] if o[k].dim() else 1 for o in outputs] for k in range(len(joined))]
             run.calls.append(Call(covered, sizes, joined, structure.whole))
@@ -336,37 +331,16 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
     def start_micro_steps(self, chunks: int) -> None:
         """The next ``chunks`` training calls are one step's micro-batches ``0 .. chunks-1``, one each.
 
-        Between them the strategy backpropagates each micro-batch's loss (last stage) with
-        :meth:`backpropagate_loss`; :meth:`end_micro_steps` closes the step.
+        Between them the strategy backpropagates each micro-batch's loss (last stage) and calls
+        :meth:`loss_backpropagated`; :meth:`end_micro_steps` closes the step.
         """
         self._micro, self._run = chunks, None
 
-    def backpropagate_loss(self, i: int, backward: Callable[[], Any]) -> None:
-        """Last stage: ``backward()`` backpropagates micro-batch ``i``'s loss (e.g. ``loss.backward``);
-        then ``B i`` sends its input's gradient and the column runs on.
-
-        Where ``B i`` is the column's next action (1F1B's last stage runs each micro-batch's
-        backward right after its forward), the call returned micro-batch ``i``'s output attached to
-        the graph of the stage's last part, so ``backward()`` runs that part's backward too (one
-        autograd pass, no gradient left on detached leaves): it is recorded as ``B i`` on the
-        timeline and the part's errors are named as its backward's (:mod:`lightning_gpipe.failure`).
-        Elsewhere the output was detached leaves, as under one call per step, and ``B i``
-        backpropagates from their gradients when the column reaches it.
-
-        Raises:
-            RuntimeError: micro-batch ``i`` has no forward waiting for its loss on this stage.
-        """
+    def loss_backpropagated(self, i: int) -> None:
+        """Last stage: micro-batch ``i``'s loss has reached its output leaves; run ``B i`` and what follows."""
         run = self._run
         if run is None or i in run.losses or i >= run.called:
             raise RuntimeError(f"micro-batch {i} has no forward waiting for its loss on this stage")
-        key = (i, self.virtual_stages - 1)
-        if i in run.through:
-            if run.pos >= run.announced:  # what follows B i is received while the backward runs
-                self._announce_from(run)
-            with self._span("backward", *key), self._naming_errors("backward", i, run.inputs[key]):
-                backward()
-        else:  # into the call's output leaves; B i backpropagates from them when the column reaches it
-            backward()
         run.losses.add(i)
         self._advance(run)
 

@@ -68,9 +68,6 @@ class StepRun:
     # the user and which of them are replicated (micro-batch 0's)
     calls: list[Call] = field(default_factory=list)
     leaf_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
-    # last stage, one call per micro-batch whose B comes next: micro-batches whose output the call
-    # returned attached to the last part's graph (the user's loss backward runs that part's backward)
-    through: set[int] = field(default_factory=set)
     # a grid whose stages take a peer's messages in another order than it sends them
     # (schedule.in_send_order false): per peer stage, the keys (kind, i, virtual stage here, skip)
     # in the order the peer takes them (lightning_gpipe.outbox); sends wait in outbox until their turn

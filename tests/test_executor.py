@@ -223,16 +223,13 @@ class ThreadP2P(FakeP2P):
         return self.network.queue(src, self.rank).get(timeout=20)
 
 
-def _micro_step(
-    seq, balance, chunks, x, y, schedule, checkpoint="except_last", outcome=False, before_backward=None
-):
+def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", outcome=False):
     """One training step of ``seq`` with one call per micro-batch, each stage in its own thread.
 
     The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
     the batch, right after its call, as :mod:`lightning_gpipe.microstep` does; with ``outcome``,
-    the stages then share the step outcome as the strategy has them do; ``before_backward(stage,
-    i, out)`` is called inside each loss backward, before it runs. Returns the stages and, per
-    stage, ``(announced, received)`` per source rank over the step.
+    the stages then share the step outcome as the strategy has them do. Returns the stages
+    and, per stage, ``(announced, received)`` per source rank over the step.
     """
     k, network = len(balance), BlockingNetwork()
     parts = sizes(x.shape[0], chunks)
@@ -256,13 +253,8 @@ def _micro_step(
                 out = stage.run_step(stage, True, xi)
                 if stage.topology.is_last:
                     loss = nn.functional.mse_loss(out, yi) * len(yi) / len(y)
-
-                    def backward(i=i, out=out, loss=loss):
-                        if before_backward is not None:
-                            before_backward(stage, i, out)
-                        loss.backward()
-
-                    stage.backpropagate_loss(i, backward)
+                    loss.backward()
+                    stage.loss_backpropagated(i)
             stage.end_micro_steps()
             if outcome:
                 assert stage.share_outcome(loss, None, training=True) is not None
@@ -361,39 +353,6 @@ def test_the_step_outcome_is_announced_with_the_last_stretch_one_call_per_micro_
         assert counts[j] == (expected - first, expected)
 
 
-@pytest.mark.parametrize("k", [2, 3])
-@pytest.mark.parametrize("schedule", [one_f_one_b, fill_drain])
-def test_the_loss_backward_runs_the_last_parts_backward_where_b_is_next(schedule, k):
-    """1F1B's last stage runs B i right after F i: the call returns the output attached to the last
-    part's graph, so the user's loss backward is the part's backward (one autograd pass, no
-    gradient left on detached leaves), and what follows B i (F i+1's input) is announced before it
-    runs, so that it arrives meanwhile. Where B i is not next (fill-drain's column but its last
-    micro-batch), the output is detached leaves, as under one call per step. Either way: the
-    schedule's column, recorded, and the unpartitioned model's gradients."""
-    torch.manual_seed(0)
-    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
-    x, y = torch.randn(10, 4), torch.randn(10, 4)
-    expected = _reference_grads(seq, x, y)
-    m, seen = 4, []
-
-    def before_backward(stage, i, out):
-        prev = stage.topology.prev_rank
-        seen.append((i, out.grad_fn is not None, stage.p2p.announced[prev] + stage.p2p.received[prev]))
-
-    stages, _ = _micro_step(
-        seq, uniform_balance(3, k), m, x, y, schedule, "never", before_backward=before_backward
-    )
-    for p, g in zip(seq.parameters(), expected):
-        assert torch.allclose(p.grad, g, atol=1e-6)
-    column = [str(a) for a in stage_actions(schedule(k, m), k - 1)]
-    assert stages[-1].timeline.actions == column
-    b_next = [column[column.index(f"F{i}") + 1] == f"B{i}" for i in range(m)]
-    assert b_next == ([True] * m if schedule is one_f_one_b else [False] * (m - 1) + [True])
-    assert [attached for _, attached, _ in seen] == b_next
-    if schedule is one_f_one_b:  # F i+1's input announced (or taken) before B i runs
-        assert all(known >= min(i + 2, m) for i, _, known in seen), seen
-
-
 @pytest.mark.parametrize("schedule", [fill_drain, one_f_one_b])
 def test_one_call_per_micro_batch_with_skips_across_stages(schedule):
     """Skip connections across stages, recompute always: any valid schedule runs with one call per micro-batch."""
@@ -434,7 +393,8 @@ def test_a_micro_step_that_never_calls_the_sequential_names_where_the_column_sto
     stage = build_stage(seq, [2], Layout(1, 1), 0, 3, "never", torch.device("cpu"), schedule=one_f_one_b)
     stage.start_micro_steps(3)
     out = stage.run_step(stage, True, torch.zeros(2, 4))
-    stage.backpropagate_loss(0, out.sum().backward)
+    out.sum().backward()
+    stage.loss_backpropagated(0)
     with pytest.raises(
         PipelineUsageError, match=r"stage 0 stopped at F1 of its column with 1 of 3 micro-batches"
     ):

@@ -127,13 +127,13 @@ def live_bytes_after_each_micro_batch(chunks, returns, rows=32, width=64):
         return {"loss": loss, "n": x.shape[0]} if returns == "dict" else loss
 
     lives = []
-    backpropagate = stage.backpropagate_loss
+    backpropagated = stage.loss_backpropagated
 
-    def backpropagate_loss(i, backward):
-        backpropagate(i, backward)
+    def loss_backpropagated(i):
+        backpropagated(i)
         lives.append(meter.live)
 
-    stage.backpropagate_loss = backpropagate_loss
+    stage.loss_backpropagated = loss_backpropagated
     steps = MicroSteps()
     with TensorMemoryMeter() as meter:
         out = steps.training_step(training_step, stage, module, Backward(), chunks, batch, 0)

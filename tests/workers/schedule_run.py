@@ -69,7 +69,8 @@ for m in chunks:
     for i, (xi, yi) in enumerate(zip(x.split(parts), y.split(parts))):
         out_ = stage.run_step(stage, True, xi)
         if stage.topology.is_last:
-            stage.backpropagate_loss(i, (nn.functional.mse_loss(out_, yi) * len(yi) / len(y)).backward)
+            (nn.functional.mse_loss(out_, yi) * len(yi) / len(y)).backward()
+            stage.loss_backpropagated(i)
     stage.end_micro_steps()
     recorded[f"1f1b:{m}"] = {"stage": stage.topology.stage, "actions": recorder.actions}
 (out / f"rank{rank}.json").write_text(json.dumps(recorded))
