@@ -122,6 +122,8 @@ COLUMNS = [
     "virtual_stages",
     "vs_peer_paired",
     "vs_peer_paired_repeats",
+    "pin",
+    "cpus_stages",
 ]
 
 # The one-process baselines: 1 thread, K threads, 1 thread on the pipeline's micro-batches.
@@ -276,6 +278,10 @@ def _row(
         "rss_bytes": max(r["rss_bytes"] for r in stage_results),
         "schedule": schedule,
         "virtual_stages": v if run in ("ours", "bare", "peer") else None,
+        "pin": bool(cfg.get("pin", False)) if run in ("ours", "bare", "peer") else None,
+        "cpus_stages": "|".join(",".join(str(c) for c in r["cpus"]) for r in stage_results)
+        if all("cpus" in r for r in stage_results)
+        else None,
     }
 
 
@@ -377,6 +383,7 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
                     "virtual_stages": cfg.virtual_stages,
                     "batch_size": cfg.batch_size,
                     "threads": cfg.threads,
+                    "pin": bool(cfg.pin),
                     "warmup": max(1, cfg.warmup),
                     "timed": cfg.timed,
                     "memory": cfg.memory,

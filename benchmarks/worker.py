@@ -21,7 +21,8 @@ is one of:
 benchmark). Every run takes ``warmup`` steps, then ``timed`` steps whose durations (seconds between
 consecutive step ends, optimizer step included) are reported, then, with ``memory``, one step under
 :class:`~benchmarks.memory.TensorMemoryMeter`. Every run zeroes gradients the same way
-(:func:`_set_to_none`). Each rank writes ``{out}/{run}_rank{r}.json``.
+(:func:`_set_to_none`). With ``pin``, each rank of ``ours``, ``bare`` and ``peer`` and its threads run
+on cores of their own (:func:`pin_rank`). Each rank writes ``{out}/{run}_rank{r}.json``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def _result(spec: dict[str, Any], watch: Stopwatch, meter: TensorMemoryMeter | N
         "step_s": watch.timed_steps(),
         "activation_bytes": meter.peak if meter is not None else None,
         "rss_bytes": peak_rss_bytes(),
+        "cpus": sorted(os.sched_getaffinity(0)),
         **extra,
     }
 
@@ -413,8 +415,24 @@ def run_single(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 RUNS = {"ours": run_ours, "bare": run_bare, "peer": run_peer, "single": run_single}
 
 
+_CPUS = "GPIPE_BENCH_CPUS"
+
+
+def pin_rank(rank: int, threads: int, cpus: list[int]) -> list[int]:
+    """The cores rank ``rank`` of a run with ``threads`` threads per rank runs on: ``threads`` of
+    ``cpus`` (the cores this process may use), rank 0 on the first ones, wrapping around when the
+    ranks need more cores than there are."""
+    return [cpus[(rank * threads + t) % len(cpus)] for t in range(threads)]
+
+
 def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[1]).read_text())
+    if spec.get("pin") and spec["run"] != "single":  # before any thread starts: they inherit it
+        rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+        # the job's cores, as the first process found them (Lightning's launcher starts the other
+        # ranks from a pinned process: they inherit this variable, not its cores)
+        job = os.environ.setdefault(_CPUS, ",".join(str(c) for c in sorted(os.sched_getaffinity(0))))
+        os.sched_setaffinity(0, pin_rank(rank, spec["threads"], [int(c) for c in job.split(",")]))
     torch.set_num_threads(spec["threads"])
     if spec.get("profile"):  # cProfile every rank: {out}/{run}_{pid}.prof
         import cProfile

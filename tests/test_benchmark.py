@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ from benchmarks.benchmark import (
     predict_window,
     report,
 )
-from benchmarks.worker import _timeline_summary
+from benchmarks.worker import _timeline_summary, pin_rank
 from lightning_gpipe.schedule import ideal_bubble
 from lightning_gpipe.simulate import simulate
 from tests._harness import ROOT, _env
@@ -93,6 +94,25 @@ def test_ours_and_the_peer_report_throughput_memory_bubble_and_their_ratio(tmp_p
     assert len(ours["activation_bytes_stages"].split("|")) == 2
     with (tmp_path / "b.csv").open() as f:
         assert [r["run"] for r in csv.DictReader(f)] == ["ours", "peer"]
+
+
+def test_pin_gives_each_rank_its_own_cores_wrapping_when_short():
+    assert [pin_rank(r, 1, [0, 1]) for r in range(3)] == [[0], [1], [0]]
+    assert [pin_rank(r, 2, [4, 5, 6, 7]) for r in range(2)] == [[4, 5], [6, 7]]
+    assert pin_rank(1, 2, [3]) == [3, 3]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning two ranks apart needs two cores")
+def test_pinned_runs_put_each_stage_on_its_own_core(tmp_path):
+    """pin=true: ours' and the peer's ranks each run on one core of their own (their threads too),
+    recorded per stage in the row; the plain model is not pinned."""
+    cpus = sorted(os.sched_getaffinity(0))
+    cfg = _compose([*TINY, "pin=true", "runs=[ours,peer]", f"csv={tmp_path / 'b.csv'}", "timeout=100"])
+    rows = {r["run"]: r for r in benchmark(cfg)}
+    for run in ("ours", "peer"):
+        assert rows[run]["pin"] is True
+        assert sorted(rows[run]["cpus_stages"].split("|")) == [str(cpus[0]), str(cpus[1])], rows[run]
 
 
 @pytest.mark.slow  # about 55 s (six launches); the ours/peer test covers the driver in the default suite
