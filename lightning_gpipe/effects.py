@@ -11,32 +11,40 @@ change, and what happens to it here:
   (``self.seen = self.seen + n``);
 - **tensor attributes** (``self.cache = ...``), including torchmetrics metric states held by a
   layer;
-- **plain attributes**: numbers, strings, ``None`` (``self.calls += 1``, torchmetrics'
-  ``_update_count``), and the contents of ``list`` / ``dict`` / ``set`` attributes
-  (``self.sizes.append(n)``);
+- **every other attribute** that is not a module: numbers, strings, ``None`` (``self.calls += 1``,
+  torchmetrics' ``_update_count``), containers of any kind and depth (``list``, ``dict``,
+  ``set``, ``deque``, ``defaultdict``, ``{"a": [...]}``: ``self.sizes.append(n)``) and plain
+  objects (``self.stats.n += 1``);
 - the same state changed by **forward hooks and pre-hooks** registered on the layers (they run
   again in the recompute: weight norm and spectral norm compute the weight there).
 
-:meth:`ForwardState.capture` records all of it before a micro-batch's forward (tensors are
-cloned); :meth:`ForwardState.replay` runs the recompute on that recorded state and afterwards puts
-back the state it found, so every change happens exactly once per micro-batch, as without
-recompute, and the recompute's arithmetic equals the forward's. :meth:`ForwardState.prune` drops
+:meth:`ForwardState.capture` records all of it before a micro-batch's forward: tensors are cloned,
+other attributes deep-copied (``copy.deepcopy``, one memo for the stage, so objects shared by
+layers stay shared; modules, parameters and tensors in a graph inside them are kept, not copied).
+:meth:`ForwardState.replay` puts that record in the modules for the recompute and afterwards puts
+back the objects it found: the recompute computes on the forward's state and changes only the
+record, so every change happens exactly once per micro-batch, as without recompute, and the
+recompute's arithmetic equals the forward's. :meth:`ForwardState.prune` drops
 the copies of tensors that the forward fill did not change (most buffers), so they hold no memory
 through the backward; their recompute copies them when it runs.
 
 Not covered: random draws (``torch.utils.checkpoint`` replays the RNG state and leaves the
 global generator as the forward left it), parameters changed in place (``nn.Embedding(max_norm=...)``
 renormalizes rows idempotently; copying every parameter per micro-batch would cost the memory
-recompute saves) and objects outside the modules (a list a hook closes over): a hook can ask
-:func:`recomputing` and skip such effects.
+recompute saves) objects outside the modules (a list a hook closes over): a hook can ask :func:`recomputing` and
+skip such effects), and an attribute ``copy.deepcopy`` refuses (a lock, a generator), which is
+kept by reference.
 
-Memory: the bytes of the stage's buffers and tensor attributes per recomputed micro-batch, during
-the forward fill; after it, only those the fill changed (for BatchNorm, ``2·C + 1`` numbers per
-layer and micro-batch).
+Memory and time: the bytes of the stage's buffers and tensor attributes per recomputed micro-batch,
+during the forward fill; after it, only those the fill changed (for BatchNorm, ``2·C + 1`` numbers
+per layer and micro-batch); and a deep copy of the other attributes per recomputed micro-batch
+(a Hugging Face layer's shared ``config``: one copy, about 30 µs). A layer that holds a large
+object it never changes in forward can keep it outside the module.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -49,7 +57,7 @@ from torch import Tensor, nn
 __all__ = ["ForwardState", "recomputing"]
 
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)  # hooks, _parameters, _buffers, _modules, training ...
-_CONTAINERS = (list, dict, set)
+_ATOMS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
 _local = threading.local()
 
 
@@ -70,7 +78,7 @@ class _Slot:
     name: str
     buffer: bool
     ref: Any  # the object found there
-    copy: Any  # a clone (tensors), a shallow copy (containers) or ref itself
+    copy: Any  # a clone (tensors), a deep copy (other objects) or ref itself
     pruned: bool = False  # a tensor unchanged by the forward fill: its copy is dropped
 
     def get(self) -> Any:
@@ -92,16 +100,14 @@ def _all(modules: Iterable[nn.Module]) -> list[nn.Module]:
     return list(seen.values())
 
 
-def _copy_contents(obj: Any) -> Any:
-    return type(obj)(obj.items()) if isinstance(obj, dict) else type(obj)(obj)
-
-
-def _set_contents(obj: Any, contents: Any) -> None:
-    obj.clear()
-    if isinstance(obj, list):
-        obj.extend(contents)
-    else:
-        obj.update(contents)
+def _deep_copy(value: Any, memo: dict[int, Any]) -> Any:
+    """``value`` deep-copied with ``memo`` (what it maps stays as mapped: modules, parameters, the
+    stage's cloned tensors); ``value`` itself where ``copy.deepcopy`` refuses it (a lock, a generator,
+    a tensor in an autograd graph inside)."""
+    try:
+        return copy.deepcopy(value, memo)
+    except Exception:  # noqa: BLE001 # not copyable: kept by reference, as documented
+        return value
 
 
 class ForwardState:
@@ -118,34 +124,39 @@ class ForwardState:
     def capture(cls, modules: Iterable[nn.Module]) -> ForwardState:
         """Record the buffers and attributes of ``modules`` (each with its submodules; tensors cloned).
 
-        A tensor held in several places (a buffer shared by two layers) is cloned once, so the
-        copies share as the originals do.
+        A tensor or object held in several places (a buffer shared by two layers, one ``config``)
+        is copied once, so the copies share as the originals do.
         """
         slots: list[_Slot] = []
-        clones: dict[int, Tensor] = {}
+        owners = _all(modules)
+        # one memo: deepcopy keeps modules and parameters, and maps each tensor to its one clone
+        memo: dict[int, Any] = {id(m): m for m in owners}
+        memo.update((id(p), p) for m in owners for p in m._parameters.values() if p is not None)
 
         def copy_of(t: Tensor) -> Tensor:
-            if id(t) not in clones:
+            if id(t) not in memo:
                 with torch.no_grad():
-                    clones[id(t)] = t.detach().clone()
-            return clones[id(t)]
+                    memo[id(t)] = t.detach().clone()
+            return memo[id(t)]
 
-        for owner in _all(modules):
+        others: list[tuple[nn.Module, str, Any]] = []
+        for owner in owners:
             for name, buf in owner._buffers.items():
                 if buf is not None:
                     slots.append(_Slot(owner, name, True, buf, copy_of(buf)))
             for name, value in owner.__dict__.items():
                 if name in _MODULE_INTERNALS or isinstance(value, nn.Module):
                     continue
-                if isinstance(value, Tensor):
-                    if value.requires_grad:  # part of an autograd graph: kept by reference
-                        slots.append(_Slot(owner, name, False, value, value))
-                    else:
-                        slots.append(_Slot(owner, name, False, value, copy_of(value)))
-                elif isinstance(value, _CONTAINERS):
-                    slots.append(_Slot(owner, name, False, value, _copy_contents(value)))
-                else:
+                if isinstance(value, Tensor):  # in an autograd graph: kept by reference
+                    slots.append(
+                        _Slot(owner, name, False, value, value if value.requires_grad else copy_of(value))
+                    )
+                elif isinstance(value, _ATOMS):
                     slots.append(_Slot(owner, name, False, value, value))
+                else:
+                    others.append((owner, name, value))
+        for owner, name, value in others:  # after the tensors: a container holding a buffer holds its clone
+            slots.append(_Slot(owner, name, False, value, _deep_copy(value, memo)))
         return cls(slots)
 
     def prune(self) -> None:
@@ -173,10 +184,7 @@ class ForwardState:
         found = [_State.of(owner) for owner in _all(modules)]
         fresh: dict[int, Tensor] = {}
         for s in self._slots:
-            if isinstance(s.ref, _CONTAINERS):
-                _set_contents(s.ref, s.copy)
-                s.put(s.ref)
-            elif s.pruned:  # pruned: unchanged since the forward, copied now
+            if s.pruned:  # pruned: unchanged since the forward, copied now
                 if id(s.ref) not in fresh:
                     with torch.no_grad():
                         fresh[id(s.ref)] = s.ref.detach().clone()
@@ -195,25 +203,21 @@ class ForwardState:
 
 @dataclass
 class _State:
-    """What one module holds (attributes by reference, containers' contents copied), to put back."""
+    """What one module holds (attributes and buffers by reference), to put back."""
 
     owner: nn.Module
     attributes: dict[str, Any]
     buffers: dict[str, Any]
-    contents: dict[str, Any]
 
     @classmethod
     def of(cls, owner: nn.Module) -> _State:
         attributes = {k: v for k, v in owner.__dict__.items() if k not in _MODULE_INTERNALS}
-        contents = {k: _copy_contents(v) for k, v in attributes.items() if isinstance(v, _CONTAINERS)}
-        return cls(owner, attributes, dict(owner._buffers), contents)
+        return cls(owner, attributes, dict(owner._buffers))
 
     def restore(self) -> None:
         held = self.owner.__dict__
         for name in [k for k in held if k not in _MODULE_INTERNALS and k not in self.attributes]:
             del held[name]
         held.update(self.attributes)
-        for name, contents in self.contents.items():
-            _set_contents(self.attributes[name], contents)
         self.owner._buffers.clear()
         self.owner._buffers.update(self.buffers)

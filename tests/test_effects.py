@@ -4,7 +4,10 @@ In-process tests run one stage (no communication) with each checkpoint mode agai
 ``checkpoint="never"``; one multi-process job runs the issue's failing input over 2 stages.
 """
 
+import collections
 import copy
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -81,6 +84,76 @@ def test_replaced_buffers_and_new_attributes_are_restored_after_recompute():
     layers = nn.Sequential(nn.Linear(6, 4), _Replaces())
     ours, _ = _train_one_stage(layers, "always", steps=2)
     assert float(ours[1].n) == 6.0 and ours[1].last_size == 3
+
+
+class _Stats:
+    """A plain object a layer keeps its counts in."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
+class _Holds(nn.Module):
+    """Keeps one kind of state outside buffers and plain attributes, changed in training forward;
+    ``shared`` is one object two layers hold. Its output depends on the state it read."""
+
+    def __init__(self, kind: str, shared: object = None) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lock = threading.Lock()  # not copyable: kept by reference, never changed
+        self.state: Any = {
+            "defaultdict": lambda: collections.defaultdict(int),
+            "deque": lambda: collections.deque(maxlen=4),
+            "object": _Stats,
+            "nested": lambda: {"a": [], "b": {"c": set()}},
+            "shared": lambda: shared,
+        }[kind]()
+
+    def count(self) -> int:
+        s = self.state
+        if self.kind == "defaultdict":
+            return s["n"]
+        if self.kind == "deque":
+            return sum(s)
+        if self.kind == "nested":
+            return len(s["a"]) + len(s["b"]["c"])
+        return s.n
+
+    def forward(self, x):
+        if self.training:
+            s, n = self.state, x.shape[0]
+            if self.kind == "defaultdict":
+                s["n"] += n
+            elif self.kind == "deque":
+                s.append(n)
+            elif self.kind == "nested":
+                s["a"].append(n)
+                s["b"]["c"].add(len(s["a"]))
+            else:
+                s.n += n
+        return x * (1 + 0.01 * self.count())
+
+
+@pytest.mark.parametrize("mode", ["except_last", "always"])
+@pytest.mark.parametrize("kind", ["defaultdict", "deque", "object", "nested", "shared"])
+def test_containers_of_any_kind_and_plain_objects_change_once(kind, mode):
+    """The rest of the kind "state a forward changes": a ``defaultdict``, a bounded ``deque``, a plain
+    object, nested containers, and one object held by two layers (it stays one object in the
+    recompute). Counts, outputs and gradients as with ``checkpoint="never"``; a lock the layer holds
+    is kept as it is."""
+
+    def build() -> nn.Sequential:
+        shared = _Stats()
+        return nn.Sequential(nn.Linear(6, 6), _Holds(kind, shared), nn.Tanh(), _Holds(kind, shared))
+
+    never, never_grads = _train_one_stage(build(), "never")
+    ours, grads = _train_one_stage(build(), mode)
+    assert [ours[k].count() for k in (1, 3)] == [never[k].count() for k in (1, 3)]
+    if kind == "shared":  # 3 steps of 9 samples, counted by both layers
+        assert ours[1].state is ours[3].state and ours[1].count() == 54
+    for a, b in zip(grads, never_grads):
+        assert max_diff(a, b) <= 1e-6
+    assert isinstance(ours[1].lock, type(threading.Lock()))
 
 
 def test_recomputing_tells_hooks_with_outside_effects():
