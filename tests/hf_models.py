@@ -140,3 +140,40 @@ def reference(family: str, steps: int = 5):
     model, data = module_and_data(family, steps)
     pl.Trainer(devices=1, **trainer_kwargs(steps)).fit(model, data)
     return model
+
+
+def micro_batch_reference(family: str, chunks: int) -> tuple[HFImageClassifier, list[int]]:
+    """One SGD step of the image module on one device as GPipe with ``chunks`` micro-batches and deferred BatchNorm
+    computes it, written out without the library: the first batch of :func:`image_data` split as
+    ``torch.tensor_split`` splits it, each micro-batch's forward in train mode (every BatchNorm normalises by that
+    micro-batch's statistics) and backward of its loss weighted by n_i / N, gradients accumulated, one step; then
+    every BatchNorm's running statistics set by one momentum update from the inputs it received over all micro-
+    batches, concatenated (mean, unbiased variance; ``num_batches_tracked`` + 1), as a deferred BatchNorm commits.
+
+    Returns the module after the step and the micro-batch sizes.
+    """
+    pl.seed_everything(0, verbose=False)
+    model, data = module_and_data(family, steps=1)
+    x, y = next(iter(data))
+    model.train()
+    norms = [m for m in model.layers.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    start = {m: (m.running_mean.clone(), m.running_var.clone(), m.num_batches_tracked.clone()) for m in norms}
+    inputs: dict[torch.nn.Module, list[torch.Tensor]] = {m: [] for m in norms}
+    hooks = [m.register_forward_pre_hook(lambda m, args: inputs[m].append(args[0].detach())) for m in norms]
+    optimizer = model.configure_optimizers()
+    optimizer.zero_grad()
+    parts = list(zip(torch.tensor_split(x, chunks), torch.tensor_split(y, chunks)))
+    for xs, ys in parts:
+        (F.cross_entropy(model.layers(xs), ys) * (len(xs) / len(x))).backward()
+    optimizer.step()
+    for hook in hooks:
+        hook.remove()
+    with torch.no_grad():
+        for m in norms:
+            seen = torch.cat(inputs[m]).double()
+            mean, var = seen.mean(dim=(0, 2, 3)), seen.var(dim=(0, 2, 3), correction=1)
+            running_mean, running_var, tracked = start[m]
+            m.running_mean.copy_((1 - m.momentum) * running_mean.double() + m.momentum * mean)
+            m.running_var.copy_((1 - m.momentum) * running_var.double() + m.momentum * var)
+            m.num_batches_tracked.copy_(tracked + 1)
+    return model, [len(xs) for xs, _ in parts]
