@@ -325,6 +325,7 @@ class Net(pl.LightningModule):
         sync_dist: bool = False,
         ref_clip_norm_type: float | None = None,
         freeze_first: bool = False,
+        freeze: list[int] | None = None,
         scheduler: bool = False,
         two_optimizers: bool = False,
         log_first: bool = False,
@@ -360,6 +361,8 @@ class Net(pl.LightningModule):
                 self.layers.load_state_dict(build_layers(kind).state_dict())
         if freeze_first:
             self.layers[0].requires_grad_(False)
+        for k in freeze or ():  # layers k frozen (e.g. every layer of a middle stage)
+            self.layers[k].requires_grad_(False)
         self.iterate_layers = iterate_layers  # `for layer in self.layers:` inside the step
         # a reference to the Sequential's forward kept from __init__: calls the whole original Sequential
         self._stale_forward = self.layers.forward if stale_forward else None

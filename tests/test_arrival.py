@@ -1,12 +1,12 @@
 """A collective reached by only some ranks fails within collective_timeout on every rank, naming the
-operation and the missing ranks; SIGTERM ends every rank within seconds even while one is blocked."""
+operation and the missing ranks; SIGTERM and SIGINT end every rank within seconds even while one is blocked."""
 
 import json
 import time
 
 import pytest
 
-from tests._harness import run_script
+from tests._harness import run_ranks, run_script
 
 
 def _spec(tmp_path, **extra):
@@ -15,36 +15,60 @@ def _spec(tmp_path, **extra):
     return str(tmp_path / "spec.json")
 
 
+_OPERATIONS = {  # what the worker's Rank0Only callback calls -> the operation its error names
+    "save": "gathering the model's state (save_checkpoint)",
+    "barrier": "barrier 'only rank 0'",
+    "broadcast": "broadcast",
+    "agree": "reduce_boolean_decision",
+}
+
+
 @pytest.mark.timeout(200)
-def test_checkpoint_saved_only_on_global_zero_fails_fast_on_every_rank(tmp_path):
-    """A callback guarded by trainer.is_global_zero saves a checkpoint: with collective_timeout=5 every rank
-    exits non-zero within a minute, and the error names the operation and the rank that did not come."""
-    path = _spec(
-        tmp_path, runs=[{"chunks": 2, "collective_timeout": 5}], rank0_only={"at": 1, "call": "save"}
-    )
+@pytest.mark.parametrize(
+    ("launch", "call"),
+    [
+        ("lightning", "save"),
+        ("torchrun", "save"),
+        ("torchrun", "barrier"),
+        ("torchrun", "broadcast"),
+        ("torchrun", "agree"),
+    ],
+)
+def test_collective_reached_only_on_global_zero_fails_fast_on_every_rank(tmp_path, launch, call):
+    """A callback guarded by trainer.is_global_zero saves a checkpoint, enters a barrier, broadcasts or
+    calls reduce_boolean_decision: with collective_timeout=5 every rank exits non-zero within a minute, and
+    the error names the operation and the rank that did not come. Under Lightning's launcher rank 0 ends
+    the ranks it started (one output); started torchrun-style, each rank prints the error itself."""
+    path = _spec(tmp_path, runs=[{"chunks": 2, "collective_timeout": 5}], rank0_only={"at": 1, "call": call})
+    note = f"{_OPERATIONS[call]} needs every rank, but rank(s) [1] did not reach it within 5 s"
     start = time.monotonic()
-    rc, out = run_script("tests/workers/train.py", path, timeout=150)
-    seconds = time.monotonic() - start
-    assert rc != 0
+    if launch == "lightning":
+        results = [run_script("tests/workers/train.py", path, timeout=150)]
+    else:
+        results = run_ranks("tests/workers/train.py", 2, path, timeout=150)
+    seconds = time.monotonic() - start  # run_job returns once every process of the job has ended
     assert seconds < 60, f"the job took {seconds:.0f} s to end"
-    assert (
-        "gathering the model's state (save_checkpoint" in out
-        and "rank(s) [1] did not reach it within 5 s" in out
-    )
-    assert "worker rank" not in out  # no rank finished normally
+    for rank, (rc, out) in enumerate(results):
+        assert rc != 0, f"rank {rank}:\n{out[-3000:]}"
+        assert note in out, f"rank {rank}:\n{out[-3000:]}"
+        assert "worker rank" not in out  # no rank finished normally
+    if launch == "torchrun":  # the rank that did not come learns why from the one that timed out
+        assert "stage 0 (rank 1) stopped because another rank of the job failed (" + note in results[1][1]
 
 
 @pytest.mark.timeout(120)
-def test_sigterm_ends_every_rank_while_one_is_blocked_in_a_collective(tmp_path):
-    """Rank 0 alone enters a barrier (collective_timeout 600 s, so it stays blocked) and gets SIGTERM 2 s
-    later: both ranks end within seconds, non-zero."""
-    what = {"at": 1, "call": "barrier", "sigterm_after": 2}
+@pytest.mark.parametrize("signal", ["SIGTERM", "SIGINT"])
+def test_signal_ends_every_rank_while_one_is_blocked_in_a_collective(tmp_path, signal):
+    """Rank 0 alone enters a barrier (collective_timeout 600 s, so it stays blocked) and gets SIGTERM, or
+    SIGINT as from Ctrl-C, 2 s later: both ranks end within seconds, non-zero."""
+    what = {"at": 1, "call": "barrier", "sigterm_after": 2, "signal": signal}
     path = _spec(tmp_path, runs=[{"chunks": 2, "collective_timeout": 600}], rank0_only=what)
     rc, out = run_script("tests/workers/train.py", path, timeout=100)
     seconds = time.time() - (tmp_path / "blocked").stat().st_mtime
     assert rc != 0
-    assert seconds < 20, f"the ranks took {seconds:.0f} s to end after SIGTERM:\n{out[-3000:]}"
-    assert "got SIGTERM" in out
+    assert seconds < 20, f"the ranks took {seconds:.0f} s to end after {signal}:\n{out[-3000:]}"
+    assert f"got {signal}" in out
+    assert "worker rank" not in out  # no rank finished normally
 
 
 @pytest.mark.timeout(120)
@@ -52,7 +76,7 @@ def test_the_sigterm_check_stops_every_rank_at_the_same_step_without_waiting(tmp
     """The deferred per-step SIGTERM check (in place of Lightning's blocking broadcast): rank 0's flag,
     set after step 2, stops both ranks at step 4 (Lightning's own check: step 3), rank 1's own flag
     counts for nothing, and rank 0 does not wait for rank 1, which comes 50 ms after it to every step."""
-    from tests._harness import check, run_ranks
+    from tests._harness import check
 
     for result in run_ranks("tests/workers/sigterm_check.py", 2, str(tmp_path), timeout=100):
         check(result)

@@ -18,8 +18,9 @@ save (checkpoint file to write after fit; "{k}" is the run's index), save_at_tra
 model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
 the first fit), exit_check (write exit_rank{r}.json: process group and threads left
 at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit),
-shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" | "barrier", "sigterm_after": seconds}: only global
-rank 0 calls it, after writing the file "blocked" (and arranging a SIGTERM to itself)), record_start_state (rank 0 records the full state as training starts).
+shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" | "barrier" | "broadcast" | "agree", "sigterm_after": seconds, "signal":
+"SIGTERM" (default) | "SIGINT"}: only global rank 0 calls it, after writing the file "blocked" (and arranging that
+signal to itself)), record_start_state (rank 0 records the full state as training starts).
 """
 
 import atexit
@@ -127,19 +128,25 @@ class SaveAtTrainEnd(Callback):
 
 
 class Rank0Only(Callback):
-    """At batch ``at``, global rank 0 alone saves a checkpoint or enters a barrier (writes ``blocked`` first)."""
+    """At batch ``at``, global rank 0 alone saves a checkpoint, enters a barrier, broadcasts or calls
+    reduce_boolean_decision (writes ``blocked`` first)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         what = spec["rank0_only"]
         if trainer.is_global_zero and batch_idx == what["at"]:
             (out / "blocked").write_text("1")
-            if what.get("sigterm_after"):  # as a scheduler or `timeout` would, while rank 0 is blocked
+            if what.get("sigterm_after"):  # as a scheduler, `timeout` or Ctrl-C would, rank 0 blocked
                 import signal
                 import threading
 
-                threading.Timer(what["sigterm_after"], os.kill, (os.getpid(), signal.SIGTERM)).start()
+                signum = getattr(signal, what.get("signal", "SIGTERM"))
+                threading.Timer(what["sigterm_after"], os.kill, (os.getpid(), signum)).start()
             if what["call"] == "save":
                 trainer.save_checkpoint(out / "only0.ckpt")
+            elif what["call"] == "broadcast":
+                trainer.strategy.broadcast("only rank 0")
+            elif what["call"] == "agree":
+                trainer.strategy.reduce_boolean_decision(True)
             else:
                 trainer.strategy.barrier("only rank 0")
 
