@@ -198,7 +198,7 @@ def test_recompute_counts_each_sample_once_over_two_stages(gpipe_job, tmp_path):
         [{"chunks": 2, "balance": [3, 4], "checkpoint": m} for m in modes],
         steps=3,
         batch=8,
-        save_at_train_end="effects.ckpt",
+        save_at_train_end="effects{k}.ckpt",
     )
     never = results[0]
     for mode, result in zip(modes, results):
@@ -210,8 +210,9 @@ def test_recompute_counts_each_sample_once_over_two_stages(gpipe_job, tmp_path):
             assert {k: ours["effects"][k] for k in held} == {k: ref["effects"][k] for k in held}, (mode, rank)
             assert torch.equal(ours["rng_after"], ref["rng_after"]), (mode, rank)
     assert never["ranks"][1]["effects"][1] == {"calls": 6, "sizes": [4] * 6}
-    saved = torch.load(tmp_path / "effects.ckpt", weights_only=False)  # written by the last run ("always")
-    assert int(saved["state_dict"]["layers.1.seen"]) == 24
+    for k, mode in enumerate(modes):  # the checkpoint each run wrote inside fit
+        saved = torch.load(tmp_path / f"effects{k}.ckpt", weights_only=False)
+        assert int(saved["state_dict"]["layers.1.seen"]) == 24, mode
 
 
 def test_batch_norm_updates_running_statistics_once_per_micro_batch():

@@ -14,7 +14,7 @@ A run may carry, for that run only: "net" (Net kwargs), "trainer" (Trainer kwarg
 Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs (GPipeStrategy kwargs per run; "{k}" in save/resume paths is the run index), steps, batch, seed, lr, samples,
 net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
 callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
-save (checkpoint file to write after fit; "{k}" is the run's index), save_at_train_end (written inside fit, while the
+save (checkpoint file to write after fit; "{k}" is the run's index), save_at_train_end (written inside fit, "{k}" as in save, while the
 model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
 the first fit), exit_check (write exit_rank{r}.json: process group and threads left
 at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit),
@@ -173,7 +173,7 @@ for k, run in enumerate(spec["runs"]):
     if spec.get("record_start_state"):
         callbacks.append(RecordStartState())
     if spec.get("save_at_train_end"):
-        callbacks.append(SaveAtTrainEnd(out / spec["save_at_train_end"]))
+        callbacks.append(SaveAtTrainEnd(out / spec["save_at_train_end"].format(k=k)))
     val = None
     if spec.get("val"):
         val = make_data(kind, batch, 2, seed=2, indexed=indexed, samples=spec.get("val_samples"))
