@@ -20,7 +20,11 @@ the first fit), exit_check (write exit_rank{r}.json: process group and threads l
 at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit),
 shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" | "barrier" | "broadcast" | "agree", "sigterm_after": seconds, "signal":
 "SIGTERM" (default) | "SIGINT"}: only global rank 0 calls it, after writing the file "blocked" (and arranging that
-signal to itself)), record_start_state (rank 0 records the full state as training starts).
+signal to itself)), record_start_state (rank 0 records the full state as training starts; every rank
+also records, just before fit, its module's state as "init_state" and its torch CPU generator state as
+"init_rng"). seed: the seed_everything seed (default 0); None: an unseeded script, no seed_everything
+(PL_GLOBAL_SEED removed): each process draws its torch, random and numpy generators from OS entropy,
+so every process initializes different weights and holds a different random state.
 """
 
 import atexit
@@ -154,7 +158,17 @@ class Rank0Only(Callback):
 for k, run in enumerate(spec["runs"]):
     run = dict(run)
     run_net = {**net_kwargs, **run.pop("net", {})}  # a run's own Net options
-    pl.seed_everything(spec.get("seed", 0), verbose=False)
+    if spec.get("seed", 0) is None:  # unseeded: every process starts from its own random state
+        import random
+
+        import numpy as np
+
+        os.environ.pop("PL_GLOBAL_SEED", None)
+        torch.seed()
+        random.seed()
+        np.random.seed()
+    else:
+        pl.seed_everything(spec.get("seed", 0), verbose=False)
     model = Net(kind, lr=spec.get("lr", 0.1), **run_net)
     if run.pop("example_input", False):
         model.example_input_array = torch.zeros(2, 6)
@@ -178,6 +192,9 @@ for k, run in enumerate(spec["runs"]):
     if spec.get("val"):
         val = make_data(kind, batch, 2, seed=2, indexed=indexed, samples=spec.get("val_samples"))
     trainer = trainer_for(run, steps, callbacks)
+    if spec.get("record_start_state"):  # this process's own start, before the strategy touches it
+        extra["init_state"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+        extra["init_rng"] = torch.get_rng_state()
     if spec.get("fit", True) and not predict_only and fit_run:
         trainer.fit(model, train_data(), val)
     if validate_after:
