@@ -247,7 +247,7 @@ def _row(
     step = result["step_s"]
     act = [r.get("activation_bytes") for r in stage_results]
     k, m = cfg.stages, len(microbatch_sizes(cfg.batch_size, cfg.chunks))
-    schedule = cfg.schedule if run in ("ours", "peer") else "gpipe" if run == "bare" else None
+    schedule = cfg.schedule if run in ("ours", "bare", "peer") else None
     v = cfg.virtual_stages if run in ("ours", "peer") else 1
     return {
         "run": run,
@@ -348,10 +348,10 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
     if unknown:
         raise ValueError(f"runs may hold ours, bare, peer, single (unknown: {sorted(unknown)})")
     runs = list(cfg.runs)
-    if cfg.schedule != "gpipe" and "bare" in runs:
+    if cfg.schedule == "interleaved_1f1b" and "bare" in runs:
         print(
-            f"benchmark: skipping bare (it runs fill-drain only; schedule={cfg.schedule} applies to ours "
-            "and peer)",
+            "benchmark: skipping bare (it runs one virtual stage per stage; schedule=interleaved_1f1b "
+            "applies to ours and peer)",
             flush=True,
         )
         runs = [r for r in runs if r != "bare"]

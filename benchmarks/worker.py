@@ -7,7 +7,9 @@ is one of:
   launcher re-runs this command for the other stages), with ``timeline=True`` and the spec's
   ``schedule`` and ``virtual_stages``;
 - ``bare``: the same :class:`~lightning_gpipe.stage.PipelineStage` per process, driven by a plain
-  PyTorch loop (no Lightning): the Lightning overhead is ``ours`` against this;
+  PyTorch loop (no Lightning): the Lightning overhead is ``ours`` against this; under ``1f1b``
+  the loop calls the stage once per micro-batch and backpropagates each loss right after its call,
+  as :mod:`lightning_gpipe.microstep` does (``interleaved_1f1b`` has no bare run);
 - ``peer``: ``torch.distributed.pipelining`` on the same split and micro-batches, the spec's
   schedule: ``ScheduleGPipe``, ``Schedule1F1B`` or, under ``interleaved_1f1b``,
   ``ScheduleInterleaved1F1B`` with the peer's stages ``p, p+K, …`` (our parts) on rank ``p``
@@ -45,8 +47,10 @@ from benchmarks.workloads import Batch, build_model, loss_fn, make_batches, summ
 from lightning_gpipe.comm import P2P
 from lightning_gpipe.layout import Layout, StageTopology
 from lightning_gpipe.microbatch import split
+from lightning_gpipe.microstep import split_batch
 from lightning_gpipe.partition import cut, virtual_cut
-from lightning_gpipe.stage import PipelineStage, StageDone
+from lightning_gpipe.schedule import SCHEDULES
+from lightning_gpipe.stage import PipelineStage
 from lightning_gpipe.timeline import Timeline, gather, step_stats
 from lightning_gpipe.trace import plot_gantt, write_chrome_trace
 
@@ -267,6 +271,20 @@ def _probe_p2p(
     return times[0], times[1]
 
 
+def _bare_micro_steps(stage: PipelineStage, loss: Any, x: Tensor, y: Tensor, chunks: int) -> None:
+    """One step of one call per micro-batch: each call's loss, weighted by its share of the batch,
+    backpropagated right after it (the last stage), as :mod:`lightning_gpipe.microstep` does."""
+    micro, parts = split_batch((x, y), chunks)
+    total = sum(parts)
+    stage.start_micro_steps(len(micro))
+    for i, (xi, yi) in enumerate(micro):
+        out = stage.run_step(stage, True, xi)
+        if stage.topology.is_last:
+            (loss(out, yi) * (parts[i] / total)).backward()
+            stage.loss_backpropagated(i)
+    stage.end_micro_steps()
+
+
 def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     rank, world = _init_process_group()
     layout = Layout(world, world)
@@ -285,7 +303,9 @@ def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         spec["chunks"],
         spec["checkpoint"],
         p2p,
+        schedule=SCHEDULES[spec.get("schedule", "gpipe")],
     )
+    per_micro_batch = spec.get("schedule", "gpipe") != "gpipe"
     timeline = stage.timeline = Timeline(stage_index, world, rank)
     probe: dict[str, float] = {}
     if world > 1 and stage_index >= world - 2:  # the last boundary: ranks 0 and 1
@@ -302,15 +322,12 @@ def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             meter = TensorMemoryMeter()
         with meter if meter is not None else nullcontext():
             timeline.begin_step(step)
-            stage.begin_step(True)
-            try:
-                out = stage(x)
-            except StageDone:
-                out = None
-            finally:
-                stage.end_step()
-            if topology.is_last:
-                loss(out, y).backward()
+            if per_micro_batch:
+                _bare_micro_steps(stage, loss, x, y, spec["chunks"])
+            else:
+                out = stage.run_step(stage, True, x)
+                if topology.is_last:
+                    loss(out, y).backward()
             stage.backward()
             timeline.end_step()
             optimizer.step()

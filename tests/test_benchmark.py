@@ -167,12 +167,24 @@ def test_capacity_grows_with_recompute(tmp_path):
         assert [r["checkpoint"] for r in csv.DictReader(f)] == ["never", "always"]
 
 
-@pytest.mark.timeout(30)
-def test_other_schedules_skip_the_bare_loop_and_reach_the_cost_model(tmp_path, capsys):
-    """schedule=1f1b skips bare (a fill-drain loop) with a message; predict_window plays the row's own schedule."""
-    cfg = _compose([*TINY, "schedule=1f1b", "runs=[bare]", "predict=false", f"csv={tmp_path / 'b.csv'}"])
+@pytest.mark.timeout(120)
+def test_bare_runs_1f1b_per_micro_batch_and_skips_interleaved(tmp_path, capsys):
+    """schedule=1f1b runs bare with one stage call per micro-batch (its row names the schedule and
+    its timeline has every micro-batch's forward and backward); interleaved_1f1b skips bare with a
+    message."""
+    cfg = _compose([*TINY, "schedule=1f1b", "runs=[bare]", "predict=false", f"csv={tmp_path / 'a.csv'}"])
+    (row,) = benchmark(cfg)
+    assert row["run"] == "bare" and row["schedule"] == "1f1b" and row["samples_per_s"] > 0
+    assert 0.0 < row["bubble"] < 1.0
+    cfg = _compose(
+        [*TINY, "schedule=interleaved_1f1b", "runs=[bare]", "predict=false", f"csv={tmp_path / 'b.csv'}"]
+    )
     assert benchmark(cfg) == []
     assert "skipping bare" in capsys.readouterr().out
+
+
+def test_predict_window_plays_the_rows_own_schedule():
+    """predict_window plays the row's schedule (here interleaved, v = 2)."""
     row = {
         "forward_s_stages": "1|1",
         "backward_s_stages": "2|2",
