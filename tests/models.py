@@ -337,6 +337,7 @@ class Net(pl.LightningModule):
         compile_layers: dict | None = None,
         stale_forward: bool = False,
         iterate_layers: bool = False,
+        val_stop_at: list[int] | None = None,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
@@ -346,6 +347,7 @@ class Net(pl.LightningModule):
         self.record_params = record_params
         self.params: list[dict[str, torch.Tensor]] = []  # after every step, with record_params
         self.plateau, self.stop_at, self.groups = plateau, stop_at, groups
+        self.val_stop_at = val_stop_at  # [global_step, val batch_idx]: should_stop set in validation_step
         self.step_lrs: list[float] = []  # the learning rate each step uses
         self.layers = build_layers(kind)
         if wrong_shape:  # stage 1 of 3 hands stage 2 (N, 17) where Linear(16, 3) expects (N, 16)
@@ -430,7 +432,12 @@ class Net(pl.LightningModule):
             *batch, _ = batch
         *inputs, y = batch
         out = self(inputs[0] if len(inputs) == 1 else tuple(inputs))
-        self.log("val_loss", self._loss(out, y), sync_dist=self.sync_dist)
+        loss = self._loss(out, y)
+        self.log("val_loss", loss, sync_dist=self.sync_dist)
+        if self.val_stop_at is not None and [self.trainer.global_step, batch_idx] == list(self.val_stop_at):
+            # decided after the pipelined call, with the loss in hand: on the last stage only
+            if torch.isfinite(loss):
+                self.trainer.should_stop = True
         if self.kind == "cls":
             self.acc(out, y)
             self.log("val_acc", self.acc)
@@ -644,6 +651,16 @@ class Recorder(pl.loggers.Logger):
         pass
 
 
+class StopProbe(pl.Callback):
+    """Records ``(global_step, batch_idx, trainer.should_stop)`` in ``on_validation_batch_end`` (``seen``)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, bool]] = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.seen.append((trainer.global_step, batch_idx, bool(trainer.should_stop)))
+
+
 class Writer(pl.callbacks.BasePredictionWriter):
     """Keeps what it is asked to write: ``batches`` (per batch) and ``epoch`` (all predictions)."""
 
@@ -664,13 +681,15 @@ class Writer(pl.callbacks.BasePredictionWriter):
 def feature_callbacks(names: dict) -> list:
     """Lightning callbacks by name, from the test namespace: ``{"swa": kwargs, "ema": kwargs,
     "throughput": kwargs, "summary": kwargs, "writer": kwargs, "pruning": kwargs (ModelPruning("l1_unstructured")),
-    "lr_monitor": kwargs, "accumulation": {"scheduling": {epoch (str or int): factor}}}``."""
+    "lr_monitor": kwargs, "accumulation": {"scheduling": {epoch (str or int): factor}},
+    "stop_probe": {} (:class:`StopProbe`)}``."""
     made = {
         "swa": lambda kw: pl.callbacks.StochasticWeightAveraging(**kw),
         "ema": lambda kw: pl.callbacks.EMAWeightAveraging(**kw),
         "throughput": lambda kw: pl.callbacks.ThroughputMonitor(batch_size_fn=lambda b: b[0].size(0), **kw),
         "summary": lambda kw: pl.callbacks.ModelSummary(**kw),
         "writer": lambda kw: Writer(**kw),
+        "stop_probe": lambda kw: StopProbe(**kw),
         "pruning": lambda kw: pl.callbacks.ModelPruning("l1_unstructured", **kw),
         "lr_monitor": lambda kw: pl.callbacks.LearningRateMonitor(**kw),
         "accumulation": lambda kw: pl.callbacks.GradientAccumulationScheduler(

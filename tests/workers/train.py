@@ -7,7 +7,7 @@ norms, sample indices, callback metrics, best checkpoint path, stop epoch); rank
 stage) also writes the full trained state.
 
 A run may carry, for that run only: "net" (Net kwargs), "trainer" (Trainer kwargs), "features"
-(tests.models.feature_callbacks names), "record_logs" (a Recorder logger), "example_input"
+(tests.models.feature_callbacks names; a "stop_probe"'s records come back as "stop_probe"), "record_logs" (a Recorder logger), "example_input"
 (example_input_array set), "predict_only" (no fit: predict on ``predict_samples`` samples),
 "validate" (trainer.validate after fit), "fit" (false: no fit), "profiler" ("simple",
 "advanced" or "pytorch": reports in ``out/profiles``).
@@ -228,6 +228,7 @@ for k, run in enumerate(spec["runs"]):
         "step_lrs": model.step_lrs,
         "received_skips": getattr(trainer.strategy, "last_received_skips", None),
         "effects": {k: layer.effects() for k, layer in enumerate(layers) if hasattr(layer, "effects")},
+        "stop_probe": next((c.seen for c in callbacks if hasattr(c, "seen")), None),
         "rng_after": torch.rand(4),
     }
     if spec.get("save"):
