@@ -5,9 +5,9 @@ computing and sending exactly what each action names.
 actions over a :class:`~lightning_gpipe.step_run.StepRun`: it builds the step's run from the
 schedule's grid (M from the first stage's split or the first message's header), runs the column
 from its cursor while the actions are runnable, announces the messages each stretch receives
-(:func:`~lightning_gpipe.schedule.messages`), computes each micro-batch (recomputable:
-:mod:`lightning_gpipe.recompute`, replaying the module state its forward saw:
-:mod:`lightning_gpipe.effects`) and sends in the order each peer takes its messages (where the
+(:func:`~lightning_gpipe.schedule.messages`), computes each micro-batch on the stage's own random
+stream (:mod:`lightning_gpipe.stage_rng`; recomputable: :mod:`lightning_gpipe.recompute`, replaying
+the module state its forward saw: :mod:`lightning_gpipe.effects`) and sends in the order each peer takes its messages (where the
 grid's stages take them in another order than sent, :func:`~lightning_gpipe.schedule.in_send_order`,
 a send waits for its turn: :mod:`lightning_gpipe.outbox`). The stage's module face (layers under the user's names, the calls,
 the step's contracts) is :mod:`lightning_gpipe.stage`.
@@ -33,6 +33,7 @@ from lightning_gpipe.layout import StageTopology
 from lightning_gpipe.microbatch import flatten, scatter, unflatten
 from lightning_gpipe.schedule import Action, Grid, Transfer
 from lightning_gpipe.skip import MicroBatchStore, use_store
+from lightning_gpipe.stage_rng import StageGenerator
 from lightning_gpipe.step_run import StepRun
 from lightning_gpipe.wire import Meta
 
@@ -56,6 +57,7 @@ class ColumnExecutor(nn.Module):
     virtual_layers: list[list[str]]
     received_skips: list[tuple[str, int]]
     outcome_follows: bool
+    generator: StageGenerator
     _run: StepRun | None
     _micro: int | None
     _modules: dict[str, nn.Module]  # type: ignore[assignment] # as nn.Sequential declares it
@@ -204,7 +206,7 @@ class ColumnExecutor(nn.Module):
                 store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
                 self.received_skips.append((t.skip, t.peer))
         assert x_structure is not None  # the first stage's split, or the message's
-        with self._span("forward", i, u), self._naming_errors("forward", i, x):
+        with self._span("forward", i, u), self._naming_errors("forward", i, x), self.generator.drawing():
             y = self._compute(i, u, run, unflatten(x_structure, x), store)
         kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
         y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)

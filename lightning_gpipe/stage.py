@@ -79,6 +79,7 @@ from lightning_gpipe.outcome import OutcomeChannel, apply_outcome, outcome_of
 from lightning_gpipe.partition import virtual_cut
 from lightning_gpipe.schedule import Grid
 from lightning_gpipe.skip import routes
+from lightning_gpipe.stage_rng import StageGenerator
 from lightning_gpipe.step_run import Call, StepRun
 
 
@@ -142,6 +143,7 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         # set by the strategy: every training step ends with the last stage's outcome (share_outcome)
         self.outcome_follows = False
         self.outcomes = OutcomeChannel(p2p, p2p.device)
+        self.generator = StageGenerator(p2p.device)  # what the layers draw (lightning_gpipe.stage_rng)
         self._run: StepRun | None = None  # the step in progress
         self._micro: int | None = None  # one call per micro-batch: their number in this step
         self.timeline: Any = (

@@ -78,3 +78,29 @@ def test_dropout_masks_equal_one_device_running_each_stage_on_the_micro_batches(
         # the masks matter: one generator over the whole batch and model trains a different model
         assert max_diff(r["state"], plain.state_dict()) > 1e-3, chunks
         assert max(abs(a - b) for a, b in zip(r["losses"], plain.losses)) > 1e-3, chunks
+
+
+@pytest.mark.timeout(120)
+def test_random_layers_on_one_stage_leave_every_stage_the_same_batches_every_epoch(gpipe_job):
+    """Both dropouts on stage 0 of 2 ([5, 1]), a shuffling loader over 3 epochs of 2 steps: the first stage
+    draws its masks, the last none, yet every stage draws the same permutation in every epoch (the loader
+    draws each epoch's seed from the global generator, which the stages' layers leave alone:
+    ``lightning_gpipe.stage_rng``), and the global generators agree at the end. Before, the ranks parted
+    from the second epoch: the inputs of one permutation trained against the targets of another."""
+    results, _ = gpipe_job(
+        "dropout",
+        2,
+        [{"chunks": 2, "balance": [5, 1]}],
+        timeout=90,
+        steps=-1,
+        samples=20,
+        shuffle=True,
+        trainer={"max_epochs": 3, "max_steps": -1},
+        net={"indexed": True},
+    )
+    ranks = results[0]["ranks"]
+    epochs = [ranks[0]["indices"][2 * e : 2 * e + 2] for e in range(3)]
+    assert len({str(e) for e in epochs}) == 3  # shuffled: each epoch its own order
+    for rank in ranks[1:]:
+        assert rank["indices"] == ranks[0]["indices"]
+        assert torch.equal(rank["rng_after"], ranks[0]["rng_after"])

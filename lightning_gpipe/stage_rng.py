@@ -1,0 +1,71 @@
+"""The stage's own random stream: what a stage's layers draw leaves the process's generators alone.
+
+Every rank of a pipeline runs the user's code (the DataLoader, ``training_step``) and must draw the
+same numbers there: a shuffling loader draws its permutation's seed from ``torch``'s global
+generator at each epoch, and the first stage's inputs and the last stage's targets come from the
+same batch only if every stage draws the same seed. But each stage runs only its own layers: a
+dropout on one stage draws where the others do not (and once per micro-batch, where one device
+draws once per batch), so with the layers on the global generator the ranks' generators part at
+the first random layer, and from the next epoch on the stages would train on different samples
+(silently: the inputs of one, the targets of another).
+
+So a stage's layers draw from the stage's own stream (:class:`StageGenerator`): ``torch``'s CPU
+generator and the stage device's, swapped in around each micro-batch's forward and out after it.
+The stream starts as the process's generators stand at the stage's first forward (every rank of a
+pipeline holds rank 0's state then: :func:`lightning_gpipe.start_state.share_rng_state`, and the
+same user code ran since), and only the stage's layers advance it. What holds for random layers:
+a stage's masks equal those of one device running the same micro-batches through that stage's
+layers in turn from that state; a recompute replays the forward's masks
+(``torch.utils.checkpoint`` stashes the stream's state with the forward); Python's ``random`` and
+NumPy's generators are not swapped (layers rarely draw from them).
+
+Cost: two copies of each generator's state per micro-batch forward (the CPU generator's is 5 056
+bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+__all__ = ["StageGenerator"]
+
+
+class StageGenerator:
+    """A stage's random stream on ``device`` (and the CPU): :meth:`drawing` runs code on it.
+
+    Args:
+        device: the stage's device; its generator is swapped too when it is not the CPU.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._states: tuple[Tensor, Tensor | None] | None = None  # the stream, once started
+
+    def _get(self) -> tuple[Tensor, Tensor | None]:
+        on_device = self.device.type != "cpu" and hasattr(torch, self.device.type)
+        device_state = getattr(torch, self.device.type).get_rng_state(self.device) if on_device else None
+        return torch.get_rng_state(), device_state
+
+    def _set(self, states: tuple[Tensor, Tensor | None]) -> None:
+        cpu, device_state = states
+        torch.set_rng_state(cpu)
+        if device_state is not None:
+            getattr(torch, self.device.type).set_rng_state(device_state, self.device)
+
+    @contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Within: the process's generators hold the stage's stream (started from their state on
+        first use). After: the stream as the code left it is kept, and the process's generators are
+        as they were on entry."""
+        outer = self._get()
+        if self._states is not None:
+            self._set(self._states)
+        try:
+            yield
+        finally:
+            self._states = self._get()
+            self._set(outer)
