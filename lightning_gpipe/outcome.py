@@ -6,14 +6,19 @@ callbacks, LR schedulers (``ReduceLROnPlateau`` with ``interval="step"`` reads
 ``trainer.callback_metrics``) and the user's hooks run on every rank, right after the step. So
 after every training, validation and test step, the last stage sends each other stage of its
 pipeline a :class:`StepOutcome`: whether the step has a loss (and its value), ``should_stop``, and
-``trainer.callback_metrics`` as they stand after the step. Each stage installs it before Lightning
-goes on (:func:`apply_outcome`), so ``on_train_batch_end``, schedulers and callbacks read the
-current step's values everywhere.
+``trainer.callback_metrics`` as they stand after the step, and the state of ``torch``'s CPU
+generator. Each stage installs it before Lightning goes on (:func:`apply_outcome`), so
+``on_train_batch_end``, schedulers and callbacks read the current step's values everywhere, and
+every stage's generator stands where the last stage's does: what the user's code draws after the
+pipelined call (a sampled loss, random targets) is drawn on the last stage only, and a shuffling
+loader draws its next epoch's order from that generator on every stage (the stages' layers draw
+from their own streams: :mod:`lightning_gpipe.stage_rng`).
 
 Wire format: it rides on the message the stages already exchange after a training forward (the
 loss message), one message per other stage and step: a float64 vector
-``[has_loss, loss, should_stop, keys_follow, n, v_1 … v_n]`` (``8·(n + 5)`` bytes plus the
-transport's 528-byte frame and header), the metric values flattened in key order. The keys (names, dtypes,
+``[has_loss, loss, should_stop, keys_follow, n, v_1 … v_n]`` (``8·(n + 5)`` bytes), the metric
+values flattened in key order, and the generator's state (5 056 bytes), plus the transport's
+528-byte frame and header. The keys (names, dtypes,
 shapes) travel as a second, uint8 message only when they change (the first step, a new logged
 key), so a steady step costs no extra message. Validation and test steps have no loss message of
 their own; they send the same one (``has_loss = 0``). In a training step the other stages announce
@@ -46,12 +51,14 @@ class StepOutcome:
         loss: its value (a scalar loss; 0.0 otherwise).
         should_stop: ``trainer.should_stop`` after the step.
         metrics: ``trainer.callback_metrics`` after the step.
+        rng: ``torch``'s CPU generator state after the step (``torch.get_rng_state()``).
     """
 
     has_loss: bool = False
     loss: float = 0.0
     should_stop: bool = False
     metrics: dict[str, Tensor] = field(default_factory=dict)
+    rng: Tensor = field(default_factory=torch.get_rng_state)
 
 
 def outcome_of(trainer: Any, out: Any) -> StepOutcome:
@@ -61,11 +68,14 @@ def outcome_of(trainer: Any, out: Any) -> StepOutcome:
     value = float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else 0.0
     metrics = dict(trainer.callback_metrics) if trainer is not None else {}
     stop = bool(trainer.should_stop) if trainer is not None else False
-    return StepOutcome(has, value, stop, {k: v for k, v in metrics.items() if isinstance(v, Tensor)})
+    metrics = {k: v for k, v in metrics.items() if isinstance(v, Tensor)}
+    return StepOutcome(has, value, stop, metrics, torch.get_rng_state())
 
 
 def apply_outcome(trainer: Any, outcome: StepOutcome) -> None:
-    """Make this (non-last) stage's trainer see the last stage's metrics and stop decision."""
+    """Make this (non-last) stage's trainer see the last stage's metrics and stop decision, and its
+    generator stand where the last stage's does."""
+    torch.set_rng_state(outcome.rng)
     if trainer is None:
         return
     metrics = trainer.callback_metrics
@@ -100,7 +110,7 @@ class OutcomeChannel:
             [float(outcome.has_loss), outcome.loss, float(outcome.should_stop), float(follow), len(keys)],
             dtype=torch.float64,
         )
-        self.p2p.send([torch.cat([head, *values]).to(self.device)], dst)
+        self.p2p.send([torch.cat([head, *values]).to(self.device), outcome.rng.to(self.device)], dst)
         if follow:
             data = torch.frombuffer(bytearray(json.dumps(keys).encode()), dtype=torch.uint8)
             self.p2p.send([data.to(self.device)], dst)
@@ -108,7 +118,7 @@ class OutcomeChannel:
 
     def receive(self, src: int) -> StepOutcome:
         """Take one outcome from ``src`` (the last stage of this pipeline)."""
-        _, (message,) = self.p2p.recv(src)
+        _, (message, rng) = self.p2p.recv(src)
         message = message.cpu()
         has, loss, stop, follow, n = message[:_HEAD].tolist()
         if follow:
@@ -129,4 +139,4 @@ class OutcomeChannel:
             value = message[offset : offset + numel].reshape(shape).to(getattr(torch, dtype))
             metrics[name] = value.to(self.device)
             offset += numel
-        return StepOutcome(bool(has), loss, bool(stop), metrics)
+        return StepOutcome(bool(has), loss, bool(stop), metrics, rng.cpu())

@@ -338,6 +338,7 @@ class Net(pl.LightningModule):
         stale_forward: bool = False,
         iterate_layers: bool = False,
         val_stop_at: list[int] | None = None,
+        draw_after_call: bool = False,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
@@ -348,6 +349,9 @@ class Net(pl.LightningModule):
         self.params: list[dict[str, torch.Tensor]] = []  # after every step, with record_params
         self.plateau, self.stop_at, self.groups = plateau, stop_at, groups
         self.val_stop_at = val_stop_at  # [global_step, val batch_idx]: should_stop set in validation_step
+        self.draw_after_call = (
+            draw_after_call  # the step draws from torch's generator after the pipelined call
+        )
         self.step_lrs: list[float] = []  # the learning rate each step uses
         self.layers = build_layers(kind)
         if wrong_shape:  # stage 1 of 3 hands stage 2 (N, 17) where Linear(16, 3) expects (N, 16)
@@ -406,6 +410,8 @@ class Net(pl.LightningModule):
         if self.call_twice:
             out = out + self(inputs[0])
         loss = self._loss(out, y)
+        if self.draw_after_call:  # e.g. a sampled loss: drawn on the last stage only
+            loss = loss + 0.0 * torch.rand(3).sum()
         self.losses.append(loss.item())
         self.shapes.append(tuple((out["y"] if self.kind == "pytree" else out).shape))
         self.log("train_loss", loss, sync_dist=self.sync_dist)

@@ -104,3 +104,24 @@ def test_random_layers_on_one_stage_leave_every_stage_the_same_batches_every_epo
     for rank in ranks[1:]:
         assert rank["indices"] == ranks[0]["indices"]
         assert torch.equal(rank["rng_after"], ranks[0]["rng_after"])
+
+
+@pytest.mark.timeout(120)
+def test_draws_after_the_pipelined_call_reach_every_stage_with_the_step_outcome(gpipe_job):
+    """``training_step`` draws from torch's generator after the pipelined call (code only the last stage
+    runs); with a shuffling loader over 3 epochs every stage still draws one device's permutation in every
+    epoch and ends with one device's generator state: the last stage's generator state travels with the
+    step outcome (``lightning_gpipe.outcome``)."""
+    extra = {"max_epochs": 3, "max_steps": -1}
+    net = {"indexed": True, "draw_after_call": True}
+    reference = train_single_device(
+        "mlp", 0, steps=-1, trainer_extra=extra, data={"shuffle": True, "samples": 20}, **net
+    )
+    results, _ = gpipe_job(
+        "mlp", 2, [{"chunks": 2}], timeout=90, steps=-1, samples=20, shuffle=True, trainer=extra, net=net
+    )
+    assert len(reference.indices) == 6
+    for rank in results[0]["ranks"]:
+        assert rank["indices"] == reference.indices
+    assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference.losses)) <= 1e-5
+    assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
