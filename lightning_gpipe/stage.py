@@ -143,7 +143,7 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         # set by the strategy: every training step ends with the last stage's outcome (share_outcome)
         self.outcome_follows = False
         self.outcomes = OutcomeChannel(p2p, p2p.device)
-        self.generator = StageGenerator(p2p.device)  # what the layers draw (lightning_gpipe.stage_rng)
+        self.generator = StageGenerator(p2p.device, topology.stage)  # what the layers draw (stage_rng)
         self._run: StepRun | None = None  # the step in progress
         self._micro: int | None = None  # one call per micro-batch: their number in this step
         self.timeline: Any = (

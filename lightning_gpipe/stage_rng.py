@@ -11,11 +11,14 @@ the first random layer, and from the next epoch on the stages would train on dif
 
 So a stage's layers draw from the stage's own stream (:class:`StageGenerator`): ``torch``'s CPU
 generator and the stage device's, swapped in around each micro-batch's forward and out after it.
-The stream starts as the process's generators stand at the stage's first forward (every rank of a
-pipeline holds rank 0's state then: :func:`lightning_gpipe.start_state.share_rng_state`, and the
-same user code ran since), and only the stage's layers advance it. What holds for random layers:
-a stage's masks equal those of one device running the same micro-batches through that stage's
-layers in turn from that state; a recompute replays the forward's masks
+At the stage's first forward, every rank of a pipeline holds the same state (rank 0's:
+:func:`lightning_gpipe.start_state.share_rng_state`, and the same user code ran since); a number
+``base = torch.randint(2**62, (1,))`` is drawn from it and put back, and stage ``k``'s streams are
+``torch.Generator(device).manual_seed(base + k)``: each stage's differ (as one device's layers draw
+different masks; one state for all stages would give stage 0's and stage 1's dropouts the same
+masks), and only the stage's layers advance them. What holds for random layers: a stage's masks
+equal those of one device running the same micro-batches through that stage's layers in turn from
+its stream; a recompute replays the forward's masks
 (``torch.utils.checkpoint`` stashes the stream's state with the forward); Python's ``random`` and
 NumPy's generators are not swapped (layers rarely draw from them).
 
@@ -39,10 +42,12 @@ class StageGenerator:
 
     Args:
         device: the stage's device; its generator is swapped too when it is not the CPU.
+        stage: the stage's index k (its streams are seeded ``base + k``).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, stage: int = 0) -> None:
         self.device = device
+        self.stage = stage
         self._states: tuple[Tensor, Tensor | None] | None = None  # the stream, once started
 
     def _get(self) -> tuple[Tensor, Tensor | None]:
@@ -56,14 +61,23 @@ class StageGenerator:
         if device_state is not None:
             getattr(torch, self.device.type).set_rng_state(device_state, self.device)
 
+    def _start(self) -> tuple[Tensor, Tensor | None]:
+        """The stage's streams, seeded ``base + k`` from a number drawn from the process's CPU
+        generator (the caller puts its state back)."""
+        seed = int(torch.randint(2**62, (1,))) + self.stage
+        on_device = self.device.type != "cpu" and hasattr(torch, self.device.type)
+        device_state = torch.Generator(self.device).manual_seed(seed).get_state() if on_device else None
+        return torch.Generator().manual_seed(seed).get_state(), device_state
+
     @contextmanager
     def drawing(self) -> Iterator[None]:
-        """Within: the process's generators hold the stage's stream (started from their state on
-        first use). After: the stream as the code left it is kept, and the process's generators are
-        as they were on entry."""
+        """Within: the process's generators hold the stage's stream (started on first use). After:
+        the stream as the code left it is kept, and the process's generators are as they were on
+        entry."""
         outer = self._get()
-        if self._states is not None:
-            self._set(self._states)
+        if self._states is None:
+            self._states = self._start()
+        self._set(self._states)
         try:
             yield
         finally:

@@ -1,5 +1,5 @@
-"""Random layers under the pipeline: each stage draws its masks per micro-batch from its own copy of rank 0's
-generator (README, "Every rank starts from rank 0's random state"; CPU, Gloo, hard timeouts)."""
+"""Random layers under the pipeline: each stage draws its masks per micro-batch from its own stream, seeded from
+rank 0's generator and the stage's index (README, "Every rank starts from rank 0's random state"; CPU, Gloo, hard timeouts)."""
 
 import pytest
 import torch
@@ -15,8 +15,9 @@ BALANCE = [3, 3]  # "dropout": [Linear, Dropout(0.5), Tanh] | [Linear, Dropout(0
 class PerStageGenerators(Net):
     """One device, no pipeline library: the README's claim written out.
 
-    One CPU generator state per stage, each starting from the global state this run has at its first
-    ``training_step`` (after the seed, the module's initialisation and the loader's draws). Each step,
+    One CPU generator per stage k, seeded ``base + k`` with ``base`` drawn (and put back) from the global
+    generator at the first ``training_step`` (after the seed, the module's initialisation and the
+    loader's draws). Each step,
     stage by stage: restore the stage's state, run the stage's layers on each micro-batch in order
     (stage k + 1 takes stage k's output of that micro-batch), keep the state the draws leave. The loss
     is the mean loss over the batch, ``Σ_i (n_i / N) · loss_i``; Lightning does the one backward and the
@@ -30,8 +31,12 @@ class PerStageGenerators(Net):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        if self.stage_rng is None:
-            self.stage_rng = [torch.get_rng_state() for _ in BALANCE]
+        if self.stage_rng is None:  # stage k's stream: seeded base + k, base drawn and put back
+            with torch.random.fork_rng():
+                base = int(torch.randint(2**62, (1,)))
+            self.stage_rng = [
+                torch.Generator().manual_seed(base + k).get_state() for k in range(len(BALANCE))
+            ]
         n = sizes(len(x), self.chunks)
         hs, ys = list(x.split(n)), y.split(n)
         start = 0
