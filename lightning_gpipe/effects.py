@@ -37,7 +37,9 @@ kept by reference.
 
 Memory and time: the bytes of the stage's buffers and tensor attributes per recomputed micro-batch,
 during the forward fill; after it, only those the fill changed (for BatchNorm, ``2·C + 1`` numbers
-per layer and micro-batch); and a deep copy of the other attributes per recomputed micro-batch
+per layer and micro-batch); and a deep copy of the other attributes per recomputed micro-batch,
+kept through the backward (tensors inside containers included; those that require grad are kept,
+not copied)
 (a Hugging Face layer's shared ``config``: one copy, about 30 µs). A layer that holds a large
 object it never changes in forward can keep it outside the module.
 """
@@ -46,7 +48,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Iterable, Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -102,12 +105,40 @@ def _all(modules: Iterable[nn.Module]) -> list[nn.Module]:
 
 def _deep_copy(value: Any, memo: dict[int, Any]) -> Any:
     """``value`` deep-copied with ``memo`` (what it maps stays as mapped: modules, parameters, the
-    stage's cloned tensors); ``value`` itself where ``copy.deepcopy`` refuses it (a lock, a generator,
-    a tensor in an autograd graph inside)."""
+    stage's cloned tensors); tensors that require grad inside it are kept, not copied (they may be
+    in an autograd graph, which ``copy.deepcopy`` refuses); ``value`` itself where ``copy.deepcopy``
+    refuses it (a lock, a generator), leaving ``memo`` as it was (an alias of a part of ``value``
+    elsewhere gets no half-made copy)."""
+    if id(value) in memo:
+        return memo[id(value)]
+    trial = dict(memo)
+    for t in _tensors_in(value):
+        if t.requires_grad:
+            trial.setdefault(id(t), t)
     try:
-        return copy.deepcopy(value, memo)
+        copied = copy.deepcopy(value, trial)
     except Exception:  # noqa: BLE001 # not copyable: kept by reference, as documented
         return value
+    memo.update(trial)
+    return copied
+
+
+def _tensors_in(value: Any) -> Iterator[Tensor]:
+    """The tensors held in ``value``: through containers and plain objects' attributes (not modules)."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if id(v) in seen or isinstance(v, (nn.Module, type, *_ATOMS)):
+            continue
+        seen.add(id(v))
+        if isinstance(v, Tensor):
+            yield v
+        elif isinstance(v, Mapping):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple, set, frozenset, deque)):
+            stack.extend(v)
+        elif hasattr(v, "__dict__"):
+            stack.extend(vars(v).values())
 
 
 class ForwardState:

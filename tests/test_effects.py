@@ -156,6 +156,61 @@ def test_containers_of_any_kind_and_plain_objects_change_once(kind, mode):
     assert isinstance(ours[1].lock, type(threading.Lock()))
 
 
+class _Collects(nn.Module):
+    """Collects a statistic that is in the autograd graph (as an MoE router's balance term is) in a list
+    the step reads and clears; ``alias`` names the same list holding a lock (``copy.deepcopy`` refuses it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.aux: list[torch.Tensor] = []
+        self.guarded = [1.0, 2.0, threading.Lock()]
+        self.alias = self.guarded
+
+    def forward(self, x):
+        self.aux.append(x.pow(2).mean())
+        return torch.tanh(self.lin(x)) * len(self.alias)
+
+
+@pytest.mark.parametrize("mode", ["except_last", "always"])
+def test_a_list_of_graph_tensors_and_an_uncopyable_alias_change_once(mode):
+    """A list of tensors in the autograd graph is copied with the tensors kept (the recompute appends to
+    the copy: 3 entries a step, as with ``checkpoint="never"``), and a container ``copy.deepcopy``
+    refuses leaves no half-made copy behind for its alias: gradients as with ``never``."""
+
+    def run(checkpoint: str):
+        torch.manual_seed(0)
+        layers = nn.Sequential(nn.Linear(6, 6), _Collects())
+        stage = PipelineStage(
+            list(layers._modules.items()),
+            StageTopology(0, 1, None, None),
+            3,
+            checkpoint,
+            P2P(torch.device("cpu")),
+        )
+        g = torch.Generator().manual_seed(1)
+        counts, grads = [], []
+        for _ in range(2):
+            stage.begin_step(True)
+            out = stage(torch.randn(9, 6, generator=g))
+            stage.end_step()
+            aux = torch.stack(layers[1].aux).mean()
+            counts.append(len(layers[1].aux))
+            layers[1].aux.clear()
+            (out.pow(2).mean() + 0.1 * aux.detach()).backward()  # read, not backpropagated
+            stage.backward()
+            counts.append(len(layers[1].aux))  # what the recompute left
+            grads.append({n: p.grad.clone() for n, p in stage.named_parameters()})
+            stage.zero_grad()
+        return counts, grads
+
+    never_counts, never_grads = run("never")
+    counts, grads = run(mode)
+    assert counts == never_counts == [3, 0, 3, 0]
+    for a, b in zip(grads, never_grads):
+        assert max_diff(a, b) <= 1e-6
+
+
 def test_recomputing_tells_hooks_with_outside_effects():
     """A hook that records into a list it closes over asks ``recomputing()``; it sees each micro-batch once."""
     seen: list[int] = []
