@@ -144,6 +144,8 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         self.outcome_follows = False
         self.outcomes = OutcomeChannel(p2p, p2p.device)
         self.generator = StageGenerator(p2p.device, topology.stage)  # what the layers draw (stage_rng)
+        # one call per micro-batch: what the user's code draws after the call on the last stage
+        self.after_call = StageGenerator(p2p.device, topology.stages)
         self._run: StepRun | None = None  # the step in progress
         self._micro: int | None = None  # one call per micro-batch: their number in this step
         self.timeline: Any = (
@@ -232,6 +234,7 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         except StageDone:
             return StageDone
         finally:
+            self.after_call.leave()
             self.end_step()
 
     @property
@@ -274,6 +277,8 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
             joined = tuple(t.detach().requires_grad_(t.requires_grad) for t in joined)
             sizes = [[o[k].shape[0] if o[k].dim() else 1 for o in outputs] for k in range(len(joined))]
             run.calls.append(Call(covered, sizes, joined, structure.whole))
+        if self._micro is not None:  # the code after the call runs here only: its own stream (stage_rng)
+            self.after_call.enter()
         return unflatten(structure, joined)
 
     # -- the step outcome --------------------------------------------------------------------

@@ -22,6 +22,14 @@ its stream; a recompute replays the forward's masks
 (``torch.utils.checkpoint`` stashes the stream's state with the forward); Python's ``random`` and
 NumPy's generators are not swapped (layers rarely draw from them).
 
+One call per micro-batch (every schedule but ``"gpipe"``) has one more stream: the user's code
+after the pipelined call runs on the last stage only, so there its draws come from the last
+stage's after-call stream (seeded ``base + K``), entered when the call returns and left when
+``training_step`` does; what every stage runs, the code before the call, draws the same numbers on
+every stage from the process's generators. (Under ``"gpipe"`` the last stage's generator state
+reaches the other stages with the step outcome instead, :mod:`lightning_gpipe.outcome`, so those
+draws are one device's.)
+
 Cost: two copies of each generator's state per micro-batch forward (the CPU generator's is 5 056
 bytes).
 """
@@ -49,6 +57,7 @@ class StageGenerator:
         self.device = device
         self.stage = stage
         self._states: tuple[Tensor, Tensor | None] | None = None  # the stream, once started
+        self._outer: tuple[Tensor, Tensor | None] | None = None  # the process's, while entered
 
     def _get(self) -> tuple[Tensor, Tensor | None]:
         on_device = self.device.type != "cpu" and hasattr(torch, self.device.type)
@@ -69,17 +78,29 @@ class StageGenerator:
         device_state = torch.Generator(self.device).manual_seed(seed).get_state() if on_device else None
         return torch.Generator().manual_seed(seed).get_state(), device_state
 
-    @contextmanager
-    def drawing(self) -> Iterator[None]:
-        """Within: the process's generators hold the stage's stream (started on first use). After:
-        the stream as the code left it is kept, and the process's generators are as they were on
-        entry."""
-        outer = self._get()
+    def enter(self) -> None:
+        """From here the process's generators hold the stream (started on first use), until :meth:`leave`."""
+        if self._outer is not None:
+            return
+        self._outer = self._get()
         if self._states is None:
             self._states = self._start()
         self._set(self._states)
+
+    def leave(self) -> None:
+        """Keep the stream as the code left it and put the process's generators back as :meth:`enter`
+        found them (nothing when not entered)."""
+        if self._outer is None:
+            return
+        self._states = self._get()
+        outer, self._outer = self._outer, None
+        self._set(outer)
+
+    @contextmanager
+    def drawing(self) -> Iterator[None]:
+        """Within: the process's generators hold the stream (:meth:`enter`); after: as on entry (:meth:`leave`)."""
+        self.enter()
         try:
             yield
         finally:
-            self._states = self._get()
-            self._set(outer)
+            self.leave()

@@ -339,6 +339,7 @@ class Net(pl.LightningModule):
         iterate_layers: bool = False,
         val_stop_at: list[int] | None = None,
         draw_after_call: bool = False,
+        draw_before_call: bool = False,
     ) -> None:
         super().__init__()
         self.kind, self.lr, self.record_grads, self.call_twice = kind, lr, record_grads, call_twice
@@ -349,9 +350,10 @@ class Net(pl.LightningModule):
         self.params: list[dict[str, torch.Tensor]] = []  # after every step, with record_params
         self.plateau, self.stop_at, self.groups = plateau, stop_at, groups
         self.val_stop_at = val_stop_at  # [global_step, val batch_idx]: should_stop set in validation_step
-        self.draw_after_call = (
-            draw_after_call  # the step draws from torch's generator after the pipelined call
-        )
+        # the step draws from torch's generator after the pipelined call, and before it (a random mask
+        # every stage must agree on)
+        self.draw_after_call, self.draw_before_call = draw_after_call, draw_before_call
+        self.pre_draws: list[list[float]] = []
         self.step_lrs: list[float] = []  # the learning rate each step uses
         self.layers = build_layers(kind)
         if wrong_shape:  # stage 1 of 3 hands stage 2 (N, 17) where Linear(16, 3) expects (N, 16)
@@ -404,6 +406,8 @@ class Net(pl.LightningModule):
             *batch, idx = batch
             self.indices.append(idx.tolist())
         *inputs, y = batch
+        if self.draw_before_call:
+            self.pre_draws.append(torch.rand(2).tolist())
         if self.log_first:  # logging before the pipelined call
             self.log("batch_size", float(len(y)))
         out = self(inputs[0] if len(inputs) == 1 else tuple(inputs))

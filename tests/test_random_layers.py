@@ -130,3 +130,18 @@ def test_draws_after_the_pipelined_call_reach_every_stage_with_the_step_outcome(
         assert rank["indices"] == reference.indices
     assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference.losses)) <= 1e-5
     assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_per_micro_batch_calls_draw_the_same_numbers_before_the_call_on_every_stage(gpipe_job):
+    """Under 1F1B ``training_step`` runs once per micro-batch; it draws before the pipelined call (a random
+    mask every stage must agree on: the first stage's input, the last stage's loss) and after it (last stage
+    only). Every stage draws the same numbers before the call in every call of every step: the last
+    stage's code after the call draws from its own stream (``lightning_gpipe.stage_rng``)."""
+    net = {"draw_before_call": True, "draw_after_call": True}
+    results, _ = gpipe_job("mlp", 2, [{"chunks": 4, "schedule": "1f1b"}], timeout=90, steps=3, net=net)
+    ranks = results[0]["ranks"]
+    assert len(ranks[0]["pre_draws"]) == 12  # 3 steps of 4 calls
+    assert len({str(d) for d in ranks[0]["pre_draws"]}) == 12
+    for rank in ranks[1:]:
+        assert rank["pre_draws"] == ranks[0]["pre_draws"]

@@ -219,6 +219,7 @@ for k, run in enumerate(spec["runs"]):
         "clipped": model.clipped,
         "norms": model.norms,
         "indices": model.indices,
+        "pre_draws": model.pre_draws,
         "callback_metrics": {m: v.item() for m, v in trainer.callback_metrics.items()},
         "best_model_path": checkpoint_cb.best_model_path if checkpoint_cb else None,
         "current_epoch": trainer.current_epoch,
