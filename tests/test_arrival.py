@@ -30,8 +30,8 @@ _OPERATIONS = {  # what the worker's Rank0Only callback calls -> the operation i
         ("lightning", "save"),
         ("torchrun", "save"),
         ("torchrun", "barrier"),
-        ("torchrun", "broadcast"),
-        ("torchrun", "agree"),
+        pytest.param("torchrun", "broadcast", marks=pytest.mark.slow),  # the suite's time: 12 s each
+        pytest.param("torchrun", "agree", marks=pytest.mark.slow),
     ],
 )
 def test_collective_reached_only_on_global_zero_fails_fast_on_every_rank(tmp_path, launch, call):

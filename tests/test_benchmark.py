@@ -102,6 +102,7 @@ def test_pin_gives_each_rank_its_own_cores_wrapping_when_short():
     assert pin_rank(1, 2, [3]) == [3, 3]
 
 
+@pytest.mark.slow  # 25 s; pin_rank's unit test covers the core lists in the default suite
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning two ranks apart needs two cores")
 def test_pinned_runs_put_each_stage_on_its_own_core(tmp_path):
