@@ -12,6 +12,11 @@ bubble share, the cost model's error, and the largest model that fits a memory b
 - ``peer``: ``torch.distributed.pipelining``'s same schedule with ``scale_grads=False``, same split
   and micro-batches: ``ScheduleGPipe``, ``Schedule1F1B``, or ``ScheduleInterleaved1F1B`` holding
   our parts ``p, p+K, …`` on rank ``p`` under ``schedule=interleaved_1f1b``;
+- ``alternate=true``: ``ours`` and ``bare`` each take turns with the peer in their own processes,
+  ``block`` steps each (the peer on a process group of its own), and report
+  ``vs_peer_alternating``: the median over blocks of the peer's median step over theirs in the
+  block before (each block's first step, after the other's turn, untimed). Neighbouring blocks are
+  seconds apart, so the host's drift, which moves separate runs by up to 20 % here, cancels;
 - ``single``: the plain model in one process with 1 thread (the one-stage baseline), with
   K × ``threads`` threads (the pipeline's total, row ``single_mt``) and with 1 thread on the
   pipeline's M micro-batches, gradients accumulated (row ``single_mb``).
@@ -124,6 +129,8 @@ COLUMNS = [
     "vs_peer_paired_repeats",
     "pin",
     "cpus_stages",
+    "vs_peer_alternating",
+    "vs_peer_alternating_blocks",
 ]
 
 # The one-process baselines: 1 thread, K threads, 1 thread on the pipeline's micro-batches.
@@ -282,6 +289,10 @@ def _row(
         "cpus_stages": "|".join(",".join(str(c) for c in r["cpus"]) for r in stage_results)
         if all("cpus" in r for r in stage_results)
         else None,
+        "vs_peer_alternating": _median(result.get("block_ratios")),
+        "vs_peer_alternating_blocks": "|".join(f"{b:.3f}" for b in result["block_ratios"])
+        if result.get("block_ratios")
+        else None,
     }
 
 
@@ -384,6 +395,8 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
                     "batch_size": cfg.batch_size,
                     "threads": cfg.threads,
                     "pin": bool(cfg.pin),
+                    "alternate": bool(cfg.alternate) and run in ("ours", "bare"),
+                    "block": cfg.block,
                     "warmup": max(1, cfg.warmup),
                     "timed": cfg.timed,
                     "memory": cfg.memory,
@@ -576,13 +589,22 @@ def _add_paired(rows: list[dict[str, Any]], repeat_steps: dict[str, list[float]]
 
 
 def format_paired(rows: list[dict[str, Any]]) -> str:
-    """One line per run with a paired ratio to the peer (:func:`_add_paired`)."""
+    """One line per run with a paired ratio to the peer (:func:`_add_paired`), and one per run that
+    took turns with the peer (``alternate``: the median over blocks of the peer's median step over
+    the run's in the block before)."""
     lines = [
         f"{row['run']} / peer, {row['model']} {_schedule_name(row)} M={row['chunks']}, paired: "
         f"{_fmt(row.get('vs_peer_paired'), '.3f')} "
         f"(median over repeats; per repeat {str(row.get('vs_peer_paired_repeats', '')).replace('|', ', ')})"
         for row in rows
         if row.get("vs_peer_paired") not in (None, "")
+    ]
+    lines += [
+        f"{row['run']} / peer, {row['model']} {_schedule_name(row)} M={row['chunks']}, alternating: "
+        f"{_fmt(row.get('vs_peer_alternating'), '.3f')} "
+        f"(median over blocks; per block {str(row.get('vs_peer_alternating_blocks', '')).replace('|', ', ')})"
+        for row in rows
+        if row.get("vs_peer_alternating") not in (None, "")
     ]
     return "\n".join(lines)
 

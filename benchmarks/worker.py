@@ -19,6 +19,10 @@ is one of:
   once with ``threads`` threads on the pipeline's M micro-batches (``single_mb``: the baseline of
   the ideal on the same micro-batch sizes).
 
+With ``alternate``, ``ours`` and ``bare`` take turns with the ``peer`` in their own processes,
+``block`` steps each (:class:`Alternation`), and also report the peer's steps and the ratio of
+each block pair.
+
 ``bare`` and ``peer`` start like ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the
 benchmark). Every run takes ``warmup`` steps, then ``timed`` steps whose durations (seconds between
 consecutive step ends, optimizer step included) are reported, then, with ``memory``, one step under
@@ -58,23 +62,33 @@ from lightning_gpipe.trace import plot_gantt, write_chrome_trace
 
 
 class Stopwatch:
-    """Step-end stamps; :meth:`timed` gives the durations of the timed steps in seconds."""
+    """Step-end stamps: :meth:`timed_steps` gives the timed steps' durations and :meth:`timed_cpu`
+    the CPU time the process (all its threads, user and system) spent in each, both in seconds."""
 
     def __init__(self, warmup: int, timed: int) -> None:
         self.warmup, self.timed = warmup, timed
         self.stamps: list[float] = []
+        self.cpu: list[float] = []
 
     def stamp(self) -> None:
         self.stamps.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+
+    def _timed(self, marks: list[float]) -> list[float]:
+        ends = marks[self.warmup - 1 : self.warmup + self.timed]
+        return [b - a for a, b in zip(ends, ends[1:])]
 
     def timed_steps(self) -> list[float]:
-        ends = self.stamps[self.warmup - 1 : self.warmup + self.timed]
-        return [b - a for a, b in zip(ends, ends[1:])]
+        return self._timed(self.stamps)
+
+    def timed_cpu(self) -> list[float]:
+        return self._timed(self.cpu)
 
 
 def _result(spec: dict[str, Any], watch: Stopwatch, meter: TensorMemoryMeter | None, **extra: Any) -> dict:
     return {
         "step_s": watch.timed_steps(),
+        "cpu_s": watch.timed_cpu(),
         "activation_bytes": meter.peak if meter is not None else None,
         "rss_bytes": peak_rss_bytes(),
         "cpus": sorted(os.sched_getaffinity(0)),
@@ -178,6 +192,7 @@ def run_ours(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     loss = loss_fn(model_cfg)
     watch = Stopwatch(spec["warmup"], spec["timed"])
     meters: list[TensorMemoryMeter] = []
+    turns = Alternation.of(spec)
 
     class BenchModule(pl.LightningModule):
         def __init__(self) -> None:
@@ -198,6 +213,10 @@ def run_ours(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             optimizer.zero_grad(set_to_none=_set_to_none(spec))  # as in the other runs
 
     class Measure(pl.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            if turns is not None:
+                turns.start()
+
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             if _is_memory_step(spec, batch_idx):
                 meters.append(TensorMemoryMeter())
@@ -208,6 +227,8 @@ def run_ours(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         ) -> None:
             if meters and _is_memory_step(spec, batch_idx):
                 meters[0].__exit__(None, None, None)
+            elif turns is not None:
+                turns.after_ours(*batch)
             else:
                 watch.stamp()
 
@@ -237,8 +258,73 @@ def run_ours(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     )
     trainer.fit(BenchModule(), loader)
     result = _result(spec, watch, meters[0] if meters else None, stage=strategy.stage_index)
+    if turns is not None:
+        result.update(turns.result())
     result.update(_timeline_summary(strategy.timeline_records, spec))
     return trainer.global_rank, result
+
+
+class Alternation:
+    """Ours and the :class:`Peer` taking turns in the same processes, ``block`` steps each, so that
+    both see the same machine within seconds of each other (the host's drift over a run cancels in
+    the ratio of neighbouring blocks). The first step of each block (the one after the other's
+    turn) and the blocks of the ``warmup`` steps are not timed."""
+
+    @classmethod
+    def of(cls, spec: dict[str, Any]) -> Alternation | None:
+        """The spec's alternation (``alternate``), or ``None``."""
+        if not spec.get("alternate"):
+            return None
+        if spec["memory"]:
+            raise ValueError("alternate=true measures time only: set memory=false")
+        return cls(spec)
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec, self.block = spec, spec.get("block", 4)
+        if self.block < 2:
+            raise ValueError(f"block={self.block}: a block needs 2 steps or more (its first is not timed)")
+        self.peer: Peer | None = None
+        self.ours: list[list[float]] = []  # per block, the timed steps' seconds
+        self.peers: list[list[float]] = []
+        self.steps = 0
+        self.mark = 0.0
+
+    def start(self) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.peer = Peer(self.spec, rank, world, dist.new_group(backend="gloo"))
+        self.mark = time.perf_counter()
+
+    def after_ours(self, x: Tensor, y: Tensor) -> None:
+        assert self.peer is not None
+        now = time.perf_counter()
+        self.steps += 1
+        at = (self.steps - 1) % self.block
+        if at == 0:
+            self.ours.append([])
+        else:
+            self.ours[-1].append(now - self.mark)
+        self.mark = now
+        if at == self.block - 1:
+            times = []
+            for _ in range(self.block):
+                self.peer.step(x, y)
+                now, last = time.perf_counter(), self.mark
+                times.append(now - last)
+                self.mark = now
+            self.peers.append(times[1:])
+
+    def result(self) -> dict[str, Any]:
+        first = -(-self.spec["warmup"] // self.block)  # blocks holding warm-up steps
+        ours, peers = self.ours[first : len(self.peers)], self.peers[first:]
+        return {
+            "step_s": [t for b in ours for t in b],
+            "peer_step_s": [t for b in peers for t in b],
+            "block_ratios": [_median(p) / _median(o) for o, p in zip(ours, peers)],
+        }
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 # -- bare: our PipelineStage in a plain loop ------------------------------------------------------
@@ -312,6 +398,9 @@ def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         small, big = _probe_p2p(p2p, rank, 1 - rank, stage_index == world - 1, spec["boundary_bytes"])
         probe = {"latency_s": small, "boundary_s": big}
     dist.barrier()
+    turns = Alternation.of(spec)
+    if turns is not None:
+        turns.start()
     loss = loss_fn(model_cfg)
     optimizer = torch.optim.SGD(stage.parameters(), lr=spec["lr"])
     batches = make_batches(model_cfg, spec["batch_size"])
@@ -332,9 +421,13 @@ def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             timeline.end_step()
             optimizer.step()
             optimizer.zero_grad(set_to_none=_set_to_none(spec))
-        if meter is None:
+        if turns is not None:
+            turns.after_ours(x, y)
+        elif meter is None:
             watch.stamp()
     result = _result(spec, watch, meter, stage=stage_index, **probe)
+    if turns is not None:
+        result.update(turns.result())
     records = gather(timeline)
     result.update(_timeline_summary(records, spec))
     if records:
@@ -347,43 +440,55 @@ def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 # -- peer: torch.distributed.pipelining, the same schedule -----------------------------------------
 
 
-def run_peer(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    from torch.distributed.pipelining import PipelineStage as PeerStage
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+class Peer:
+    """``torch.distributed.pipelining`` on this rank: the spec's schedule over the same split and
+    micro-batches, its own SGD; :meth:`step` runs one training step (``group``: the ranks' group)."""
 
+    def __init__(self, spec: dict[str, Any], rank: int, world: int, group: Any = None) -> None:
+        from torch.distributed.pipelining import PipelineStage as PeerStage
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        self.spec, self.rank, self.world = spec, rank, world
+        model_cfg = spec["model"]
+        name = spec.get("schedule", "gpipe")
+        parts = len(spec["balance"])  # K, or K·v with virtual stages: rank p runs parts p, p+K, ...
+        submodules = [
+            nn.Sequential(OrderedDict(layers))
+            for layers in virtual_cut(build_model(model_cfg), spec["balance"], rank, world)
+        ]
+        stages = [
+            PeerStage(sub, rank + u * world, parts, torch.device("cpu"), group=group)
+            for u, sub in enumerate(submodules)
+        ]
+        options = {
+            "n_microbatches": spec["chunks"],
+            "loss_fn": summed_loss_fn(model_cfg, spec["batch_size"]),
+            "scale_grads": False,
+        }
+        if name == "interleaved_1f1b":
+            self.schedule: Any = ScheduleInterleaved1F1B(stages, **options)
+        else:
+            self.schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stages[0], **options)
+        self.optimizer = torch.optim.SGD([p for sub in submodules for p in sub.parameters()], lr=spec["lr"])
+
+    def step(self, x: Tensor, y: Tensor) -> None:
+        args = (x,) if self.rank == 0 else ()
+        kwargs = {"target": y} if self.rank == self.world - 1 else {}
+        self.schedule.step(*args, **kwargs)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=_set_to_none(self.spec))
+
+
+def run_peer(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     rank, world = _init_process_group()
-    model_cfg = spec["model"]
-    name = spec.get("schedule", "gpipe")
-    parts = len(spec["balance"])  # K, or K·v with virtual stages: rank p runs parts p, p+K, ...
-    submodules = [
-        nn.Sequential(OrderedDict(layers))
-        for layers in virtual_cut(build_model(model_cfg), spec["balance"], rank, world)
-    ]
-    stages = [
-        PeerStage(sub, rank + u * world, parts, torch.device("cpu")) for u, sub in enumerate(submodules)
-    ]
-    options = {
-        "n_microbatches": spec["chunks"],
-        "loss_fn": summed_loss_fn(model_cfg, spec["batch_size"]),
-        "scale_grads": False,
-    }
-    if name == "interleaved_1f1b":
-        schedule: Any = ScheduleInterleaved1F1B(stages, **options)
-    else:
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stages[0], **options)
-    optimizer = torch.optim.SGD([p for sub in submodules for p in sub.parameters()], lr=spec["lr"])
-    batches = make_batches(model_cfg, spec["batch_size"])
+    peer = Peer(spec, rank, world)
+    batches = make_batches(spec["model"], spec["batch_size"])
     watch, meter = Stopwatch(spec["warmup"], spec["timed"]), None
     for step in range(_steps(spec)):
-        x, y = batches[step % len(batches)]
         if _is_memory_step(spec, step):
             meter = TensorMemoryMeter()
         with meter if meter is not None else nullcontext():
-            args = (x,) if rank == 0 else ()
-            kwargs = {"target": y} if rank == world - 1 else {}
-            schedule.step(*args, **kwargs)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=_set_to_none(spec))
+            peer.step(*batches[step % len(batches)])
         if meter is None:
             watch.stamp()
     result = _result(spec, watch, meter, stage=rank)

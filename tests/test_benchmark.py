@@ -11,6 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from benchmarks import worker
 from benchmarks.benchmark import (
     COLUMNS,
     _backward_workspace,
@@ -22,7 +23,7 @@ from benchmarks.benchmark import (
     predict_window,
     report,
 )
-from benchmarks.worker import _timeline_summary, pin_rank
+from benchmarks.worker import Alternation, _timeline_summary, pin_rank
 from lightning_gpipe.schedule import ideal_bubble
 from lightning_gpipe.simulate import simulate
 from tests._harness import ROOT, _env
@@ -94,6 +95,60 @@ def test_ours_and_the_peer_report_throughput_memory_bubble_and_their_ratio(tmp_p
     assert len(ours["activation_bytes_stages"].split("|")) == 2
     with (tmp_path / "b.csv").open() as f:
         assert [r["run"] for r in csv.DictReader(f)] == ["ours", "peer"]
+
+
+def test_alternation_times_each_turn_but_its_first_step_and_pairs_neighbouring_turns(monkeypatch):
+    """Ours' steps take 1 s, the peer's 2 s, but the first step of every turn takes 10 s: with
+    block 3 and 3 warm-up steps, the first turn is warm-up, each turn keeps its last two steps,
+    and every block ratio is 2.0."""
+    clock = [0.0]
+    monkeypatch.setattr(worker.time, "perf_counter", lambda: clock[0])
+
+    class Peer:
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def step(self, x, y) -> None:
+            clock[0] += 10.0 if self.steps % 3 == 0 else 2.0
+            self.steps += 1
+
+    turns = Alternation({"warmup": 3, "timed": 6, "memory": False, "block": 3})
+    turns.peer = Peer()
+    for step in range(10):  # 9 steps, and one of a turn the peer never answers
+        clock[0] += 10.0 if step % 3 == 0 else 1.0
+        turns.after_ours(None, None)
+    result = turns.result()
+    assert result["step_s"] == [1.0] * 4 and result["peer_step_s"] == [2.0] * 4
+    assert result["block_ratios"] == [2.0, 2.0]
+    with pytest.raises(ValueError, match="block=1"):
+        Alternation({"warmup": 1, "timed": 1, "memory": False, "block": 1})
+    assert Alternation.of({"memory": True}) is None
+    with pytest.raises(ValueError, match="memory=false"):
+        Alternation.of({"alternate": True, "memory": True})
+
+
+@pytest.mark.timeout(120)
+def test_alternate_runs_ours_and_the_peer_in_turns_and_reports_their_ratio(tmp_path, capsys):
+    """alternate=true, 1F1B: ours takes turns with the peer in its own processes; the row holds the
+    median of the per-block ratios, one per timed turn."""
+    cfg = _compose(
+        [
+            *TINY,
+            "schedule=1f1b",
+            "runs=[ours]",
+            "predict=false",
+            "memory=false",
+            "timed=6",
+            "alternate=true",
+            "block=2",
+            f"csv={tmp_path / 'a.csv'}",
+        ]
+    )
+    (row,) = benchmark(cfg)
+    blocks = [float(b) for b in row["vs_peer_alternating_blocks"].split("|")]
+    assert len(blocks) == 3 and all(b > 0 for b in blocks)  # warm-up turn 1; turns 2-4 timed
+    assert row["vs_peer_alternating"] == pytest.approx(sorted(blocks)[1], abs=1e-3)  # blocks: 3 decimals
+    assert "ours / peer, mlp 1f1b M=8, alternating" in capsys.readouterr().out
 
 
 def test_pin_gives_each_rank_its_own_cores_wrapping_when_short():
