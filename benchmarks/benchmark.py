@@ -32,7 +32,8 @@ memory, with each part's backward workspace (its backward's peak above what its 
 under the tensor-memory meter) and the output's bytes per sample; each stage's measured peak is
 printed next to the model's; :func:`lightning_gpipe.simulate.simulate` predicts the step window from the run's own
 per-stage forward/backward span medians (timeline) and the P2P latency of a ping-pong in ``bare``
-(and, as a second prediction, the in-run message delay). Rows are appended to ``csv``
+(and, as a second prediction, the in-run message delay); that latency is printed next to the
+same ping-pong on ``torch.distributed``'s own ``isend``/``irecv`` (``latency_gloo_s``). Rows are appended to ``csv``
 and printed with the ratios: ours/ideal, where ideal = K·M/(M+(K-1)/v) × single-stage (1 thread)
 samples/s (v = 1 but under ``interleaved_1f1b``: the bubble-limited speed-up, Narayanan et al.,
 SC 2021, section 2.2.1); the same against the ideal from ``single_mb`` (one process on the same micro-batches,
@@ -131,6 +132,7 @@ COLUMNS = [
     "cpus_stages",
     "vs_peer_alternating",
     "vs_peer_alternating_blocks",
+    "latency_gloo_s",
 ]
 
 # The one-process baselines: 1 thread, K threads, 1 thread on the pipeline's micro-batches.
@@ -515,6 +517,7 @@ def _rows(
         row = rows[run]
         if bare:
             row["latency_s"], row["bandwidth_bytes_per_s"] = latency, bandwidth
+            row["latency_gloo_s"] = bare.get("latency_gloo_s")
         row["predicted_window_s"] = predict_window(row, sizes)
         if row.get("latency_eff_s") is not None:  # the same, with the run's own message delay
             row["predicted_window_eff_s"] = predict_window({**row, "latency_s": row["latency_eff_s"]})
@@ -605,6 +608,13 @@ def format_paired(rows: list[dict[str, Any]]) -> str:
         f"(median over blocks; per block {str(row.get('vs_peer_alternating_blocks', '')).replace('|', ', ')})"
         for row in rows
         if row.get("vs_peer_alternating") not in (None, "")
+    ]
+    lines += [
+        f"one-way latency of a 1-element message by ping-pong (bare): lightning_gpipe.comm.P2P "
+        f"{_fmt(row['latency_s'], '.0f', 1e6)} us, torch.distributed isend/irecv "
+        f"{_fmt(row.get('latency_gloo_s'), '.0f', 1e6)} us"
+        for row in rows
+        if row["run"] == "bare" and row.get("latency_s") not in (None, "")
     ]
     return "\n".join(lines)
 

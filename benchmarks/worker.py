@@ -357,6 +357,23 @@ def _probe_p2p(
     return times[0], times[1]
 
 
+def _probe_gloo(other: int, first: bool, repeats: int = 50) -> float:
+    """One-way seconds of a 1-element message by ping-pong on ``torch.distributed``'s own
+    ``isend``/``irecv`` (what the transport's :func:`_probe_p2p` figure is to be compared with)."""
+    out, into = torch.zeros(1), torch.zeros(1)
+    rtts = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if first:
+            dist.isend(out, other).wait()
+            dist.irecv(into, other).wait()
+        else:
+            dist.irecv(into, other).wait()
+            dist.isend(out, other).wait()
+        rtts.append(time.perf_counter() - start)
+    return sorted(rtts)[len(rtts) // 2] / 2
+
+
 def _bare_micro_steps(stage: PipelineStage, loss: Any, x: Tensor, y: Tensor, chunks: int) -> None:
     """One step of one call per micro-batch: each call's loss, weighted by its share of the batch,
     backpropagated right after it (the last stage), as :mod:`lightning_gpipe.microstep` does."""
@@ -396,7 +413,8 @@ def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     probe: dict[str, float] = {}
     if world > 1 and stage_index >= world - 2:  # the last boundary: ranks 0 and 1
         small, big = _probe_p2p(p2p, rank, 1 - rank, stage_index == world - 1, spec["boundary_bytes"])
-        probe = {"latency_s": small, "boundary_s": big}
+        gloo = _probe_gloo(1 - rank, stage_index == world - 1)
+        probe = {"latency_s": small, "boundary_s": big, "latency_gloo_s": gloo}
     dist.barrier()
     turns = Alternation.of(spec)
     if turns is not None:

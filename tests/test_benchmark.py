@@ -232,6 +232,8 @@ def test_bare_runs_1f1b_per_micro_batch_and_skips_interleaved(tmp_path, capsys):
     (row,) = benchmark(cfg)
     assert row["run"] == "bare" and row["schedule"] == "1f1b" and row["samples_per_s"] > 0
     assert 0.0 < row["bubble"] < 1.0
+    assert 0.0 < row["latency_gloo_s"] < 1.0 and 0.0 < row["latency_s"] < 1.0
+    assert "torch.distributed isend/irecv" in capsys.readouterr().out
     cfg = _compose(
         [*TINY, "schedule=interleaved_1f1b", "runs=[bare]", "predict=false", f"csv={tmp_path / 'b.csv'}"]
     )
