@@ -127,6 +127,7 @@ def test_alternation_times_each_turn_but_its_first_step_and_pairs_neighbouring_t
         Alternation.of({"alternate": True, "memory": True})
 
 
+@pytest.mark.slow  # 16 s; the fake-clock test covers the turns' bookkeeping in the default suite
 @pytest.mark.timeout(120)
 def test_alternate_runs_ours_and_the_peer_in_turns_and_reports_their_ratio(tmp_path, capsys):
     """alternate=true, 1F1B: ours takes turns with the peer in its own processes; the row holds the
