@@ -55,13 +55,19 @@ def test_announcing_twice_before_taking_everything_is_an_error():
 
 
 class _Send:
-    """A send's work that completes when ``done`` is set."""
+    """A send's work that completes when ``done`` is set (raising ``error``, if set)."""
 
     def __init__(self) -> None:
         self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.waited = False
 
     def wait(self) -> bool:
-        return self.done.wait(10)
+        self.waited = True
+        completed = self.done.wait(10)
+        if self.error is not None:
+            raise self.error
+        return completed
 
 
 def test_the_send_waiter_drops_buffers_as_sends_complete_and_one_thread_serves_every_phase(monkeypatch):
@@ -111,21 +117,21 @@ def test_a_thread_that_cannot_start_leaves_nothing_held_and_nothing_to_wait_for(
     waiter.close()  # returns at once: nothing was put
 
 
-def test_flush_waits_for_the_sends_even_when_posting_failed(monkeypatch):
+def test_a_failed_post_is_raised_by_the_send_and_flush_still_waits_for_the_earlier_sends(monkeypatch):
     p2p = P2P(torch.device("cpu"))
     posted = _Send()
     p2p._waiter.put(posted, torch.zeros(1))
     monkeypatch.setattr(comm, "_post", lambda t, dst: (_ for _ in ()).throw(RuntimeError("peer gone")))
-    p2p.send([torch.randn(2, 2)], 1)  # encoded here, posted by the poster thread: that fails
-    posted.done.set()
     with pytest.raises(RuntimeError, match="peer gone"):
-        p2p.flush()
-    assert p2p.sends_in_flight() == 0  # the waiter was closed too
+        p2p.send([torch.randn(2, 2)], 1)  # posted in the calling thread
+    assert p2p.sends_in_flight() == 1
+    threading.Timer(0.2, posted.done.set).start()
+    p2p.flush()  # waits for the earlier send
+    assert posted.done.is_set() and p2p.sends_in_flight() == 0
 
 
 def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch):
-    """Encoded in the stage's thread (only the framing copy and the post are the poster thread's):
-    under a per-micro-batch schedule the stage may not flush before its peer waits for the message,
+    """Encoded, framed and posted in the stage's thread: under a per-micro-batch schedule the stage may not flush before its peer waits for the message,
     so an error held until then would leave the peer waiting for the process group's timeout."""
     p2p, posted = P2P(torch.device("cpu")), []
     monkeypatch.setattr(comm, "_post", lambda t, dst: posted.append(t.clone()) or _done())
@@ -138,27 +144,24 @@ def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch)
     assert torch.equal(received, torch.ones(3)) and meta.chunks == 0
 
 
-def test_a_failed_background_post_is_raised_by_settle_before_the_flush(monkeypatch):
+def test_a_failed_background_send_is_raised_by_settle_before_the_flush():
     """A stage that sends as it goes (1F1B) settles after every action and flushes only at the end
-    of its column: a send that failed in the poster thread is raised at the next settle, the sends
-    after it are dropped, and the flush raises it too."""
-    p2p, calls = P2P(torch.device("cpu")), []
-
-    def post(t, dst):
-        calls.append(dst)
-        raise RuntimeError("peer gone")
-
-    monkeypatch.setattr(comm, "_post", post)
-    p2p.send([torch.ones(3)], 1)
-    p2p.send([torch.ones(3)], 2)
+    of its column: a send whose wait failed in the waiter thread is raised at the next settle, the
+    sends after it are dropped unwaited, and the flush raises it too."""
+    p2p = P2P(torch.device("cpu"))
+    failed, later = _Send(), _Send()
+    failed.error = RuntimeError("peer gone")
+    p2p._waiter.put(failed, torch.zeros(1))
+    p2p._waiter.put(later, torch.zeros(1))
+    failed.done.set()
     deadline = time.monotonic() + 10
-    while p2p._poster._error is None and time.monotonic() < deadline:
+    while p2p._waiter._error is None and time.monotonic() < deadline:
         time.sleep(0.001)
     with pytest.raises(RuntimeError, match="peer gone"):
         p2p.settle()
     with pytest.raises(RuntimeError, match="peer gone"):
         p2p.flush()
-    assert calls == [1] and p2p.sends_in_flight() == 0
+    assert p2p.sends_in_flight() == 0 and not later.waited
     p2p.settle()  # the flush took the error: the transport is usable again
 
 
