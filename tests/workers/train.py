@@ -37,6 +37,12 @@ from pathlib import Path
 import torch
 
 spec = json.loads(Path(sys.argv[1]).read_text())
+if spec.get("rank0_only", {}).get("signal") == "SIGINT":
+    import signal
+
+    # as in a terminal, where Ctrl-C reaches the job: a shell that starts a job in the background
+    # (`cmd &`, nohup) has it ignore SIGINT, which the job's ranks (started from this one) inherit
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # "pytorch_lightning" (default) or "lightning.pytorch": the Trainer, module and callbacks all come from it
 os.environ["GPIPE_TEST_LIGHTNING"] = spec.get("namespace", "pytorch_lightning")
 pl = importlib.import_module(os.environ["GPIPE_TEST_LIGHTNING"])
