@@ -15,7 +15,8 @@ bubble share, the cost model's error, and the largest model that fits a memory b
 - ``alternate=true``: ``ours`` and ``bare`` each take turns with the peer in their own processes,
   ``block`` steps each (the peer on a process group of its own), and report
   ``vs_peer_alternating``: the median over blocks of the peer's median step over theirs in the
-  block before (each block's first step, after the other's turn, untimed). Neighbouring blocks are
+  block before (each block's first step, after the other's turn, untimed), and
+  ``vs_peer_alternating_ci``, that median's 95 % distribution-free interval (:func:`median_interval`). Neighbouring blocks are
   seconds apart, so the host's drift, which moves separate runs by up to 20 % here, cancels;
 - ``single``: the plain model in one process with 1 thread (the one-stage baseline), with
   K × ``threads`` threads (the pipeline's total, row ``single_mt``) and with 1 thread on the
@@ -133,6 +134,7 @@ COLUMNS = [
     "vs_peer_alternating",
     "vs_peer_alternating_blocks",
     "latency_gloo_s",
+    "vs_peer_alternating_ci",
 ]
 
 # The one-process baselines: 1 thread, K threads, 1 thread on the pipeline's micro-batches.
@@ -245,6 +247,23 @@ def _median(values: list[float] | None) -> float | None:
     return statistics.median(values) if values else None
 
 
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float] | None:
+    """A distribution-free confidence interval of the median of ``values``: the order statistics
+    ``x_(j)`` and ``x_(n+1-j)`` for the largest ``j`` with ``P(Bin(n, 1/2) < j) <= (1 - level) / 2``
+    (sign-test interval; e.g. n = 10 at 95 %: the 2nd and the 9th smallest, coverage 97.9 %).
+    Assumes only that the values are independent draws of one distribution.
+
+    Returns:
+        ``(low, high)``, or ``None`` where ``n`` is too small for ``level`` (fewer than 6 at 95 %).
+    """
+    x, n = sorted(values), len(values)
+    tail, j, below = (1 - level) / 2, 0, 0.0
+    while j < n and below + math.comb(n, j) / 2**n <= tail:
+        below += math.comb(n, j) / 2**n
+        j += 1
+    return (x[j - 1], x[n - j]) if j else None
+
+
 def _row(
     cfg: DictConfig,
     run: str,
@@ -292,6 +311,9 @@ def _row(
         if all("cpus" in r for r in stage_results)
         else None,
         "vs_peer_alternating": _median(result.get("block_ratios")),
+        "vs_peer_alternating_ci": "|".join(f"{b:.3f}" for b in interval)
+        if (interval := median_interval(result.get("block_ratios") or []))
+        else None,
         "vs_peer_alternating_blocks": "|".join(f"{b:.3f}" for b in result["block_ratios"])
         if result.get("block_ratios")
         else None,
@@ -605,7 +627,9 @@ def format_paired(rows: list[dict[str, Any]]) -> str:
     lines += [
         f"{row['run']} / peer, {row['model']} {_schedule_name(row)} M={row['chunks']}, alternating: "
         f"{_fmt(row.get('vs_peer_alternating'), '.3f')} "
-        f"(median over blocks; per block {str(row.get('vs_peer_alternating_blocks', '')).replace('|', ', ')})"
+        f"(median over {len(str(row.get('vs_peer_alternating_blocks', '')).split('|'))} blocks, its 95 % interval "
+        f"{str(row.get('vs_peer_alternating_ci') or '–').replace('|', '–')}; "
+        f"per block {str(row.get('vs_peer_alternating_blocks', '')).replace('|', ', ')})"
         for row in rows
         if row.get("vs_peer_alternating") not in (None, "")
     ]

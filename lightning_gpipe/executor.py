@@ -161,20 +161,27 @@ class ColumnExecutor(nn.Module):
             self.p2p.flush()
 
     def _announce_from(self, run: StepRun) -> None:
-        """Announce the receives of the column from the cursor up to the first backward whose
-        forward has not run (or, with one call per step, that waits for the step's loss); where
-        that is where the step's calls end, the messages that follow them too (``after_calls``)."""
-        top, end, waits_for_loss = self.topology, run.pos, False
+        """Announce the receives of the column from the cursor up to the first backward that
+        receives a message and whose forward has not run (what flows back depends on that
+        forward), or, with one call per step, that waits for the step's loss; where that is where
+        the step's calls end, the messages that follow them too (``after_calls``).
+
+        A backward that receives nothing (the last part's: its gradient is the user's loss) does
+        not end the stretch, so the last stage of 1F1B announces every micro-batch's input at the
+        step's start and each is received while the stage computes the one before."""
+        top, v, end, waits_for_loss = self.topology, self.virtual_stages, run.pos, False
         while end < len(run.column):
             a = run.column[end]
             waits_for_loss = a.kind == "B" and run.whole and not run.step_loss
-            if a.kind == "B" and ((a.i, a.virtual_stage) not in run.forwarded or waits_for_loss):
+            if waits_for_loss or (
+                a.kind == "B"
+                and (a.i, a.virtual_stage) not in run.forwarded
+                and schedule.receives(a, top.stage, top.stages, top.skips, v)
+            ):
                 break
             end += 1
         stretch = run.column[run.pos : end]
-        messages = schedule.messages(
-            stretch, top.stage, top.stages, top.skips, partial(_flows, run), self.virtual_stages
-        )
+        messages = schedule.messages(stretch, top.stage, top.stages, top.skips, partial(_flows, run), v)
         if end == len(run.column) or waits_for_loss:
             messages, run.after_calls = messages + run.after_calls, Counter()
         self._announce(messages - run.taken)

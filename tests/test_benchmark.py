@@ -20,6 +20,7 @@ from benchmarks.benchmark import (
     capacity,
     format_memory,
     format_table,
+    median_interval,
     predict_window,
     report,
 )
@@ -150,6 +151,16 @@ def test_alternate_runs_ours_and_the_peer_in_turns_and_reports_their_ratio(tmp_p
     assert len(blocks) == 3 and all(b > 0 for b in blocks)  # warm-up turn 1; turns 2-4 timed
     assert row["vs_peer_alternating"] == pytest.approx(sorted(blocks)[1], abs=1e-3)  # blocks: 3 decimals
     assert "ours / peer, mlp 1f1b M=8, alternating" in capsys.readouterr().out
+
+
+def test_median_interval_is_the_sign_test_interval():
+    """The 95 % interval of a median from n values: the j-th smallest and largest for the largest j
+    with P(Bin(n, 1/2) < j) <= 2.5 % (tables: n = 6 → j = 1, n = 10 → 2, n = 20 → 6, n = 40 → 14)."""
+    for n, j in [(6, 1), (10, 2), (20, 6), (40, 14)]:
+        values = [float(v) for v in reversed(range(1, n + 1))]  # order does not matter
+        assert median_interval(values) == (float(j), float(n + 1 - j))
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0]) is None  # even min–max covers only 93.8 %
+    assert median_interval([]) is None
 
 
 def test_pin_gives_each_rank_its_own_cores_wrapping_when_short():

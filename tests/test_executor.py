@@ -48,6 +48,7 @@ class FakeP2P:
         self.left: Counter[int] = Counter()  # announced messages not yet taken, per source
         self.announced: Counter[int] = Counter()
         self.received: Counter[int] = Counter()
+        self.expects: list[tuple[int, int]] = []  # every announcement, in order
 
     def send(self, tensors, dst, *, structure=None, chunks=0):
         header, *payload = encode_message(tensors, structure, chunks, self.device)
@@ -58,6 +59,7 @@ class FakeP2P:
         assert self.left[src] == 0, f"messages announced from rank {src} are still to be received"
         self.left[src] = messages
         self.announced[src] += messages
+        self.expects.append((src, messages))
 
     def recv(self, src):
         if self.left[src]:
@@ -351,6 +353,22 @@ def test_the_step_outcome_is_announced_with_the_last_stretch_one_call_per_micro_
             expected[top.ranks[-1]] += 1
         first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
         assert counts[j] == (expected - first, expected)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_under_1f1b_the_last_stage_announces_every_forward_input_at_once(k):
+    """A backward that receives nothing (the last stage's: its gradient is the loss) does not end an
+    announced stretch, so the last stage announces micro-batches 1..M-1's inputs at its first call
+    (micro-batch 0's comes unannounced with M) and each is received while it computes the ones
+    before; a backward that receives a gradient still ends its stretch on the other stages."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    stages, _ = _micro_step(seq, uniform_balance(3, k), 4, x, y, one_f_one_b, "never")
+    last = stages[-1]
+    assert last.p2p.expects == [(last.topology.prev_rank, 3)]
+    for stage in stages[:-1]:
+        assert len([e for e in stage.p2p.expects if e[0] == stage.topology.next_rank]) > 1
 
 
 @pytest.mark.parametrize("schedule", [fill_drain, one_f_one_b])
