@@ -291,7 +291,7 @@ class Alternation:
 
     def start(self) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
-        self.peer = Peer(self.spec, rank, world, dist.new_group(backend="gloo"))
+        self.peer = Peer(self.spec, rank, world, dist.new_group(backend="gloo"), ours_layout=True)
         self.mark = time.perf_counter()
 
     def after_ours(self, x: Tensor, y: Tensor) -> None:
@@ -460,22 +460,29 @@ def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
 class Peer:
     """``torch.distributed.pipelining`` on this rank: the spec's schedule over the same split and
-    micro-batches, its own SGD; :meth:`step` runs one training step (``group``: the ranks' group)."""
+    micro-batches, its own SGD; :meth:`step` runs one training step (``group``: the ranks' group).
 
-    def __init__(self, spec: dict[str, Any], rank: int, world: int, group: Any = None) -> None:
+    With ``ours_layout`` each process holds the stage ours holds there (stage ``K-1-rank``: the
+    last stage on rank 0, :mod:`lightning_gpipe.layout`), so that in turns (:class:`Alternation`)
+    every process plays one role for both; otherwise stage ``rank``, the peer's default."""
+
+    def __init__(
+        self, spec: dict[str, Any], rank: int, world: int, group: Any = None, ours_layout: bool = False
+    ) -> None:
         from torch.distributed.pipelining import PipelineStage as PeerStage
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        self.spec, self.rank, self.world = spec, rank, world
+        stage = world - 1 - rank if ours_layout else rank
+        self.spec, self.stage, self.world = spec, stage, world
         model_cfg = spec["model"]
         name = spec.get("schedule", "gpipe")
-        parts = len(spec["balance"])  # K, or K·v with virtual stages: rank p runs parts p, p+K, ...
+        parts = len(spec["balance"])  # K, or K·v with virtual stages: stage s runs parts s, s+K, ...
         submodules = [
             nn.Sequential(OrderedDict(layers))
-            for layers in virtual_cut(build_model(model_cfg), spec["balance"], rank, world)
+            for layers in virtual_cut(build_model(model_cfg), spec["balance"], stage, world)
         ]
         stages = [
-            PeerStage(sub, rank + u * world, parts, torch.device("cpu"), group=group)
+            PeerStage(sub, stage + u * world, parts, torch.device("cpu"), group=group)
             for u, sub in enumerate(submodules)
         ]
         options = {
@@ -487,11 +494,18 @@ class Peer:
             self.schedule: Any = ScheduleInterleaved1F1B(stages, **options)
         else:
             self.schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stages[0], **options)
+        if ours_layout and name == "interleaved_1f1b":  # group rank r runs what rank K-1-r would
+            order = self.schedule.pipeline_order  # (its lowering derives the stage mapping from this)
+            self.schedule.pipeline_order = {r: order[world - 1 - r] for r in order}
+            self.schedule._prepare_schedule_with_comms(self.schedule.pipeline_order)
+        elif ours_layout:  # stage s on group rank K-1-s
+            for peer_stage in stages:
+                peer_stage.stage_index_to_group_rank = {c: world - 1 - c for c in range(parts)}
         self.optimizer = torch.optim.SGD([p for sub in submodules for p in sub.parameters()], lr=spec["lr"])
 
     def step(self, x: Tensor, y: Tensor) -> None:
-        args = (x,) if self.rank == 0 else ()
-        kwargs = {"target": y} if self.rank == self.world - 1 else {}
+        args = (x,) if self.stage == 0 else ()
+        kwargs = {"target": y} if self.stage == self.world - 1 else {}
         self.schedule.step(*args, **kwargs)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=_set_to_none(self.spec))
