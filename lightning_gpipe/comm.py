@@ -26,10 +26,9 @@ from lightning_gpipe._compat import unrecorded
 from lightning_gpipe.microbatch import Structure
 from lightning_gpipe.wire import (
     FIRST_ROOM,
-    FRAME_BYTES,
-    FRAME_SLOTS,
     HEADER_SLOTS,
     Meta,
+    decode_frame,
     decode_header,
     decode_message,
     encode_message,
@@ -137,9 +136,7 @@ class P2P:
         room = self._room_from.get(src, FIRST_ROOM)
         buffer = torch.empty(room, dtype=torch.uint8, device=self.device)
         _wait(dist.irecv(buffer, src))
-        words = buffer[:FRAME_BYTES].view(torch.int64)
-        total, fused = words[:FRAME_SLOTS].tolist()
-        meta = decode_header(words[FRAME_SLOTS:])
+        total, fused, meta = decode_frame(buffer)
         self._room_from[src] = max(room, total)
         if not fused:
             return self._receive_tensors(meta, src)

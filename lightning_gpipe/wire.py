@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -36,6 +37,7 @@ __all__ = [
     "FRAME_BYTES",
     "HEADER_SLOTS",
     "Meta",
+    "decode_frame",
     "decode_header",
     "decode_message",
     "decode_structure",
@@ -73,6 +75,10 @@ def encode_header(
     ``requires_grad | replicated << 1``. A :data:`~lightning_gpipe.microbatch.TREE` message also
     describes its structure's ``blob`` bytes (:func:`encode_message`), as a last uint8 tensor.
 
+    A step sends the same description again and again (every micro-batch's activation, every
+    gradient), so each header is built once per description and kept (:data:`_HEADERS`): the
+    tensor returned is shared and must not be written to.
+
     Raises:
         ValueError: a tensor's dtype has no code, or the description does not fit in
             :data:`HEADER_SLOTS` slots.
@@ -81,6 +87,19 @@ def encode_header(
         kind, whole = TUPLE, (False,) * len(tensors)
     else:
         kind, whole = structure.kind, structure.whole
+    key = (chunks, kind, blob, whole, device, *[(t.dtype, t.requires_grad, t.shape) for t in tensors])
+    header = _HEADERS.get(key)
+    if header is None:
+        header = _build_header(tensors, kind, whole, chunks, device, blob)
+        if len(_HEADERS) >= _KEPT:  # shapes that vary without end (e.g. sequence lengths) keep no more
+            _HEADERS.clear()
+        _HEADERS[key] = header
+    return header
+
+
+def _build_header(
+    tensors: Sequence[Tensor], kind: int, whole: Sequence[bool], chunks: int, device: torch.device, blob: int
+) -> Tensor:
     fields = [chunks, kind, len(tensors) + (kind == TREE)]
     for t, w in zip(tensors, whole):
         if t.dtype not in _CODE:
@@ -93,9 +112,14 @@ def encode_header(
             f"a stage boundary carries {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dims in all, "
             f"more than a {HEADER_SLOTS}-slot header can describe; pass fewer tensors between stages"
         )
-    # one op (a send's hot path)
     header = torch.tensor(fields + [0] * (HEADER_SLOTS - len(fields)), dtype=torch.int64)
     return header if device.type == "cpu" else header.to(device)
+
+
+_KEPT = 256
+"""Descriptions whose header (:data:`_HEADERS`) and decoded meta (:data:`_METAS`) are kept."""
+_HEADERS: dict[tuple[Any, ...], Tensor] = {}
+_METAS: dict[bytes, Meta] = {}
 
 
 @dataclass(frozen=True)
@@ -114,8 +138,22 @@ class Meta:
 
 
 def decode_header(header: Tensor) -> Meta:
-    """Inverse of :func:`encode_header`."""
-    h = header.tolist()
+    """Inverse of :func:`encode_header` (kept per header, as the headers are: :data:`_METAS`)."""
+    return _meta(header.cpu().numpy().tobytes())
+
+
+def _meta(raw: bytes) -> Meta:
+    """The :class:`Meta` of a header's bytes (native int64 slots), decoded once per header."""
+    meta = _METAS.get(raw)
+    if meta is None:
+        meta = _decode_slots(struct.unpack(f"={HEADER_SLOTS}q", raw))
+        if len(_METAS) >= _KEPT:
+            _METAS.clear()
+        _METAS[raw] = meta
+    return meta
+
+
+def _decode_slots(h: Sequence[int]) -> Meta:
     chunks, kind, n = h[0], h[1], h[2]
     specs, whole, k = [], [], 3
     for _ in range(n):
@@ -182,9 +220,9 @@ def frame_message(message: Sequence[Tensor], room: int) -> tuple[list[Tensor], i
     total = FRAME_BYTES + sum(_padded(n) for n in sizes)
     fused = total <= room
     buffer = torch.empty(total if fused else FRAME_BYTES, dtype=torch.uint8, device=header.device)
-    words = buffer[:FRAME_BYTES].view(torch.int64)
-    words[:FRAME_SLOTS] = torch.tensor([total, int(fused)], dtype=torch.int64)
-    words[FRAME_SLOTS:] = header
+    words = buffer[:FRAME_BYTES].numpy().view("int64")  # a frame is on CPU: plain stores, no tensor ops
+    words[0], words[1] = total, int(fused)
+    words[FRAME_SLOTS:] = header.numpy()
     if not fused:
         return [buffer, *tensors], total
     offset = FRAME_BYTES
@@ -192,6 +230,14 @@ def frame_message(message: Sequence[Tensor], room: int) -> tuple[list[Tensor], i
         buffer[offset : offset + n] = t.reshape(-1).view(torch.uint8)
         offset += _padded(n)
     return [buffer], total
+
+
+def decode_frame(buffer: Tensor) -> tuple[int, bool, Meta]:
+    """What the start of a framed message received into ``buffer`` says: the message's total
+    bytes, whether its tensors are in the buffer (fused), and its header's :class:`Meta`."""
+    raw = buffer[:FRAME_BYTES].numpy().tobytes()
+    total, fused = struct.unpack_from(f"={FRAME_SLOTS}q", raw)
+    return total, bool(fused), _meta(raw[8 * FRAME_SLOTS :])
 
 
 def unframe(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:

@@ -6,11 +6,14 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 
+from lightning_gpipe import wire
+
 from lightning_gpipe.microbatch import TENSOR, TUPLE, MicroBatchError, Structure, flatten, unflatten
 from lightning_gpipe.wire import (
     FIRST_ROOM,
     FRAME_BYTES,
     HEADER_SLOTS,
+    decode_frame,
     decode_header,
     decode_message,
     decode_structure,
@@ -109,6 +112,7 @@ def _framed_round_trip(tensors, structure=None, room=FIRST_ROOM):
     buffer[: framed[0].numel()] = framed[0]
     words = buffer[:FRAME_BYTES].view(torch.int64)
     meta = decode_header(words[2:])
+    assert decode_frame(buffer) == (*words[:2].tolist(), meta)  # the receiver's one read of the frame
     return framed, total, words[:2].tolist(), meta, buffer
 
 
@@ -183,3 +187,34 @@ def test_conjugate_and_negative_views_travel_as_their_values():
     _, _, _, meta, buffer = _framed_round_trip(tensors)
     for a, b in zip(unframe(buffer, meta), expected):
         assert torch.equal(a, b)
+
+
+def test_a_repeated_description_is_encoded_and_decoded_once_and_a_new_one_anew(monkeypatch):
+    """Every micro-batch sends the same description: its header tensor and its decoded meta are kept
+    (shared, never written to); another shape, dtype, gradient flag, chunk count or structure is
+    described anew, also after the kept ones were dropped for want of room."""
+    monkeypatch.setattr(wire, "_KEPT", 4)
+    cpu = torch.device("cpu")
+    x = torch.randn(4, 3, requires_grad=True)
+    first = encode_header([x], None, 8, cpu)
+    assert encode_header([torch.zeros(4, 3, requires_grad=True)], None, 8, cpu) is first
+    variants = [
+        ([torch.randn(5, 3, requires_grad=True)], None, 8),
+        ([torch.randn(4, 3)], None, 8),
+        ([x.detach().double().requires_grad_()], None, 8),
+        ([x], None, 3),
+        ([x], Structure(TENSOR, (True,)), 8),
+        ([x, torch.arange(2)], None, 8),
+    ]
+    for _ in range(2):  # the second time round, past the room kept: from scratch again
+        for tensors, structure, chunks in [([x], None, 8), *variants]:
+            header = encode_header(tensors, structure, chunks, cpu)
+            meta = decode_header(header.clone())
+            assert decode_header(header.clone()) is meta
+            assert meta.chunks == chunks and meta.structure.whole == (
+                structure.whole if structure is not None else (False,) * len(tensors)
+            )
+            assert meta.specs == tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
+    framed, _ = frame_message([first, x.detach()], FIRST_ROOM)
+    assert torch.equal(framed[0][:FRAME_BYTES].view(torch.int64)[2:], first)
+    assert decode_header(first).specs == (((4, 3), torch.float32, True),)  # framing left it as it was
