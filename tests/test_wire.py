@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from lightning_gpipe import wire
-
 from lightning_gpipe.microbatch import TENSOR, TUPLE, MicroBatchError, Structure, flatten, unflatten
 from lightning_gpipe.wire import (
     FIRST_ROOM,
