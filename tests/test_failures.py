@@ -59,6 +59,7 @@ def test_rank_failure_exits_all_ranks(tmp_path, where, layer, stage, rank):
         assert out.index(f"injected failure in {where}") < out.index("stopped because another rank")
 
 
+@pytest.mark.slow  # about 50 s; a rank's failure ending every rank is checked by test_rank_failure_exits_all_ranks
 @pytest.mark.timeout(200)
 def test_failure_while_the_next_messages_are_still_being_received_exits_without_abort(tmp_path):
     """Stage 1 raises on micro-batch 0 of step 2 while the slow stage 0 still has 3 micro-batches to
