@@ -3,12 +3,17 @@ import json
 import pytest
 import torch
 
-from tests._harness import check, run_script
+from tests._harness import check, run_ranks
 
 
 @pytest.fixture
 def gpipe_job(tmp_path):
-    """Run tests/workers/train.py on a spec.
+    """Run tests/workers/train.py on a spec, its ``devices`` ranks started together, torchrun-style.
+
+    Started by Lightning's launcher instead, the other ranks would begin importing torch and
+    Lightning (some 5 s each on 2 cores) only once rank 0 has reached ``fit``. The launcher's own
+    path is run by the tests that call :func:`tests._harness.run_script` (the recipes, stage-only
+    loading, the Hugging Face adapters, failures and signals).
 
     Returns ``(results, grads)``: per run, rank 0's record (with ``ranks``: every rank's record,
     ``output``: the job's stdout and stderr),
@@ -19,7 +24,8 @@ def gpipe_job(tmp_path):
         spec = dict(spec, kind=kind, devices=devices, runs=runs, out=str(tmp_path))
         path = tmp_path / "spec.json"
         path.write_text(json.dumps(spec))
-        output = check(run_script("tests/workers/train.py", str(path), timeout=timeout))
+        results = run_ranks("tests/workers/train.py", devices, str(path), timeout=timeout)
+        output = "\n".join(check(r) for r in results)
         ranks = [
             [torch.load(tmp_path / f"run{k}_rank{r}.pt", weights_only=False) for r in range(devices)]
             for k in range(len(runs))

@@ -1,7 +1,8 @@
 """Worker: train tests.models.Net under GPipeStrategy for each run in a JSON spec.
 
 Usage: python tests/workers/train.py SPEC.json
-Lightning's launcher re-runs this command for the other ranks. Every rank writes
+Started once (Lightning's launcher re-runs this command for the other ranks) or once per rank
+with RANK/WORLD_SIZE set (torchrun-style, as tests/conftest.py's gpipe_job does). Every rank writes
 ``run{k}_rank{r}.pt`` with what its module recorded (losses, gradients, clipped gradients,
 norms, sample indices, callback metrics, best checkpoint path, stop epoch); rank 0 (a last
 stage) also writes the full trained state.
