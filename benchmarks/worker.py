@@ -268,7 +268,9 @@ class Alternation:
     """Ours and the :class:`Peer` taking turns in the same processes, ``block`` steps each, so that
     both see the same machine within seconds of each other (the host's drift over a run cancels in
     the ratio of neighbouring blocks). The first step of each block (the one after the other's
-    turn) and the blocks of the ``warmup`` steps are not timed."""
+    turn) and the blocks of the ``warmup`` steps are not timed. The result also holds each timed
+    step's span (``turn_windows``, ``time.perf_counter`` seconds: ``CLOCK_MONOTONIC`` on Linux), which
+    :mod:`benchmarks.perf_turns` matches with ``perf`` samples."""
 
     @classmethod
     def of(cls, spec: dict[str, Any]) -> Alternation | None:
@@ -286,6 +288,7 @@ class Alternation:
         self.peer: Peer | None = None
         self.ours: list[list[float]] = []  # per block, the timed steps' seconds
         self.peers: list[list[float]] = []
+        self.windows: dict[str, list[list[list[float]]]] = {"ours": [], "peer": []}  # per block, per step
         self.steps = 0
         self.mark = 0.0
 
@@ -301,25 +304,31 @@ class Alternation:
         at = (self.steps - 1) % self.block
         if at == 0:
             self.ours.append([])
+            self.windows["ours"].append([])
         else:
             self.ours[-1].append(now - self.mark)
+            self.windows["ours"][-1].append([self.mark, now])
         self.mark = now
         if at == self.block - 1:
-            times = []
+            times, spans = [], []
             for _ in range(self.block):
                 self.peer.step(x, y)
                 now, last = time.perf_counter(), self.mark
                 times.append(now - last)
+                spans.append([last, now])
                 self.mark = now
             self.peers.append(times[1:])
+            self.windows["peer"].append(spans[1:])
 
     def result(self) -> dict[str, Any]:
         first = -(-self.spec["warmup"] // self.block)  # blocks holding warm-up steps
         ours, peers = self.ours[first : len(self.peers)], self.peers[first:]
+        windows = {k: [w for b in v[first : len(self.peers)] for w in b] for k, v in self.windows.items()}
         return {
             "step_s": [t for b in ours for t in b],
             "peer_step_s": [t for b in peers for t in b],
             "block_ratios": [_median(p) / _median(o) for o, p in zip(ours, peers)],
+            "turn_windows": windows,
         }
 
 

@@ -121,6 +121,10 @@ def test_alternation_times_each_turn_but_its_first_step_and_pairs_neighbouring_t
     result = turns.result()
     assert result["step_s"] == [1.0] * 4 and result["peer_step_s"] == [2.0] * 4
     assert result["block_ratios"] == [2.0, 2.0]
+    assert result["turn_windows"] == {  # the timed steps' spans of perf_counter, for benchmarks.perf_turns
+        "ours": [[36.0, 37.0], [37.0, 38.0], [62.0, 63.0], [63.0, 64.0]],
+        "peer": [[48.0, 50.0], [50.0, 52.0], [74.0, 76.0], [76.0, 78.0]],
+    }
     with pytest.raises(ValueError, match="block=1"):
         Alternation({"warmup": 1, "timed": 1, "memory": False, "block": 1})
     assert Alternation.of({"memory": True}) is None
