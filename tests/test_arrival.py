@@ -57,10 +57,7 @@ def test_collective_reached_only_on_global_zero_fails_fast_on_every_rank(tmp_pat
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    "signal",
-    ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)],  # the same path, about 20 s each
-)
+@pytest.mark.parametrize("signal", ["SIGTERM", "SIGINT"])
 def test_signal_ends_every_rank_while_one_is_blocked_in_a_collective(tmp_path, signal):
     """Rank 0 alone enters a barrier (collective_timeout 600 s, so it stays blocked) and gets SIGTERM, or
     SIGINT as from Ctrl-C, 2 s later: both ranks end within seconds, non-zero."""

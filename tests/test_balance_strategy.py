@@ -20,7 +20,6 @@ def test_balancers_choose_one_balance_for_all_ranks_and_train_like_one_device(gp
     assert all(n >= 1 for n in saved["balance"])
 
 
-@pytest.mark.slow  # about 20 s; time balancing training like one device: the test above
 def test_time_balance_is_profiled_once_per_model_and_validate_reuses_it(gpipe_job):
     """balance="time", 2 stages: fit with the loaders passed to fit, then trainer.validate(model, val)
     reuses the balance (no second profile, no train_dataloader needed) and gives one device's val_loss;

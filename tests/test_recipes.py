@@ -350,7 +350,6 @@ def _val_windows(corpus: Path, seq_len: int, batches: int, batch_size: int) -> t
 
 
 @needs_transformers
-@pytest.mark.slow  # about 25 s; GPT-2 over two stages training like one device: tests/test_adapters.py
 @pytest.mark.timeout(240)
 def test_gpt2_recipe_goes_below_the_unigram_entropy_and_maps_back(tmp_path):
     # model=gpt2 over 2 stages (the tied embedding and head on different stages), chunks 8
