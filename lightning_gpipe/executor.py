@@ -3,7 +3,8 @@ computing and sending exactly what each action names.
 
 :class:`ColumnExecutor` is the half of :class:`~lightning_gpipe.stage.PipelineStage` that runs
 actions over a :class:`~lightning_gpipe.step_run.StepRun`: it builds the step's run from the
-schedule's grid (M from the first stage's split or the first message's header), runs the column
+schedule's grid (M from the first stage's split or the first message's header; what each action
+receives and sends is planned once per step shape, :class:`~lightning_gpipe.step_run.ColumnPlan`), runs the column
 from its cursor while the actions are runnable, announces the messages each stretch receives
 (:func:`~lightning_gpipe.schedule.messages`), computes each micro-batch on the stage's own random
 stream (:mod:`lightning_gpipe.stage_rng`; recomputable: :mod:`lightning_gpipe.recompute`, replaying
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe import outbox, recompute, schedule
+from lightning_gpipe import outbox, recompute
 from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P
 from lightning_gpipe.effects import ForwardState
@@ -34,7 +35,7 @@ from lightning_gpipe.microbatch import flatten, scatter, unflatten
 from lightning_gpipe.schedule import Action, Grid, Transfer
 from lightning_gpipe.skip import MicroBatchStore, use_store
 from lightning_gpipe.stage_rng import StageGenerator
-from lightning_gpipe.step_run import StepRun
+from lightning_gpipe.step_run import ColumnPlan, StepRun
 from lightning_gpipe.wire import Meta
 
 __all__ = ["ColumnExecutor", "PipelineUsageError"]
@@ -110,25 +111,31 @@ class ColumnExecutor(nn.Module):
 
     def _new_run(self, train: bool, chunks: int) -> StepRun:
         top = self.topology
-        v = self.virtual_stages
-        grid = self.schedule(top.stages, chunks) if v == 1 else self.schedule(top.stages, chunks, v)  # type: ignore[call-arg]
-        column = schedule.stage_actions(grid, top.stage)
-        if not train:
-            column = [a for a in column if a.kind == "F"]
+        plan = self._plan(chunks, train)
         whole = self._micro is None
-        fill_end = 1 + max(k for k, a in enumerate(column) if a.kind == "F")
-        if whole and train and top.is_last and any(a.kind == "B" for a in column[:fill_end]):
+        if whole and train and top.is_last and any(a.kind == "B" for a in plan.column[: plan.fill_end]):
             raise PipelineUsageError(
-                f"this schedule runs a backward on the last stage before its last forward ({column}); it "
+                f"this schedule runs a backward on the last stage before its last forward ({list(plan.column)}); it "
                 "needs the user's training_step once per micro-batch (GPipeStrategy(schedule=...) does that)"
             )
-        run = StepRun(train, chunks, column, whole, fill_end=fill_end)
+        run = StepRun(train, chunks, plan, whole)
         if train and self.outcome_follows and not top.is_last:
             run.after_calls[top.stages - 1] = 1  # lightning_gpipe.outcome: one message per training step
-        if train and v > 1:  # sends wait for their turn where a peer takes them out of order
-            run.order = outbox.taking_order(grid, top, v)
-            run.outbox = {peer: {} for peer in run.order}
+        # sends wait for their turn where a peer takes them out of order (consumed: copied per run)
+        run.order = {peer: list(keys) for peer, keys in plan.order.items()}
+        run.outbox = {peer: {} for peer in run.order}
         return run
+
+    def _plan(self, chunks: int, train: bool) -> ColumnPlan:
+        """This stage's :class:`~lightning_gpipe.step_run.ColumnPlan` for M = ``chunks``, made once per shape."""
+        top, v = self.topology, self.virtual_stages
+        plans: dict[Any, ColumnPlan] = self.__dict__.setdefault("_plans", {})
+        key = (self.schedule, top.stage, top.stages, top.skips, v, chunks, train)
+        plan = plans.get(key)
+        if plan is None:
+            grid = self.schedule(top.stages, chunks) if v == 1 else self.schedule(top.stages, chunks, v)  # type: ignore[call-arg]
+            plan = plans[key] = ColumnPlan.of(grid, top, v, train)
+        return plan
 
     def _ready(self, action: Action, run: StepRun) -> bool:
         """Whether ``action`` can run now: what it needs from the user's code has come."""
@@ -140,7 +147,7 @@ class ColumnExecutor(nn.Module):
             return action.i < run.called or not gated
         if run.whole:
             return run.step_loss
-        return action.i in run.losses or not schedule.needs_loss(action, top.stage, top.stages, v)
+        return action.i in run.losses or action not in run.plan.needs_loss
 
     def _advance(self, run: StepRun) -> None:
         """Run ``run``'s column from the cursor while its actions are runnable."""
@@ -169,19 +176,17 @@ class ColumnExecutor(nn.Module):
         A backward that receives nothing (the last part's: its gradient is the user's loss) does
         not end the stretch, so the last stage of 1F1B announces every micro-batch's input at the
         step's start and each is received while the stage computes the one before."""
-        top, v, end, waits_for_loss = self.topology, self.virtual_stages, run.pos, False
-        while end < len(run.column):
-            a = run.column[end]
+        plan, end, waits_for_loss = run.plan, run.pos, False
+        while end < len(plan.column):
+            a = plan.column[end]
             waits_for_loss = a.kind == "B" and run.whole and not run.step_loss
             if waits_for_loss or (
-                a.kind == "B"
-                and (a.i, a.virtual_stage) not in run.forwarded
-                and schedule.receives(a, top.stage, top.stages, top.skips, v)
+                a.kind == "B" and (a.i, a.virtual_stage) not in run.forwarded and plan.receives[a]
             ):
                 break
             end += 1
-        stretch = run.column[run.pos : end]
-        messages = schedule.messages(stretch, top.stage, top.stages, top.skips, partial(_flows, run), v)
+        stretch = plan.column[run.pos : end]
+        messages = plan.messages(stretch, partial(_flows, run))
         if end == len(run.column) or waits_for_loss:
             messages, run.after_calls = messages + run.after_calls, Counter()
         self._announce(messages - run.taken)
@@ -204,7 +209,7 @@ class ColumnExecutor(nn.Module):
         x_structure = run.in_structures.pop(i) if first_part else None
         run.forwarded.add(key)
         store = MicroBatchStore()
-        received = schedule.receives(action, top.stage, top.stages, top.skips, v)
+        received = run.plan.receives[action]
         for t in received:
             meta, tensors = self._receive(t, i, u, run)
             if t.skip is None:
@@ -217,7 +222,7 @@ class ColumnExecutor(nn.Module):
             y = self._compute(i, u, run, unflatten(x_structure, x), store)
         kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
         y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
-        sent = schedule.sends(action, top.stage, top.stages, top.skips, v)
+        sent = run.plan.sends[action]
         if run.train:
             run.inputs[key] = x
             run.skips_in[key] = {t.skip: store[t.skip] for t in received if t.skip is not None}
@@ -301,11 +306,11 @@ class ColumnExecutor(nn.Module):
 
     def _backward_one(self, action: Action, run: StepRun) -> None:
         """``B i``: receive the gradients of micro-batch ``i``'s outputs, backpropagate, send its inputs' gradients."""
-        top, i, u, v = self.topology, action.i, action.virtual_stage, self.virtual_stages
+        i, u = action.i, action.virtual_stage
         key = (i, u)
         y_grad = [t for t in run.outputs[key] if t.requires_grad]
-        dy = list(self._leaf_grads(run, i)) if schedule.needs_loss(action, top.stage, top.stages, v) else []
-        for t in schedule.receives(action, top.stage, top.stages, top.skips, v):
+        dy = list(self._leaf_grads(run, i)) if action in run.plan.needs_loss else []
+        for t in run.plan.receives[action]:
             if not _flows(run, action, t):
                 continue
             with self._span("recv", i, u):
@@ -317,7 +322,7 @@ class ColumnExecutor(nn.Module):
         if y_grad:
             with self._span("backward", i, u), self._naming_errors("backward", i, run.inputs[key]):
                 torch.autograd.backward(y_grad, dy)
-        for t in schedule.sends(action, top.stage, top.stages, top.skips, v):
+        for t in run.plan.sends[action]:
             sources = run.inputs[key] if t.skip is None else (run.skips_in[key][t.skip],)
             x_grad = [x for x in sources if x.requires_grad]
             dx = [x.grad if x.grad is not None else torch.zeros_like(x) for x in x_grad]

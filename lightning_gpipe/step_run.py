@@ -1,7 +1,10 @@
 """One step's execution state on a stage: the cursor over its schedule column and what its
 forwards keep per (micro-batch, virtual stage) until their backwards.
 
-:class:`StepRun` is created at the step's first call (:meth:`.ColumnExecutor._new_run`) and
+:class:`ColumnPlan` is what the column implies, the same for every step of the same shape: each
+action's receives and sends (:func:`~lightning_gpipe.schedule.receives`,
+:func:`~lightning_gpipe.schedule.sends`), which need the user's loss, and the order in which the
+peers take this stage's messages. :class:`StepRun` is created at the step's first call (:meth:`.ColumnExecutor._new_run`) and
 dropped when the column has run to its end or the step has no loss. On the last stage,
 :class:`Call` records each call of the Sequential, so that the gradients the user's loss leaves on
 the call's output leaves can be split per micro-batch.
@@ -10,17 +13,63 @@ the call's output leaves can be split per micro-batch.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
+from lightning_gpipe import outbox, schedule
 from lightning_gpipe.effects import ForwardState
+from lightning_gpipe.layout import StageTopology
 from lightning_gpipe.microbatch import Structure
-from lightning_gpipe.schedule import Action
+from lightning_gpipe.schedule import Action, Grid, Transfer
 from lightning_gpipe.wire import Meta
 
-__all__ = ["Call", "StepRun"]
+__all__ = ["Call", "ColumnPlan", "StepRun"]
+
+
+@dataclass(frozen=True)
+class ColumnPlan:
+    """What a stage's schedule column implies, computed once per step shape (K, M, v, training).
+
+    Attributes:
+        column: the stage's actions in order (only the forwards when not training).
+        fill_end: index after the column's last forward.
+        receives: per action, the messages it takes, in order (:func:`~lightning_gpipe.schedule.receives`).
+        sends: per action, the messages it sends, in order (:func:`~lightning_gpipe.schedule.sends`).
+        needs_loss: the backwards that need the user's loss (:func:`~lightning_gpipe.schedule.needs_loss`).
+        order: per peer stage, the keys of the messages this stage sends it in the order the peer
+            takes them, where that differs from the order sent (:func:`lightning_gpipe.outbox.taking_order`;
+            empty when not training or where every peer takes them as sent).
+    """
+
+    column: tuple[Action, ...]
+    fill_end: int
+    receives: dict[Action, tuple[Transfer, ...]]
+    sends: dict[Action, tuple[Transfer, ...]]
+    needs_loss: frozenset[Action]
+    order: dict[int, tuple[outbox.Key, ...]]
+
+    @classmethod
+    def of(cls, grid: Grid, topology: StageTopology, virtual_stages: int, train: bool) -> ColumnPlan:
+        """The plan of ``topology.stage``'s column of ``grid``."""
+        top, v = topology, virtual_stages
+        column = [a for a in schedule.stage_actions(grid, top.stage) if train or a.kind == "F"]
+        order = outbox.taking_order(grid, top, v) if train and v > 1 else {}
+        return cls(
+            column=tuple(column),
+            fill_end=1 + max(k for k, a in enumerate(column) if a.kind == "F"),
+            receives={a: tuple(schedule.receives(a, top.stage, top.stages, top.skips, v)) for a in column},
+            sends={a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in column},
+            needs_loss=frozenset(a for a in column if schedule.needs_loss(a, top.stage, top.stages, v)),
+            order={peer: tuple(keys) for peer, keys in order.items()},
+        )
+
+    def messages(self, actions: Iterable[Action], flows: Callable[[Action, Transfer], bool]) -> Counter[int]:
+        """How many messages ``actions`` receive from each peer stage, counting the transfers that
+        ``flows`` (as :func:`~lightning_gpipe.schedule.messages` does, from the plan's receives)."""
+        return Counter(t.peer for a in actions for t in self.receives[a] if flows(a, t))
 
 
 @dataclass
@@ -39,7 +88,7 @@ class StepRun:
 
     train: bool
     chunks: int
-    column: list[Action]  # this stage's actions (only the forwards when not training)
+    plan: ColumnPlan  # this stage's column and what each action receives and sends
     whole: bool  # one call covers every micro-batch (schedule="gpipe"); else one call per micro-batch
     micro_batches: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # first stage: given inputs
     in_structures: dict[int, Structure] = field(default_factory=dict)  # first stage: how they make values
@@ -59,7 +108,6 @@ class StepRun:
     step_loss: bool = False  # one call per step: Lightning's backward has come
     pos: int = 0  # the cursor: index of the next action in column
     announced: int = 0  # receives of column[:announced] are announced
-    fill_end: int = 0  # index after the column's last forward
     # messages that follow the step's calls, per stage (the last stage's step outcome): announced
     # with the stretch that ends where the calls end, so that they are taken in the background
     after_calls: Counter[int] = field(default_factory=Counter)
@@ -75,5 +123,15 @@ class StepRun:
     outbox: dict[int, dict[tuple[str, int, int, str | None], Any]] = field(default_factory=dict)
 
     @property
+    def column(self) -> tuple[Action, ...]:
+        """This stage's actions (only the forwards when not training)."""
+        return self.plan.column
+
+    @property
+    def fill_end(self) -> int:
+        """Index after the column's last forward."""
+        return self.plan.fill_end
+
+    @property
     def done(self) -> bool:
-        return self.pos == len(self.column)
+        return self.pos == len(self.plan.column)

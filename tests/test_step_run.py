@@ -1,0 +1,84 @@
+"""A column's plan (:class:`lightning_gpipe.step_run.ColumnPlan`): what each action receives and
+sends, as the schedule's own functions name it, made once per step shape."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe.comm import P2P
+from lightning_gpipe.layout import Layout, StageTopology
+from lightning_gpipe.outbox import taking_order
+from lightning_gpipe.schedule import (
+    fill_drain,
+    interleaved_1f1b,
+    messages,
+    needs_loss,
+    one_f_one_b,
+    receives,
+    sends,
+    stage_actions,
+)
+from lightning_gpipe.skip import Route
+from lightning_gpipe.stage import PipelineStage
+from lightning_gpipe.step_run import ColumnPlan
+
+
+def _topology(stage, stages, skips=()):
+    layout = Layout(stages, stages)
+    return layout.topology(next(r for r in range(stages) if layout.stage_of(r) == stage), skips)
+
+
+CASES = [
+    (fill_drain(3, 4), 1, ()),
+    (one_f_one_b(3, 5), 1, (Route("s", 0, 2),)),
+    (interleaved_1f1b(2, 4, 2), 2, (Route("s", 0, 3), Route("t", 1, 2))),
+    (interleaved_1f1b(2, 5, 2), 2, ()),  # takers' order differs from the senders'
+]
+
+
+@pytest.mark.parametrize("grid,v,skips", CASES)
+def test_the_plan_names_what_the_schedule_functions_name(grid, v, skips):
+    stages = len(grid[0])
+    for stage in range(stages):
+        top = _topology(stage, stages, skips)
+        plan = ColumnPlan.of(grid, top, v, train=True)
+        column = stage_actions(grid, stage)
+        assert list(plan.column) == column
+        assert plan.fill_end == 1 + max(k for k, a in enumerate(column) if a.kind == "F")
+        for a in column:
+            assert list(plan.receives[a]) == receives(a, stage, stages, skips, v)
+            assert list(plan.sends[a]) == sends(a, stage, stages, skips, v)
+            assert (a in plan.needs_loss) == needs_loss(a, stage, stages, v)
+        assert plan.messages(column[1:], lambda a, t: a.kind == "F") == messages(
+            column[1:], stage, stages, skips, lambda a, t: a.kind == "F", v
+        )
+        expected = taking_order(grid, top, v) if v > 1 else {}
+        assert {p: list(keys) for p, keys in plan.order.items()} == expected
+
+
+def test_an_evaluation_plan_runs_the_forwards_only_and_holds_no_sends():
+    grid = interleaved_1f1b(2, 5, 2)
+    plan = ColumnPlan.of(grid, _topology(1, 2), 2, train=False)
+    assert list(plan.column) == [a for a in stage_actions(grid, 1) if a.kind == "F"]
+    assert plan.fill_end == len(plan.column) and not plan.needs_loss and plan.order == {}
+
+
+def test_a_stage_plans_once_per_step_shape_and_each_run_consumes_its_own_order():
+    top = StageTopology(stage=1, stages=2, prev_rank=0, next_rank=None, ranks=(0, 1))
+    stage = PipelineStage(
+        [("a", nn.Linear(2, 2)), ("b", nn.Linear(2, 2))],
+        top,
+        chunks=5,
+        checkpoint="never",
+        p2p=P2P(torch.device("cpu")),
+        schedule=interleaved_1f1b,
+        virtual_layers=[["a"], ["b"]],
+    )
+    stage._micro = 5
+    first, second = stage._new_run(True, 5), stage._new_run(True, 5)
+    assert first.plan is second.plan  # planned once
+    assert first.order == second.order and first.order and first.order is not second.order
+    first.order[0].pop(0)  # the outbox consumes a run's order: the next run's is whole
+    assert stage._new_run(True, 5).order == second.order
+    assert stage._new_run(True, 4).plan is not first.plan  # another M: another plan
+    assert stage._new_run(False, 5).plan is not first.plan  # evaluation: forwards only
