@@ -7,15 +7,17 @@ complete and frees their buffers), so a stage computes micro-batch ``i+1`` while
 travels. Receives the stage knows are coming (:meth:`P2P.expect`: the rest of a phase's
 micro-batches) are taken in the background, so that micro-batch ``i+1`` arrives while the stage
 computes micro-batch ``i``. The background threads outlive a phase (:data:`LINGER_S`). Transport
-is ``torch.distributed`` on the default group with global ranks: Gloo on CPU, NCCL on CUDA.
+is ``torch.distributed`` with global ranks: Gloo on CPU, NCCL on CUDA; on Gloo the messages
+between the ranks of a pipeline travel on :class:`Lanes`, one process group per direction.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +38,66 @@ from lightning_gpipe.wire import (
     unframe,
 )
 
-__all__ = ["LINGER_S", "P2P", "join_receives"]
+__all__ = ["LINGER_S", "Lanes", "P2P", "close_lanes", "join_receives"]
+
+
+class Lanes:
+    """One process group per direction between the ranks of a pipeline: messages to a higher
+    global rank travel on ``upward``, messages to a lower one on ``downward``.
+
+    On Gloo both directions between two ranks otherwise share one socket, and with it one lock
+    (its *pair*'s): a send posted into a receive already waiting writes its bytes from the caller's
+    thread while holding that lock, and meanwhile the process's Gloo event loop, woken by the bytes
+    arriving the other way, finds the lock taken and polls again at once (``Pair::handleEvents``
+    takes it with ``try_lock``): a busy loop on a core the layers need, for as long as the write
+    lasts (up to several milliseconds a message on a busy 2-core host, BENCHMARKS.md section 17).
+    On lanes each socket carries one direction's bytes, and a send never holds the lock that the
+    reads of the other direction need.
+
+    A Gloo group's sockets close only when nothing holds the group any more (destroying the
+    process groups does not close them), so the lanes are the only holder of their groups and
+    :func:`close_lanes` drops them: after a failure, a peer waiting for this rank then sees the
+    connection close at once.
+
+    Args:
+        ranks: the pipeline's global ranks; messages to or from other ranks use the default group.
+        upward: the group carrying messages from a rank to a higher one.
+        downward: the group carrying messages from a rank to a lower one.
+    """
+
+    def __init__(self, ranks: Iterable[int], upward: Any, downward: Any) -> None:
+        self.ranks = frozenset(ranks)
+        self._groups: tuple[Any, Any] | None = (upward, downward)
+        _LANES.add(self)
+
+    @property
+    def upward(self) -> Any:
+        return self._groups[0] if self._groups is not None else None
+
+    @property
+    def downward(self) -> Any:
+        return self._groups[1] if self._groups is not None else None
+
+    def group(self, src: int, dst: int) -> Any:
+        """The group a message from global rank ``src`` to ``dst`` travels on (``None``: the default
+        group: a pair outside the pipeline, or lanes closed)."""
+        groups = self._groups
+        if groups is None or src not in self.ranks or dst not in self.ranks:
+            return None
+        return groups[0] if src < dst else groups[1]
+
+    def close(self) -> None:
+        """Drop the groups (later messages travel on the default group)."""
+        self._groups = None
+
+
+_LANES: weakref.WeakSet[Lanes] = weakref.WeakSet()
+
+
+def close_lanes() -> None:
+    """Drop every :class:`Lanes`' groups (after the process groups are destroyed: at exit, after a failure)."""
+    for lanes in list(_LANES):
+        lanes.close()
 
 
 class P2P:
@@ -58,10 +119,16 @@ class P2P:
             in another as it completes, dropping its buffer (default: on CPU devices, i.e. Gloo,
             whose send ``Work.is_completed()`` stays ``False`` until waited for; on CUDA every
             receive is posted when it is needed and :meth:`settle` polls the sends).
+        lanes: the groups each direction travels on (default ``None``: every message on the
+            default group).
     """
 
-    def __init__(self, device: torch.device, background: bool | None = None) -> None:
+    def __init__(
+        self, device: torch.device, background: bool | None = None, lanes: Lanes | None = None
+    ) -> None:
         self.device = device
+        self.lanes = lanes
+        self._rank: int | None = None  # this process's global rank, once a message needs it
         self.background = device.type == "cpu" if background is None else background
         self._pending: list[tuple[dist.Work, object]] = []
         self._inboxes: dict[int, _Inbox] = {}
@@ -90,12 +157,18 @@ class P2P:
         The sends open no profiler event (:func:`lightning_gpipe._compat.unrecorded`): a wait deferred
         past the profiler's next step would close it in a freed event list."""
         message = encode_message(tensors, structure, chunks, self.device)
+        group = self.lanes.group(self._me(), dst) if self.lanes is not None else None
         for t in self.frame(message, dst):
-            work = _post(t, dst)
+            work = _post(t, dst, group)
             if self.background:
                 self._waiter.put(work, t)  # the waiter keeps the buffer until the send completes
             else:
                 self._pending.append((work, t))
+
+    def _me(self) -> int:
+        if self._rank is None:
+            self._rank = dist.get_rank()
+        return self._rank
 
     def frame(self, message: list[Tensor], dst: int) -> list[Tensor]:
         """What travels to ``dst`` for an encoded ``message``: framed on CPU (called in send order)."""
@@ -129,26 +202,27 @@ class P2P:
 
     def receive_now(self, src: int) -> tuple[Meta, list[Tensor]]:
         """Post the receives of one message from ``src`` and wait for them (in the calling thread)."""
+        group = self.lanes.group(src, self._me()) if self.lanes is not None else None
         if not self.framed:
             header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-            _wait(dist.irecv(header, src))
-            return self._receive_tensors(decode_header(header), src)
+            _wait(dist.irecv(header, src, group=group))
+            return self._receive_tensors(decode_header(header), src, group)
         room = self._room_from.get(src, FIRST_ROOM)
         buffer = torch.empty(room, dtype=torch.uint8, device=self.device)
-        _wait(dist.irecv(buffer, src))
+        _wait(dist.irecv(buffer, src, group=group))
         total, fused, meta = decode_frame(buffer)
         self._room_from[src] = max(room, total)
         if not fused:
-            return self._receive_tensors(meta, src)
+            return self._receive_tensors(meta, src, group)
         # a buffer sized for a larger earlier message is not held by a smaller one's tensors
         return decode_message(meta, unframe(buffer, meta, copy=room - total > room // 8))
 
-    def _receive_tensors(self, meta: Meta, src: int) -> tuple[Meta, list[Tensor]]:
-        """The tensors ``meta`` announces, each received as a message of its own."""
+    def _receive_tensors(self, meta: Meta, src: int, group: Any) -> tuple[Meta, list[Tensor]]:
+        """The tensors ``meta`` announces, each received as a message of its own (on ``group``)."""
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
         if meta.blob:
             tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))
-        works = [dist.irecv(t, src) for t in tensors]
+        works = [dist.irecv(t, src, group=group) for t in tensors]
         for w in works:
             _wait(w)
         return decode_message(meta, tensors)
@@ -349,10 +423,11 @@ class _SendWaiter(_InOrder):
         work.wait()
 
 
-def _post(t: Tensor, dst: int) -> dist.Work:
-    """``dist.isend(t, dst)``, with no profiler event (:func:`lightning_gpipe._compat.unrecorded`)."""
+def _post(t: Tensor, dst: int, group: Any = None) -> dist.Work:
+    """``dist.isend(t, dst, group)`` (``dst`` a global rank), with no profiler event
+    (:func:`lightning_gpipe._compat.unrecorded`)."""
     with unrecorded():  # the send may complete after the profiler's next cycle began
-        work = dist.isend(t, dst)
+        work = dist.isend(t, dst, group=group)
     assert work is not None
     return work
 

@@ -22,6 +22,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_gpipe.comm import close_lanes
+
 log = logging.getLogger(__name__)
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
@@ -114,3 +116,4 @@ def abort_process_group() -> None:
         dist.destroy_process_group()
     except Exception as err:  # noqa: BLE001 - best effort while already failing
         log.debug(f"gpipe: could not destroy the process group after a failure: {err}")
+    close_lanes()  # their sockets close once nothing holds their groups

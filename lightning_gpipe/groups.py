@@ -2,7 +2,8 @@
 data-parallel groups, and their destruction when the process exits.
 
 Each rank holds three group handles (:class:`Groups`): its pipeline, its stage's data-parallel
-replicas, and the last stage's replicas. They are made once per default group and layout
+replicas, and the last stage's replicas; on Gloo also its pipeline's :class:`~lightning_gpipe.comm.Lanes`
+(one group per direction for the stages' messages). They are made once per default group and layout
 (:func:`new_groups`) and destroyed, with the default group, by an exit hook
 (:func:`close_at_exit`) while Python still runs. The world-wide collectives
 (:func:`barrier`, :func:`broadcast_object`, :func:`all_agree`) do nothing before
@@ -31,7 +32,7 @@ from lightning_gpipe._compat import (
     sync_ddp,
 )
 from lightning_gpipe.arrival import arrive
-from lightning_gpipe.comm import join_receives
+from lightning_gpipe.comm import Lanes, close_lanes, join_receives
 from lightning_gpipe.layout import Layout
 
 __all__ = [
@@ -135,14 +136,18 @@ class Groups:
         data: this rank's stage in every replica; gradient all-reduce.
         last_stage_data: the last stage in every replica (``None`` on other ranks' behalf is
             never needed: it is a group handle every rank holds); ``sync_dist`` logging, torchmetrics.
+        lanes: the groups this rank's pipeline sends its stages' messages on, one per direction
+            (Gloo with two stages or more; ``None``: the default group, as on NCCL, whose
+            point-to-point operations have a communicator per pair of ranks already).
     """
 
     pipeline: Any
     data: Any
     last_stage_data: Any
+    lanes: Lanes | None = None
 
 
-_GROUPS: dict[tuple[int, int, int], tuple[list[Any], list[Any]]] = {}
+_GROUPS: dict[tuple[int, int, int], tuple[list[Any], list[Any], list[Lanes | None]]] = {}
 
 
 def new_groups(layout: Layout, rank: int) -> Groups:
@@ -155,13 +160,27 @@ def new_groups(layout: Layout, rank: int) -> Groups:
     if key not in _GROUPS:
         pipelines = [dist.new_group(layout.pipeline_ranks(d)) for d in range(layout.replicas)]
         datas = [dist.new_group(layout.data_ranks(s)) for s in range(layout.stages)]
-        _GROUPS[key] = (pipelines, datas)
-    pipelines, datas = _GROUPS[key]
+        _GROUPS[key] = (pipelines, datas, new_lanes(layout))
+    pipelines, datas, lanes = _GROUPS[key]
     return Groups(
         pipeline=pipelines[layout.replica_of(rank)],
         data=datas[layout.stage_of(rank)],
         last_stage_data=datas[layout.stages - 1],
+        lanes=lanes[layout.replica_of(rank)],
     )
+
+
+def new_lanes(layout: Layout) -> list[Lanes | None]:
+    """Every pipeline's :class:`~lightning_gpipe.comm.Lanes` on Gloo (all ranks must call this, in
+    the same order); ``None`` for each on other backends and with one stage."""
+    if layout.stages < 2 or dist.get_backend() != "gloo":
+        return [None] * layout.replicas
+    lanes: list[Lanes | None] = []
+    for d in range(layout.replicas):
+        ranks = layout.pipeline_ranks(d)
+        upward, downward = dist.new_group(ranks), dist.new_group(ranks)
+        lanes.append(Lanes(ranks, upward, downward))
+    return lanes
 
 
 _HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -210,4 +229,5 @@ def _close_process_groups() -> None:
     _GROUPS.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    close_lanes()
     gc.collect()  # groups caught in reference cycles are destroyed (their threads joined) now

@@ -255,8 +255,9 @@ def partition_model(strategy: Any) -> None:
     def build(seq: nn.Sequential, balance: list[int]) -> PipelineStage:
         layout, rank, device = strategy.layout, strategy.global_rank, strategy.root_device
         schedule = SCHEDULES[strategy.schedule]
+        lanes = strategy._groups.lanes if strategy._groups is not None else None
         return build_stage(
-            seq, balance, layout, rank, strategy.chunks_used, strategy.checkpoint, device, schedule
+            seq, balance, layout, rank, strategy.chunks_used, strategy.checkpoint, device, schedule, lanes
         )
 
     stage = strategy._pipelined.install(

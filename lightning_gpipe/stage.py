@@ -71,7 +71,7 @@ from torch import nn
 
 from lightning_gpipe import schedule
 from lightning_gpipe._compat import children
-from lightning_gpipe.comm import P2P
+from lightning_gpipe.comm import P2P, Lanes
 from lightning_gpipe.executor import ColumnExecutor, PipelineUsageError
 from lightning_gpipe.layout import Layout, StageTopology, layer_parts
 from lightning_gpipe.microbatch import gather, scatter, unflatten
@@ -377,9 +377,11 @@ def build_stage(
     checkpoint: str,
     device: torch.device,
     schedule: Callable[[int, int], Grid] = schedule.fill_drain,
+    lanes: Lanes | None = None,
 ) -> PipelineStage:
     """Global rank ``rank``'s :class:`PipelineStage` of ``seq`` cut by ``balance`` (layers shared, not
-    copied), running ``schedule`` (a function of :data:`lightning_gpipe.schedule.SCHEDULES`).
+    copied), running ``schedule`` (a function of :data:`lightning_gpipe.schedule.SCHEDULES`), its
+    messages on ``lanes`` (:class:`~lightning_gpipe.comm.Lanes`; ``None``: the default group).
 
     With virtual stages, ``balance`` has ``K·v`` entries (one per part) and the stage holds
     parts ``j, j+K, …`` as its virtual stages (:func:`~lightning_gpipe.partition.virtual_cut`);
@@ -390,4 +392,5 @@ def build_stage(
     layers = [pair for part in per_virtual for pair in part]
     names = list(children(seq))
     virtual_layers = [[n for n, _ in part] for part in per_virtual]
-    return PipelineStage(layers, topology, chunks, checkpoint, P2P(device), names, schedule, virtual_layers)
+    p2p = P2P(device, lanes=lanes)
+    return PipelineStage(layers, topology, chunks, checkpoint, p2p, names, schedule, virtual_layers)

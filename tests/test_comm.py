@@ -30,14 +30,50 @@ def test_announced_and_unannounced_messages_arrive_in_order_with_their_shapes_an
     assert held["posted"] <= 4 and held["held_once_received"] == 0, held
 
 
+def _receive_error(tmp_path, mode):
+    """The worker's ``mode`` on 2 ranks: rank 1's receive must raise a RuntimeError; its report."""
+    for result in run_ranks("tests/workers/p2p.py", 2, str(tmp_path), mode, timeout=100):
+        check(result)
+    report = json.loads((tmp_path / "error.json").read_text())
+    assert report["error"] is not None and "RuntimeError" in report["error"], report
+    return report
+
+
 @pytest.mark.timeout(120)
 def test_a_background_receive_from_a_peer_that_exited_raises_in_the_stage(tmp_path):
     """The sender leaves after 1 of 3 announced messages: the next recv raises promptly, never hangs."""
-    for result in run_ranks("tests/workers/p2p.py", 2, str(tmp_path), "peer_exits", timeout=100):
+    assert _receive_error(tmp_path, "peer_exits")["seconds"] < 30
+
+
+@pytest.mark.timeout(120)
+def test_each_direction_of_a_pipeline_travels_on_its_own_lane_and_other_pairs_on_the_default_group(tmp_path):
+    """Two pipelines of two stages (4 ranks): each pair sends both ways at once, rank 0 sends rank 2."""
+    for result in run_ranks("tests/workers/p2p.py", 4, str(tmp_path), "lanes", timeout=100):
         check(result)
-    report = json.loads((tmp_path / "error.json").read_text())
-    assert report["error"] is not None and "RuntimeError" in report["error"]
-    assert report["seconds"] < 30
+    used = [json.loads((tmp_path / f"lanes{r}.json").read_text()) for r in range(4)]
+    assert all(u["equal"] for u in used)
+    for lower, higher in ((0, 1), (2, 3)):  # each pipeline: up from its lower rank, down from its higher
+        assert used[lower]["posts"][:3] == ["upward"] * 3 and used[lower]["receives"][:3] == ["downward"] * 3
+        assert used[higher]["posts"] == ["downward"] * 3 and used[higher]["receives"] == ["upward"] * 3
+    assert used[0]["posts"][3:] == ["default"]  # rank 2 is in another pipeline
+    assert used[2]["receives"][3:] == ["default"]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_aborts_after_a_failure_closes_its_lanes_at_once(tmp_path):
+    """Its peer, waiting on their lane, fails within seconds, not when the aborted rank exits 20 s later."""
+    report = _receive_error(tmp_path, "lanes_abort")
+    assert report["seconds"] < 10, report
+
+
+def test_lanes_route_by_direction_within_the_pipeline_only():
+    up, down = object(), object()
+    lanes = comm.Lanes(frozenset({4, 5, 6}), up, down)
+    assert lanes.group(4, 6) is up and lanes.group(5, 6) is up
+    assert lanes.group(6, 4) is down and lanes.group(5, 4) is down
+    assert lanes.group(4, 7) is None and lanes.group(0, 5) is None
+    lanes.close()
+    assert lanes.group(4, 6) is None and lanes.upward is None  # closed: the default group
 
 
 def test_announcing_twice_before_taking_everything_is_an_error():
@@ -121,7 +157,7 @@ def test_a_failed_post_is_raised_by_the_send_and_flush_still_waits_for_the_earli
     p2p = P2P(torch.device("cpu"))
     posted = _Send()
     p2p._waiter.put(posted, torch.zeros(1))
-    monkeypatch.setattr(comm, "_post", lambda t, dst: (_ for _ in ()).throw(RuntimeError("peer gone")))
+    monkeypatch.setattr(comm, "_post", lambda t, dst, group: (_ for _ in ()).throw(RuntimeError("peer gone")))
     with pytest.raises(RuntimeError, match="peer gone"):
         p2p.send([torch.randn(2, 2)], 1)  # posted in the calling thread
     assert p2p.sends_in_flight() == 1
@@ -134,7 +170,7 @@ def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch)
     """Encoded, framed and posted in the stage's thread: under a per-micro-batch schedule the stage may not flush before its peer waits for the message,
     so an error held until then would leave the peer waiting for the process group's timeout."""
     p2p, posted = P2P(torch.device("cpu")), []
-    monkeypatch.setattr(comm, "_post", lambda t, dst: posted.append(t.clone()) or _done())
+    monkeypatch.setattr(comm, "_post", lambda t, dst, group: posted.append(t.clone()) or _done())
     with pytest.raises(ValueError, match="cannot send a tensor of dtype torch.uint16"):
         p2p.send([torch.zeros(2, dtype=torch.uint16)], 1)
     p2p.send([torch.ones(3)], 1)

@@ -8,6 +8,13 @@ OUT/held.json how many sends it held just after posting the last 2 and once rank
 (before any flush).
 MODE "peer_exits": rank 0 sends 1 of the 3 messages rank 1 announced, then exits; rank 1 writes
 the error its second receive raised (and how long it took) to OUT/error.json.
+MODE "lanes" (4 ranks, two pipelines of 2 stages: groups.new_groups): the two ranks of each
+pipeline send each other 3 messages at once, announced on both sides, and rank 0 sends rank 2
+(another pipeline) one; each rank writes to OUT/lanes{rank}.json the group each of its posts and
+receives used ("upward", "downward", "default") and whether what it received is what was sent.
+MODE "lanes_abort": rank 1 waits for a message from rank 0 on their lane; rank 0 aborts its
+process groups as after a failure (failure.abort_process_group) and stays alive 20 s; rank 1
+writes the error its receive raised and how long it took to OUT/error.json.
 """
 
 import json
@@ -21,6 +28,20 @@ import torch.distributed as dist
 from lightning_gpipe.comm import P2P
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
+
+
+def record_error(receive) -> None:
+    """Write the error ``receive()`` raised (``None``: none) and the seconds it took to OUT/error.json, then exit."""
+    start = time.monotonic()
+    try:
+        receive()
+        error = None
+    except Exception as err:  # noqa: BLE001 - recorded for the test
+        error = f"{type(err).__name__}: {err}"
+    (out / "error.json").write_text(json.dumps({"error": error, "seconds": time.monotonic() - start}))
+    sys.exit(0)
+
+
 dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=60))
 rank = dist.get_rank()
 p2p = P2P(torch.device("cpu"))
@@ -69,12 +90,53 @@ elif mode == "peer_exits":
     p2p.expect(0, 3)
     p2p.recv(0)
     dist.barrier()
-    start = time.monotonic()
-    try:
-        p2p.recv(0)
-        error = None
-    except Exception as err:  # noqa: BLE001 - recorded for the test
-        error = f"{type(err).__name__}: {err}"
-    (out / "error.json").write_text(json.dumps({"error": error, "seconds": time.monotonic() - start}))
-    sys.exit(0)
+    record_error(lambda: p2p.recv(0))
+elif mode == "lanes":
+    from lightning_gpipe import comm, groups
+    from lightning_gpipe.layout import Layout
+
+    lanes = groups.new_groups(Layout(4, 2), rank).lanes
+    assert lanes is not None
+    p2p = P2P(torch.device("cpu"), lanes=lanes)
+    names = {id(lanes.upward): "upward", id(lanes.downward): "downward", id(None): "default"}
+    used: dict[str, list[str]] = {"posts": [], "receives": []}
+    post, irecv = comm._post, dist.irecv
+
+    def spy_post(t, dst, group=None):
+        used["posts"].append(names[id(group)])
+        return post(t, dst, group)
+
+    def spy_irecv(t, src, group=None):
+        used["receives"].append(names[id(group)])
+        return irecv(t, src, group=group)
+
+    comm._post, comm.dist.irecv = spy_post, spy_irecv
+    partner = rank ^ 1
+    mine = [[torch.full((64, 32), float(10 * rank + k))] for k in range(3)]
+    p2p.expect(partner, 3)
+    for m in mine:
+        p2p.send(m, partner)
+    got = [p2p.recv(partner)[1] for _ in range(3)]
+    theirs = [[torch.full((64, 32), float(10 * partner + k))] for k in range(3)]
+    if rank == 0:
+        p2p.send([torch.arange(4)], 2)
+    elif rank == 2:
+        got.append(p2p.recv(0)[1])
+        theirs.append([torch.arange(4)])
+    p2p.flush()
+    equal = all(torch.equal(a[0], b[0]) for a, b in zip(got, theirs)) and len(got) == len(theirs)
+    (out / f"lanes{rank}.json").write_text(json.dumps({**used, "equal": equal}))
+    dist.barrier()
+elif mode == "lanes_abort":
+    from lightning_gpipe import failure, groups
+    from lightning_gpipe.layout import Layout
+
+    p2p = P2P(torch.device("cpu"), lanes=groups.new_groups(Layout(2, 2), rank).lanes)
+    dist.barrier()
+    if rank == 0:
+        time.sleep(1)
+        failure.abort_process_group()
+        time.sleep(20)
+        sys.exit(0)
+    record_error(lambda: p2p.recv(0))
 dist.destroy_process_group()
