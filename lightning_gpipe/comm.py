@@ -1,23 +1,24 @@
-"""Point-to-point transport between stages: :class:`P2P` and its background threads.
+"""Point-to-point transport between stages: :class:`P2P`, its receives posted ahead and its send waiter.
 
 A message is what :mod:`lightning_gpipe.wire` encodes: a header, then the tensors it describes
 (on CPU framed in one buffer). Sends are posted by the stage's thread and asynchronous (``isend``);
 their waits are deferred to :meth:`P2P.flush` (on CPU a thread waits for the sends as they
 complete and frees their buffers), so a stage computes micro-batch ``i+1`` while micro-batch ``i``
 travels. Receives the stage knows are coming (:meth:`P2P.expect`: the rest of a phase's
-micro-batches) are taken in the background, so that micro-batch ``i+1`` arrives while the stage
-computes micro-batch ``i``. The background threads outlive a phase (:data:`LINGER_S`). Transport
-is ``torch.distributed`` with global ranks: Gloo on CPU, NCCL on CUDA; on Gloo the messages
-between the ranks of a pipeline travel on :class:`Lanes`, one process group per direction.
+micro-batches) are posted ahead on CPU, :data:`AHEAD` beyond the one the stage takes, so that
+micro-batch ``i+1`` arrives while the stage computes micro-batch ``i``; the transport's own
+thread fills them. Transport is ``torch.distributed`` with global ranks: Gloo on CPU, NCCL on CUDA;
+on Gloo the messages between the ranks of a pipeline travel on :class:`Lanes`, one process group
+per direction.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import weakref
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections import defaultdict, deque
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,7 +39,13 @@ from lightning_gpipe.wire import (
     unframe,
 )
 
-__all__ = ["LINGER_S", "Lanes", "P2P", "close_lanes", "join_receives"]
+__all__ = ["LINGER_S", "Lanes", "P2P", "close_lanes", "join_sends"]
+
+
+AHEAD = 2
+"""Receives of announced messages posted beyond the one the stage takes next (:meth:`P2P.recv`)."""
+FRAME_TAG, PAYLOAD_TAG = 0, 1
+"""Tags of a framed message and of the tensors that follow a frame larger than its room."""
 
 
 class Lanes:
@@ -103,22 +110,24 @@ def close_lanes() -> None:
 class P2P:
     """Send and receive tuples of tensors between global ranks, with deferred send waits.
 
-    Receives are posted when :meth:`recv` asks, unless :meth:`expect` announced them: then a
-    background thread per source takes the announced messages in order (each one's header, then its
-    tensors) while the stage computes, and :meth:`recv` hands them out. The message *count* must
-    be exact: a receive left posted would take a message meant for a later phase. The stage
-    derives it from its schedule's actions (:func:`lightning_gpipe.schedule.messages`).
+    Receives are posted when :meth:`recv` asks, unless :meth:`expect` announced them: on CPU the
+    first :data:`AHEAD` + 1 announced receives are then posted at once, and each one taken posts
+    the next, each into a buffer of the room its message is framed for (:class:`_Rooms`), so the
+    transport's thread fills them while the stage computes. (A thread of ours taking them instead
+    cost each message a second wake-up and its Python work, on the cores the layers need:
+    BENCHMARKS.md section 18.) The message *count* must be exact: a receive left posted would take
+    a message meant for a later phase. The stage derives it from its schedule's actions
+    (:func:`lightning_gpipe.schedule.messages`).
 
-    The background threads outlive a phase: each waits up to :data:`LINGER_S` seconds for the next
-    announcement (or send) before it ends, so a step starts none (a thread's start costs the
-    stage's thread a scheduling round, on the critical path of a busy machine).
+    The send waiter's thread outlives a phase: it waits up to :data:`LINGER_S` seconds for the next
+    send before it ends, so a step starts none (a thread's start costs the stage's thread a
+    scheduling round, on the critical path of a busy machine).
 
     Args:
         device: where received tensors are allocated (the stage's device).
-        background: receive announced messages in a background thread, and wait for each send
-            in another as it completes, dropping its buffer (default: on CPU devices, i.e. Gloo,
-            whose send ``Work.is_completed()`` stays ``False`` until waited for; on CUDA every
-            receive is posted when it is needed and :meth:`settle` polls the sends).
+        background: wait for each send in a thread as it completes, dropping its buffer (default:
+            on CPU devices, i.e. Gloo, whose send ``Work.is_completed()`` stays ``False`` until
+            waited for; on CUDA :meth:`settle` polls the sends).
         lanes: the groups each direction travels on (default ``None``: every message on the
             default group).
     """
@@ -131,10 +140,10 @@ class P2P:
         self._rank: int | None = None  # this process's global rank, once a message needs it
         self.background = device.type == "cpu" if background is None else background
         self._pending: list[tuple[dist.Work, object]] = []
-        self._inboxes: dict[int, _Inbox] = {}
+        self._ahead: dict[int, _Ahead] = {}  # per source: the announced receives and those posted
         self.framed = self.device.type == "cpu"  # Gloo: one buffer per message (frame_message)
-        self._room_to: dict[int, int] = {}  # framed: the room each destination keeps for this sender
-        self._room_from: dict[int, int] = {}  # framed: the room kept for each source
+        self._rooms_to: dict[int, _Rooms] = defaultdict(_Rooms)  # framed: per destination
+        self._rooms_from: dict[int, _Rooms] = defaultdict(_Rooms)  # framed: per source
         self._waiter = _SendWaiter()  # background: waits for the sends posted, in order
 
     def send(
@@ -158,8 +167,8 @@ class P2P:
         past the profiler's next step would close it in a freed event list."""
         message = encode_message(tensors, structure, chunks, self.device)
         group = self.lanes.group(self._me(), dst) if self.lanes is not None else None
-        for t in self.frame(message, dst):
-            work = _post(t, dst, group)
+        for t, tag in self.frame(message, dst):
+            work = _post(t, dst, group, tag)
             if self.background:
                 self._waiter.put(work, t)  # the waiter keeps the buffer until the send completes
             else:
@@ -170,59 +179,103 @@ class P2P:
             self._rank = dist.get_rank()
         return self._rank
 
-    def frame(self, message: list[Tensor], dst: int) -> list[Tensor]:
-        """What travels to ``dst`` for an encoded ``message``: framed on CPU (called in send order)."""
-        if self.framed:
-            room = self._room_to.get(dst, FIRST_ROOM)
-            message, total = frame_message(message, room)
-            self._room_to[dst] = max(room, total)
-        return message
+    def frame(self, message: list[Tensor], dst: int) -> list[tuple[Tensor, int]]:
+        """What travels to ``dst`` for an encoded ``message``, each with its tag: framed on CPU
+        (called in send order), the tensors of a message larger than its room on :data:`PAYLOAD_TAG`."""
+        if not self.framed:
+            return [(t, FRAME_TAG) for t in message]
+        rooms = self._rooms_to[dst]
+        (frame, *payload), total = frame_message(message, rooms.room(rooms.count))
+        rooms.record(total)
+        return [(frame, FRAME_TAG), *((t, PAYLOAD_TAG) for t in payload)]
 
     def expect(self, src: int, messages: int) -> None:
-        """Announce that the next ``messages`` receives from ``src`` follow in this phase; take them early.
+        """Announce that the next ``messages`` receives from ``src`` follow in this phase; post the
+        first :data:`AHEAD` + 1 of them now, so that they arrive while the stage computes.
 
         Raises:
-            RuntimeError: messages announced earlier from ``src`` are not all taken yet.
+            RuntimeError: messages announced earlier from ``src`` are not all taken yet; or (or the
+                transport's own error) posting failed, e.g. the peer went away: the announcement is dropped.
         """
-        if messages <= 0 or not self.background:
+        if messages <= 0 or not self.framed:  # unframed (NCCL): a message's size is known from its header
             return
-        inbox = self._inboxes.get(src)
-        if inbox is not None and inbox.left:
+        ahead = self._ahead.get(src)
+        if ahead is None:
+            ahead = self._ahead[src] = _Ahead()
+        if ahead.left:
             raise RuntimeError(f"messages announced from rank {src} are still to be received")
-        if inbox is None:
-            inbox = self._inboxes[src] = _Inbox(self, src)
-        inbox.order(messages)
+        ahead.left = messages
+        with ahead.dropped_on_error():
+            self._post_ahead(src, ahead)
 
     def recv(self, src: int) -> tuple[Meta, list[Tensor]]:
-        """Receive one message from ``src``: its header, then its tensors (allocated from the header)."""
-        inbox = self._inboxes.get(src)
-        if inbox is None or not inbox.left:
+        """Receive one message from ``src``: its header, then its tensors (allocated from the header).
+
+        An announced message (:meth:`expect`) was posted ahead; taking it posts the next one announced.
+
+        Raises:
+            RuntimeError: (or the transport's own error) the receive failed, e.g. the peer went away;
+                the rest of an announcement is then dropped.
+        """
+        ahead = self._ahead.get(src)
+        if ahead is None or not ahead.left:
             return self.receive_now(src)
-        return inbox.take()
+        with ahead.dropped_on_error():
+            if not ahead.posted:
+                self._post_ahead(src, ahead)
+            work, buffer = ahead.posted.popleft()
+            ahead.left -= 1
+            _wait(work)
+            message = self._take(src, buffer)
+            self._post_ahead(src, ahead)
+        return message
+
+    def _post_ahead(self, src: int, ahead: _Ahead) -> None:
+        """Post receives of ``src``'s announced messages until :data:`AHEAD` + 1 are posted (or all
+        announced are), each into a buffer of the room its message is framed for (:class:`_Rooms`)."""
+        rooms = self._rooms_from[src]
+        while len(ahead.posted) < min(AHEAD + 1, ahead.left):
+            buffer = torch.empty(
+                rooms.room(rooms.count + len(ahead.posted)), dtype=torch.uint8, device=self.device
+            )
+            work = dist.irecv(buffer, src, group=self._group_from(src), tag=FRAME_TAG)
+            assert work is not None
+            ahead.posted.append((work, buffer))
+
+    def _group_from(self, src: int) -> Any:
+        return self.lanes.group(src, self._me()) if self.lanes is not None else None
 
     def receive_now(self, src: int) -> tuple[Meta, list[Tensor]]:
         """Post the receives of one message from ``src`` and wait for them (in the calling thread)."""
-        group = self.lanes.group(src, self._me()) if self.lanes is not None else None
+        group = self._group_from(src)
         if not self.framed:
             header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
             _wait(dist.irecv(header, src, group=group))
             return self._receive_tensors(decode_header(header), src, group)
-        room = self._room_from.get(src, FIRST_ROOM)
-        buffer = torch.empty(room, dtype=torch.uint8, device=self.device)
-        _wait(dist.irecv(buffer, src, group=group))
+        rooms = self._rooms_from[src]
+        buffer = torch.empty(rooms.room(rooms.count), dtype=torch.uint8, device=self.device)
+        _wait(dist.irecv(buffer, src, group=group, tag=FRAME_TAG))
+        return self._take(src, buffer)
+
+    def _take(self, src: int, buffer: Tensor) -> tuple[Meta, list[Tensor]]:
+        """The message from ``src`` whose frame arrived in ``buffer`` (its tensors received now
+        where they travel after it, on :data:`PAYLOAD_TAG`)."""
         total, fused, meta = decode_frame(buffer)
-        self._room_from[src] = max(room, total)
+        self._rooms_from[src].record(total)
         if not fused:
-            return self._receive_tensors(meta, src, group)
+            return self._receive_tensors(meta, src, self._group_from(src), PAYLOAD_TAG)
         # a buffer sized for a larger earlier message is not held by a smaller one's tensors
+        room = buffer.numel()
         return decode_message(meta, unframe(buffer, meta, copy=room - total > room // 8))
 
-    def _receive_tensors(self, meta: Meta, src: int, group: Any) -> tuple[Meta, list[Tensor]]:
-        """The tensors ``meta`` announces, each received as a message of its own (on ``group``)."""
+    def _receive_tensors(
+        self, meta: Meta, src: int, group: Any, tag: int = FRAME_TAG
+    ) -> tuple[Meta, list[Tensor]]:
+        """The tensors ``meta`` announces, each received as a message of its own (on ``group``, ``tag``)."""
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
         if meta.blob:
             tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))
-        works = [dist.irecv(t, src, group=group) for t in tensors]
+        works = [dist.irecv(t, src, group=group, tag=tag) for t in tensors]
         for w in works:
             _wait(w)
         return decode_message(meta, tensors)
@@ -258,110 +311,66 @@ class P2P:
         return len(self._pending) + self._waiter.held
 
 
+class _Rooms:
+    """The room each framed message between two ranks travels in, kept alike by both sides.
+
+    Message ``m``'s room is the largest message before ``m - AHEAD`` (at least :data:`FIRST_ROOM`):
+    a receiver posts message ``m``'s buffer once it has taken message ``m - AHEAD - 1``
+    (:data:`AHEAD` receives ahead of the one it takes), before it knows the sizes of the messages after.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0  # messages sent (taken) so far
+        # the room of messages count .. count + AHEAD
+        self._rooms: deque[int] = deque([FIRST_ROOM] * (AHEAD + 1), maxlen=AHEAD + 1)
+
+    def room(self, m: int) -> int:
+        """Message ``m``'s room in bytes (``count <= m <= count + AHEAD``)."""
+        return self._rooms[m - self.count]
+
+    def record(self, total: int) -> None:
+        """The next message (``count``) was ``total`` bytes framed."""
+        self.count += 1
+        self._rooms.append(max(self._rooms[-1], total))
+
+
+class _Ahead:
+    """The announced messages from one source: how many are still to be taken, and the receives
+    posted for the first of them (oldest first, each ``(work, buffer)``)."""
+
+    def __init__(self) -> None:
+        self.left = 0
+        self.posted: deque[tuple[dist.Work, Tensor]] = deque()
+
+    @contextmanager
+    def dropped_on_error(self) -> Iterator[None]:
+        """An error drops the rest of the announcement (its receives are not taken)."""
+        try:
+            yield
+        except BaseException:
+            self.left = 0
+            self.posted.clear()
+            raise
+
+
 LINGER_S = 5.0
-"""Seconds an idle background thread of :class:`P2P` (a source's receiver, the send waiter) waits
-for more work before it ends."""
+"""Seconds the idle send waiter's thread (:class:`_InOrder`) waits for more sends before it ends."""
 
 
-class _Background:
-    """A daemon thread that works while :meth:`_has_work` and, idle, lingers :data:`LINGER_S` seconds
-    for more before it ends; busy, it counts in :func:`join_receives`.
+class _InOrder:
+    """Handles the items :meth:`put` gives it in a daemon thread, one at a time, in order; idle,
+    the thread lingers :data:`LINGER_S` seconds for more before it ends; with items in hand it
+    counts in :func:`join_sends`.
 
-    Subclasses hold their work under ``self._cond`` and call :meth:`_wake` after adding some."""
+    :meth:`close` waits until every item put so far is handled and raises the first handling
+    error, if any (the items after it are then dropped unhandled).
+    """
 
     name = "gpipe-background"
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-
-    def _has_work(self) -> bool:
-        raise NotImplementedError
-
-    def _work(self) -> None:
-        """Do one unit of work (called without the lock)."""
-        raise NotImplementedError
-
-    def _wake(self) -> None:
-        """Under ``self._cond``: work arrived; start the thread if none runs, count it busy."""
-        if self._thread is None:  # a failed start raises here, leaving nothing half-started
-            thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            thread.start()  # it waits for this lock: _thread is set before it looks
-            self._thread = thread
-        else:
-            self._cond.notify_all()
-        _busy(self, True)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._has_work():
-                    _busy(self, False)
-                    self._cond.notify_all()  # those waiting for the work to be done
-                    if not self._cond.wait_for(self._has_work, timeout=LINGER_S):
-                        self._thread = None
-                        return
-            self._work()
-
-
-class _Inbox(_Background):
-    """Receives the messages announced from ``src`` in order, for :meth:`P2P.recv` to take.
-
-    A receive that fails (a peer went away, the group was destroyed after a failure elsewhere)
-    is handed to the stage as its exception, and the rest of the announcement is dropped.
-    """
-
-    def __init__(self, p2p: P2P, src: int) -> None:
-        super().__init__()
-        self.name = f"gpipe-recv-from-{src}"
-        self.p2p, self.src = p2p, src
-        self.left = 0  # announced and not yet taken (the stage's thread)
-        self._orders = 0  # announced and not yet received (under the lock)
-        self._box: queue.SimpleQueue[Any] = queue.SimpleQueue()
-
-    def order(self, messages: int) -> None:
-        with self._cond:
-            self._orders += messages
-            try:
-                self._wake()
-            except BaseException:
-                self._orders -= messages
-                raise
-        self.left += messages
-
-    def _has_work(self) -> bool:
-        return self._orders > 0
-
-    def _work(self) -> None:
-        try:
-            item: Any = self.p2p.receive_now(self.src)
-        except BaseException as err:  # noqa: BLE001 - handed to the stage, which raises it
-            with self._cond:
-                self._orders = 0  # the rest of the announcement is not received
-            self._box.put(err)
-            return
-        with self._cond:
-            self._orders -= 1
-        self._box.put(item)
-
-    def take(self) -> tuple[Meta, list[Tensor]]:
-        item = self._box.get()
-        self.left -= 1
-        if isinstance(item, BaseException):
-            self.left = 0
-            raise item
-        return item
-
-
-class _InOrder(_Background):
-    """Handles the items :meth:`put` gives it in its thread, one at a time, in order.
-
-    :meth:`close` waits until every item put so far is handled and raises the first handling
-    error, if any (the items after it are then dropped unhandled).
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
         self._items: deque[tuple[Any, ...]] = deque()
         self._error: BaseException | None = None
 
@@ -377,19 +386,33 @@ class _InOrder(_Background):
     def _handle(self, *item: Any) -> None:
         raise NotImplementedError
 
-    def _has_work(self) -> bool:
-        return bool(self._items)
+    def _wake(self) -> None:
+        """Under ``self._cond``: an item arrived; start the thread if none runs, count it busy."""
+        if self._thread is None:  # a failed start raises here, leaving nothing half-started
+            thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            thread.start()  # it waits for this lock: _thread is set before it looks
+            self._thread = thread
+        else:
+            self._cond.notify_all()
+        _busy(self, True)
 
-    def _work(self) -> None:
-        with self._cond:
-            item = self._items[0]
-        if self._error is None:
-            try:
-                self._handle(*item)
-            except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
-                self._error = err
-        with self._cond:
-            self._items.popleft()  # what it held goes now
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                if not self._items:
+                    _busy(self, False)
+                    self._cond.notify_all()  # those waiting for the items to be handled
+                    if not self._cond.wait_for(lambda: bool(self._items), timeout=LINGER_S):
+                        self._thread = None
+                        return
+                item = self._items[0]
+            if self._error is None:
+                try:
+                    self._handle(*item)
+                except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
+                    self._error = err
+            with self._cond:
+                self._items.popleft()  # what it held goes now
 
     def close(self) -> None:
         with self._cond:
@@ -423,11 +446,11 @@ class _SendWaiter(_InOrder):
         work.wait()
 
 
-def _post(t: Tensor, dst: int, group: Any = None) -> dist.Work:
-    """``dist.isend(t, dst, group)`` (``dst`` a global rank), with no profiler event
+def _post(t: Tensor, dst: int, group: Any = None, tag: int = 0) -> dist.Work:
+    """``dist.isend(t, dst, group, tag)`` (``dst`` a global rank), with no profiler event
     (:func:`lightning_gpipe._compat.unrecorded`)."""
     with unrecorded():  # the send may complete after the profiler's next cycle began
-        work = dist.isend(t, dst, group=group)
+        work = dist.isend(t, dst, group=group, tag=tag)
     assert work is not None
     return work
 
@@ -437,11 +460,11 @@ def _wait(work: dist.Work | None) -> None:
     work.wait()
 
 
-_BUSY: set[_Background] = set()  # background receivers and send waiters with work in hand
+_BUSY: set[_InOrder] = set()  # send waiters with sends in hand
 _BUSY_CHANGED = threading.Condition()
 
 
-def _busy(worker: _Background, busy: bool) -> None:
+def _busy(worker: _InOrder, busy: bool) -> None:
     with _BUSY_CHANGED:
         if busy:
             _BUSY.add(worker)
@@ -450,11 +473,11 @@ def _busy(worker: _Background, busy: bool) -> None:
             _BUSY_CHANGED.notify_all()
 
 
-def join_receives(timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for the background receives (and send waits) still in hand.
+def join_sends(timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the send waits still in hand (:class:`_SendWaiter`).
 
     Returns:
-        ``True`` when none is left in hand (idle background threads hold no transport work).
+        ``True`` when none is left in hand (idle waiter threads hold no transport work).
     """
     with _BUSY_CHANGED:
         return _BUSY_CHANGED.wait_for(lambda: not _BUSY, timeout=timeout)

@@ -32,7 +32,7 @@ from lightning_gpipe._compat import (
     sync_ddp,
 )
 from lightning_gpipe.arrival import arrive
-from lightning_gpipe.comm import Lanes, close_lanes, join_receives
+from lightning_gpipe.comm import Lanes, close_lanes, join_sends
 from lightning_gpipe.layout import Layout
 
 __all__ = [
@@ -186,7 +186,7 @@ def new_lanes(layout: Layout) -> list[Lanes | None]:
 _HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
 _EXIT_HOOK = False
 EXIT_WAIT_S = 30.0
-"""At exit, how long to wait for background receives still pending (after a failure), seconds."""
+"""At exit, how long to wait for background send waits still pending (after a failure), seconds."""
 
 
 def close_at_exit(holder: Any) -> None:
@@ -201,11 +201,11 @@ def close_at_exit(holder: Any) -> None:
     ``holder.release_groups()`` for every registered holder, drops the subgroup handles it keeps,
     so that every group's worker threads are joined before finalization begins.
 
-    The same holds for a background receive (:meth:`lightning_gpipe.comm.P2P.expect`) still waiting when a rank leaves
-    after a failure: woken during finalization by its peer's message or closed connection, it
-    would abort the process. The hook first waits up to :data:`EXIT_WAIT_S` seconds for such
-    receives; they end when the peer sends or goes away, which the failure protocol
-    (:mod:`lightning_gpipe.failure`) makes prompt.
+    The same holds for a send still waited for in the background (:class:`lightning_gpipe.comm.P2P`)
+    when a rank leaves after a failure: woken during finalization by its peer's receive or closed
+    connection, its thread would abort the process. The hook first waits up to :data:`EXIT_WAIT_S`
+    seconds for such sends; they end when the peer receives or goes away, which the failure
+    protocol (:mod:`lightning_gpipe.failure`) makes prompt.
 
     Args:
         holder: an object with a ``release_groups()`` method (the strategy); held weakly.
@@ -218,9 +218,9 @@ def close_at_exit(holder: Any) -> None:
 
 
 def _close_process_groups() -> None:
-    if not join_receives(EXIT_WAIT_S):
+    if not join_sends(EXIT_WAIT_S):
         log.warning(
-            f"gpipe: background receives still wait for a peer after {EXIT_WAIT_S} s at exit; "
+            f"gpipe: background send waits still wait for a peer after {EXIT_WAIT_S} s at exit; "
             "this process may abort while Python shuts down"
         )
     release: list[Callable[[], None]] = [h.release_groups for h in list(_HOLDERS)]

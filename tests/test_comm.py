@@ -1,4 +1,4 @@
-"""Point-to-point transport: announced messages taken in the background, in order, errors handed on."""
+"""Point-to-point transport: announced messages posted ahead and taken in order, rooms, lanes, the send waiter, errors handed on."""
 
 import json
 import threading
@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from torch import Tensor
 
 from lightning_gpipe import comm
 from lightning_gpipe.comm import P2P
@@ -40,7 +41,7 @@ def _receive_error(tmp_path, mode):
 
 
 @pytest.mark.timeout(120)
-def test_a_background_receive_from_a_peer_that_exited_raises_in_the_stage(tmp_path):
+def test_an_announced_receive_from_a_peer_that_exited_raises_in_the_stage(tmp_path):
     """The sender leaves after 1 of 3 announced messages: the next recv raises promptly, never hangs."""
     assert _receive_error(tmp_path, "peer_exits")["seconds"] < 30
 
@@ -76,16 +77,75 @@ def test_lanes_route_by_direction_within_the_pipeline_only():
     assert lanes.group(4, 6) is None and lanes.upward is None  # closed: the default group
 
 
-def test_announcing_twice_before_taking_everything_is_an_error():
+class _Wire:
+    """Gloo's matching in one process: a receive posted on a tag takes that tag's next send, in
+    the order both were posted; a message longer than the receive's buffer is refused, as Gloo refuses it."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, list[Tensor]] = {0: [], 1: []}
+        self.posted: list[tuple[int, int]] = []  # (tag, buffer bytes) of each receive, as posted
+
+    def post(self, t, dst, group=None, tag=0):
+        self.sent[tag].append(t.clone())
+        return _done()
+
+    def irecv(self, buffer, src, group=None, tag=0):
+        index = sum(1 for posted_tag, _ in self.posted if posted_tag == tag)  # matched as it is posted
+        self.posted.append((tag, buffer.numel() * buffer.element_size()))
+        sent = self.sent[tag]
+
+        class Work:
+            def wait(self):
+                message = sent[index].reshape(-1).view(torch.uint8)
+                assert message.numel() <= buffer.numel() * buffer.element_size(), "longer than the receive"
+                buffer.reshape(-1).view(torch.uint8)[: message.numel()] = message
+
+        return Work()
+
+    def taken(self) -> dict[int, int]:
+        return {tag: sum(1 for posted_tag, _ in self.posted if posted_tag == tag) for tag in self.sent}
+
+
+def test_receives_posted_ahead_take_messages_whose_size_grows_and_shrinks(monkeypatch):
+    """Announced receives are posted ahead into the room both sides derive from the messages
+    before (:class:`comm._Rooms`): no message is ever longer than the receive posted for it, and
+    a message over its room sends its tensors on a tag of their own, which no posted frame takes."""
+    wire = _Wire()
+    monkeypatch.setattr(comm, "_post", wire.post)
+    monkeypatch.setattr(comm.dist, "irecv", wire.irecv)
+    sender, receiver = P2P(torch.device("cpu")), P2P(torch.device("cpu"))
+    monkeypatch.setattr(receiver, "_me", lambda: 1)
+    widths = [4, 40_000, 40_000, 90_000, 10, 90_000, 200_000, 200_000, 200_000, 8, 8]
+    messages = [
+        [torch.arange(n, dtype=torch.float32), torch.full((3,), float(k))] for k, n in enumerate(widths)
+    ]
+    for m in messages:
+        sender.send(m, 1)
+    receiver.expect(0, 6)
+    assert [tag for tag, _ in wire.posted] == [0] * (comm.AHEAD + 1)  # posted at the announcement
+    got = [receiver.recv(0) for _ in range(6)]
+    receiver.expect(0, 5)
+    got += [receiver.recv(0) for _ in range(5)]
+    for (_, tensors), m in zip(got, messages):
+        assert all(torch.equal(a, b) for a, b in zip(tensors, m)) and len(tensors) == 2
+    assert wire.taken() == {tag: len(sent) for tag, sent in wire.sent.items()}  # every message taken, once
+    assert len(wire.posted) > len(widths) and max(n for tag, n in wire.posted if tag == 0) >= 800_000
+
+
+def test_announcing_twice_before_taking_everything_is_an_error(monkeypatch):
+    wire = _Wire()
+    monkeypatch.setattr(comm.dist, "irecv", wire.irecv)
     p2p = P2P(torch.device("cpu"))
-    p2p.expect(3, 2)  # no process group here: the background receive fails, and hands the stage its error
+    p2p.expect(3, 2)
     with pytest.raises(RuntimeError, match="from rank 3 are still to be received"):
         p2p.expect(3, 2)
-    with pytest.raises(ValueError, match="process group"):
+    with pytest.raises(IndexError):  # nothing was sent: the receive fails, and the announcement is dropped
         p2p.recv(3)
-    p2p.expect(3, 1)  # the failed announcement is dropped: the next one is taken afresh
-    with pytest.raises(ValueError, match="process group"):
-        p2p.recv(3)
+    monkeypatch.setattr(comm.dist, "irecv", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("peer gone")))
+    with pytest.raises(RuntimeError, match="peer gone"):
+        p2p.expect(3, 1)  # posting fails at the announcement: it is dropped too
+    monkeypatch.setattr(comm.dist, "irecv", wire.irecv)
+    p2p.expect(3, 1)  # the next one is taken afresh
     assert P2P(torch.device("cuda")).background is False  # CUDA receives are posted when needed
     P2P(torch.device("cuda")).expect(3, 2)  # and announcing is then a no-op
 
@@ -115,7 +175,7 @@ def test_the_send_waiter_drops_buffers_as_sends_complete_and_one_thread_serves_e
         for w in works:
             waiter.put(w, torch.zeros(1))
         threads.append(waiter._thread)
-        assert waiter.held == 2 and not comm.join_receives(0.05)  # busy: sends in hand
+        assert waiter.held == 2 and not comm.join_sends(0.05)  # busy: sends in hand
         works[0].done.set()
         deadline = time.monotonic() + 10
         while waiter.held != 1 and time.monotonic() < deadline:
@@ -123,7 +183,7 @@ def test_the_send_waiter_drops_buffers_as_sends_complete_and_one_thread_serves_e
         assert waiter.held == 1  # the first buffer went as its send completed
         works[1].done.set()
         waiter.close()
-        assert waiter.held == 0 and comm.join_receives(1.0)  # idle: nothing in hand
+        assert waiter.held == 0 and comm.join_sends(1.0)  # idle: nothing in hand
     assert threads[0] is threads[1] and threads[0].is_alive()  # no thread started for the second phase
 
 
@@ -149,7 +209,7 @@ def test_a_thread_that_cannot_start_leaves_nothing_held_and_nothing_to_wait_for(
     )
     with pytest.raises(RuntimeError, match="no thread"):
         waiter.put(_Send(), torch.zeros(1))
-    assert waiter.held == 0 and waiter._thread is None and comm.join_receives(0.5)
+    assert waiter.held == 0 and waiter._thread is None and comm.join_sends(0.5)
     waiter.close()  # returns at once: nothing was put
 
 
@@ -157,7 +217,9 @@ def test_a_failed_post_is_raised_by_the_send_and_flush_still_waits_for_the_earli
     p2p = P2P(torch.device("cpu"))
     posted = _Send()
     p2p._waiter.put(posted, torch.zeros(1))
-    monkeypatch.setattr(comm, "_post", lambda t, dst, group: (_ for _ in ()).throw(RuntimeError("peer gone")))
+    monkeypatch.setattr(
+        comm, "_post", lambda t, dst, group, tag: (_ for _ in ()).throw(RuntimeError("peer gone"))
+    )
     with pytest.raises(RuntimeError, match="peer gone"):
         p2p.send([torch.randn(2, 2)], 1)  # posted in the calling thread
     assert p2p.sends_in_flight() == 1
@@ -170,7 +232,7 @@ def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch)
     """Encoded, framed and posted in the stage's thread: under a per-micro-batch schedule the stage may not flush before its peer waits for the message,
     so an error held until then would leave the peer waiting for the process group's timeout."""
     p2p, posted = P2P(torch.device("cpu")), []
-    monkeypatch.setattr(comm, "_post", lambda t, dst, group: posted.append(t.clone()) or _done())
+    monkeypatch.setattr(comm, "_post", lambda t, dst, group, tag: posted.append(t.clone()) or _done())
     with pytest.raises(ValueError, match="cannot send a tensor of dtype torch.uint16"):
         p2p.send([torch.zeros(2, dtype=torch.uint16)], 1)
     p2p.send([torch.ones(3)], 1)

@@ -63,7 +63,7 @@ def test_rank_failure_exits_all_ranks(tmp_path, where, layer, stage, rank):
 @pytest.mark.timeout(200)
 def test_failure_while_the_next_messages_are_still_being_received_exits_without_abort(tmp_path):
     """Stage 1 raises on micro-batch 0 of step 2 while the slow stage 0 still has 3 micro-batches to
-    send: its background receive thread is still waiting when the rank exits. Every rank ends
+    send: its receives posted ahead are still pending when the rank exits. Every rank ends
     promptly, the original error first, and none aborts ("terminate called ...", exit code -6)."""
     rc, out, seconds = _run_failing_job(
         tmp_path, fail={"layer": 2, "where": "forward", "at": 5}, slow={"layer": 0, "seconds": 0.5}

@@ -2,7 +2,7 @@
 
 Usage: python tests/workers/p2p.py OUT MODE
 MODE "order": rank 0 sends 6 messages of changing shapes, sizes and dtypes, then 2 more after a barrier;
-rank 1 announces the first 6 (background receives) and takes the last 2 in its own thread;
+rank 1 announces the first 6 (posted ahead) and takes the last 2 in its own thread;
 it writes what it got to OUT/received.pt and rank 0 writes what it sent to OUT/sent.pt, and to
 OUT/held.json how many sends it held just after posting the last 2 and once rank 1 had them
 (before any flush).
@@ -102,13 +102,13 @@ elif mode == "lanes":
     used: dict[str, list[str]] = {"posts": [], "receives": []}
     post, irecv = comm._post, dist.irecv
 
-    def spy_post(t, dst, group=None):
+    def spy_post(t, dst, group=None, tag=0):
         used["posts"].append(names[id(group)])
-        return post(t, dst, group)
+        return post(t, dst, group, tag)
 
-    def spy_irecv(t, src, group=None):
+    def spy_irecv(t, src, group=None, tag=0):
         used["receives"].append(names[id(group)])
-        return irecv(t, src, group=group)
+        return irecv(t, src, group=group, tag=tag)
 
     comm._post, comm.dist.irecv = spy_post, spy_irecv
     partner = rank ^ 1
