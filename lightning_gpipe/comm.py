@@ -405,14 +405,20 @@ class _InOrder:
                     if not self._cond.wait_for(lambda: bool(self._items), timeout=LINGER_S):
                         self._thread = None
                         return
-                item = self._items[0]
-            if self._error is None:
-                try:
-                    self._handle(*item)
-                except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
-                    self._error = err
-            with self._cond:
-                self._items.popleft()  # what it held goes now
+            self._handle_first()
+
+    def _handle_first(self) -> None:
+        """Handle the first item, then drop it (no frame of the lingering thread keeps it: a send's
+        work holds its process group)."""
+        with self._cond:
+            item = self._items[0]
+        if self._error is None:
+            try:
+                self._handle(*item)
+            except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
+                self._error = err
+        with self._cond:
+            self._items.popleft()  # what it held goes now
 
     def close(self) -> None:
         with self._cond:
