@@ -49,7 +49,7 @@ torch.manual_seed(0)
 messages = [
     [torch.randn(3, 4)],
     [torch.randn(150, 128), torch.arange(5)],  # over the first room: the frame, then the tensors
-    [torch.randn(150, 128), torch.arange(5)],  # still over its room: its receive was posted ahead of message 1
+    [torch.randn(150, 128), torch.arange(5)],  # over its room too: posted ahead of message 1
     [torch.randint(0, 9, (2, 3)), torch.rand(2) > 0.5],
     [torch.randn(8)],
     [torch.randn(2, 2).bfloat16()],
