@@ -1,7 +1,7 @@
 """Point-to-point transport between stages: :class:`P2P`, its receives posted ahead and its send waiter.
 
 A message is what :mod:`lightning_gpipe.wire` encodes: a header, then the tensors it describes
-(on CPU framed in one buffer). Sends are posted by the stage's thread and asynchronous (``isend``);
+(on CPU their bytes in one payload). Sends are posted by the stage's thread and asynchronous (``isend``);
 their waits are deferred to :meth:`P2P.flush` (on CPU a thread waits for the sends as they
 complete and frees their buffers), so a stage computes micro-batch ``i+1`` while micro-batch ``i``
 travels. Receives the stage knows are coming (:meth:`P2P.expect`: the rest of a phase's
@@ -31,12 +31,12 @@ from lightning_gpipe.wire import (
     FIRST_ROOM,
     HEADER_SLOTS,
     Meta,
-    decode_frame,
     decode_header,
     decode_message,
     encode_message,
-    frame_message,
-    unframe,
+    pack,
+    payload_bytes,
+    unpack,
 )
 
 __all__ = ["LINGER_S", "Lanes", "P2P", "close_lanes", "join_sends"]
@@ -44,8 +44,8 @@ __all__ = ["LINGER_S", "Lanes", "P2P", "close_lanes", "join_sends"]
 
 AHEAD = 2
 """Receives of announced messages posted beyond the one the stage takes next (:meth:`P2P.recv`)."""
-FRAME_TAG, PAYLOAD_TAG = 0, 1
-"""Tags of a framed message and of the tensors that follow a frame larger than its room."""
+HEADER_TAG, PAYLOAD_TAG, OVERFLOW_TAG = 0, 1, 2
+"""Tags of a message's header, of its payload (on CPU) and of the tensors of a payload larger than its room."""
 
 
 class Lanes:
@@ -111,9 +111,9 @@ class P2P:
     """Send and receive tuples of tensors between global ranks, with deferred send waits.
 
     Receives are posted when :meth:`recv` asks, unless :meth:`expect` announced them: on CPU the
-    first :data:`AHEAD` + 1 announced receives are then posted at once, and each one taken posts
-    the next, each into a buffer of the room its message is framed for (:class:`_Rooms`), so the
-    transport's thread fills them while the stage computes. (A thread of ours taking them instead
+    first :data:`AHEAD` + 1 announced messages' receives (header and payload) are then posted at
+    once, and each message taken posts the next one's, its payload into a buffer of the room both
+    sides derive (:class:`_Rooms`), so the transport's thread fills them while the stage computes. (A thread of ours taking them instead
     cost each message a second wake-up and its Python work, on the cores the layers need:
     BENCHMARKS.md section 18.) The message *count* must be exact: a receive left posted would take
     a message meant for a later phase. The stage derives it from its schedule's actions
@@ -141,9 +141,9 @@ class P2P:
         self.background = device.type == "cpu" if background is None else background
         self._pending: list[tuple[dist.Work, object]] = []
         self._ahead: dict[int, _Ahead] = {}  # per source: the announced receives and those posted
-        self.framed = self.device.type == "cpu"  # Gloo: one buffer per message (frame_message)
-        self._rooms_to: dict[int, _Rooms] = defaultdict(_Rooms)  # framed: per destination
-        self._rooms_from: dict[int, _Rooms] = defaultdict(_Rooms)  # framed: per source
+        self.packed = self.device.type == "cpu"  # Gloo: header and payload (wire.pack) per message
+        self._rooms_to: dict[int, _Rooms] = defaultdict(_Rooms)  # packed: per destination
+        self._rooms_from: dict[int, _Rooms] = defaultdict(_Rooms)  # packed: per source
         self._waiter = _SendWaiter()  # background: waits for the sends posted, in order
 
     def send(
@@ -152,12 +152,13 @@ class P2P:
         """Send ``tensors`` (the value ``structure`` describes; ``None``: a tuple of tensors) to
         ``dst`` (:func:`~lightning_gpipe.wire.encode_message`) asynchronously; waits happen in :meth:`flush`.
 
-        The message is encoded, framed (on CPU) and posted here, in the calling thread: the send
-        costs the stage's thread the framing copy and the post, and its first bytes leave at once
-        (handing it to a thread of its own cost each message a thread switch, about 0.14 ms of
-        latency on a 2-vCPU machine: one-way 0.40 ms against 0.26 ms in a ping-pong). With
-        background transport a thread then waits for the send to complete and drops its buffer.
-        Like any asynchronous send, ``tensors`` must not change until it completes.
+        The message is encoded, packed (on CPU) and posted here, in the calling thread: the send
+        costs the stage's thread the posts (and the copy of a payload of several tensors; one
+        tensor travels as it is), and its first bytes leave at once (handing it to a thread of its
+        own cost each message a thread switch, about 0.14 ms of latency on a 2-vCPU machine: one-way
+        0.40 ms against 0.26 ms in a ping-pong). With background transport a thread then waits for
+        the message's sends to complete and drops what they hold. Like any asynchronous send,
+        ``tensors`` must not change until it completes.
 
         Raises:
             ValueError: a tensor that cannot travel (:func:`~lightning_gpipe.wire.encode_message`).
@@ -167,27 +168,32 @@ class P2P:
         past the profiler's next step would close it in a freed event list."""
         message = encode_message(tensors, structure, chunks, self.device)
         group = self.lanes.group(self._me(), dst) if self.lanes is not None else None
-        for t, tag in self.frame(message, dst):
-            work = _post(t, dst, group, tag)
-            if self.background:
-                self._waiter.put(work, t)  # the waiter keeps the buffer until the send completes
-            else:
-                self._pending.append((work, t))
+        posted: list[tuple[dist.Work, Tensor]] = []
+        try:
+            for t, tag in self.parts(message, dst):
+                posted.append((_post(t, dst, group, tag), t))
+        finally:  # what was posted is waited for, even where a later post failed
+            if posted and self.background:
+                self._waiter.put(posted)  # the waiter holds the tensors until the sends complete
+            elif posted:
+                self._pending += posted
 
     def _me(self) -> int:
         if self._rank is None:
             self._rank = dist.get_rank()
         return self._rank
 
-    def frame(self, message: list[Tensor], dst: int) -> list[tuple[Tensor, int]]:
-        """What travels to ``dst`` for an encoded ``message``, each with its tag: framed on CPU
-        (called in send order), the tensors of a message larger than its room on :data:`PAYLOAD_TAG`."""
-        if not self.framed:
-            return [(t, FRAME_TAG) for t in message]
+    def parts(self, message: list[Tensor], dst: int) -> list[tuple[Tensor, int]]:
+        """What travels to ``dst`` for an encoded ``message``, each with its tag: on CPU (called in
+        send order) the header, then the payload (:func:`~lightning_gpipe.wire.pack`), then the
+        tensors of a payload larger than its room on :data:`OVERFLOW_TAG`."""
+        if not self.packed:
+            return [(t, HEADER_TAG) for t in message]
+        header, *tensors = message
         rooms = self._rooms_to[dst]
-        (frame, *payload), total = frame_message(message, rooms.room(rooms.count))
+        payload, overflow, total = pack(tensors, rooms.room(rooms.count))
         rooms.record(total)
-        return [(frame, FRAME_TAG), *((t, PAYLOAD_TAG) for t in payload)]
+        return [(header, HEADER_TAG), (payload, PAYLOAD_TAG), *((t, OVERFLOW_TAG) for t in overflow)]
 
     def expect(self, src: int, messages: int) -> None:
         """Announce that the next ``messages`` receives from ``src`` follow in this phase; post the
@@ -197,7 +203,7 @@ class P2P:
             RuntimeError: messages announced earlier from ``src`` are not all taken yet; or (or the
                 transport's own error) posting failed, e.g. the peer went away: the announcement is dropped.
         """
-        if messages <= 0 or not self.framed:  # unframed (NCCL): a message's size is known from its header
+        if messages <= 0 or not self.packed:  # NCCL: a message's size is known from its header
             return
         ahead = self._ahead.get(src)
         if ahead is None:
@@ -223,53 +229,57 @@ class P2P:
         with ahead.dropped_on_error():
             if not ahead.posted:
                 self._post_ahead(src, ahead)
-            work, buffer = ahead.posted.popleft()
+            header, payload = ahead.posted.popleft()
             ahead.left -= 1
-            _wait(work)
-            message = self._take(src, buffer)
+            message = self._take(src, header, payload)
             self._post_ahead(src, ahead)
         return message
 
     def _post_ahead(self, src: int, ahead: _Ahead) -> None:
-        """Post receives of ``src``'s announced messages until :data:`AHEAD` + 1 are posted (or all
-        announced are), each into a buffer of the room its message is framed for (:class:`_Rooms`)."""
-        rooms = self._rooms_from[src]
+        """Post the receives of ``src``'s announced messages until :data:`AHEAD` + 1 are posted (or
+        all announced are), each payload's into a buffer of its room (:class:`_Rooms`)."""
         while len(ahead.posted) < min(AHEAD + 1, ahead.left):
-            buffer = torch.empty(
-                rooms.room(rooms.count + len(ahead.posted)), dtype=torch.uint8, device=self.device
-            )
-            work = dist.irecv(buffer, src, group=self._group_from(src), tag=FRAME_TAG)
-            assert work is not None
-            ahead.posted.append((work, buffer))
+            ahead.posted.append(self._post_message(src, len(ahead.posted)))
 
     def _group_from(self, src: int) -> Any:
         return self.lanes.group(src, self._me()) if self.lanes is not None else None
 
+    def _post_message(self, src: int, later: int = 0) -> tuple[_Posted, _Posted]:
+        """Post the receives of the header and the payload of the message from ``src`` that follows
+        the next ``later`` ones, the payload's into a buffer of its room."""
+        group, rooms = self._group_from(src), self._rooms_from[src]
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        payload = torch.empty(rooms.room(rooms.count + later), dtype=torch.uint8, device=self.device)
+        return (_irecv(header, src, group, HEADER_TAG), header), (
+            _irecv(payload, src, group, PAYLOAD_TAG),
+            payload,
+        )
+
     def receive_now(self, src: int) -> tuple[Meta, list[Tensor]]:
         """Post the receives of one message from ``src`` and wait for them (in the calling thread)."""
+        if self.packed:
+            return self._take(src, *self._post_message(src))
         group = self._group_from(src)
-        if not self.framed:
-            header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-            _wait(dist.irecv(header, src, group=group))
-            return self._receive_tensors(decode_header(header), src, group)
-        rooms = self._rooms_from[src]
-        buffer = torch.empty(rooms.room(rooms.count), dtype=torch.uint8, device=self.device)
-        _wait(dist.irecv(buffer, src, group=group, tag=FRAME_TAG))
-        return self._take(src, buffer)
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        _wait(dist.irecv(header, src, group=group))
+        return self._receive_tensors(decode_header(header), src, group)
 
-    def _take(self, src: int, buffer: Tensor) -> tuple[Meta, list[Tensor]]:
-        """The message from ``src`` whose frame arrived in ``buffer`` (its tensors received now
-        where they travel after it, on :data:`PAYLOAD_TAG`)."""
-        total, fused, meta = decode_frame(buffer)
+    def _take(self, src: int, header: _Posted, payload: _Posted) -> tuple[Meta, list[Tensor]]:
+        """The message from ``src`` whose header and payload receives were posted (its tensors
+        received now where its payload was over its room: on :data:`OVERFLOW_TAG`)."""
+        _wait(payload[0])  # sent after the header, on the same connection: both have arrived
+        _wait(header[0])
+        meta = decode_header(header[1])
+        total, buffer = payload_bytes(meta), payload[1]
         self._rooms_from[src].record(total)
-        if not fused:
-            return self._receive_tensors(meta, src, self._group_from(src), PAYLOAD_TAG)
-        # a buffer sized for a larger earlier message is not held by a smaller one's tensors
         room = buffer.numel()
-        return decode_message(meta, unframe(buffer, meta, copy=room - total > room // 8))
+        if total > room:
+            return self._receive_tensors(meta, src, self._group_from(src), OVERFLOW_TAG)
+        # a buffer sized for a larger earlier message is not held by a smaller one's tensors
+        return decode_message(meta, unpack(buffer, meta, copy=room - total > room // 8))
 
     def _receive_tensors(
-        self, meta: Meta, src: int, group: Any, tag: int = FRAME_TAG
+        self, meta: Meta, src: int, group: Any, tag: int = HEADER_TAG
     ) -> tuple[Meta, list[Tensor]]:
         """The tensors ``meta`` announces, each received as a message of its own (on ``group``, ``tag``)."""
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
@@ -307,16 +317,17 @@ class P2P:
         self._pending = [(work, t) for work, t in self._pending if not work.is_completed()]
 
     def sends_in_flight(self) -> int:
-        """Sends posted whose buffers are still held (not yet known to have completed)."""
+        """Sends posted whose tensors are still held (not yet known to have completed): with
+        background transport, messages; otherwise the transport's sends."""
         return len(self._pending) + self._waiter.held
 
 
 class _Rooms:
-    """The room each framed message between two ranks travels in, kept alike by both sides.
+    """The room each payload between two ranks travels in, kept alike by both sides.
 
-    Message ``m``'s room is the largest message before ``m - AHEAD`` (at least :data:`FIRST_ROOM`):
+    Message ``m``'s room is the largest payload before ``m - AHEAD`` (at least :data:`FIRST_ROOM`):
     a receiver posts message ``m``'s buffer once it has taken message ``m - AHEAD - 1``
-    (:data:`AHEAD` receives ahead of the one it takes), before it knows the sizes of the messages after.
+    (:data:`AHEAD` messages ahead of the one it takes), before it knows the sizes of the messages after.
     """
 
     def __init__(self) -> None:
@@ -329,18 +340,21 @@ class _Rooms:
         return self._rooms[m - self.count]
 
     def record(self, total: int) -> None:
-        """The next message (``count``) was ``total`` bytes framed."""
+        """The next message's (``count``) payload was ``total`` bytes."""
         self.count += 1
         self._rooms.append(max(self._rooms[-1], total))
 
 
+_Posted = tuple[dist.Work, Tensor]  # a receive posted and its buffer
+
+
 class _Ahead:
     """The announced messages from one source: how many are still to be taken, and the receives
-    posted for the first of them (oldest first, each ``(work, buffer)``)."""
+    posted for the first of them (oldest first, each the header's and the payload's)."""
 
     def __init__(self) -> None:
         self.left = 0
-        self.posted: deque[tuple[dist.Work, Tensor]] = deque()
+        self.posted: deque[tuple[_Posted, _Posted]] = deque()
 
     @contextmanager
     def dropped_on_error(self) -> Iterator[None]:
@@ -436,20 +450,22 @@ class _InOrder:
 
 
 class _SendWaiter(_InOrder):
-    """Waits, in a thread, for the sends :meth:`P2P.send` posts (``put(work, buffer)``), in order,
-    and drops each buffer once its send has completed, so that a stage that sends as it goes
-    (1F1B) frees what it sent as the peer takes it rather than at the step's :meth:`P2P.flush`."""
+    """Waits, in a thread, for the sends of each message :meth:`P2P.send` posts (``put([(work,
+    tensor), …])``), in order, and drops the message's tensors once its sends have completed, so
+    that a stage that sends as it goes (1F1B) frees what it sent as the peer takes it rather than
+    at the step's :meth:`P2P.flush`."""
 
     name = "gpipe-send-wait"
 
     @property
     def held(self) -> int:
-        """Sends put whose buffers are still held."""
+        """Messages put whose tensors are still held."""
         with self._cond:
             return len(self._items)
 
-    def _handle(self, work: dist.Work, buffer: Tensor) -> None:  # type: ignore[override]
-        work.wait()
+    def _handle(self, posted: list[tuple[dist.Work, Tensor]]) -> None:  # type: ignore[override]
+        for work, _ in posted:
+            work.wait()
 
 
 def _post(t: Tensor, dst: int, group: Any = None, tag: int = 0) -> dist.Work:
@@ -457,6 +473,12 @@ def _post(t: Tensor, dst: int, group: Any = None, tag: int = 0) -> dist.Work:
     (:func:`lightning_gpipe._compat.unrecorded`)."""
     with unrecorded():  # the send may complete after the profiler's next cycle began
         work = dist.isend(t, dst, group=group, tag=tag)
+    assert work is not None
+    return work
+
+
+def _irecv(t: Tensor, src: int, group: Any, tag: int) -> dist.Work:
+    work = dist.irecv(t, src, group=group, tag=tag)
     assert work is not None
     return work
 

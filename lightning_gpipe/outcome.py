@@ -18,7 +18,7 @@ Wire format: it rides on the message the stages already exchange after a trainin
 loss message), one message per other stage and step: a float64 vector
 ``[has_loss, loss, should_stop, keys_follow, n, v_1 … v_n]`` (``8·(n + 5)`` bytes), the metric
 values flattened in key order, and the generator's state (5 056 bytes), plus the transport's
-528-byte frame and header. The keys (names, dtypes,
+512-byte header. The keys (names, dtypes,
 shapes) travel as a second, uint8 message only when they change (the first step, a new logged
 key), so a steady step costs no extra message. Validation and test steps have no loss message of
 their own; they send the same one (``has_loss = 0``). In a training step the other stages announce

@@ -1,4 +1,4 @@
-"""What travels between stages: the message header, the structure codec and the CPU frame.
+"""What travels between stages: the message header, the structure codec and the CPU payload.
 
 Every message is a fixed-size int64 *header* (:func:`encode_header`) followed by the tensors it
 describes, so shapes and dtypes travel with the data on every step (nothing is cached from the
@@ -6,14 +6,15 @@ first step). A value that is not a tensor or a tuple of tensors (a dict, nested 
 numbers, strings: :mod:`lightning_gpipe.microbatch`) sends its structure and non-tensor leaves as
 a last uint8 tensor of compact JSON (:func:`encode_structure`: a restricted codec, never pickle).
 
-On CPU (Gloo) a message travels *framed* (:func:`frame_message`): one uint8 buffer holding a frame
-word pair, the header and the tensors' bytes, received into a buffer of the room the receiver
-keeps for its source (:func:`unframe`), so a message costs the transport one send and one receive
-instead of one per tensor plus the header. Gloo takes a send shorter than the receive's buffer; a
-message larger than the room travels as the frame and header alone, its tensors after it, and
-grows the room on both sides alike (each side follows the same sequence of messages), so steady
-shapes travel in one buffer from their second message on. NCCL receives need the exact size: on
-CUDA the header and each tensor travel as messages of their own. The transport that sends and
+On CPU (Gloo) a message travels as two: its header, then its *payload* (:func:`pack`): the
+tensors' bytes, a single tensor as it is (no copy), several in one uint8 buffer. The receiver
+takes the payload into a buffer of the room it keeps for its source (:func:`unpack`), so it posts
+both receives before it knows the message (a message costs the transport two sends and two
+receives whatever its tensors). Gloo takes a send shorter than the receive's buffer; a payload
+larger than the room travels as a 16-byte placeholder, its tensors after it, and grows the room on
+both sides alike (each side follows the same sequence of messages), so steady shapes travel in
+one payload from their second message on. NCCL receives need the exact size: on CUDA the header
+and each tensor travel as messages of their own. The transport that sends and
 receives these is :mod:`lightning_gpipe.comm`.
 """
 
@@ -34,18 +35,17 @@ from lightning_gpipe.microbatch import CONSTANTS, SLOT, TREE, TUPLE, MicroBatchE
 
 __all__ = [
     "FIRST_ROOM",
-    "FRAME_BYTES",
     "HEADER_SLOTS",
     "Meta",
-    "decode_frame",
     "decode_header",
     "decode_message",
     "decode_structure",
     "encode_header",
     "encode_message",
     "encode_structure",
-    "frame_message",
-    "unframe",
+    "pack",
+    "payload_bytes",
+    "unpack",
 ]
 
 HEADER_SLOTS = 64
@@ -195,65 +195,71 @@ def decode_message(meta: Meta, received: list[Tensor]) -> tuple[Meta, list[Tenso
     return replace(meta, structure=structure), received
 
 
-FRAME_SLOTS = 2
-"""int64 slots before the header of a framed message: its total bytes and whether its tensors are in it."""
-FRAME_BYTES = 8 * (FRAME_SLOTS + HEADER_SLOTS)
 FIRST_ROOM = 64 * 1024
-"""Bytes a receiver takes a source's first framed message into (its room grows with larger messages)."""
+"""Bytes a receiver takes a source's first payload into (its room grows with larger payloads)."""
 _ALIGN = 16  # every tensor starts at a multiple of 16 bytes: aligned for every dtype that travels
+_PLACEHOLDER = torch.zeros(_ALIGN, dtype=torch.uint8)  # the payload of a message over its room (or empty)
 
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def frame_message(message: Sequence[Tensor], room: int) -> tuple[list[Tensor], int]:
-    """``[header, *tensors]`` (:func:`encode_message`) as what travels framed to a peer that keeps
-    ``room`` bytes for it, and the message's framed size in bytes.
+def payload_bytes(meta: Meta) -> int:
+    """The bytes of the payload :func:`pack` makes of the tensors ``meta`` describes (each padded
+    to 16 bytes), kept per meta."""
+    key = (meta.specs, meta.blob)
+    total = _PAYLOADS.get(key)
+    if total is None:
+        total = sum(_padded(math.prod(shape) * dtype.itemsize) for shape, dtype in _specs(meta))
+        if len(_PAYLOADS) >= _KEPT:
+            _PAYLOADS.clear()
+        _PAYLOADS[key] = total
+    return total
 
-    Within ``room``: one uint8 buffer ``[total, 1, header, tensor bytes (each padded to 16)…]``.
-    Larger: ``[total, 0, header]`` alone, then the tensors as they are; both sides then keep
-    ``max(room, total)`` for the next message.
+
+_PAYLOADS: dict[tuple[Any, ...], int] = {}
+
+
+def pack(tensors: Sequence[Tensor], room: int) -> tuple[Tensor, list[Tensor], int]:
+    """The tensors of a message (:func:`encode_message`, after its header) as what travels to a peer
+    that keeps ``room`` bytes for its payload: ``(payload, overflow, total)``.
+
+    ``total`` is the payload's size in bytes, each tensor padded to 16 (:func:`payload_bytes`).
+    Within ``room``, ``payload`` holds every tensor's bytes and ``overflow`` is empty: a single
+    tensor travels as it is (its own memory, no copy), several are copied into one uint8 buffer.
+    Larger, ``payload`` is a 16-byte placeholder that takes the receive posted for it, and the
+    tensors travel as ``overflow``, each a message of its own; both sides then keep ``max(room,
+    total)`` for the next payload. Empty (``total`` 0), the placeholder travels alone.
     """
-    header, *tensors = message
     sizes = [t.numel() * t.element_size() for t in tensors]
-    total = FRAME_BYTES + sum(_padded(n) for n in sizes)
-    fused = total <= room
-    buffer = torch.empty(total if fused else FRAME_BYTES, dtype=torch.uint8, device=header.device)
-    words = buffer[:FRAME_BYTES].numpy().view("int64")  # a frame is on CPU: plain stores, no tensor ops
-    words[0], words[1] = total, int(fused)
-    words[FRAME_SLOTS:] = header.numpy()
-    if not fused:
-        return [buffer, *tensors], total
-    offset = FRAME_BYTES
+    total = sum(_padded(n) for n in sizes)
+    if total > room:
+        return _PLACEHOLDER, list(tensors), total
+    if total == 0:  # nothing to send: the placeholder takes the receive posted for the payload
+        return _PLACEHOLDER, [], 0
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1).view(torch.uint8), [], total
+    buffer = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    offset = 0
     for t, n in zip(tensors, sizes):
         buffer[offset : offset + n] = t.reshape(-1).view(torch.uint8)
         offset += _padded(n)
-    return [buffer], total
+    return buffer, [], total
 
 
-def decode_frame(buffer: Tensor) -> tuple[int, bool, Meta]:
-    """What the start of a framed message received into ``buffer`` says: the message's total
-    bytes, whether its tensors are in the buffer (fused), and its header's :class:`Meta`."""
-    raw = buffer[:FRAME_BYTES].numpy().tobytes()
-    total, fused = struct.unpack_from(f"={FRAME_SLOTS}q", raw)
-    return total, bool(fused), _meta(raw[8 * FRAME_SLOTS :])
-
-
-def unframe(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
-    """The tensors of a fused framed message received into ``buffer``.
+def unpack(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
+    """The tensors of a payload (:func:`pack`, within its room) received into ``buffer``.
 
     Each one is a tensor on ``buffer``'s memory, not a view of it: its own autograd version
     counter, so an in-place change of one tensor of a message leaves the others' saved versions
     alone. Copies instead with ``copy`` (a buffer much larger than its message is then not held)
     and where the tensors' dtypes differ (``torch.save`` refuses one storage as several types).
     """
-    specs = [(shape, dtype) for shape, dtype, _ in meta.specs]
-    if meta.blob:
-        specs.append(((meta.blob,), torch.uint8))
+    specs = _specs(meta)
     copy = copy or len({dtype for _, dtype in specs}) > 1
     storage = buffer.untyped_storage()
-    tensors, offset = [], FRAME_BYTES
+    tensors, offset = [], 0
     for shape, dtype in specs:
         nbytes = math.prod(shape) * dtype.itemsize
         if copy:
@@ -265,6 +271,14 @@ def unframe(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
         tensors.append(t)
         offset += _padded(nbytes)
     return tensors
+
+
+def _specs(meta: Meta) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each tensor that travels for ``meta``, the structure's blob last."""
+    specs = [(shape, dtype) for shape, dtype, _ in meta.specs]
+    if meta.blob:
+        specs.append(((meta.blob,), torch.uint8))
+    return specs
 
 
 def encode_structure(structure: Structure) -> bytes:

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightning_gpipe import comm
 from lightning_gpipe.comm import P2P
-from lightning_gpipe.wire import FRAME_BYTES, FRAME_SLOTS, decode_header, decode_message, unframe
+from lightning_gpipe.wire import decode_header, decode_message, unpack
 from tests._harness import check, run_ranks
 
 
@@ -54,10 +54,11 @@ def test_each_direction_of_a_pipeline_travels_on_its_own_lane_and_other_pairs_on
     used = [json.loads((tmp_path / f"lanes{r}.json").read_text()) for r in range(4)]
     assert all(u["equal"] for u in used)
     for lower, higher in ((0, 1), (2, 3)):  # each pipeline: up from its lower rank, down from its higher
-        assert used[lower]["posts"][:3] == ["upward"] * 3 and used[lower]["receives"][:3] == ["downward"] * 3
-        assert used[higher]["posts"] == ["downward"] * 3 and used[higher]["receives"] == ["upward"] * 3
-    assert used[0]["posts"][3:] == ["default"]  # rank 2 is in another pipeline
-    assert used[2]["receives"][3:] == ["default"]
+        # 3 messages each way, each its header and its payload
+        assert used[lower]["posts"][:6] == ["upward"] * 6 and used[lower]["receives"][:6] == ["downward"] * 6
+        assert used[higher]["posts"] == ["downward"] * 6 and used[higher]["receives"] == ["upward"] * 6
+    assert used[0]["posts"][6:] == ["default"] * 2  # rank 2 is in another pipeline
+    assert used[2]["receives"][6:] == ["default"] * 2
 
 
 @pytest.mark.timeout(120)
@@ -82,7 +83,11 @@ class _Wire:
     the order both were posted; a message longer than the receive's buffer is refused, as Gloo refuses it."""
 
     def __init__(self) -> None:
-        self.sent: dict[int, list[Tensor]] = {0: [], 1: []}
+        self.sent: dict[int, list[Tensor]] = {
+            comm.HEADER_TAG: [],
+            comm.PAYLOAD_TAG: [],
+            comm.OVERFLOW_TAG: [],
+        }
         self.posted: list[tuple[int, int]] = []  # (tag, buffer bytes) of each receive, as posted
 
     def post(self, t, dst, group=None, tag=0):
@@ -107,9 +112,10 @@ class _Wire:
 
 
 def test_receives_posted_ahead_take_messages_whose_size_grows_and_shrinks(monkeypatch):
-    """Announced receives are posted ahead into the room both sides derive from the messages
-    before (:class:`comm._Rooms`): no message is ever longer than the receive posted for it, and
-    a message over its room sends its tensors on a tag of their own, which no posted frame takes."""
+    """Announced receives are posted ahead, each payload's into the room both sides derive from the
+    messages before (:class:`comm._Rooms`): no message is ever longer than the receive posted for
+    it, and a payload over its room sends its tensors on a tag of their own, which no receive posted
+    ahead takes."""
     wire = _Wire()
     monkeypatch.setattr(comm, "_post", wire.post)
     monkeypatch.setattr(comm.dist, "irecv", wire.irecv)
@@ -122,14 +128,17 @@ def test_receives_posted_ahead_take_messages_whose_size_grows_and_shrinks(monkey
     for m in messages:
         sender.send(m, 1)
     receiver.expect(0, 6)
-    assert [tag for tag, _ in wire.posted] == [0] * (comm.AHEAD + 1)  # posted at the announcement
+    assert [tag for tag, _ in wire.posted] == [comm.HEADER_TAG, comm.PAYLOAD_TAG] * (
+        comm.AHEAD + 1
+    )  # at the announcement
     got = [receiver.recv(0) for _ in range(6)]
     receiver.expect(0, 5)
     got += [receiver.recv(0) for _ in range(5)]
     for (_, tensors), m in zip(got, messages):
         assert all(torch.equal(a, b) for a, b in zip(tensors, m)) and len(tensors) == 2
     assert wire.taken() == {tag: len(sent) for tag, sent in wire.sent.items()}  # every message taken, once
-    assert len(wire.posted) > len(widths) and max(n for tag, n in wire.posted if tag == 0) >= 800_000
+    assert wire.taken()[comm.OVERFLOW_TAG] > 0  # some payloads were over their rooms
+    assert max(n for tag, n in wire.posted if tag == comm.PAYLOAD_TAG) >= 800_000  # the grown room
 
 
 def test_announcing_twice_before_taking_everything_is_an_error(monkeypatch):
@@ -173,7 +182,7 @@ def test_the_send_waiter_drops_buffers_as_sends_complete_and_one_thread_serves_e
     for _ in range(2):  # two phases, each ended by close() (P2P.flush)
         works = [_Send(), _Send()]
         for w in works:
-            waiter.put(w, torch.zeros(1))
+            waiter.put([(w, torch.zeros(1))])
         threads.append(waiter._thread)
         assert waiter.held == 2 and not comm.join_sends(0.05)  # busy: sends in hand
         works[0].done.set()
@@ -192,12 +201,12 @@ def test_an_idle_background_thread_ends_after_lingering(monkeypatch):
     waiter = comm._SendWaiter()
     work = _Send()
     work.done.set()
-    waiter.put(work, torch.zeros(1))
+    waiter.put([(work, torch.zeros(1))])
     thread = waiter._thread
     waiter.close()
     thread.join(5)
     assert not thread.is_alive() and waiter._thread is None
-    waiter.put(work, torch.zeros(1))  # work after the end starts a thread again
+    waiter.put([(work, torch.zeros(1))])  # work after the end starts a thread again
     waiter.close()
     assert waiter.held == 0
 
@@ -208,28 +217,37 @@ def test_a_thread_that_cannot_start_leaves_nothing_held_and_nothing_to_wait_for(
         threading.Thread, "start", lambda self: (_ for _ in ()).throw(RuntimeError("no thread"))
     )
     with pytest.raises(RuntimeError, match="no thread"):
-        waiter.put(_Send(), torch.zeros(1))
+        waiter.put([(_Send(), torch.zeros(1))])
     assert waiter.held == 0 and waiter._thread is None and comm.join_sends(0.5)
     waiter.close()  # returns at once: nothing was put
 
 
-def test_a_failed_post_is_raised_by_the_send_and_flush_still_waits_for_the_earlier_sends(monkeypatch):
+@pytest.mark.parametrize("fails", [comm.HEADER_TAG, comm.PAYLOAD_TAG])
+def test_a_failed_post_is_raised_by_the_send_and_flush_still_waits_for_the_earlier_sends(monkeypatch, fails):
+    """A post that fails is raised by the send; what was posted before it (the earlier messages, and
+    the message's header where its payload's post failed) is still waited for by the flush."""
     p2p = P2P(torch.device("cpu"))
-    posted = _Send()
-    p2p._waiter.put(posted, torch.zeros(1))
-    monkeypatch.setattr(
-        comm, "_post", lambda t, dst, group, tag: (_ for _ in ()).throw(RuntimeError("peer gone"))
-    )
+    earlier, header = _Send(), _Send()
+    p2p._waiter.put([(earlier, torch.zeros(1))])
+
+    def post(t, dst, group, tag):
+        if tag == fails:
+            raise RuntimeError("peer gone")
+        return header
+
+    monkeypatch.setattr(comm, "_post", post)
     with pytest.raises(RuntimeError, match="peer gone"):
         p2p.send([torch.randn(2, 2)], 1)  # posted in the calling thread
-    assert p2p.sends_in_flight() == 1
-    threading.Timer(0.2, posted.done.set).start()
-    p2p.flush()  # waits for the earlier send
-    assert posted.done.is_set() and p2p.sends_in_flight() == 0
+    assert p2p.sends_in_flight() == 1 + (fails == comm.PAYLOAD_TAG)
+    threading.Timer(0.2, earlier.done.set).start()
+    threading.Timer(0.3, header.done.set).start()
+    p2p.flush()  # waits for the earlier sends
+    assert earlier.done.is_set() and p2p.sends_in_flight() == 0
+    assert header.waited == (fails == comm.PAYLOAD_TAG)
 
 
 def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch):
-    """Encoded, framed and posted in the stage's thread: under a per-micro-batch schedule the stage may not flush before its peer waits for the message,
+    """Encoded, packed and posted in the stage's thread: under a per-micro-batch schedule the stage may not flush before its peer waits for the message,
     so an error held until then would leave the peer waiting for the process group's timeout."""
     p2p, posted = P2P(torch.device("cpu")), []
     monkeypatch.setattr(comm, "_post", lambda t, dst, group, tag: posted.append(t.clone()) or _done())
@@ -237,8 +255,9 @@ def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch)
         p2p.send([torch.zeros(2, dtype=torch.uint16)], 1)
     p2p.send([torch.ones(3)], 1)
     p2p.flush()
-    assert len(posted) == 1  # the good message still travels, framed
-    meta, (received,) = decode_message(*_unframed(posted[0]))
+    assert len(posted) == 2  # the good message still travels: its header, then its payload
+    meta = decode_header(posted[0])
+    meta, (received,) = decode_message(meta, unpack(posted[1], meta))
     assert torch.equal(received, torch.ones(3)) and meta.chunks == 0
 
 
@@ -249,8 +268,8 @@ def test_a_failed_background_send_is_raised_by_settle_before_the_flush():
     p2p = P2P(torch.device("cpu"))
     failed, later = _Send(), _Send()
     failed.error = RuntimeError("peer gone")
-    p2p._waiter.put(failed, torch.zeros(1))
-    p2p._waiter.put(later, torch.zeros(1))
+    p2p._waiter.put([(failed, torch.zeros(1))])
+    p2p._waiter.put([(later, torch.zeros(1))])
     failed.done.set()
     deadline = time.monotonic() + 10
     while p2p._waiter._error is None and time.monotonic() < deadline:
@@ -267,10 +286,3 @@ def _done() -> _Send:
     work = _Send()
     work.done.set()
     return work
-
-
-def _unframed(buffer):
-    """A framed message's meta and tensors, as the receiver reads them."""
-    words = buffer[:FRAME_BYTES].view(torch.int64)
-    meta = decode_header(words[FRAME_SLOTS:])
-    return meta, unframe(buffer, meta)

@@ -1,4 +1,4 @@
-"""The wire format: the header codec, the restricted structure codec and the CPU frame."""
+"""The wire format: the header codec, the restricted structure codec and the CPU payload."""
 
 import math
 from collections import OrderedDict, namedtuple
@@ -10,17 +10,16 @@ from lightning_gpipe import wire
 from lightning_gpipe.microbatch import TENSOR, TUPLE, MicroBatchError, Structure, flatten, unflatten
 from lightning_gpipe.wire import (
     FIRST_ROOM,
-    FRAME_BYTES,
     HEADER_SLOTS,
-    decode_frame,
     decode_header,
     decode_message,
     decode_structure,
     encode_header,
     encode_message,
     encode_structure,
-    frame_message,
-    unframe,
+    pack,
+    payload_bytes,
+    unpack,
 )
 
 
@@ -104,18 +103,20 @@ def test_nodes_and_keys_that_cannot_travel_are_refused_naming_their_path():
         encode_message(tensors, structure, 1, torch.device("cpu"))
 
 
-def _framed_round_trip(tensors, structure=None, room=FIRST_ROOM):
-    message = encode_message(tensors, structure, 3, torch.device("cpu"))
-    framed, total = frame_message(message, room)
-    buffer = torch.zeros(max(room, total), dtype=torch.uint8)  # the receiver's room, larger than the message
-    buffer[: framed[0].numel()] = framed[0]
-    words = buffer[:FRAME_BYTES].view(torch.int64)
-    meta = decode_header(words[2:])
-    assert decode_frame(buffer) == (*words[:2].tolist(), meta)  # the receiver's one read of the frame
-    return framed, total, words[:2].tolist(), meta, buffer
+def _packed_round_trip(tensors, structure=None, room=FIRST_ROOM):
+    """The message's payload as packed for ``room`` and as the receiver reads it: ``(payload,
+    overflow, total, meta, buffer)``, ``buffer`` the receiver's room holding what arrived."""
+    header, *sent = encode_message(tensors, structure, 3, torch.device("cpu"))
+    payload, overflow, total = pack(sent, room)
+    meta = decode_header(header.clone())
+    assert payload_bytes(meta) == total  # the receiver's own count of the payload
+    buffer = torch.zeros(room, dtype=torch.uint8)  # the receiver's room, larger than the message
+    raw = payload.reshape(-1).view(torch.uint8)
+    buffer[: raw.numel()] = raw
+    return payload, overflow, total, meta, buffer
 
 
-def test_a_framed_message_within_the_room_is_one_aligned_buffer_every_dtype_and_shape_round_trips():
+def test_a_payload_within_the_room_is_one_aligned_buffer_every_dtype_and_shape_round_trips():
     tensors = [
         torch.randn(3, 5),
         torch.tensor(2.5, dtype=torch.float64),  # 0-dim
@@ -127,49 +128,76 @@ def test_a_framed_message_within_the_room_is_one_aligned_buffer_every_dtype_and_
         torch.randn(3, dtype=torch.complex128),
         torch.randn(4, 6).t(),  # not contiguous
     ]
-    framed, total, (size, fused), meta, buffer = _framed_round_trip(tensors)
-    assert len(framed) == 1 and fused == 1 and size == total == framed[0].numel()
-    for received in unframe(buffer, meta), unframe(buffer, meta, copy=True):
+    payload, overflow, total, meta, buffer = _packed_round_trip(tensors)
+    assert (
+        not overflow and total == payload.numel() == 64 + 16 + 0 + 16 + 16 + 32 + 16 + 48 + 96
+    )  # each padded to 16
+    for received in unpack(buffer, meta), unpack(buffer, meta, copy=True):
         for a, b in zip(received, tensors):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
             assert a.untyped_storage().data_ptr() != buffer.data_ptr()  # copies: the dtypes differ
 
 
-def test_a_framed_message_of_one_dtype_arrives_as_views_into_its_buffer_unless_copied():
+def test_a_payload_of_one_dtype_arrives_as_views_into_its_buffer_unless_copied():
     tensors = [torch.randn(3, 5), torch.randn(7), torch.tensor(1.5)]
-    _, _, (_, fused), meta, buffer = _framed_round_trip(tensors)
-    views, copies = unframe(buffer, meta), unframe(buffer, meta, copy=True)
+    _, _, _, meta, buffer = _packed_round_trip(tensors)
+    views, copies = unpack(buffer, meta), unpack(buffer, meta, copy=True)
     for a, c, b in zip(views, copies, tensors):
         assert torch.equal(a, b) and torch.equal(c, b)
         assert a.untyped_storage().data_ptr() == buffer.data_ptr() != c.untyped_storage().data_ptr()
         assert a.data_ptr() % 16 == 0  # 7 floats are padded to 32 bytes: the next tensor is aligned
 
 
-def test_a_framed_message_over_the_room_sends_the_frame_then_the_tensors():
+@pytest.mark.parametrize(
+    "x", [torch.randn(6, 5), torch.arange(12, dtype=torch.int64).reshape(3, 4)[1:], torch.randn(4, 3).t()]
+)
+def test_one_tensor_travels_as_it_is_without_a_copy_when_it_is_contiguous(x):
+    """The payload of a one-tensor message is that tensor's own memory (a stage's activation or
+    gradient is not copied to be sent); a non-contiguous one is made contiguous first."""
+    payload, overflow, total, meta, buffer = _packed_round_trip([x])
+    assert (
+        not overflow and payload.dtype == torch.uint8 and total == -(-x.numel() * x.element_size() // 16) * 16
+    )
+    if x.is_contiguous():
+        assert payload.data_ptr() == x.data_ptr() and payload.numel() == x.numel() * x.element_size()
+    (received,) = unpack(buffer, meta)
+    assert received.dtype == x.dtype and torch.equal(received, x)
+
+
+def test_a_payload_over_the_room_sends_a_placeholder_then_the_tensors():
     x, y = torch.randn(150, 128), torch.arange(5)
-    framed, total, (size, fused), meta, _ = _framed_round_trip([x, y], room=FIRST_ROOM)
-    assert fused == 0 and size == total > FIRST_ROOM and framed[0].numel() == FRAME_BYTES
-    assert framed[1] is not None and torch.equal(framed[1], x) and torch.equal(framed[2], y)
+    payload, overflow, total, meta, _ = _packed_round_trip([x, y], room=FIRST_ROOM)
+    assert total > FIRST_ROOM and payload.numel() == 16 and len(overflow) == 2
+    assert torch.equal(overflow[0], x) and torch.equal(overflow[1], y)
     assert [s for s, _, _ in meta.specs] == [(150, 128), (5,)]
-    again, total_again, (_, fused_again), _, _ = _framed_round_trip([x, y], room=total)  # the grown room
-    assert fused_again == 1 and total_again == total and len(again) == 1
+    again, overflow_again, total_again, _, _ = _packed_round_trip([x, y], room=total)  # the grown room
+    assert not overflow_again and total_again == total == again.numel()
+    (one,) = _packed_round_trip([x], room=FIRST_ROOM)[1]  # one tensor over the room: the same
+    assert one is not None and torch.equal(one, x)
 
 
-def test_a_framed_pytree_message_carries_its_structure():
+def test_a_message_of_empty_tensors_has_an_empty_payload_and_no_overflow():
+    tensors = [torch.randn(0, 4), torch.zeros(0, dtype=torch.int64)]
+    payload, overflow, total, meta, buffer = _packed_round_trip(tensors)
+    assert total == 0 and not overflow and payload.numel() == 16  # the placeholder takes the posted receive
+    assert [tuple(t.shape) for t in unpack(buffer, meta)] == [(0, 4), (0,)]
+
+
+def test_a_pytree_payload_carries_its_structure():
     value = {"h": torch.randn(2, 3), "mask": None, "n": 4}
     tensors, structure = flatten(value, "value")
-    _, _, (_, fused), meta, buffer = _framed_round_trip(tensors, structure)
-    meta, received = decode_message(meta, unframe(buffer, meta))
-    assert fused == 1
+    _, overflow, _, meta, buffer = _packed_round_trip(tensors, structure)
+    meta, received = decode_message(meta, unpack(buffer, meta))
+    assert not overflow
     out = unflatten(meta.structure, received)
     assert out["mask"] is None and out["n"] == 4 and torch.equal(out["h"], value["h"])
 
 
-def test_framed_tensors_of_one_message_are_not_views_each_has_its_own_version_counter():
+def test_tensors_of_one_payload_are_not_views_each_has_its_own_version_counter():
     h, mask = torch.randn(4, 3), torch.ones(4, 3)
-    _, _, (_, fused), meta, buffer = _framed_round_trip([h, mask])
-    rh, rmask = unframe(buffer, meta)
-    assert fused == 1 and rh._base is None and rmask._base is None
+    _, _, _, meta, buffer = _packed_round_trip([h, mask])
+    rh, rmask = unpack(buffer, meta)
+    assert rh._base is None and rmask._base is None
     assert rh.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # no copy
     w = torch.randn(3, 2, requires_grad=True)
     rh.requires_grad_(True)
@@ -183,8 +211,8 @@ def test_conjugate_and_negative_views_travel_as_their_values():
     z = torch.randn(3, dtype=torch.complex64)
     tensors = [z.conj(), torch.randn(3, dtype=torch.complex64).conj().imag]  # conj bit, neg bit
     expected = [t.resolve_conj().resolve_neg() for t in tensors]
-    _, _, _, meta, buffer = _framed_round_trip(tensors)
-    for a, b in zip(unframe(buffer, meta), expected):
+    _, _, _, meta, buffer = _packed_round_trip(tensors)
+    for a, b in zip(unpack(buffer, meta), expected):
         assert torch.equal(a, b)
 
 
@@ -214,6 +242,7 @@ def test_a_repeated_description_is_encoded_and_decoded_once_and_a_new_one_anew(m
                 structure.whole if structure is not None else (False,) * len(tensors)
             )
             assert meta.specs == tuple((tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
-    framed, _ = frame_message([first, x.detach()], FIRST_ROOM)
-    assert torch.equal(framed[0][:FRAME_BYTES].view(torch.int64)[2:], first)
-    assert decode_header(first).specs == (((4, 3), torch.float32, True),)  # framing left it as it was
+    kept = first.clone()
+    pack([x.detach()], FIRST_ROOM)
+    assert torch.equal(first, kept)  # packing left the shared header as it was
+    assert decode_header(first).specs == (((4, 3), torch.float32, True),)

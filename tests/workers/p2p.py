@@ -48,12 +48,12 @@ p2p = P2P(torch.device("cpu"))
 torch.manual_seed(0)
 messages = [
     [torch.randn(3, 4)],
-    [torch.randn(150, 128), torch.arange(5)],  # over the first room: the frame, then the tensors
+    [torch.randn(150, 128), torch.arange(5)],  # over the first room: a placeholder payload, then the tensors
     [torch.randn(150, 128), torch.arange(5)],  # over its room too: posted ahead of message 1
     [torch.randint(0, 9, (2, 3)), torch.rand(2) > 0.5],
     [torch.randn(8)],
     [torch.randn(2, 2).bfloat16()],
-    [torch.randn(150, 128)],  # in the grown room: one buffer
+    [torch.randn(150, 128)],  # in the grown room: one payload, the tensor as it is
     [torch.randn(6)],
 ]
 if mode == "order":
