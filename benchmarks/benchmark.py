@@ -72,6 +72,7 @@ from omegaconf import DictConfig, OmegaConf
 from benchmarks.launch import JobTimeout, job_env, run_job
 from benchmarks.memory import TensorMemoryMeter
 from benchmarks.workloads import build_model, loss_fn, make_batches
+from lightning_gpipe import comm
 from lightning_gpipe.balance import balance_by_parameters, balance_by_time, profile_layers
 from lightning_gpipe.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.partition import check_balance, stage_bounds, uniform_balance
@@ -198,15 +199,16 @@ def _profile(
     model: torch.nn.Sequential, balance: list[int], sample: torch.Tensor, threads: int
 ) -> dict[str, list[float]]:
     """Per part (``len(balance)``: one per stage, or ``K·v`` with virtual stages): forward and
-    backward seconds of one micro-batch ``sample``, bytes per sample saved for backward
-    (``activation``) and of the part's input (``input``), and bytes its backward needs beyond what
-    its forward kept (``workspace``, :func:`_backward_workspace`); ``output``: bytes per sample of
-    the model's output (the loss's input)."""
+    backward seconds of one micro-batch ``sample``, bytes per sample the part holds from its
+    forward to its backward (``activation``: what its forward leaves alive, :func:`_part_memory`,
+    and, on a part after the first, its input, a message the stage received) and of the part's
+    input (``input``), and bytes its backward needs beyond that (``workspace``); ``output``:
+    bytes per sample of the model's output (the loss's input)."""
     torch.set_num_threads(threads)
     layers = profile_layers(model, sample, timeout=1.5, warmup=2)
     per_sample = 1.0 / sample.shape[0]
     input_bytes, x = [], sample
-    out: dict[str, list[float]] = {"forward": [], "backward": [], "activation": [], "input": []}
+    out: dict[str, list[float]] = {"forward": [], "backward": []}
     with torch.no_grad():
         for a, b in stage_bounds(balance):
             input_bytes.append(x.numel() * x.element_size() * per_sample)
@@ -214,33 +216,40 @@ def _profile(
                 x = layer(x)
             out["forward"].append(sum(p.forward_time for p in layers[a:b]))
             out["backward"].append(sum(p.backward_time for p in layers[a:b]))
-            out["activation"].append(sum(p.activation_bytes for p in layers[a:b]) * per_sample)
     out["input"] = input_bytes
     out["boundary_bytes_per_sample"] = input_bytes[1:]
     out["output"] = [x.numel() * x.element_size() * per_sample]
-    out["workspace"] = _backward_workspace(model, balance, sample)
+    kept, out["workspace"] = _part_memory(model, balance, sample)
+    out["activation"] = [k * per_sample + (input_bytes[c] if c > 0 else 0.0) for c, k in enumerate(kept)]
     return out
 
 
-def _backward_workspace(model: torch.nn.Sequential, balance: list[int], sample: torch.Tensor) -> list[float]:
-    """Per part, bytes one micro-batch's backward needs at its peak beyond what its forward left
-    alive, under :class:`TensorMemoryMeter`: the gradient arriving from the next part, the
-    gradients passed between layers, and each weight's gradient before it is added into ``.grad``
-    (which exists, as in every step after the first)."""
-    workspace, x = [], sample
+def _part_memory(
+    model: torch.nn.Sequential, balance: list[int], sample: torch.Tensor
+) -> tuple[list[float], list[float]]:
+    """Per part, under :class:`TensorMemoryMeter` on one micro-batch ``sample``: the bytes its
+    forward leaves alive (the tensors saved for backward and its output, which the stage holds
+    for the backward; not its input), and the bytes its backward needs at its peak beyond them
+    (the workspace): the gradients passed between layers, each weight's gradient before it is
+    added into ``.grad`` (which exists, as in every step after the first) and, but on the last
+    part, the gradient received from the next part (the last part's comes from the loss, counted
+    with the loss's side: ``output_bytes``)."""
+    kept, workspace, x = [], [], sample
     for c, (a, b) in enumerate(stage_bounds(balance)):
         part = torch.nn.Sequential(*list(model)[a:b])
         x = x.detach().requires_grad_(c > 0)  # a received activation needs its gradient sent back
         part(x).sum().backward()  # create .grad
+        last = b == len(model)
+        dy = torch.ones_like(part(x)) if last else None
         with TensorMemoryMeter() as meter:
             y = part(x)
-            kept = meter.live
-            meter.peak = kept
-            y.backward(torch.ones_like(y))  # the gradient received from the next part
-        workspace.append(float(meter.peak - kept))
+            kept.append(float(meter.live))
+            meter.peak = meter.live
+            y.backward(dy if dy is not None else torch.ones_like(y))  # the gradient received
+        workspace.append(float(meter.peak - kept[-1]))
         x = y
     model.zero_grad(set_to_none=True)
-    return workspace
+    return kept, workspace
 
 
 def _median(values: list[float] | None) -> float | None:
@@ -557,6 +566,8 @@ def _rows(
                 input_bytes=profile["input"],
                 workspace_bytes=profile["workspace"],
                 output_bytes=profile["output"][0],
+                boundary_bytes=[b * micro for b in profile["boundary_bytes_per_sample"]],
+                posted_receives=comm.AHEAD + 1,  # the runs are on CPU: Gloo posts receives ahead
             )
             assert sim.peak_activation_bytes is not None
             row["predicted_bubble"] = sim.bubble

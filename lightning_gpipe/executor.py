@@ -32,7 +32,7 @@ from lightning_gpipe.effects import ForwardState
 from lightning_gpipe.failure import naming_errors
 from lightning_gpipe.layout import StageTopology
 from lightning_gpipe.microbatch import flatten, scatter, unflatten
-from lightning_gpipe.schedule import Action, Grid, Transfer
+from lightning_gpipe.schedule import Action, Grid, Transfer, announced_until
 from lightning_gpipe.skip import MicroBatchStore, use_store
 from lightning_gpipe.stage_rng import StageGenerator
 from lightning_gpipe.step_run import ColumnPlan, StepRun
@@ -176,15 +176,9 @@ class ColumnExecutor(nn.Module):
         A backward that receives nothing (the last part's: its gradient is the user's loss) does
         not end the stretch, so the last stage of 1F1B announces every micro-batch's input at the
         step's start and each is received while the stage computes the one before."""
-        plan, end, waits_for_loss = run.plan, run.pos, False
-        while end < len(plan.column):
-            a = plan.column[end]
-            waits_for_loss = a.kind == "B" and run.whole and not run.step_loss
-            if waits_for_loss or (
-                a.kind == "B" and (a.i, a.virtual_stage) not in run.forwarded and plan.receives[a]
-            ):
-                break
-            end += 1
+        plan, waits = run.plan, run.whole and not run.step_loss
+        end = announced_until(plan.column, run.pos, lambda a: bool(plan.receives[a]), lambda a: waits)
+        waits_for_loss = waits and end < len(plan.column)  # ended at a backward: the first
         stretch = plan.column[run.pos : end]
         messages = plan.messages(stretch, partial(_flows, run))
         if end == len(run.column) or waits_for_loss:

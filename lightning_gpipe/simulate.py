@@ -104,6 +104,8 @@ def peak_activation_memory(
     virtual_stages: int = 1,
     workspace_bytes: float | Sequence[float] = 0.0,
     output_bytes: float = 0.0,
+    message_bytes: float | Sequence[float] = 0.0,
+    posted_receives: int = 0,
 ) -> list[float]:
     """Peak bytes of activations each stage holds for backward during one step.
 
@@ -140,7 +142,15 @@ def peak_activation_memory(
       ``training_step`` sees the joined output of all micro-batches.
 
     So 1F1B's ``"never"`` peak on the last stage is ``(N/M)·a + w + 2·o·N/M``, and GPipe's
-    ``N·a + w + 2·o·N``.
+    ``N·a + w + 2·o·N``. Under the schedules that run the loss per micro-batch, the last call's
+    loss side stays alive (Lightning holds the loss, whose graph holds the output's gradient)
+    until the next call: a backward of another part of the last stage (interleaved) counts it.
+
+    A transport that posts receives ahead (on Gloo, :meth:`lightning_gpipe.comm.P2P.expect`)
+    holds, per source stage, the buffers of up to ``posted_receives`` messages announced and not
+    yet taken, each as large as the largest message from that source (``message_bytes`` per
+    sample, of the largest micro-batch). The stage announces its receives stretch by stretch
+    (:func:`lightning_gpipe.schedule.announced_until`); the model plays the same stretches.
 
     Args:
         stages (int): number of stages ``K``.
@@ -161,6 +171,11 @@ def peak_activation_memory(
             (default: 0).
         output_bytes (float): ``o``, bytes per sample of the last part's output, the loss's
             input (default: 0).
+        message_bytes: bytes per sample of a message across each boundary between two parts
+            (an activation forward, its gradient backward); a scalar or ``K·v-1`` values
+            (default: 0).
+        posted_receives (int): receives the transport keeps posted per source stage ahead of
+            the one taken: ``comm.AHEAD + 1`` on Gloo (CPU), 0 on NCCL (default: 0).
 
     Returns:
         list[float]: peak bytes per stage, shape ``(K,)``.
@@ -168,8 +183,8 @@ def peak_activation_memory(
     Raises:
         TypeError: a count is not an ``int``.
         ValueError: a count below 1, a negative or non-finite size, a list of the wrong
-            length, an unknown ``checkpoint`` or ``schedule``, or a ``virtual_stages`` the
-            schedule cannot run.
+            length, an unknown ``checkpoint`` or ``schedule``, a ``virtual_stages`` the
+            schedule cannot run, or a ``posted_receives`` that is not an int of 0 or more.
     """
     _check_count("stages", stages)
     _check_count("virtual_stages", virtual_stages)
@@ -179,26 +194,87 @@ def peak_activation_memory(
     b = _per_part("input_bytes", input_bytes, stages, v, split=False)
     w = _per_part("workspace_bytes", workspace_bytes, stages, v, split=False)
     _check_value("output_bytes", output_bytes)
+    if isinstance(posted_receives, bool) or not isinstance(posted_receives, int) or posted_receives < 0:
+        raise ValueError(f"posted_receives must be an int, 0 or more (got {posted_receives!r})")
+    message = _per_stage("message_bytes", message_bytes, stages * v - 1)
     recompute = recomputed(checkpoint, len(sizes))
     grid = _grid(schedule, stages, len(sizes), v)
     whole_batch = schedule in ("gpipe", schedule_module.fill_drain)  # one training_step per mini-batch
     last = stages * v - 1
     peaks = []
     for k in range(stages):
-        held = peak = 0.0
-        for action in schedule_module.stage_actions(grid, k):
+        column = schedule_module.stage_actions(grid, k)
+        posted = _PostedReceives(column, k, stages, v, message, max(sizes), posted_receives, whole_batch)
+        held = peak = loss_alive = 0.0
+        for p, action in enumerate(column):
             c, i = schedule_module.part(k, action.virtual_stage, stages), action.i
             kept = (b[c] if recompute[i] else a[c]) * sizes[i]
+            waiting = posted.take(p)  # bytes of the receives posted once action's are taken
             if action.kind == "F":
                 held += kept
+                if c == last and not whole_batch:
+                    loss_alive = 0.0  # a new call: the last one's loss is let go
             else:
                 loss_side = 2 * output_bytes * (sum(sizes) if whole_batch else sizes[i]) if c == last else 0.0
                 rematerialized = a[c] * sizes[i] if recompute[i] else 0.0
-                peak = max(peak, held + rematerialized + w[c] + loss_side)
+                others = loss_side if c == last else loss_alive
+                peak = max(peak, held + rematerialized + w[c] + others + waiting)
                 held -= kept
-            peak = max(peak, held)
+                loss_alive = loss_side if c == last else loss_alive
+            peak = max(peak, held + waiting + loss_alive)
         peaks.append(peak)
     return peaks
+
+
+class _PostedReceives:
+    """Bytes of the receives a stage's transport holds posted, not yet taken, as its column runs
+    (:func:`peak_activation_memory`): per source stage, ``min(ahead, announced and not taken)``
+    buffers of the largest message from that source."""
+
+    def __init__(
+        self,
+        column: list[Action],
+        stage: int,
+        stages: int,
+        virtual_stages: int,
+        message: list[float],
+        largest: int,
+        ahead: int,
+        whole_batch: bool,
+    ) -> None:
+        self.column, self.ahead, self.whole_batch = column, ahead, whole_batch
+        self.receives = {
+            a: [t.peer for t in schedule_module.receives(a, stage, stages, (), virtual_stages)]
+            for a in column
+        }
+        self.room: dict[int, float] = {}
+        for a in column:
+            c = schedule_module.part(stage, a.virtual_stage, stages)
+            boundary = c - 1 if a.kind == "F" else c  # the input's, or the output's gradient's
+            for peer in self.receives[a]:
+                self.room[peer] = max(self.room.get(peer, 0.0), message[boundary] * largest)
+        self.first_backward = next((p for p, a in enumerate(column) if a.kind == "B"), len(column))
+        self.left: dict[int, int] = {}
+        self.announced = 0
+
+    def take(self, p: int) -> float:
+        """Action ``p`` takes its messages (announcing the stretch it starts); the bytes still posted."""
+        if not self.ahead:
+            return 0.0
+        if p >= self.announced:
+            start = p
+            self.announced = schedule_module.announced_until(
+                self.column,
+                start,
+                lambda a: bool(self.receives[a]),
+                lambda a: self.whole_batch and start < self.first_backward,  # the loss is still to come
+            )
+            for a in self.column[start : self.announced]:
+                for peer in self.receives[a]:
+                    self.left[peer] = self.left.get(peer, 0) + 1
+        for peer in self.receives[self.column[p]]:
+            self.left[peer] -= 1
+        return sum(min(self.ahead, n) * self.room[peer] for peer, n in self.left.items())
 
 
 def simulate(
@@ -218,6 +294,7 @@ def simulate(
     input_bytes: float | Sequence[float] = 0.0,
     workspace_bytes: float | Sequence[float] = 0.0,
     output_bytes: float = 0.0,
+    posted_receives: int = 0,
     timeline: bool = False,
 ) -> Simulation:
     """Plays one training step of a schedule through the cost model of the module docstring.
@@ -253,6 +330,9 @@ def simulate(
             default: 0).
         output_bytes (float): per sample, bytes of the last part's output, the loss's input
             (default: 0).
+        posted_receives (int): receives the transport keeps posted per source stage, each the
+            size of that source's largest message, ``boundary_bytes`` (see
+            :func:`peak_activation_memory`; default: 0).
         timeline (bool): also return every stage's events (default: False).
 
     Returns:
@@ -350,6 +430,8 @@ def simulate(
             virtual_stages=v,
             workspace_bytes=workspace_bytes,
             output_bytes=output_bytes,
+            message_bytes=[x / max(microbatch_sizes(batch_size, chunks)) for x in size],
+            posted_receives=posted_receives,
         )
     return Simulation(
         step_time=step_time,

@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from benchmarks import worker
 from benchmarks.benchmark import (
     COLUMNS,
-    _backward_workspace,
+    _part_memory,
     add_ratios,
     benchmark,
     capacity,
@@ -322,13 +322,15 @@ def test_schedules_run_ours_against_the_peers_same_schedule(tmp_path, schedule, 
     assert len(stages) == 2 and all(0.0 <= b < 1.0 for b in stages)
 
 
-def test_backward_workspace_is_the_backward_peak_above_what_the_forward_kept():
-    """Two Linear(8, 8) parts, 2 samples (float32), .grad existing: the backward of part 0 needs the
-    received gradient (2·8·4 = 64 bytes), the weight's gradient before it is added into .grad
-    (8·8·4 = 256) and the bias's (32): 352; part 1 also the gradient of its input, sent back (64): 416."""
+def test_part_memory_is_what_the_forward_leaves_alive_and_the_backward_peak_above_it():
+    """Two Linear(8, 8) parts, 2 samples (float32), .grad existing. Each forward leaves its output
+    alive (2·8·4 = 64 bytes; its input was allocated before). The backward of part 0 needs the
+    received gradient (64), the weight's gradient before it is added into .grad (8·8·4 = 256)
+    and the bias's (32): 352; part 1, the last, gets its gradient from the loss (not counted
+    here: the loss's side) and sends its input's back (64): 352."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
-    assert _backward_workspace(model, [1, 1], torch.randn(2, 8)) == [352.0, 416.0]
+    assert _part_memory(model, [1, 1], torch.randn(2, 8)) == ([64.0, 64.0], [352.0, 352.0])
     assert all(p.grad is None for p in model.parameters())
 
 

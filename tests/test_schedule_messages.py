@@ -7,11 +7,13 @@ from lightning_gpipe.schedule import (
     SCHEDULES,
     Action,
     Transfer,
+    announced_until,
     fill_drain,
     in_send_order,
     interleaved_1f1b,
     messages,
     needs_loss,
+    one_f_one_b,
     receives,
     send_order,
     sends,
@@ -141,3 +143,22 @@ def test_messages_are_counted_per_peer_stage_across_virtual_stages():
     grid = interleaved_1f1b(2, 4, 2)
     assert messages(stage_actions(grid, 1), 1, 2, virtual_stages=2) == Counter({0: 4 + 4 + 4})
     assert messages(stage_actions(grid, 0), 0, 2, virtual_stages=2) == Counter({1: 4 + 4 + 4})
+
+
+def test_announcements_end_at_a_receiving_backward_whose_forward_comes_after_the_start():
+    """1F1B, K = 2, M = 4. Stage 0's column F0 F1 B0 F2 B1 F3 B2 B3: from 0 the stretch ends at B0
+    (it receives, F0 has not run), from 2 at B2 (F2 runs after 2), from 6 at the end. Stage 1's
+    backwards receive nothing (the loss gives their gradients): one stretch. Under "gpipe", the
+    first backward waits for the loss."""
+    grid = one_f_one_b(2, 4)
+    col0, col1 = stage_actions(grid, 0), stage_actions(grid, 1)
+    assert [str(a) for a in col0] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
+
+    def receiving(stage):
+        return lambda a: bool(receives(a, stage, 2))
+
+    assert [announced_until(col0, p, receiving(0)) for p in (0, 2, 6)] == [2, 6, 8]
+    assert announced_until(col1, 0, receiving(1)) == 8
+    gpipe = stage_actions(fill_drain(2, 4), 1)
+    assert announced_until(gpipe, 0, receiving(1), lambda a: True) == 4
+    assert announced_until(gpipe, 4, receiving(1)) == 8

@@ -204,3 +204,39 @@ def test_backward_workspace_per_part_under_interleaving_by_hand():
 def test_backward_terms_are_checked(extra):
     with pytest.raises(ValueError, match="workspace_bytes|output_bytes"):
         peak_activation_memory(2, 2, 4, 1.0, schedule="1f1b", **extra)
+
+
+def test_receives_posted_ahead_follow_the_announced_stretches():
+    """K = 2, M = 8, one sample each, 1 byte per message, nothing else held; up to 3 receives posted.
+
+    1F1B: stage 1 announces its 8 inputs at once; once it has taken F0's, 3 of the 7 left are
+    posted: 3. Stage 0 announces its gradients two at a time (a stretch ends at the next backward
+    whose forward has not run): once B0 has taken its own, 1 is left posted: 1. Fill-drain: stage 0
+    announces its 8 gradients once the loss exists, stage 1 its 8 inputs: 3 each. Posting none
+    (NCCL) holds nothing."""
+    args = (2, 8, 8, 0.0)
+    posted = {"message_bytes": 1.0, "posted_receives": 3}
+    assert peak_activation_memory(*args, checkpoint="never", schedule="1f1b", **posted) == [1.0, 3.0]
+    assert peak_activation_memory(*args, checkpoint="never", **posted) == [3.0, 3.0]
+    assert peak_activation_memory(*args, checkpoint="never", message_bytes=1.0) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="posted_receives"):
+        peak_activation_memory(*args, posted_receives=-1)
+
+
+def test_the_last_calls_loss_side_stays_alive_until_the_next_call():
+    """Interleaved, K = 2, v = 2, M = 4, one sample each, nothing held but a workspace of 10 bytes
+    on part 1 (stage 1's first virtual stage) and an output of 1 byte per sample. Stage 1 runs
+    … F1v1 B1v1 F2v0 B0v0 …: while B0v0 runs, the loss side of micro-batch 1's call (its output
+    and gradient, 2 bytes) is still alive: 10 + 2."""
+    peaks = peak_activation_memory(
+        2,
+        4,
+        4,
+        0.0,
+        checkpoint="never",
+        schedule="interleaved_1f1b",
+        virtual_stages=2,
+        workspace_bytes=[0.0, 10.0, 0.0, 0.0],
+        output_bytes=1.0,
+    )
+    assert peaks[1] == 12.0

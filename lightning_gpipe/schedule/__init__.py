@@ -77,6 +77,7 @@ from lightning_gpipe.schedule.grid import (
 from lightning_gpipe.schedule.messages import (
     SkipRoute,
     Transfer,
+    announced_until,
     in_send_order,
     messages,
     receives,
@@ -92,6 +93,7 @@ __all__ = [
     "Schedule",
     "SkipRoute",
     "Transfer",
+    "announced_until",
     "bubble_share",
     "check_schedule",
     "check_virtual_stages",

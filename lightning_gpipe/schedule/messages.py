@@ -10,13 +10,22 @@ the messages :func:`receives` and :func:`sends` name and announces their count
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from lightning_gpipe.schedule.grid import Action, Grid, holder, part, stage_actions, virtual_stages_of
 
-__all__ = ["SkipRoute", "Transfer", "in_send_order", "messages", "receives", "send_order", "sends"]
+__all__ = [
+    "SkipRoute",
+    "Transfer",
+    "announced_until",
+    "in_send_order",
+    "messages",
+    "receives",
+    "send_order",
+    "sends",
+]
 
 
 class SkipRoute(Protocol):
@@ -115,6 +124,34 @@ def messages(
     return Counter(
         t.peer for a in actions for t in receives(a, stage, stages, skips, virtual_stages) if flows(a, t)
     )
+
+
+def announced_until(
+    column: Sequence[Action],
+    start: int,
+    receives: Callable[[Action], bool],
+    waits_for_loss: Callable[[Action], bool] = lambda action: False,
+) -> int:
+    """Where the stretch of ``column`` whose receives a stage announces at once, from ``start``, ends.
+
+    A stage announces its receives to the transport (:meth:`lightning_gpipe.comm.P2P.expect`)
+    stretch by stretch: up to the first backward that ``receives`` a message and whose forward is
+    not in ``column[:start]`` (whether its gradient flows depends on that forward's outputs), or
+    that ``waits_for_loss`` (under ``"gpipe"``, every backward until the step's loss exists). The
+    stage's executor and the cost model's memory (:func:`lightning_gpipe.simulate.
+    peak_activation_memory`: the receives posted ahead) both cut the column here.
+
+    Returns:
+        the index after the stretch's last action (``len(column)`` when it runs to the end).
+    """
+    forwarded = {(a.i, a.virtual_stage) for a in column[:start] if a.kind == "F"}
+    end = start
+    while end < len(column):
+        a = column[end]
+        if a.kind == "B" and (waits_for_loss(a) or (receives(a) and (a.i, a.virtual_stage) not in forwarded)):
+            break
+        end += 1
+    return end
 
 
 def send_order(
