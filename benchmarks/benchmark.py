@@ -202,8 +202,9 @@ def _profile(
     backward seconds of one micro-batch ``sample``, bytes per sample the part holds from its
     forward to its backward (``activation``: what its forward leaves alive, :func:`_part_memory`,
     and, on a part after the first, its input, a message the stage received) and of the part's
-    input (``input``), and bytes its backward needs beyond that (``workspace``); ``output``:
-    bytes per sample of the model's output (the loss's input)."""
+    input (``input``), and bytes its backward needs beyond that (``workspace``); ``recomputed``:
+    bytes per sample a re-materialized part holds (its output and, after the first part, its
+    received input); ``output``: bytes per sample of the model's output (the loss's input)."""
     torch.set_num_threads(threads)
     layers = profile_layers(model, sample, timeout=1.5, warmup=2)
     per_sample = 1.0 / sample.shape[0]
@@ -221,6 +222,9 @@ def _profile(
     out["output"] = [x.numel() * x.element_size() * per_sample]
     kept, out["workspace"] = _part_memory(model, balance, sample)
     out["activation"] = [k * per_sample + (input_bytes[c] if c > 0 else 0.0) for c, k in enumerate(kept)]
+    # a re-materialized part holds its output and, after the first part, its received input
+    outputs = [*input_bytes[1:], out["output"][0]]
+    out["recomputed"] = [(input_bytes[c] if c > 0 else 0.0) + outputs[c] for c in range(len(kept))]
     return out
 
 
@@ -238,9 +242,9 @@ def _part_memory(
     for c, (a, b) in enumerate(stage_bounds(balance)):
         part = torch.nn.Sequential(*list(model)[a:b])
         x = x.detach().requires_grad_(c > 0)  # a received activation needs its gradient sent back
-        part(x).sum().backward()  # create .grad
-        last = b == len(model)
-        dy = torch.ones_like(part(x)) if last else None
+        out = part(x)
+        out.sum().backward()  # create .grad
+        dy = torch.ones_like(out) if b == len(model) else None  # the last part's: the loss's
         with TensorMemoryMeter() as meter:
             y = part(x)
             kept.append(float(meter.live))
@@ -563,7 +567,7 @@ def _rows(
                 checkpoint=cfg.checkpoint,
                 batch_size=cfg.batch_size,
                 activation_bytes=profile["activation"],
-                input_bytes=profile["input"],
+                input_bytes=profile["recomputed"],
                 workspace_bytes=profile["workspace"],
                 output_bytes=profile["output"][0],
                 boundary_bytes=[b * micro for b in profile["boundary_bytes_per_sample"]],

@@ -178,7 +178,9 @@ class ColumnExecutor(nn.Module):
         step's start and each is received while the stage computes the one before."""
         plan, waits = run.plan, run.whole and not run.step_loss
         end = announced_until(plan.column, run.pos, lambda a: bool(plan.receives[a]), lambda a: waits)
-        waits_for_loss = waits and end < len(plan.column)  # ended at a backward: the first
+        waits_for_loss = waits and end < len(
+            plan.column
+        )  # it ended at the first backward, which waits for the loss
         stretch = plan.column[run.pos : end]
         messages = plan.messages(stretch, partial(_flows, run))
         if end == len(run.column) or waits_for_loss:

@@ -52,6 +52,7 @@ from lightning_gpipe import schedule as schedule_module
 from lightning_gpipe.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.recompute import recomputed
 from lightning_gpipe.schedule import SCHEDULES, Action, Grid, Schedule
+from lightning_gpipe.wire import FIRST_ROOM
 
 __all__ = ["Event", "Simulation", "peak_activation_memory", "simulate"]
 
@@ -124,8 +125,9 @@ def peak_activation_memory(
     Under 1F1B stage ``k`` holds at most ``K-k`` micro-batches, whatever M: ``"never"`` gives
     ``min(K-k, M)·(N/M)·a_k``.
 
-    ``a`` is treated as the part's inner activations; if it also counts the boundary input,
-    the estimate with re-materialization is high by one micro-batch's input.
+    ``a`` is treated as the part's inner activations; if it also counts the boundary input
+    (and output), as the benchmark's profile does, the estimate with re-materialization is high
+    by one micro-batch's ``b`` while the recompute's backward runs.
 
     Two terms count what a backward needs beyond what was kept, so that the estimate is the peak
     a memory meter sees during the step (both 0 by default: the kept bytes alone):
@@ -136,8 +138,9 @@ def peak_activation_memory(
       it is added into ``.grad`` (a Linear(1024, 1024)'s is 4 MiB, whatever the micro-batch).
       Measured on a micro-batch of the run's size (it depends on it);
     - ``output_bytes`` (``o``, bytes per sample): the last part's output, which the loss
-      receives; while the last part's backwards run, the output and its gradient are alive,
-      ``2·o`` per sample: one micro-batch's (``2·o·N/M``) under schedules that run the loss
+      receives; while the last part's backwards run, the loss's side is alive, ``2·o`` per
+      sample (the output's gradient and a loss buffer as large as the output, e.g.
+      ``F.mse_loss``'s element-wise one; the output itself is the part's, in ``a``): one micro-batch's (``2·o·N/M``) under schedules that run the loss
       per micro-batch, the whole mini-batch's (``2·o·N``) under ``"gpipe"``, whose
       ``training_step`` sees the joined output of all micro-batches.
 
@@ -149,8 +152,12 @@ def peak_activation_memory(
     A transport that posts receives ahead (on Gloo, :meth:`lightning_gpipe.comm.P2P.expect`)
     holds, per source stage, the buffers of up to ``posted_receives`` messages announced and not
     yet taken, each as large as the largest message from that source (``message_bytes`` per
-    sample, of the largest micro-batch). The stage announces its receives stretch by stretch
-    (:func:`lightning_gpipe.schedule.announced_until`); the model plays the same stretches.
+    sample, of the largest micro-batch, and at least the transport's first room,
+    :data:`lightning_gpipe.wire.FIRST_ROOM`). The stage announces its receives stretch by stretch
+    (:func:`lightning_gpipe.schedule.announced_until`); the model plays the same stretches, with
+    the last stage's step outcome (:mod:`lightning_gpipe.outcome`, one message per training
+    step) in the stretch that ends the column or, under ``"gpipe"``, the forwards'. Skip
+    connections' messages are not counted.
 
     Args:
         stages (int): number of stages ``K``.
@@ -181,10 +188,10 @@ def peak_activation_memory(
         list[float]: peak bytes per stage, shape ``(K,)``.
 
     Raises:
-        TypeError: a count is not an ``int``.
+        TypeError: a count or ``posted_receives`` is not an ``int``.
         ValueError: a count below 1, a negative or non-finite size, a list of the wrong
             length, an unknown ``checkpoint`` or ``schedule``, a ``virtual_stages`` the
-            schedule cannot run, or a ``posted_receives`` that is not an int of 0 or more.
+            schedule cannot run, or a negative ``posted_receives``.
     """
     _check_count("stages", stages)
     _check_count("virtual_stages", virtual_stages)
@@ -194,8 +201,7 @@ def peak_activation_memory(
     b = _per_part("input_bytes", input_bytes, stages, v, split=False)
     w = _per_part("workspace_bytes", workspace_bytes, stages, v, split=False)
     _check_value("output_bytes", output_bytes)
-    if isinstance(posted_receives, bool) or not isinstance(posted_receives, int) or posted_receives < 0:
-        raise ValueError(f"posted_receives must be an int, 0 or more (got {posted_receives!r})")
+    _check_posted(posted_receives)
     message = _per_stage("message_bytes", message_bytes, stages * v - 1)
     recompute = recomputed(checkpoint, len(sizes))
     grid = _grid(schedule, stages, len(sizes), v)
@@ -226,10 +232,21 @@ def peak_activation_memory(
     return peaks
 
 
+def _check_posted(posted_receives: int) -> None:
+    if isinstance(posted_receives, bool) or not isinstance(posted_receives, int):
+        raise TypeError(
+            f"posted_receives must be an int (got {type(posted_receives).__name__}: {posted_receives!r})"
+        )
+    if posted_receives < 0:
+        raise ValueError(f"posted_receives must be 0 or more (got {posted_receives})")
+
+
 class _PostedReceives:
     """Bytes of the receives a stage's transport holds posted, not yet taken, as its column runs
     (:func:`peak_activation_memory`): per source stage, ``min(ahead, announced and not taken)``
-    buffers of the largest message from that source."""
+    buffers of the largest message from that source (at least :data:`~lightning_gpipe.wire.FIRST_ROOM`);
+    on a stage before the last, the last stage's step outcome is announced with the stretch that
+    ends the column (under ``"gpipe"``: the forwards')."""
 
     def __init__(
         self,
@@ -243,16 +260,17 @@ class _PostedReceives:
         whole_batch: bool,
     ) -> None:
         self.column, self.ahead, self.whole_batch = column, ahead, whole_batch
+        self.outcome_from = stages - 1 if stage < stages - 1 else None  # lightning_gpipe.outcome
         self.receives = {
             a: [t.peer for t in schedule_module.receives(a, stage, stages, (), virtual_stages)]
             for a in column
         }
-        self.room: dict[int, float] = {}
+        self.room: dict[int, float] = {} if self.outcome_from is None else {self.outcome_from: FIRST_ROOM}
         for a in column:
             c = schedule_module.part(stage, a.virtual_stage, stages)
             boundary = c - 1 if a.kind == "F" else c  # the input's, or the output's gradient's
             for peer in self.receives[a]:
-                self.room[peer] = max(self.room.get(peer, 0.0), message[boundary] * largest)
+                self.room[peer] = max(self.room.get(peer, FIRST_ROOM), message[boundary] * largest)
         self.first_backward = next((p for p, a in enumerate(column) if a.kind == "B"), len(column))
         self.left: dict[int, int] = {}
         self.announced = 0
@@ -272,6 +290,11 @@ class _PostedReceives:
             for a in self.column[start : self.announced]:
                 for peer in self.receives[a]:
                     self.left[peer] = self.left.get(peer, 0) + 1
+            ends_calls = (
+                self.announced == len(self.column) or self.whole_batch and start < self.first_backward
+            )
+            if self.outcome_from is not None and ends_calls:
+                self.left[self.outcome_from] = self.left.get(self.outcome_from, 0) + 1
         for peer in self.receives[self.column[p]]:
             self.left[peer] -= 1
         return sum(min(self.ahead, n) * self.room[peer] for peer, n in self.left.items())
@@ -332,18 +355,18 @@ def simulate(
             (default: 0).
         posted_receives (int): receives the transport keeps posted per source stage, each the
             size of that source's largest message, ``boundary_bytes`` (see
-            :func:`peak_activation_memory`; default: 0).
+            :func:`peak_activation_memory`; used for the memory estimate; default: 0).
         timeline (bool): also return every stage's events (default: False).
 
     Returns:
         Simulation: step time, bubble share, busy time, peak activation bytes, timeline.
 
     Raises:
-        TypeError: ``stages``, ``chunks``, ``virtual_stages`` or ``batch_size`` is not an
-            ``int``.
+        TypeError: ``stages``, ``chunks``, ``virtual_stages``, ``batch_size`` or
+            ``posted_receives`` is not an ``int``.
         ValueError: a count below 1, a negative or non-finite time or size, a list of the
-            wrong length, ``bandwidth <= 0``, an unknown ``checkpoint`` or ``schedule``, or a
-            ``virtual_stages`` the schedule cannot run.
+            wrong length, ``bandwidth <= 0``, an unknown ``checkpoint`` or ``schedule``, a
+            ``virtual_stages`` the schedule cannot run, or a negative ``posted_receives``.
 
     Example:
         >>> sim = simulate(4, 8, forward=1.0, backward=2.0, checkpoint="never")
@@ -356,6 +379,7 @@ def simulate(
     _check_count("stages", stages)
     _check_count("chunks", chunks)
     _check_count("virtual_stages", virtual_stages)
+    _check_posted(posted_receives)
     m = chunks if batch_size is None else len(microbatch_sizes(batch_size, chunks))
     v, parts = virtual_stages, stages * virtual_stages
     f = _per_part("forward", forward, stages, v, split=True)
