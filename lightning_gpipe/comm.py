@@ -1,7 +1,8 @@
 """Point-to-point transport between stages: :class:`P2P`, its receives posted ahead and its send waiter.
 
 A message is what :mod:`lightning_gpipe.wire` encodes: a header, then the tensors it describes
-(on CPU their bytes in one payload). Sends are posted by the stage's thread and asynchronous (``isend``);
+(on CPU their bytes in one payload; a small payload travels in one frame with its header, a large
+one after it, :data:`FRAMED_ROOM`). Sends are posted by the stage's thread and asynchronous (``isend``);
 their waits are deferred to :meth:`P2P.flush` (on CPU a thread waits for the sends as they
 complete and frees their buffers), so a stage computes micro-batch ``i+1`` while micro-batch ``i``
 travels. Receives the stage knows are coming (:meth:`P2P.expect`: the rest of a phase's
@@ -44,6 +45,10 @@ __all__ = ["LINGER_S", "Lanes", "P2P", "close_lanes", "join_sends"]
 
 AHEAD = 2
 """Receives of announced messages posted beyond the one the stage takes next (:meth:`P2P.recv`)."""
+FRAMED_ROOM = FIRST_ROOM
+"""On CPU a message whose room is at most this many bytes travels as one frame (its header, then its
+payload, copied into one buffer); a larger room, as its header and then its payload (BENCHMARKS.md section 21)."""
+HEADER_BYTES = HEADER_SLOTS * 8
 HEADER_TAG, PAYLOAD_TAG, OVERFLOW_TAG = 0, 1, 2
 """Tags of a message's header, of its payload (on CPU) and of the tensors of a payload larger than its room."""
 
@@ -111,7 +116,7 @@ class P2P:
     """Send and receive tuples of tensors between global ranks, with deferred send waits.
 
     Receives are posted when :meth:`recv` asks, unless :meth:`expect` announced them: on CPU the
-    first :data:`AHEAD` + 1 announced messages' receives (header and payload) are then posted at
+    first :data:`AHEAD` + 1 announced messages' receives (a frame, or header and payload) are then posted at
     once, and each message taken posts the next one's, its payload into a buffer of the room both
     sides derive (:class:`_Rooms`), so the transport's thread fills them while the stage computes. (A thread of ours taking them instead
     cost each message a second wake-up and its Python work, on the cores the layers need:
@@ -185,15 +190,23 @@ class P2P:
 
     def parts(self, message: list[Tensor], dst: int) -> list[tuple[Tensor, int]]:
         """What travels to ``dst`` for an encoded ``message``, each with its tag: on CPU (called in
-        send order) the header, then the payload (:func:`~lightning_gpipe.wire.pack`), then the
-        tensors of a payload larger than its room on :data:`OVERFLOW_TAG`."""
+        send order) the header and the payload (:func:`~lightning_gpipe.wire.pack`), in one frame
+        where the message's room is at most :data:`FRAMED_ROOM` bytes, else one after the other;
+        then the tensors of a payload larger than its room on :data:`OVERFLOW_TAG`."""
         if not self.packed:
             return [(t, HEADER_TAG) for t in message]
         header, *tensors = message
         rooms = self._rooms_to[dst]
-        payload, overflow, total = pack(tensors, rooms.room(rooms.count))
+        room = rooms.room(rooms.count)
+        payload, overflow, total = pack(tensors, room)
         rooms.record(total)
-        return [(header, HEADER_TAG), (payload, PAYLOAD_TAG), *((t, OVERFLOW_TAG) for t in overflow)]
+        rest = [(t, OVERFLOW_TAG) for t in overflow]
+        if room <= FRAMED_ROOM:  # one frame: copying a small payload costs less than a second message
+            frame = torch.empty(HEADER_BYTES + payload.numel(), dtype=torch.uint8, device=header.device)
+            frame[:HEADER_BYTES] = header.view(torch.uint8)
+            frame[HEADER_BYTES:] = payload
+            return [(frame, PAYLOAD_TAG), *rest]
+        return [(header, HEADER_TAG), (payload, PAYLOAD_TAG), *rest]
 
     def expect(self, src: int, messages: int) -> None:
         """Announce that the next ``messages`` receives from ``src`` follow in this phase; post the
@@ -245,11 +258,17 @@ class P2P:
         return self.lanes.group(src, self._me()) if self.lanes is not None else None
 
     def _post_message(self, src: int, later: int = 0) -> tuple[_Posted, _Posted]:
-        """Post the receives of the header and the payload of the message from ``src`` that follows
-        the next ``later`` ones, the payload's into a buffer of its room."""
+        """Post the receives of the message from ``src`` that follows the next ``later`` ones: in a
+        room of at most :data:`FRAMED_ROOM` bytes one receive, of its frame (``(None, header)`` then
+        the frame's payload); in a larger room the header's, then the payload's into a buffer of the room."""
         group, rooms = self._group_from(src), self._rooms_from[src]
+        room = rooms.room(rooms.count + later)
+        if room <= FRAMED_ROOM:
+            frame = torch.empty(HEADER_BYTES + room, dtype=torch.uint8, device=self.device)
+            work = _irecv(frame, src, group, PAYLOAD_TAG)
+            return (None, frame[:HEADER_BYTES].view(torch.int64)), (work, frame[HEADER_BYTES:])
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        payload = torch.empty(rooms.room(rooms.count + later), dtype=torch.uint8, device=self.device)
+        payload = torch.empty(room, dtype=torch.uint8, device=self.device)
         return (_irecv(header, src, group, HEADER_TAG), header), (
             _irecv(payload, src, group, PAYLOAD_TAG),
             payload,
@@ -267,8 +286,9 @@ class P2P:
     def _take(self, src: int, header: _Posted, payload: _Posted) -> tuple[Meta, list[Tensor]]:
         """The message from ``src`` whose header and payload receives were posted (its tensors
         received now where its payload was over its room: on :data:`OVERFLOW_TAG`)."""
-        _wait(payload[0])  # sent after the header, on the same connection: both have arrived
-        _wait(header[0])
+        _wait(payload[0])  # a frame, or sent after the header on the same connection: both have arrived
+        if header[0] is not None:
+            _wait(header[0])
         meta = decode_header(header[1])
         total, buffer = payload_bytes(meta), payload[1]
         self._rooms_from[src].record(total)
@@ -345,7 +365,7 @@ class _Rooms:
         self._rooms.append(max(self._rooms[-1], total))
 
 
-_Posted = tuple[dist.Work, Tensor]  # a receive posted and its buffer
+_Posted = tuple[dist.Work | None, Tensor]  # a receive posted and its buffer (None: received in its frame)
 
 
 class _Ahead:

@@ -6,11 +6,12 @@ first step). A value that is not a tensor or a tuple of tensors (a dict, nested 
 numbers, strings: :mod:`lightning_gpipe.microbatch`) sends its structure and non-tensor leaves as
 a last uint8 tensor of compact JSON (:func:`encode_structure`: a restricted codec, never pickle).
 
-On CPU (Gloo) a message travels as two: its header, then its *payload* (:func:`pack`): the
+On CPU (Gloo) a message travels as its header and its *payload* (:func:`pack`): the
 tensors' bytes, a single tensor as it is (no copy), several in one uint8 buffer. The receiver
 takes the payload into a buffer of the room it keeps for its source (:func:`unpack`), so it posts
-both receives before it knows the message (a message costs the transport two sends and two
-receives whatever its tensors). Gloo takes a send shorter than the receive's buffer; a payload
+its receives before it knows the message. In a room of at most 64 KiB the header and the payload
+travel copied into one frame (one send and one receive); in a larger room, one after the other
+(two of each, the payload not copied: :data:`lightning_gpipe.comm.FRAMED_ROOM`). Gloo takes a send shorter than the receive's buffer; a payload
 larger than the room travels as a 16-byte placeholder, its tensors after it, and grows the room on
 both sides alike (each side follows the same sequence of messages), so steady shapes travel in
 one payload from their second message on. NCCL receives need the exact size: on CUDA the header
@@ -260,6 +261,7 @@ def unpack(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
     copy = copy or len({dtype for _, dtype in specs}) > 1
     storage = buffer.untyped_storage()
     tensors, offset = [], 0
+    start = buffer.storage_offset() * buffer.element_size()  # a frame's payload follows its header
     for shape, dtype in specs:
         nbytes = math.prod(shape) * dtype.itemsize
         if copy:
@@ -267,7 +269,7 @@ def unpack(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
         else:  # offsets are multiples of 16 bytes: whole elements of every dtype
             strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]  # contiguous
             t = torch.empty(0, dtype=dtype, device=buffer.device)
-            t.set_(storage, offset // dtype.itemsize, shape, strides)
+            t.set_(storage, (start + offset) // dtype.itemsize, shape, strides)
         tensors.append(t)
         offset += _padded(nbytes)
     return tensors

@@ -54,11 +54,11 @@ def test_each_direction_of_a_pipeline_travels_on_its_own_lane_and_other_pairs_on
     used = [json.loads((tmp_path / f"lanes{r}.json").read_text()) for r in range(4)]
     assert all(u["equal"] for u in used)
     for lower, higher in ((0, 1), (2, 3)):  # each pipeline: up from its lower rank, down from its higher
-        # 3 messages each way, each its header and its payload
-        assert used[lower]["posts"][:6] == ["upward"] * 6 and used[lower]["receives"][:6] == ["downward"] * 6
-        assert used[higher]["posts"] == ["downward"] * 6 and used[higher]["receives"] == ["upward"] * 6
-    assert used[0]["posts"][6:] == ["default"] * 2  # rank 2 is in another pipeline
-    assert used[2]["receives"][6:] == ["default"] * 2
+        # 3 messages each way, each one frame (small: header and payload together)
+        assert used[lower]["posts"][:3] == ["upward"] * 3 and used[lower]["receives"][:3] == ["downward"] * 3
+        assert used[higher]["posts"] == ["downward"] * 3 and used[higher]["receives"] == ["upward"] * 3
+    assert used[0]["posts"][3:] == ["default"]  # rank 2 is in another pipeline
+    assert used[2]["receives"][3:] == ["default"]
 
 
 @pytest.mark.timeout(120)
@@ -128,9 +128,9 @@ def test_receives_posted_ahead_take_messages_whose_size_grows_and_shrinks(monkey
     for m in messages:
         sender.send(m, 1)
     receiver.expect(0, 6)
-    assert [tag for tag, _ in wire.posted] == [comm.HEADER_TAG, comm.PAYLOAD_TAG] * (
+    assert wire.posted == [(comm.PAYLOAD_TAG, comm.HEADER_BYTES + comm.FIRST_ROOM)] * (
         comm.AHEAD + 1
-    )  # at the announcement
+    )  # at the announcement: rooms of FIRST_ROOM, each message one frame
     got = [receiver.recv(0) for _ in range(6)]
     receiver.expect(0, 5)
     got += [receiver.recv(0) for _ in range(5)]
@@ -139,6 +139,28 @@ def test_receives_posted_ahead_take_messages_whose_size_grows_and_shrinks(monkey
     assert wire.taken() == {tag: len(sent) for tag, sent in wire.sent.items()}  # every message taken, once
     assert wire.taken()[comm.OVERFLOW_TAG] > 0  # some payloads were over their rooms
     assert max(n for tag, n in wire.posted if tag == comm.PAYLOAD_TAG) >= 800_000  # the grown room
+    assert wire.taken()[comm.HEADER_TAG] > 0  # rooms over FRAMED_ROOM: header and payload apart
+    assert len(wire.sent[comm.HEADER_TAG]) == sum(  # one header apart per message in a larger room
+        n > comm.HEADER_BYTES + comm.FRAMED_ROOM  # (a frame's receive is at most this long)
+        for tag, n in wire.posted
+        if tag == comm.PAYLOAD_TAG
+    )
+
+
+def test_a_frame_that_fills_its_room_is_taken_in_place_after_its_header(monkeypatch):
+    """A payload within an eighth of its room is not copied out of its frame: its tensors lie on
+    the frame's memory after the header, and read what was sent."""
+    wire = _Wire()
+    monkeypatch.setattr(comm, "_post", wire.post)
+    monkeypatch.setattr(comm.dist, "irecv", wire.irecv)
+    sender, receiver = P2P(torch.device("cpu")), P2P(torch.device("cpu"))
+    monkeypatch.setattr(receiver, "_me", lambda: 1)
+    x = torch.randn(comm.FRAMED_ROOM // 4)  # fills the first room
+    sender.send([x], 1)
+    receiver.expect(0, 1)
+    (got,) = receiver.recv(0)[1]
+    assert torch.equal(got, x) and got.storage_offset() * 4 == comm.HEADER_BYTES  # in place, after the header
+    assert wire.taken() == {comm.HEADER_TAG: 0, comm.PAYLOAD_TAG: 1, comm.OVERFLOW_TAG: 0}
 
 
 def test_announcing_twice_before_taking_everything_is_an_error(monkeypatch):
@@ -227,6 +249,7 @@ def test_a_failed_post_is_raised_by_the_send_and_flush_still_waits_for_the_earli
     """A post that fails is raised by the send; what was posted before it (the earlier messages, and
     the message's header where its payload's post failed) is still waited for by the flush."""
     p2p = P2P(torch.device("cpu"))
+    monkeypatch.setattr(comm, "FRAMED_ROOM", 0)  # header and payload apart
     earlier, header = _Send(), _Send()
     p2p._waiter.put([(earlier, torch.zeros(1))])
 
@@ -255,10 +278,29 @@ def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch)
         p2p.send([torch.zeros(2, dtype=torch.uint16)], 1)
     p2p.send([torch.ones(3)], 1)
     p2p.flush()
-    assert len(posted) == 2  # the good message still travels: its header, then its payload
-    meta = decode_header(posted[0])
-    meta, (received,) = decode_message(meta, unpack(posted[1], meta))
+    assert len(posted) == 1  # the good message still travels: one frame, its header then its payload
+    (frame,) = posted
+    assert frame.numel() == comm.HEADER_BYTES + 12  # one tensor's bytes, as they are
+    meta = decode_header(frame[: comm.HEADER_BYTES].view(torch.int64))
+    meta, (received,) = decode_message(meta, unpack(frame[comm.HEADER_BYTES :], meta))
     assert torch.equal(received, torch.ones(3)) and meta.chunks == 0
+
+
+def test_a_failed_frame_post_is_raised_by_the_send_and_leaves_only_the_earlier_sends_to_wait_for(monkeypatch):
+    p2p, earlier = P2P(torch.device("cpu")), _done()
+    p2p._waiter.put([(earlier, torch.zeros(1))])
+    tags = []
+
+    def post(t, dst, group, tag):
+        tags.append(tag)
+        raise RuntimeError("peer gone")
+
+    monkeypatch.setattr(comm, "_post", post)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        p2p.send([torch.randn(2, 2)], 1)
+    assert tags == [comm.PAYLOAD_TAG]  # one frame, no header apart
+    p2p.flush()
+    assert p2p.sends_in_flight() == 0
 
 
 def test_a_failed_background_send_is_raised_by_settle_before_the_flush():
