@@ -28,7 +28,9 @@ _OPERATIONS = {  # what the worker's Rank0Only callback calls -> the operation i
     ("launch", "call"),
     [
         ("lightning", "save"),
-        ("torchrun", "save"),
+        pytest.param(
+            "torchrun", "save", marks=pytest.mark.slow
+        ),  # save: the lightning case; torchrun: barrier
         ("torchrun", "barrier"),
         pytest.param("torchrun", "broadcast", marks=pytest.mark.slow),  # the suite's time: 12 s each
         pytest.param("torchrun", "agree", marks=pytest.mark.slow),
@@ -57,7 +59,10 @@ def test_collective_reached_only_on_global_zero_fails_fast_on_every_rank(tmp_pat
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("signal", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize(
+    "signal",
+    ["SIGTERM", pytest.param("SIGINT", marks=pytest.mark.slow)],  # the suite's time: 20 s each
+)
 def test_signal_ends_every_rank_while_one_is_blocked_in_a_collective(tmp_path, signal):
     """Rank 0 alone enters a barrier (collective_timeout 600 s, so it stays blocked) and gets SIGTERM, or
     SIGINT as from Ctrl-C, 2 s later: both ranks end within seconds, non-zero."""

@@ -178,7 +178,7 @@ def test_iterating_the_pipelined_sequential_in_a_step_raises_the_one_call_error(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["-c", "stdin"])
+@pytest.mark.parametrize("how", ["-c", pytest.param("stdin", marks=pytest.mark.slow)])  # one check, 8 s each
 def test_python_c_and_stdin_scripts_get_a_clear_error(how):
     """``python -c "..."`` and ``python - < script.py`` cannot be re-run for the other ranks: clear error, fast."""
     import subprocess

@@ -420,7 +420,7 @@ def test_a_micro_step_that_never_calls_the_sequential_names_where_the_column_sto
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2, 3])  # one stage: test_transparency
 def test_every_rank_of_a_run_executes_exactly_its_column(tmp_path, k):
     """K processes over torch.distributed, M in {1, 3, 4}, fill-drain with one call per step and 1F1B
     with one call per micro-batch: the recorded actions are the schedule's."""

@@ -55,7 +55,9 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("namespace", ["pytorch_lightning", "lightning.pytorch"])
+@pytest.mark.parametrize(  # lightning.pytorch in the default suite: test_transparency
+    "namespace", ["pytorch_lightning", pytest.param("lightning.pytorch", marks=pytest.mark.slow)]
+)
 def test_checkpoint_and_early_stopping_agree_on_every_rank(gpipe_job, tmp_path, namespace):
     """val_loss is logged only on the last stage; every rank stops at the same epoch as one device
     (``pytorch_lightning`` and ``import lightning as L``: Trainer, module and callbacks of that namespace)."""

@@ -38,7 +38,9 @@ def test_a_buffer_shared_across_stages_is_refused_with_the_reason():
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize(
+    "stages", [pytest.param(2, marks=pytest.mark.slow), 3]
+)  # 3 stages: a stage between the ties
 def test_tied_embedding_and_head_train_like_one_device(gpipe_job, tmp_path, stages):
     """Losses and parameters within 1e-5 of one device, with norm clipping; the copies bitwise equal every step."""
     reference = train_single_device("tied", seed=0, steps=5, batch=10, trainer_extra=CLIP)

@@ -13,7 +13,7 @@ pipeline send each other 3 messages at once, announced on both sides, and rank 0
 (another pipeline) one; each rank writes to OUT/lanes{rank}.json the group each of its posts and
 receives used ("upward", "downward", "default") and whether what it received is what was sent.
 MODE "lanes_abort": rank 1 waits for a message from rank 0 on their lane; rank 0 aborts its
-process groups as after a failure (failure.abort_process_group) and stays alive 20 s; rank 1
+process groups as after a failure (failure.abort_process_group) and stays alive 12 s; rank 1
 writes the error its receive raised and how long it took to OUT/error.json.
 """
 
@@ -136,7 +136,7 @@ elif mode == "lanes_abort":
     if rank == 0:
         time.sleep(1)
         failure.abort_process_group()
-        time.sleep(20)
+        time.sleep(12)
         sys.exit(0)
     record_error(lambda: p2p.recv(0))
 dist.destroy_process_group()
