@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe import outbox, recompute
+from lightning_gpipe import input_first, outbox, recompute
 from lightning_gpipe.batchnorm import no_accumulate
 from lightning_gpipe.comm import P2P
 from lightning_gpipe.effects import ForwardState
@@ -315,14 +315,36 @@ class ColumnExecutor(nn.Module):
                 dy = grads
             else:  # the gradient of a skip this stage sent on comes straight back
                 y_grad, dy = [*y_grad, run.skips_out[key][t.skip]], [*dy, *grads]
-        if y_grad:
-            with self._span("backward", i, u), self._naming_errors("backward", i, run.inputs[key]):
-                torch.autograd.backward(y_grad, dy)
-        for t in run.plan.sends[action]:
-            sources = run.inputs[key] if t.skip is None else (run.skips_in[key][t.skip],)
-            x_grad = [x for x in sources if x.requires_grad]
-            dx = [x.grad if x.grad is not None else torch.zeros_like(x) for x in x_grad]
+        sends = run.plan.sends[action]
+        sources = [  # per send, the tensors whose gradients it carries
+            [
+                x
+                for x in (run.inputs[key] if t.skip is None else (run.skips_in[key][t.skip],))
+                if x.requires_grad
+            ]
+            for t in sends
+        ]
+        layers = self._virtual_modules(u)
+        errors = partial(self._naming_errors, "backward", i, run.inputs[key])
+        first = bool(y_grad) and action == run.plan.input_first and any(sources)
+        first = first and input_first.splits(
+            layers, recompute.recomputes(self.checkpoint_mode, i, run.chunks)
+        )
+        if first:  # the drain: the input gradients leave before the weight gradients are computed
+            with self._span("backward", i, u), errors():
+                flat = list(input_first.backward(y_grad, dy, [x for xs in sources for x in xs]))
+            found = [[flat.pop(0) for _ in xs] for xs in sources]
+        else:
+            if y_grad:
+                with self._span("backward", i, u), errors():
+                    torch.autograd.backward(y_grad, dy)
+            found = [[x.grad for x in xs] for xs in sources]
+        for t, xs, gs in zip(sends, sources, found):
+            dx = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, gs)]
             self._post(run, action, t, dx or None)
+        if first:
+            with self._span("weights", i, u), errors():
+                input_first.weights(y_grad, dy, [p for layer in layers for p in layer.parameters()])
         run.inputs[key] = run.outputs[key] = ()  # free this micro-batch
         run.skips_in[key] = run.skips_out[key] = {}
 

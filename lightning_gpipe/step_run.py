@@ -42,6 +42,8 @@ class ColumnPlan:
         order: per peer stage, the keys of the messages this stage sends it in the order the peer
             takes them, where that differs from the order sent (:func:`lightning_gpipe.outbox.taking_order`;
             empty when not training or where every peer takes them as sent).
+        input_first: the column's last backward that sends a gradient, which sends it before it
+            computes its weight gradients (:mod:`lightning_gpipe.input_first`); ``None``: none sends.
     """
 
     column: tuple[Action, ...]
@@ -50,6 +52,7 @@ class ColumnPlan:
     sends: dict[Action, tuple[Transfer, ...]]
     needs_loss: frozenset[Action]
     order: dict[int, tuple[outbox.Key, ...]]
+    input_first: Action | None = None
 
     @classmethod
     def of(cls, grid: Grid, topology: StageTopology, virtual_stages: int, train: bool) -> ColumnPlan:
@@ -57,13 +60,15 @@ class ColumnPlan:
         top, v = topology, virtual_stages
         column = [a for a in schedule.stage_actions(grid, top.stage) if train or a.kind == "F"]
         order = outbox.taking_order(grid, top, v) if train and v > 1 else {}
+        sends = {a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in column}
         return cls(
             column=tuple(column),
             fill_end=1 + max(k for k, a in enumerate(column) if a.kind == "F"),
             receives={a: tuple(schedule.receives(a, top.stage, top.stages, top.skips, v)) for a in column},
-            sends={a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in column},
+            sends=sends,
             needs_loss=frozenset(a for a in column if schedule.needs_loss(a, top.stage, top.stages, v)),
             order={peer: tuple(keys) for peer, keys in order.items()},
+            input_first=next((a for a in reversed(column) if a.kind == "B" and sends[a]), None),
         )
 
     def messages(self, actions: Iterable[Action], flows: Callable[[Action, Transfer], bool]) -> Counter[int]:

@@ -3,13 +3,14 @@
 Each rank keeps a :class:`Timeline`; :class:`~lightning_gpipe.stage.PipelineStage` calls
 ``timeline.span(kind, i, u)`` around its forward, recompute, backward, send and receive of
 micro-batch ``i`` on its virtual stage ``u`` (0 without virtual stages; ``"recompute"`` runs
-inside ``"backward"``), and the strategy marks the step
+inside ``"backward"``; a backward split in two, :mod:`lightning_gpipe.input_first`, records its
+second pass as ``"weights"``), and the strategy marks the step
 boundaries: a *step* runs from the start of ``training_step`` (the forward fill) to the end of
 the backward drain. Times are ``time.perf_counter`` seconds, a clock that all processes of one
 host share.
 
 Bubble share (GPipe, Huang et al. 2019, arXiv 1811.06965, section 2.3): the idle share of stage
-time in a step. A stage is busy while it computes a forward or a backward (recompute included);
+time in a step. A stage is busy while it computes a forward or a backward (recompute and weights included);
 receiving, sending and waiting are idle. Over the K stages of a pipeline, a step's window runs
 from the first forward's start to the last backward's end among them (a stage that enters the
 step early only waits for the previous step's drain and optimizer step elsewhere; that wait is
@@ -52,10 +53,17 @@ __all__ = [
     "step_stats",
 ]
 
-KINDS = ("forward", "recompute", "backward", "send", "recv")
+KINDS = ("forward", "recompute", "backward", "weights", "send", "recv")
 Span = tuple[str, int, float, float, int]  # (kind, micro-batch, start, end, virtual stage)
-BUSY = ("forward", "backward")  # recompute runs inside backward
-LETTERS = {"forward": "F", "recompute": "R", "backward": "B", "send": "S", "recv": "W"}  # trace labels
+BUSY = ("forward", "backward", "weights")  # recompute runs inside backward
+LETTERS = {
+    "forward": "F",
+    "recompute": "R",
+    "backward": "B",
+    "weights": "W",
+    "send": "S",
+    "recv": "V",
+}  # trace labels
 
 
 class _Span:

@@ -105,7 +105,13 @@ def typical_step(records: Sequence[dict[str, Any]], replica: int = 0) -> int | N
     return stats[len(stats) // 2][1] if stats else None
 
 
-_COLORS = {"forward": "#4C72B0", "backward": "#55A868", "recompute": "#DD8452", "comm": "#8C8C8C"}
+_COLORS = {
+    "forward": "#4C72B0",
+    "backward": "#55A868",
+    "weights": "#8DC99B",
+    "recompute": "#DD8452",
+    "comm": "#8C8C8C",
+}
 
 
 def plot_gantt(

@@ -98,7 +98,9 @@ class Recorder:
             self.peak_held = max(self.peak_held, sum(1 for out in run.outputs.values() if out))
 
 
-def _step(seq, balance, chunks, x, y, checkpoint="except_last", loss_fn=nn.functional.mse_loss):
+def _step(
+    seq, balance, chunks, x, y, checkpoint="except_last", loss_fn=nn.functional.mse_loss, recorder=None
+):
     """One training step of ``seq`` cut by ``balance`` into stages over a fake network.
 
     Returns the stages in stage order, the loss, and per stage ``(announced, received)`` per
@@ -109,7 +111,7 @@ def _step(seq, balance, chunks, x, y, checkpoint="except_last", loss_fn=nn.funct
     for stage_index in range(k):
         rank = Layout(k, k).rank(0, stage_index)
         stage = build_stage(seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"))
-        stage.p2p, stage.timeline = FakeP2P(network, rank), Recorder()
+        stage.p2p, stage.timeline = FakeP2P(network, rank), (recorder or Recorder)()
         stages.append(stage)
     forward, backward = {}, {}
     out = None

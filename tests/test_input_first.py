@@ -1,0 +1,122 @@
+"""lightning_gpipe.input_first: the drain's last backward sends its input gradient before it
+computes its weight gradients, with the gradients of a single backward, bit for bit."""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe import input_first
+from lightning_gpipe.balance import uniform_balance
+from lightning_gpipe.schedule import fill_drain, stage_actions
+from tests.test_executor import Recorder, _step
+
+
+class _Net(nn.Module):
+    """Two inputs (an activation and a skip), one Linear used twice (tied), a frozen layer, two outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tied, self.other, self.frozen = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, skip):
+        h = torch.tanh(self.tied(x)) + skip
+        h = self.frozen(torch.relu(self.other(h)))
+        return self.tied(h), h.sum(dim=1)
+
+
+def _grads(split: bool):
+    torch.manual_seed(0)
+    net, x, skip = _Net(), torch.randn(5, 6, requires_grad=True), torch.randn(5, 6, requires_grad=True)
+    for p in net.parameters():  # gradients of earlier micro-batches, accumulated onto
+        p.grad = torch.randn_like(p) if p.requires_grad else None
+    outputs = list(net(x, skip))
+    grads = [torch.randn_like(t) for t in outputs]
+    if split:
+        dx, dskip = input_first.backward(outputs, grads, [x, skip])
+        assert all(p.grad is None or p.grad.abs().sum() > 0 for p in net.parameters())
+        before = {n: p.grad.clone() for n, p in net.named_parameters() if p.requires_grad}
+        input_first.weights(outputs, grads, list(net.parameters()))
+        assert all(not torch.equal(before[n], p.grad) for n, p in net.named_parameters() if n in before)
+    else:
+        torch.autograd.backward(outputs, grads)
+        dx, dskip = x.grad, skip.grad
+    return dx, dskip, {n: p.grad for n, p in net.named_parameters()}
+
+
+def test_two_passes_give_the_single_backward_gradients_bit_for_bit():
+    split, single = _grads(True), _grads(False)
+    assert torch.equal(split[0], single[0]) and torch.equal(split[1], single[1])
+    assert split[2].keys() == single[2].keys()
+    for name, g in single[2].items():
+        assert (g is None and split[2][name] is None) or torch.equal(g, split[2][name]), name
+
+
+def test_a_recomputed_forward_or_a_backward_hook_keeps_one_backward():
+    layers = [nn.Sequential(nn.Linear(2, 2), nn.Tanh()), nn.Linear(2, 2)]
+    assert input_first.splits(layers, recomputed=False)
+    assert not input_first.splits(layers, recomputed=True)
+    handle = layers[0][1].register_full_backward_hook(lambda *args: None)  # on a module inside a layer
+    assert not input_first.splits(layers, recomputed=False)
+    handle.remove()
+    handle = layers[1].register_full_backward_pre_hook(lambda *args: None)
+    assert not input_first.splits(layers, recomputed=False)
+    handle.remove()
+    handle = nn.modules.module.register_module_full_backward_hook(lambda *args: None)  # every module
+    try:
+        assert not input_first.splits(layers, recomputed=False)
+    finally:
+        handle.remove()
+    assert input_first.splits(layers, recomputed=False)
+
+
+class _Spans(Recorder):
+    """Every span, in order, as ``kind i``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spans: list[str] = []
+
+    @contextmanager
+    def span(self, kind, i, u=0):
+        self.spans.append(f"{kind} {i}")
+        with super().span(kind, i, u):
+            yield
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_only_the_drains_last_backward_sends_before_its_weights_and_the_step_equals_one_device(checkpoint):
+    """Fill-drain over 3 stages, M = 3 (1F1B and interleaved: tests/test_transparency.py and the peer
+    check): on stages 1 and 2 the column's last backward records its backward, its send, then its
+    weights (unless its forward is recomputed: B0 under except_last); no other backward does, nor
+    stage 0 (it sends no gradient). The gradients equal the unpartitioned model's."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(6, 4), torch.randn(6, 4)
+    reference = [p.grad for p in _reference_grads(seq, x, y)]
+    grid = fill_drain(3, 3)
+    stages, _, _, _ = _step(seq, uniform_balance(3, 3), 3, x, y, checkpoint, recorder=_Spans)
+    for stage in stages:
+        j = stage.topology.stage
+        last = [a for a in stage_actions(grid, j) if a.kind == "B"][-1]
+        recomputed = checkpoint == "always" or (checkpoint == "except_last" and last.i < 2)
+        split = j > 0 and not recomputed
+        spans = stage.timeline.spans
+        assert [s for s in spans if s.startswith("weights")] == ([f"weights {last.i}"] if split else [])
+        if split:
+            k = spans.index(f"weights {last.i}")
+            assert spans[k - 2 : k] == [f"backward {last.i}", f"send {last.i}"], spans
+    got = [p.grad for stage in stages for p in stage.parameters()]
+    assert len(got) == len(reference)
+    for a, b in zip(got, reference):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def _reference_grads(seq, x, y):
+    import copy
+
+    plain = copy.deepcopy(seq)
+    nn.functional.mse_loss(plain(x), y).backward()
+    return list(plain.parameters())
