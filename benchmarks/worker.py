@@ -479,7 +479,12 @@ class Peer:
         self, spec: dict[str, Any], rank: int, world: int, group: Any = None, ours_layout: bool = False
     ) -> None:
         from torch.distributed.pipelining import PipelineStage as PeerStage
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import (
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+        )
 
         stage = world - 1 - rank if ours_layout else rank
         self.spec, self.stage, self.world = spec, stage, world
@@ -499,11 +504,12 @@ class Peer:
             "loss_fn": summed_loss_fn(model_cfg, spec["batch_size"]),
             "scale_grads": False,
         }
-        if name == "interleaved_1f1b":
-            self.schedule: Any = ScheduleInterleaved1F1B(stages, **options)
+        multi = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zb_h1": ScheduleInterleavedZeroBubble}
+        if name in multi:  # zb_h1: the peer's zero-bubble schedule with one stage per rank
+            self.schedule: Any = multi[name](stages, **options)
         else:
             self.schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stages[0], **options)
-        if ours_layout and name == "interleaved_1f1b":  # group rank r runs what rank K-1-r would
+        if ours_layout and name in multi:  # group rank r runs what rank K-1-r would
             order = self.schedule.pipeline_order  # (its lowering derives the stage mapping from this)
             self.schedule.pipeline_order = {r: order[world - 1 - r] for r in order}
             self.schedule._prepare_schedule_with_comms(self.schedule.pipeline_order)

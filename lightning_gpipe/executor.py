@@ -145,6 +145,8 @@ class ColumnExecutor(nn.Module):
             # (the last virtual stage); the last stage's other forwards run ahead of the calls
             gated = action.virtual_stage == (v - 1 if top.is_last else 0)
             return action.i < run.called or not gated
+        if action.kind == "W":
+            return True  # its B ran before it in the column
         if run.whole:
             return run.step_loss
         return action.i in run.losses or action not in run.plan.needs_loss
@@ -189,11 +191,13 @@ class ColumnExecutor(nn.Module):
         run.taken, run.announced = Counter(), end
 
     def _execute(self, action: Action, run: StepRun) -> None:
-        """Run one action of this stage's column: ``F i`` or ``B i``."""
+        """Run one action of this stage's column: ``F i``, ``B i`` or ``W i``."""
         if action.kind == "F":
             self._forward_one(action, run)
-        else:
+        elif action.kind == "B":
             self._backward_one(action, run)
+        else:
+            self._weights_one(action, run)
 
     def _forward_one(self, action: Action, run: StepRun) -> None:
         """``F i``: receive micro-batch ``i`` and its skips, compute it, send it and its skips on."""
@@ -326,13 +330,15 @@ class ColumnExecutor(nn.Module):
         ]
         layers = self._virtual_modules(u)
         errors = partial(self._naming_errors, "backward", i, run.inputs[key])
-        first = bool(y_grad) and action == run.plan.input_first and any(sources)
-        first = first and input_first.splits(
-            layers, recompute.recomputes(self.checkpoint_mode, i, run.chunks)
-        )
-        if first:  # the drain: the input gradients leave before the weight gradients are computed
+        deferred = key in run.plan.deferred  # this column runs W i: B i is the input gradient only
+        split = None
+        if y_grad and (deferred or action == run.plan.input_first) and any(sources):
+            if input_first.splits(layers, recompute.recomputes(self.checkpoint_mode, i, run.chunks)):
+                params = [p for layer in layers for p in layer.parameters()]
+                split = input_first.Split.of(y_grad, [x for xs in sources for x in xs], params)
+        if split is not None:  # the input gradients leave before the weight gradients are computed
             with self._span("backward", i, u), errors():
-                flat = list(input_first.backward(y_grad, dy, [x for xs in sources for x in xs]))
+                flat = list(split.inputs(dy))
             found = [[flat.pop(0) for _ in xs] for xs in sources]
         else:
             if y_grad:
@@ -342,11 +348,25 @@ class ColumnExecutor(nn.Module):
         for t, xs, gs in zip(sends, sources, found):
             dx = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, gs)]
             self._post(run, action, t, dx or None)
-        if first:
-            with self._span("weights", i, u), errors():
-                input_first.weights(y_grad, dy, [p for layer in layers for p in layer.parameters()])
+        if split is not None and deferred:
+            run.weights[key] = split
+        elif split is not None:
+            self._weights(split, i, u, errors)
         run.inputs[key] = run.outputs[key] = ()  # free this micro-batch
         run.skips_in[key] = run.skips_out[key] = {}
+
+    def _weights_one(self, action: Action, run: StepRun) -> None:
+        """``W i`` (``schedule="zb_h1"``): the weight gradients of micro-batch ``i``, whose ``B i``
+        computed the input gradient only; nothing where ``B i`` ran the whole backward (not split:
+        :mod:`lightning_gpipe.input_first`)."""
+        split = run.weights.pop((action.i, action.virtual_stage), None)
+        if split is not None:
+            errors = partial(self._naming_errors, "backward", action.i, ())
+            self._weights(split, action.i, action.virtual_stage, errors)
+
+    def _weights(self, split: input_first.Split, i: int, u: int, errors: Callable[[], Any]) -> None:
+        with self._span("weights", i, u), errors():
+            split.weights()
 
     def _leaf_grads(self, run: StepRun, i: int) -> tuple[Tensor, ...]:
         """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's

@@ -1,36 +1,57 @@
-"""The input gradient first: a stage's last backward of a step sends the gradient of its input
-before it computes its weight gradients (the B/W split of Qi et al., "Zero Bubble Pipeline
-Parallelism", ICLR 2024, section 2, applied to the drain).
+"""The input gradient first: a backward split into the gradient of the stage's inputs, sent at once,
+and the gradients of its weights, computed after (the B/W split of Qi et al., "Zero Bubble Pipeline
+Parallelism", ICLR 2024, section 2).
 
-At the end of every schedule's drain the stage before this one waits for the input gradient of
-this stage's last backward, and this stage has nothing left to compute but that backward's weight
-gradients. A single backward computes both in one pass and sends when it ends; split, the
-gradient leaves after the input-gradient chain alone, the stage before starts its own last
-backward that much earlier, and this stage computes its weight gradients meanwhile. With the MLP
-benchmark (K = 2, M = 8, 1F1B) the step ends about a weight-gradient pass earlier
-(BENCHMARKS.md section 22).
+Two uses, one mechanism (:class:`Split`):
 
-Two autograd passes over the same graph: ``torch.autograd.grad`` to the stage's inputs
-(retaining the graph), then ``torch.autograd.backward`` to the stage's parameters. Each runs the
-operations a single backward runs for what it asks, so the gradients are bit-identical; the cost
-is the input-gradient chain above the first parameter, computed in both passes. Only the
-parameters receive gradients in the second pass: a tensor that requires a gradient but is
-neither a parameter nor a stage input is left without one (the optimizer steps parameters only).
+- the drain of every schedule: a stage's last backward of a step that sends a gradient sends it
+  before its weight gradients are computed, so the stage before it starts its own last backward
+  about one weight-gradient pass earlier (with the MLP benchmark, K = 2, M = 8, 1F1B: BENCHMARKS.md
+  section 22);
+- ``schedule="zb_h1"`` (:func:`lightning_gpipe.schedule.zb_h1`): every ``B i`` computes the
+  input gradient only and the schedule's ``W i`` computes the weight gradients later, where the
+  stage would otherwise idle.
 
-Not split (one backward, as before): a micro-batch whose forward is recomputed (the recompute
-would run in both passes), and a stage whose modules carry backward hooks, or when any module
-does (``register_module_full_backward_hook``): they would run twice.
+The split walks the autograd graph of the micro-batch once (:meth:`Split.of`). The nodes from which
+a stage input can be reached (the *input chain*) run in the first pass, ``torch.autograd.grad`` to
+the inputs with the graph kept; for each parameter, the walk from the parameter towards the outputs
+stops at the first nodes of the input chain (its *frontier*), whose incoming gradients the first
+pass records (node pre-hooks). The second pass runs ``torch.autograd.backward`` from those nodes
+with the recorded gradients to the parameters, one group of parameters at a time (the parameters
+that share frontier nodes: a layer's weight and bias, a weight used by two layers), so that the
+input chain runs once and each parameter's gradient is accumulated into ``.grad`` as a single
+backward does (post-accumulate hooks fire). Torch's ``torch.distributed.pipelining`` splits its
+zero-bubble backwards the same way (``stage_backward_input`` / ``stage_backward_weight``). Where a
+group has several frontier nodes and one lies above another, the lower one's incoming gradient is
+pinned to the recorded one, so nothing is counted twice (the chain between them is computed and
+discarded).
+
+The gradients are bit-identical to one backward. Only the parameters receive gradients in the
+second pass: a tensor that requires a gradient but is neither a parameter nor a stage input is left
+without one (the optimizer steps parameters only).
+
+Not split (one backward, as before; under ``zb_h1`` its ``W`` then does nothing):
+
+- a micro-batch whose forward is recomputed (the recompute would run in both passes);
+- a stage whose modules carry backward hooks, or when any module does
+  (``register_module_full_backward_hook``): they would run twice;
+- a graph where a parameter reaches an output without passing a node of the input chain (the
+  first stage, whose input needs no gradient; an output computed from the weights alone): the
+  first pass would not record the gradient it needs;
+- an output that is a leaf (a parameter returned as is).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 from torch.nn.modules import module as _module
 
-__all__ = ["backward", "splits", "weights"]
+__all__ = ["Split", "splits"]
 
 
 def splits(modules: Sequence[nn.Module], recomputed: bool) -> bool:
@@ -41,17 +62,137 @@ def splits(modules: Sequence[nn.Module], recomputed: bool) -> bool:
     return not any(m._backward_hooks or m._backward_pre_hooks for layer in modules for m in layer.modules())
 
 
-def backward(
-    outputs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]
-) -> tuple[Tensor | None, ...]:
-    """First pass: the gradients of ``inputs`` for ``outputs`` with ``grads`` (``None`` where an
-    input does not reach an output); the graph is kept for :func:`weights`."""
-    return torch.autograd.grad(outputs, inputs, grads, retain_graph=True, allow_unused=True)
+class _Group:
+    """Parameters that share frontier nodes, and those nodes."""
+
+    __slots__ = ("nodes", "params")
+
+    def __init__(self) -> None:
+        self.nodes: set[Node] = set()
+        self.params: list[Tensor] = []
 
 
-def weights(outputs: Sequence[Tensor], grads: Sequence[Tensor], parameters: Sequence[Tensor]) -> None:
-    """Second pass: accumulate the gradients of ``parameters`` (those that require one) into their
-    ``.grad``, as a single backward would; frees the graph."""
-    params = [p for p in parameters if p.requires_grad]
-    if params:
-        torch.autograd.backward(outputs, grads, inputs=params)
+class Split:
+    """One micro-batch's backward in two passes: :meth:`inputs`, then :meth:`weights`.
+
+    Made by :meth:`of` from the micro-batch's graph before either pass; the first pass records the
+    gradients the second needs, and the second frees them (and with them the graph).
+    """
+
+    def __init__(self, outputs: Sequence[Tensor], inputs: Sequence[Tensor], groups: list[_Group]) -> None:
+        self._outputs, self._inputs, self._groups = list(outputs), list(inputs), groups
+        self._recorded: dict[Node, tuple[Tensor | None, ...]] = {}
+
+    @classmethod
+    def of(
+        cls, outputs: Sequence[Tensor], inputs: Sequence[Tensor], parameters: Sequence[Tensor]
+    ) -> Split | None:
+        """The split of the backward from ``outputs`` to ``inputs`` and ``parameters``, or ``None``
+        where it cannot be split (see the module docstring).
+
+        Args:
+            outputs: the tensors the gradients arrive for (each requires a gradient).
+            inputs: the stage inputs that receive a gradient (each requires one).
+            parameters: the stage's parameters; those that do not require a gradient, or that the
+                graph does not reach, are left out.
+        """
+        if not inputs or any(t.grad_fn is None for t in outputs):
+            return None
+        roots = {t.grad_fn for t in outputs}
+        parents: dict[Node, list[Node]] = {}
+        seen: set[Node] = set(roots)  # type: ignore[arg-type]
+        stack: list[Node] = list(seen)
+        while stack:
+            node = stack.pop()
+            for child, _ in node.next_functions:
+                if child is None:
+                    continue
+                parents.setdefault(child, []).append(node)
+                if child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+        chain: set[Node] = set()  # nodes from which an input can be reached
+        stack = [n for n in (get_gradient_edge(x).node for x in inputs) if n in seen]
+        while stack:
+            node = stack.pop()
+            if node not in chain:
+                chain.add(node)
+                stack.extend(parents.get(node, ()))
+        groups: dict[Node, _Group] = {}  # frontier node -> its group
+        done: set[int] = set()
+        for p in parameters:
+            if not p.requires_grad or id(p) in done:
+                continue
+            done.add(id(p))
+            start = get_gradient_edge(p).node
+            if start not in seen:
+                continue  # not used by this micro-batch
+            frontier: set[Node] = set()
+            visited, stack = {start}, [start]
+            while stack:
+                node = stack.pop()
+                if node in roots:
+                    return None  # the gradient it needs arrives from an output, not the input chain
+                for parent in parents.get(node, ()):
+                    if parent in chain:
+                        frontier.add(parent)
+                    elif parent not in visited:
+                        visited.add(parent)
+                        stack.append(parent)
+            merged = {id(g): g for g in (groups.get(n) for n in frontier) if g is not None}
+            group = _Group()
+            for other in merged.values():
+                group.nodes |= other.nodes
+                group.params += other.params
+            group.nodes |= frontier
+            group.params.append(p)
+            for node in group.nodes:
+                groups[node] = group
+        return cls(outputs, inputs, list({id(g): g for g in groups.values()}.values()))
+
+    def inputs(self, grads: Sequence[Tensor]) -> tuple[Tensor | None, ...]:
+        """First pass: the gradients of the inputs for the outputs' ``grads`` (``None`` where an
+        input does not reach an output), recording what :meth:`weights` needs; the graph is kept."""
+        recorded = self._recorded
+
+        def record(node: Node) -> Any:
+            def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+                recorded[node] = grad_outputs
+
+            return hook
+
+        handles = [node.register_prehook(record(node)) for g in self._groups for node in g.nodes]
+        try:
+            found = torch.autograd.grad(
+                self._outputs, self._inputs, grads, retain_graph=True, allow_unused=True
+            )
+        finally:
+            for handle in handles:
+                handle.remove()
+        self._outputs = self._inputs = []
+        return found
+
+    def weights(self) -> None:
+        """Second pass: accumulate the parameters' gradients into their ``.grad``, as a single
+        backward would; frees what the first pass recorded."""
+        recorded, self._recorded = self._recorded, {}
+        groups, self._groups = self._groups, []
+        for group in groups:
+            edges, grads = [], []
+            for node in group.nodes:
+                for k, g in enumerate(recorded.get(node, ())):
+                    if g is not None:
+                        edges.append(GradientEdge(node, k))
+                        grads.append(g)
+            if not edges:
+                continue  # no gradient reached these parameters
+            pins = (  # a lower frontier node takes its recorded gradient, not the chain's again
+                [n.register_prehook(lambda _, saved=recorded[n]: saved) for n in group.nodes if n in recorded]
+                if len(group.nodes) > 1
+                else []
+            )
+            try:
+                torch.autograd.backward(edges, grads, inputs=group.params, retain_graph=True)
+            finally:
+                for handle in pins:
+                    handle.remove()

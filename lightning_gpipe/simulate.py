@@ -30,7 +30,9 @@ Model, in seconds and bytes:
   ``forward[j]`` seconds) when its backward is due, after its gradient has arrived. With
   ``v`` virtual stages each of stage j's parts takes ``1/v`` of those times, unless ``K·v``
   values give each part's own (part ``c`` is stage ``c mod K``'s virtual stage ``c // K``:
-  :func:`lightning_gpipe.schedule.part`);
+  :func:`lightning_gpipe.schedule.part`). A schedule with ``W`` actions (``"zb_h1"``) splits a
+  backward into its input gradient (``B``, ``backward[j] - weight_backward[j]``) and its weight
+  gradients (``W``, ``weight_backward[j]``), and its graph is held until the ``W``;
 - communication: a micro-batch's activation (forward) or gradient (backward) crossing
   boundary c (between parts c and c+1; without virtual stages, stages) is
   ``boundary_bytes[c]`` bytes. Sends are asynchronous (the sender does not wait). One
@@ -59,7 +61,8 @@ __all__ = ["Event", "Simulation", "peak_activation_memory", "simulate"]
 
 class Event(NamedTuple):
     """One stretch of work on a stage: ``kind`` is ``"F"`` (forward), ``"R"`` (recompute:
-    the forward repeated before a backward) or ``"B"`` (backward); times in seconds from the
+    the forward repeated before a backward), ``"B"`` (backward; the input gradient only where
+    the schedule splits it) or ``"W"`` (the weight gradients); times in seconds from the
     start of the step; ``virtual_stage``: which of the stage's virtual stages ran it (0 without)."""
 
     kind: str
@@ -212,11 +215,14 @@ def peak_activation_memory(
         column = schedule_module.stage_actions(grid, k)
         posted = _PostedReceives(column, k, stages, v, message, max(sizes), posted_receives, whole_batch)
         held = peak = loss_alive = 0.0
+        split = _split(column, k, stages, recompute)
         for p, action in enumerate(column):
             c, i = schedule_module.part(k, action.virtual_stage, stages), action.i
             kept = (b[c] if recompute[i] else a[c]) * sizes[i]
             waiting = posted.take(p)  # bytes of the receives posted once action's are taken
-            if action.kind == "F":
+            if action.kind == "W":
+                held -= kept if (i, c) in split else 0.0  # a split backward's graph lives until its W
+            elif action.kind == "F":
                 held += kept
                 if c == last and not whole_batch:
                     loss_alive = 0.0  # a new call: the last one's loss is let go
@@ -225,11 +231,25 @@ def peak_activation_memory(
                 rematerialized = a[c] * sizes[i] if recompute[i] else 0.0
                 others = loss_side if c == last else loss_alive
                 peak = max(peak, held + rematerialized + w[c] + others + waiting)
-                held -= kept
+                held -= 0.0 if (i, c) in split else kept
                 loss_alive = loss_side if c == last else loss_alive
             peak = max(peak, held + waiting + loss_alive)
         peaks.append(peak)
     return peaks
+
+
+def _split(
+    column: Sequence[Action], stage: int, stages: int, recompute: Sequence[bool]
+) -> set[tuple[int, int]]:
+    """``(micro-batch, part)`` of the backwards that ``column`` splits into ``B`` and ``W``: those with a
+    ``W`` of their own, unless recomputed (:mod:`lightning_gpipe.input_first`). (The first stage
+    runs its backwards whole, as its input needs no gradient; under ``"zb_h1"`` its ``W`` follows its
+    ``B`` at once, so the times are the same.)"""
+    return {
+        (a.i, schedule_module.part(stage, a.virtual_stage, stages))
+        for a in column
+        if a.kind == "W" and not recompute[a.i]
+    }
 
 
 def _check_posted(posted_receives: int) -> None:
@@ -309,6 +329,7 @@ def simulate(
     schedule: str | Schedule = "gpipe",
     virtual_stages: int = 1,
     checkpoint: str = "except_last",
+    weight_backward: float | Sequence[float] | None = None,
     latency: float = 0.0,
     bandwidth: float = math.inf,
     boundary_bytes: float | Sequence[float] = 0.0,
@@ -336,6 +357,12 @@ def simulate(
         checkpoint (str): re-materialization, ``"always"``, ``"except_last"`` or ``"never"``
             (default: ``"except_last"``). A re-materialized micro-batch's backward is
             preceded by a recompute as long as its forward.
+        weight_backward: seconds of the weight-gradient part of ``backward``, which a schedule
+            with ``W`` actions (``"zb_h1"``) runs apart: its ``B`` takes ``backward -
+            weight_backward``, its ``W`` ``weight_backward``; a scalar, ``K`` or ``K·v`` values
+            (default: half of ``backward``). A recomputed micro-batch's backward is not split
+            (:mod:`lightning_gpipe.input_first`): whole at its ``B``, and its ``W`` takes no time.
+            The drain's split under the other schedules is not modelled.
         latency (float): seconds from the end of a transfer on a link to its arrival
             (default: 0).
         bandwidth (float): bytes per second of each link and direction (default: infinite).
@@ -366,7 +393,8 @@ def simulate(
             ``posted_receives`` is not an ``int``.
         ValueError: a count below 1, a negative or non-finite time or size, a list of the
             wrong length, ``bandwidth <= 0``, an unknown ``checkpoint`` or ``schedule``, a
-            ``virtual_stages`` the schedule cannot run, or a negative ``posted_receives``.
+            ``virtual_stages`` the schedule cannot run, a negative ``posted_receives``, or a
+            ``weight_backward`` above ``backward``.
 
     Example:
         >>> sim = simulate(4, 8, forward=1.0, backward=2.0, checkpoint="never")
@@ -384,6 +412,14 @@ def simulate(
     v, parts = virtual_stages, stages * virtual_stages
     f = _per_part("forward", forward, stages, v, split=True)
     bw = _per_part("backward", backward, stages, v, split=True)
+    if weight_backward is None:
+        wb = [x / 2 for x in bw]
+    else:
+        wb = _per_part("weight_backward", weight_backward, stages, v, split=True)
+        if any(x > y for x, y in zip(wb, bw)):
+            raise ValueError(
+                f"weight_backward must not exceed backward (weight_backward: {weight_backward!r})"
+            )
     size = _per_stage("boundary_bytes", boundary_bytes, parts - 1)
     _check_value("latency", latency)
     if not (bandwidth > 0):
@@ -393,6 +429,7 @@ def simulate(
 
     grid = _grid(schedule, stages, m, v)
     columns = [schedule_module.stage_actions(grid, j) for j in range(stages)]
+    split = set().union(*(_split(column, j, stages, recompute) for j, column in enumerate(columns)))
     events: list[list[Event]] = [[] for _ in range(stages)]
     free = [0.0] * stages  # when each stage finishes its current work
     link_free: dict[tuple[int, int], float] = {}  # (from stage, to stage): when the link is free
@@ -406,6 +443,8 @@ def simulate(
         c = schedule_module.part(j, action.virtual_stage, stages)
         if action.kind == "F" and c == parts - 1:  # the loss of micro-batch i is known
             arrived[("B", action.i, c)] = ready
+        if action.kind == "B":
+            arrived[("W", action.i, c)] = ready
         for t in schedule_module.sends(action, j, stages, virtual_stages=v):
             other = schedule_module.part(t.peer, t.virtual_stage, stages)
             boundary = min(c, other)
@@ -428,7 +467,12 @@ def simulate(
                 if kind == "B" and recompute[i]:
                     events[j].append(Event("R", i, start, start + f[c], u))
                     start += f[c]
-                end = start + (f[c] if kind == "F" else bw[c])
+                if kind == "F":
+                    end = start + f[c]
+                elif (i, c) in split:
+                    end = start + (bw[c] - wb[c] if kind == "B" else wb[c])
+                else:
+                    end = start + (bw[c] if kind == "B" else 0.0)
                 events[j].append(Event(kind, i, start, end, u))
                 free[j] = end
                 finish(action, j, end)

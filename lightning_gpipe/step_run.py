@@ -19,7 +19,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_gpipe import outbox, schedule
+from lightning_gpipe import input_first, outbox, schedule
 from lightning_gpipe.effects import ForwardState
 from lightning_gpipe.layout import StageTopology
 from lightning_gpipe.microbatch import Structure
@@ -42,8 +42,11 @@ class ColumnPlan:
         order: per peer stage, the keys of the messages this stage sends it in the order the peer
             takes them, where that differs from the order sent (:func:`lightning_gpipe.outbox.taking_order`;
             empty when not training or where every peer takes them as sent).
-        input_first: the column's last backward that sends a gradient, which sends it before it
-            computes its weight gradients (:mod:`lightning_gpipe.input_first`); ``None``: none sends.
+        input_first: the column's last backward that sends a gradient and has no ``W`` of its own,
+            which sends it before it computes its weight gradients (:mod:`lightning_gpipe.input_first`);
+            ``None``: none.
+        deferred: ``(micro-batch, virtual stage)`` of each ``W`` in the column (``schedule="zb_h1"``):
+            its ``B`` computes the input gradient only, its ``W`` the weight gradients.
     """
 
     column: tuple[Action, ...]
@@ -53,6 +56,7 @@ class ColumnPlan:
     needs_loss: frozenset[Action]
     order: dict[int, tuple[outbox.Key, ...]]
     input_first: Action | None = None
+    deferred: frozenset[tuple[int, int]] = frozenset()
 
     @classmethod
     def of(cls, grid: Grid, topology: StageTopology, virtual_stages: int, train: bool) -> ColumnPlan:
@@ -61,6 +65,7 @@ class ColumnPlan:
         column = [a for a in schedule.stage_actions(grid, top.stage) if train or a.kind == "F"]
         order = outbox.taking_order(grid, top, v) if train and v > 1 else {}
         sends = {a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in column}
+        deferred = frozenset((a.i, a.virtual_stage) for a in column if a.kind == "W")
         return cls(
             column=tuple(column),
             fill_end=1 + max(k for k, a in enumerate(column) if a.kind == "F"),
@@ -68,7 +73,15 @@ class ColumnPlan:
             sends=sends,
             needs_loss=frozenset(a for a in column if schedule.needs_loss(a, top.stage, top.stages, v)),
             order={peer: tuple(keys) for peer, keys in order.items()},
-            input_first=next((a for a in reversed(column) if a.kind == "B" and sends[a]), None),
+            input_first=next(
+                (
+                    a
+                    for a in reversed(column)
+                    if a.kind == "B" and sends[a] and (a.i, a.virtual_stage) not in deferred
+                ),
+                None,
+            ),
+            deferred=deferred,
         )
 
     def messages(self, actions: Iterable[Action], flows: Callable[[Action, Transfer], bool]) -> Counter[int]:
@@ -117,6 +130,8 @@ class StepRun:
     # with the stretch that ends where the calls end, so that they are taken in the background
     after_calls: Counter[int] = field(default_factory=Counter)
     states: list[ForwardState] = field(default_factory=list)  # recomputed micro-batches' module states
+    # (micro-batch, virtual stage) -> its backward's second pass, due at its W (schedule="zb_h1")
+    weights: dict[tuple[int, int], input_first.Split] = field(default_factory=dict)
     # last stage, per call: the micro-batches it covered, each leaf's part sizes, the leaves given to
     # the user and which of them are replicated (micro-batch 0's)
     calls: list[Call] = field(default_factory=list)

@@ -30,7 +30,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -91,8 +91,11 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
         schedule: ``"gpipe"`` (fill-drain, the default: ``training_step`` runs once on the whole
             batch) or ``"1f1b"`` (PipeDream-Flush: stage k holds at most K-k micro-batches'
             activations; ``training_step`` runs once per micro-batch, :mod:`lightning_gpipe.microstep`);
-            the names of :data:`lightning_gpipe.schedule.SCHEDULES`; or ``"interleaved_1f1b"``
-            (Megatron-LM's interleaved 1F1B, with ``virtual_stages``).
+            the names of :data:`lightning_gpipe.schedule.SCHEDULES`; ``"interleaved_1f1b"``
+            (Megatron-LM's interleaved 1F1B, with ``virtual_stages``); or ``"zb_h1"`` (Zero
+            Bubble's ZB-H1: 1F1B with each backward split into the input gradient, sent at once,
+            and the weight gradients, run later where the stage would idle; only micro-batches
+            that are not recomputed split, so it wants ``checkpoint="never"``, and warns otherwise).
         virtual_stages: virtual stages per stage v (default ``None``: 2 under
             ``"interleaved_1f1b"``, else 1). With v > 1 (``schedule=
             "interleaved_1f1b"``, K ≥ 2) the Sequential is cut into K·v parts and stage j holds parts
@@ -183,6 +186,12 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
         self.checkpoint = check_mode(checkpoint)
         self.schedule = check_schedule(schedule)
         self.virtual_stages = check_virtual_stages(self.schedule, virtual_stages)
+        if self.schedule == "zb_h1" and self.checkpoint != "never":
+            rank_zero_warn(
+                f"schedule='zb_h1' splits only the backwards of micro-batches whose forward is not "
+                f"recomputed; under checkpoint={self.checkpoint!r} the others run whole at their B, as "
+                "under 1F1B. Use checkpoint='never' for the zero-bubble gain."
+            )
         self.balance = check_balance_spec(balance, pipeline_parallel_size, self.virtual_stages)
         self.pipeline_parallel_size = check_pipeline_parallel_size(pipeline_parallel_size)
         self.checkpoint_format = state.check_format(checkpoint_format)

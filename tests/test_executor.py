@@ -19,7 +19,15 @@ from lightning_gpipe import StageError
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.layout import Layout
 from lightning_gpipe.microbatch import sizes
-from lightning_gpipe.schedule import fill_drain, format_grid, messages, one_f_one_b, stage_actions
+from lightning_gpipe.schedule import (
+    SCHEDULES,
+    fill_drain,
+    format_grid,
+    messages,
+    one_f_one_b,
+    stage_actions,
+    zb_h1,
+)
 from lightning_gpipe.skip import Pop, Stash
 from lightning_gpipe.stage import PipelineUsageError, StageDone, build_stage
 from lightning_gpipe.wire import decode_header, decode_message, encode_message
@@ -373,9 +381,13 @@ def test_under_1f1b_the_last_stage_announces_every_forward_input_at_once(k):
         assert len([e for e in stage.p2p.expects if e[0] == stage.topology.next_rank]) > 1
 
 
-@pytest.mark.parametrize("schedule", [fill_drain, one_f_one_b])
-def test_one_call_per_micro_batch_with_skips_across_stages(schedule):
-    """Skip connections across stages, recompute always: any valid schedule runs with one call per micro-batch."""
+@pytest.mark.parametrize(
+    ("schedule", "checkpoint"), [(fill_drain, "always"), (one_f_one_b, "always"), (zb_h1, "never")]
+)
+def test_one_call_per_micro_batch_with_skips_across_stages(schedule, checkpoint):
+    """Skip connections across stages: any valid schedule runs with one call per micro-batch, ZB-H1's
+    split backwards (nothing recomputed) too: a B sends the gradients of its input and of the skip it
+    popped, its W computes the weights' (the weights' order: test_every_rank_of_a_run_executes_exactly_its_column)."""
     torch.manual_seed(0)
     seq = nn.Sequential(
         Stash("a", nn.Linear(4, 6)),
@@ -389,14 +401,14 @@ def test_one_call_per_micro_batch_with_skips_across_stages(schedule):
     )
     x, y = torch.randn(7, 4), torch.randn(7, 2)
     expected = _reference_grads(seq, x, y)
-    stages, counts = _micro_step(seq, [2, 3, 3], 4, x, y, schedule, checkpoint="always")
+    stages, counts = _micro_step(seq, [2, 3, 3], 4, x, y, schedule, checkpoint=checkpoint)
     for p, g in zip(seq.parameters(), expected):
         assert torch.allclose(p.grad, g, atol=1e-6)
     skips = stages[0].topology.skips
     for stage in stages:
         top, j = stage.topology, stage.topology.stage
         column = stage_actions(schedule(3, 4), j)
-        assert stage.timeline.actions == [str(a) for a in column]
+        assert stage.timeline.actions == [str(a) for a in column if a.kind != "W"]
         assert counts[j][1] == _by_rank(top, messages(column, j, 3, skips))
     assert stages[2].received_skips == [("b", 1)] * 4 and stages[1].received_skips == [("a", 0)] * 4
 
@@ -424,18 +436,24 @@ def test_a_micro_step_that_never_calls_the_sequential_names_where_the_column_sto
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 2, 3])  # one stage: test_transparency
 def test_every_rank_of_a_run_executes_exactly_its_column(tmp_path, k):
-    """K processes over torch.distributed, M in {1, 3, 4}, fill-drain with one call per step and 1F1B
-    with one call per micro-batch: the recorded actions are the schedule's."""
+    """K processes over torch.distributed, M in {1, 3, 4}, fill-drain with one call per step, 1F1B and
+    ZB-H1 with one call per micro-batch: the recorded actions are the schedule's. Under ZB-H1 every
+    stage but the first (whose input needs no gradient: one backward, its W does nothing) runs each
+    W as a weight-gradient pass of its own, where the grid puts it; under the others only the
+    drain's last backward is followed by one (tests/test_input_first.py)."""
     for result in run_ranks("tests/workers/schedule_run.py", k, str(tmp_path), "1", "3", "4", timeout=240):
         check(result)
     for rank in range(k):
         recorded = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert sorted(recorded) == sorted(f"{name}:{m}" for name in ("gpipe", "1f1b") for m in (1, 3, 4))
+        assert sorted(recorded) == sorted(
+            f"{name}:{m}" for name in ("gpipe", "1f1b", "zb_h1") for m in (1, 3, 4)
+        )
         for key, run in recorded.items():
             name, m = key.split(":")
-            grid = (fill_drain if name == "gpipe" else one_f_one_b)(k, int(m))
-            expected = [str(a) for a in stage_actions(grid, run["stage"])]
-            assert run["actions"] == expected, f"{name}: K={k}, M={m}, stage {run['stage']}"
+            grid, j = SCHEDULES[name](k, int(m)), run["stage"]
+            expected = [str(a) for a in stage_actions(grid, j) if a.kind != "W" or j > 0]
+            actions = [a for a in run["actions"] if name == "zb_h1" or not a.startswith("W")]
+            assert actions == expected, f"{name}: K={k}, M={m}, stage {j}"
 
 
 def _pytree_loss(out, y):

@@ -35,10 +35,12 @@ def _grads(split: bool):
     outputs = list(net(x, skip))
     grads = [torch.randn_like(t) for t in outputs]
     if split:
-        dx, dskip = input_first.backward(outputs, grads, [x, skip])
-        assert all(p.grad is None or p.grad.abs().sum() > 0 for p in net.parameters())
+        two = input_first.Split.of(outputs, [x, skip], list(net.parameters()))
+        assert two is not None
         before = {n: p.grad.clone() for n, p in net.named_parameters() if p.requires_grad}
-        input_first.weights(outputs, grads, list(net.parameters()))
+        dx, dskip = two.inputs(grads)
+        assert all(torch.equal(before[n], p.grad) for n, p in net.named_parameters() if n in before)
+        two.weights()
         assert all(not torch.equal(before[n], p.grad) for n, p in net.named_parameters() if n in before)
     else:
         torch.autograd.backward(outputs, grads)
@@ -120,3 +122,74 @@ def _reference_grads(seq, x, y):
     plain = copy.deepcopy(seq)
     nn.functional.mse_loss(plain(x), y).backward()
     return list(plain.parameters())
+
+
+class _Counted(torch.autograd.Function):
+    """Identity whose backward counts its calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Counted.calls += 1
+        return grad
+
+
+class _Closure(nn.Module):
+    """Uses another layer's weight through a plain attribute (not registered here)."""
+
+    def __init__(self, other: nn.Linear) -> None:
+        super().__init__()
+        self.__dict__["borrowed"] = other
+
+    def forward(self, x):
+        return x @ self.borrowed.weight.t()
+
+
+def _stack_grads(split: bool, closure: bool):
+    torch.manual_seed(1)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    modules = [first, second, _Closure(first) if closure else nn.Identity()]
+    x = torch.randn(3, 4, requires_grad=True)
+    h = torch.tanh(first(x))
+    h = _Counted.apply(h)  # between the layers: on the input chain, below the second's weight
+    y = modules[2](torch.relu(second(h)))
+    dy = torch.randn_like(y)
+    _Counted.calls = 0
+    if split:
+        two = input_first.Split.of([y], [x], [p for m in modules for p in m.parameters()])
+        assert two is not None
+        dx = two.inputs([dy])[0]
+        two.weights()
+    else:
+        y.backward(dy)
+        dx = x.grad
+    return dx, [first.weight.grad, first.bias.grad, second.weight.grad, second.bias.grad], _Counted.calls
+
+
+@pytest.mark.parametrize("closure", [False, True])
+def test_the_input_chain_runs_once_and_a_weight_used_through_another_layer_counts_both_uses(closure):
+    """The second pass starts where each weight meets the input chain, so the chain between the layers
+    runs once over both passes; a weight that a later layer uses through an unregistered reference gets
+    the gradient of both uses, bit for bit (its second pass runs the chain between its uses again and
+    keeps what the first pass found there)."""
+    split, single = _stack_grads(True, closure), _stack_grads(False, closure)
+    assert single[2] == 1 and split[2] == (2 if closure else 1)
+    assert torch.equal(split[0], single[0])
+    for a, b in zip(split[1], single[1]):
+        assert torch.equal(a, b)
+
+
+def test_a_graph_the_first_pass_cannot_cover_is_not_split():
+    """No input needing a gradient (the first stage), an output reached by a weight without the input
+    chain, a leaf output: Split.of declines, and the executor runs one backward."""
+    layer, x = nn.Linear(3, 3), torch.randn(2, 3, requires_grad=True)
+    params = list(layer.parameters())
+    assert input_first.Split.of([layer(x)], [], params) is None
+    assert input_first.Split.of([layer(x), layer.weight * 2], [x], params) is None
+    assert input_first.Split.of([layer(x), layer.weight], [x], params) is None
+    assert input_first.Split.of([layer(x), x * 2], [x], params) is not None

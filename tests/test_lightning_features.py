@@ -26,6 +26,7 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
         [
             {"chunks": 2, "pipeline_parallel_size": 2},
             {"chunks": 2, "pipeline_parallel_size": 2, "schedule": "1f1b"},
+            {"chunks": 2, "pipeline_parallel_size": 2, "schedule": "zb_h1", "checkpoint": "never"},
         ],
         steps=-1,
         batch=5,
@@ -34,8 +35,8 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
         net={"indexed": True, "sync_dist": True},
     )
     for r, calls in zip(
-        results, (1, 2)
-    ):  # schedule="1f1b": training_step once per micro-batch (3 + 2 samples)
+        results, (1, 2, 2)
+    ):  # schedule="1f1b" and "zb_h1": training_step once per micro-batch (3 + 2 samples)
         ranks = r["ranks"]  # replica 0: ranks 0 (last stage), 1 (first); replica 1: ranks 2, 3
         seen = [[sum(rank["indices"][s * calls : (s + 1) * calls], []) for s in range(6)] for rank in ranks]
         for replica, (a, b) in enumerate([(0, 1), (2, 3)]):
@@ -112,11 +113,12 @@ def test_gradient_clipping_uses_the_global_norm(gpipe_job, norm_type):
         [
             {"chunks": 3, "gradient_clip_norm_type": norm_type},
             {"chunks": 3, "gradient_clip_norm_type": norm_type, "schedule": "1f1b"},
+            {"chunks": 3, "gradient_clip_norm_type": norm_type, "schedule": "zb_h1", "checkpoint": "never"},
         ],
         steps=3,
         trainer={"gradient_clip_val": 0.1},
     )
-    for result in results:  # fill-drain, then 1F1B
+    for result in results:  # fill-drain, 1F1B, ZB-H1
         for record in result["ranks"]:
             assert record["norms"] == pytest.approx(reference.norms, rel=1e-5)
             for ours, ref in zip(record["clipped"], reference.clipped):
@@ -126,12 +128,16 @@ def test_gradient_clipping_uses_the_global_norm(gpipe_job, norm_type):
 
 @pytest.mark.timeout(300)
 def test_stage_without_parameters_and_frozen_stage_train_like_one_device(gpipe_job):
-    """Stages [Linear] (frozen), [ReLU], [Linear]: two stages have no gradients; clipping does not hang."""
+    """Stages [Linear] (frozen), [ReLU], [Linear]: two stages have no gradients; clipping does not hang;
+    under ZB-H1 too (a stage whose backward has no weights to split)."""
     extra = {"gradient_clip_val": 0.1}
     reference = train_single_device("lrl", 0, steps=3, trainer_extra=extra, freeze_first=True)
-    results, _ = gpipe_job("lrl", 3, [{"chunks": 2}], steps=3, trainer=extra, net={"freeze_first": True})
+    runs = [{"chunks": 2}, {"chunks": 2, "schedule": "zb_h1", "checkpoint": "never"}]
+    results, _ = gpipe_job("lrl", 3, runs, steps=3, trainer=extra, net={"freeze_first": True})
     assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference.losses)) <= 1e-5
-    assert max_diff(results[0]["state"], reference.state_dict()) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(results[1]["synced_losses"], reference.losses)) <= 1e-5
+    for result in results:
+        assert max_diff(result["state"], reference.state_dict()) <= 1e-5
 
 
 @pytest.mark.timeout(300)
@@ -201,12 +207,21 @@ def test_bf16_mixed_on_cpu_trains_close_to_one_device(gpipe_job):
     extra = {"precision": "bf16-mixed"}
     reference = train_single_device("mlp", 0, steps=5, trainer_extra=extra)
     results, _ = gpipe_job(
-        "mlp", 2, [{"chunks": 2}, {"chunks": 2, "schedule": "1f1b"}], steps=5, trainer=extra
+        "mlp",
+        2,
+        [
+            {"chunks": 2},
+            {"chunks": 2, "schedule": "1f1b"},
+            {"chunks": 2, "schedule": "zb_h1", "checkpoint": "never"},
+        ],
+        steps=5,
+        trainer=extra,
     )
     assert len(results[0]["losses"]) == 5
     assert max(abs(a - b) for a, b in zip(results[0]["losses"], reference.losses)) <= 2e-2
-    one_f_one_b = results[1]["synced_losses"]  # the logged loss, combined over the micro-batch calls
-    assert len(one_f_one_b) == 5 and max(abs(a - b) for a, b in zip(one_f_one_b, reference.losses)) <= 2e-2
+    for result in results[1:]:  # 1F1B, ZB-H1: the logged loss, combined over the micro-batch calls
+        logged = result["synced_losses"]
+        assert len(logged) == 5 and max(abs(a - b) for a, b in zip(logged, reference.losses)) <= 2e-2
 
 
 @pytest.mark.slow  # about 20 s; test_callbacks.py checks predictions on every rank against one device in the default suite

@@ -14,14 +14,25 @@ from lightning_gpipe.wire import FIRST_ROOM
     ("k", "m", "v"), [(1, 3, 1), (2, 4, 1), (3, 5, 1), (2, 4, 2), (2, 5, 2), (3, 6, 2), (4, 8, 3)]
 )
 def test_equal_times_play_each_schedule_on_its_grid_clock(name, k, m, v):
-    """With every part's forward and backward 0.5 s and free links, action n of a column starts
-    at 0.5 s times its step in the grid: the simulator and the grid read the same columns."""
+    """With every part's forward and backward 0.5 s (ZB-H1: B and W 0.5 s each) and free links, action n
+    of a column starts at 0.5 s times its step in the grid: the simulator and the grid read the same
+    columns."""
     try:
         grid = SCHEDULES[name](k, m, v)
     except ValueError:
         assert v > 1  # a schedule without virtual stages refuses them
         return
-    sim = simulate(k, m, 0.5 * v, 0.5 * v, schedule=name, virtual_stages=v, checkpoint="never", timeline=True)
+    split = any(a is not None and a.kind == "W" for row in grid for a in row)
+    sim = simulate(
+        k,
+        m,
+        0.5 * v,
+        (1.0 if split else 0.5) * v,
+        schedule=name,
+        virtual_stages=v,
+        checkpoint="never",
+        timeline=True,
+    )
     assert sim.timeline is not None
     for j in range(k):
         steps = [step for step, row in enumerate(grid) if row[j] is not None]

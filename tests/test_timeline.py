@@ -14,7 +14,7 @@ from lightning_gpipe.trace import chrome_trace, plot_gantt, write_chrome_trace
 from tests._harness import check, run_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-_KIND = {"F": "forward", "B": "backward", "R": "recompute"}
+_KIND = {"F": "forward", "B": "backward", "R": "recompute", "W": "weights"}
 
 
 def records_from_simulation(
@@ -92,7 +92,7 @@ def test_bubble_of_simulated_steps_equals_the_cost_model(stages, chunks):
     assert mean_bubble_per_step(records) == [(0, pytest.approx(sim.bubble)), (1, pytest.approx(sim.bubble))]
 
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]
 
 
 @pytest.mark.parametrize(("schedule", "v"), SCHEDULES)
@@ -100,7 +100,7 @@ SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)]
 def test_bubble_per_stage_of_every_schedule_equals_the_cost_model(schedule, v, stages, chunks):
     """Each stage's idle share of the window is 1 - its busy time / the step (all its virtual
     stages together); with free communication the pipeline's bubble is the schedule's ideal
-    (K-1)/(v·M+K-1)."""
+    (K-1)/(v·M+K-1), and ZB-H1's (K-1)(F+B-W)/((K-1)(F+B-W)+M(F+B+W)) with F = B = W = 1 s."""
     for latency in (0.25, 0.0):
         records, sim = records_from_simulation(
             stages, chunks, schedule=schedule, virtual_stages=v, latency=latency
@@ -110,7 +110,10 @@ def test_bubble_per_stage_of_every_schedule_equals_the_cost_model(schedule, v, s
         assert stats.bubble == pytest.approx(sim.bubble)
         assert stats.stage_bubble == pytest.approx([1 - b / sim.step_time for b in sim.busy])
         assert {u for r in records for *_, u in r["events"][0]} == set(range(v))
-    assert stats.bubble == pytest.approx(ideal_bubble(stages, chunks, v))
+    if schedule == "zb_h1":
+        assert stats.bubble == pytest.approx((stages - 1) / (stages - 1 + 3 * chunks))
+    else:
+        assert stats.bubble == pytest.approx(ideal_bubble(stages, chunks, v))
 
 
 def test_chrome_trace_and_gantt_name_the_virtual_stage(tmp_path):

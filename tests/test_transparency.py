@@ -168,14 +168,16 @@ def test_deferred_batch_norm_running_stats_equal_full_batch(gpipe_job):
         {"chunks": 4, "checkpoint": "always", "deferred_batch_norm": True},
         {"chunks": 4, "checkpoint": "always"},
         {"chunks": 4, "checkpoint": "always", "deferred_batch_norm": True, "schedule": "1f1b"},
+        {"chunks": 4, "checkpoint": "never", "deferred_batch_norm": True, "schedule": "zb_h1"},
     ]
     results, _ = gpipe_job("cbr", 3, runs, steps=1, batch=16)
     deferred, plain = _bn_stats(results[0]["state"]), _bn_stats(results[1]["state"])
     expected = _bn_stats(reference.state_dict())
     assert max_diff(deferred, expected) <= 1e-5
     assert deferred["num_batches_tracked"].item() == 1
-    one_f_one_b = _bn_stats(results[2]["state"])  # committed once, after the step's last micro-batch call
-    assert max_diff(one_f_one_b, expected) <= 1e-5 and one_f_one_b["num_batches_tracked"].item() == 1
+    for result in results[2:]:  # 1F1B, ZB-H1: committed once, after the step's last micro-batch call
+        stats = _bn_stats(result["state"])
+        assert max_diff(stats, expected) <= 1e-5 and stats["num_batches_tracked"].item() == 1
     # Without deferred batch norm the running statistics are those of 4 micro-batch updates, not one
     # full-batch update: num_batches_tracked counts micro-batches and the means differ.
     assert plain["num_batches_tracked"].item() == 4
@@ -194,7 +196,7 @@ ONE_F_ONE_B_FULL = {
 }
 
 
-def _check_1f1b_runs(gpipe_job, reference, stages, runs):
+def _check_1f1b_runs(gpipe_job, reference, stages, runs, schedule="1f1b"):
     """Per step, the loss every rank's ``callback_metrics`` held (the logged value, combined over the
     micro-batches) and, combined by size, the losses of the step's calls equal the one-device losses;
     the final parameters too; the logger got one value per step."""
@@ -202,7 +204,7 @@ def _check_1f1b_runs(gpipe_job, reference, stages, runs):
         {
             "chunks": m,
             "checkpoint": c,
-            "schedule": "1f1b",
+            "schedule": schedule,
             "record_logs": True,
             "trainer": {"log_every_n_steps": 1},
         }
@@ -211,7 +213,7 @@ def _check_1f1b_runs(gpipe_job, reference, stages, runs):
     results, _ = gpipe_job("mlp", stages, specs, steps=5, batch=10)
     ref_state = reference.state_dict()
     for (m, c), result in zip(runs, results):
-        where = f"K={stages} M={m} checkpoint={c}"
+        where = f"{schedule} K={stages} M={m} checkpoint={c}"
         parts = sizes(10, m)
         calls = result["losses"]  # the last stage's training_step ran once per micro-batch
         assert len(calls) == 5 * len(parts), where
@@ -240,3 +242,13 @@ def test_1f1b_matches_single_device(gpipe_job, reference):
 def test_1f1b_matches_single_device_full_grid(gpipe_job, reference, stages):
     """K in {2, 3}, M in {1, 3, 4, 8}, every checkpoint mode (one job per K)."""
     _check_1f1b_runs(gpipe_job, reference, stages, ONE_F_ONE_B[stages] + ONE_F_ONE_B_FULL[stages])
+
+
+# -- schedule="zb_h1": 1F1B with each backward split into B (input gradient) and W (weights) --------
+@pytest.mark.timeout(300)
+def test_zb_h1_matches_single_device(gpipe_job, reference):
+    """schedule="zb_h1", K = 2 and 3, batch 10, 5 steps: M in {1, 3, 4, 8} over the two K, every
+    checkpoint mode (a recomputed micro-batch's B runs the whole backward and its W nothing): losses
+    and parameters within 1e-5 of the one-device run."""
+    _check_1f1b_runs(gpipe_job, reference, 2, [(3, "never"), (8, "except_last")], schedule="zb_h1")
+    _check_1f1b_runs(gpipe_job, reference, 3, [(1, "never"), (4, "always")], schedule="zb_h1")

@@ -38,6 +38,8 @@ The package, one idea per module:
 - :mod:`~lightning_gpipe.schedule.fill_drain`: GPipe's :func:`fill_drain`;
 - :mod:`~lightning_gpipe.schedule.one_f_one_b`: :func:`one_f_one_b` (PipeDream-Flush) and
   :func:`interleaved_1f1b` (virtual stages), with their grids;
+- :mod:`~lightning_gpipe.schedule.zero_bubble`: :func:`zb_h1` (Zero Bubble's ZB-H1: backwards split
+  into ``B``, the input gradient, and ``W``, the weight gradients);
 - :mod:`~lightning_gpipe.schedule.messages`: the messages each action receives and sends
   (:func:`receives`, :func:`sends`, :func:`messages`, :func:`send_order`);
 - here: :data:`SCHEDULES` by name and the checks of the strategy's ``schedule=`` and
@@ -85,6 +87,7 @@ from lightning_gpipe.schedule.messages import (
     sends,
 )
 from lightning_gpipe.schedule.one_f_one_b import interleaved_1f1b, one_f_one_b
+from lightning_gpipe.schedule.zero_bubble import zb_h1
 
 __all__ = [
     "SCHEDULES",
@@ -115,12 +118,14 @@ __all__ = [
     "stage_actions",
     "validate",
     "virtual_stages_of",
+    "zb_h1",
 ]
 
 SCHEDULES: dict[str, Schedule] = {
     "gpipe": fill_drain,
     "1f1b": one_f_one_b,
     "interleaved_1f1b": interleaved_1f1b,
+    "zb_h1": zb_h1,
 }
 """Every schedule by the name ``GPipeStrategy(schedule=...)`` takes: a function
 ``(stages, chunks, virtual_stages=1) -> Grid`` (:class:`Schedule`); only ``"interleaved_1f1b"``

@@ -33,15 +33,20 @@ __all__ = [
     "virtual_stages_of",
 ]
 
-Kind = Literal["F", "B"]
+Kind = Literal["F", "B", "W"]
 
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of work of a stage: forward (``F``) or backward (``B``) of micro-batch ``i``.
+    """One unit of work of a stage: forward (``F``), backward (``B``) or weight gradients (``W``) of micro-batch ``i``.
+
+    ``B i`` is the whole backward unless the stage's column also runs ``W i``: then ``B i``
+    computes the gradient of the stage's inputs only (what the previous stage waits for) and
+    ``W i`` the gradients of its weights (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024,
+    section 2; :func:`~lightning_gpipe.schedule.zb_h1`, :mod:`lightning_gpipe.input_first`).
 
     Attributes:
-        kind: ``"F"`` or ``"B"``.
+        kind: ``"F"``, ``"B"`` or ``"W"``.
         i: the micro-batch, ``0 <= i < M``.
         virtual_stage: which of its stage's ``v`` virtual stages runs it, ``0 <= u < v``
             (default 0: the stage's only one). Stage ``j``'s virtual stage ``u`` holds the
@@ -111,7 +116,7 @@ def place(columns: Sequence[Sequence[Action]]) -> Grid:
 
     ``F i`` of part ``c`` starts once ``F i`` of part ``c-1`` has finished; ``B i`` of part ``c``
     once ``B i`` of part ``c+1`` and ``F i`` of part ``c`` have (on the last part: micro-batch
-    ``i``'s loss); dependencies as :func:`validate` checks them. Without virtual stages, part =
+    ``i``'s loss); ``W i`` once ``B i`` of its part has; dependencies as :func:`validate` checks them. Without virtual stages, part =
     stage.
 
     Args:
@@ -137,6 +142,8 @@ def place(columns: Sequence[Sequence[Action]]) -> Grid:
             c = part(j, action.virtual_stage, k)
             if action.kind == "F":
                 inputs = [("F", action.i, c - 1)] if c > 0 else []
+            elif action.kind == "W":
+                inputs = [("B", action.i, c)]
             else:
                 inputs = [("F", action.i, c)] + ([("B", action.i, c + 1)] if c < last else [])
             if all(done.get(key, step) < step for key in inputs):
@@ -205,7 +212,8 @@ def validate(grid: Grid) -> None:
 
     Every part runs each forward and each backward exactly once; ``F i`` on part ``c`` comes
     after ``F i`` on part ``c-1``; ``B i`` on part ``c`` comes after ``B i`` on part ``c+1``
-    and after ``F i`` on part ``c``. Without virtual stages, part = stage.
+    and after ``F i`` on part ``c``; a ``W i`` (at most one per part) after ``B i`` on its part.
+    Without virtual stages, part = stage.
 
     Raises:
         ValueError: naming the first violated rule, with the grid printed.
@@ -245,6 +253,8 @@ def validate(grid: Grid) -> None:
                 )
             if when[("B", i, c)] <= when[("F", i, c)]:
                 raise ValueError(f"B{i} on {where(c)} runs before F{i}\n{format_grid(grid)}")
+            if when.get(("W", i, c), when[("B", i, c)] + 1) <= when[("B", i, c)]:
+                raise ValueError(f"W{i} on {where(c)} runs before B{i}\n{format_grid(grid)}")
 
 
 def bubble_share(grid: Grid) -> float:

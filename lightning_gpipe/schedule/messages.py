@@ -73,11 +73,13 @@ def receives(
     Forward: the part's input from the previous part, then each skip popped here from its
     stashing part. Backward: the output's gradient from the next part, then the gradient of
     each skip stashed here from its popping part. (On the last part the output's gradient
-    comes from the user's loss, not a message.) At run time a gradient message flows only for
+    comes from the user's loss, not a message.) ``W``: nothing. At run time a gradient message flows only for
     tensors that require a gradient. With virtual stages, skip routes name parts
     (:func:`part`); part ``c``'s next part ``c+1`` lives on stage ``(c+1) mod K``, so the last
     stage's virtual stage ``u`` sends to stage 0's virtual stage ``u+1``.
     """
+    if action.kind == "W":
+        return []  # the weight gradients: from what its B received
     skips = list(skips)
     c, last = part(stage, action.virtual_stage, stages), stages * virtual_stages - 1
     if action.kind == "F":
@@ -94,8 +96,10 @@ def sends(
 
     Forward: the output to the next part, then each skip stashed here to its popping part.
     Backward: the input's gradient to the previous part, then the gradient of each skip popped
-    here to its stashing part.
+    here to its stashing part. ``W``: nothing.
     """
+    if action.kind == "W":
+        return []  # the weight gradients stay on the stage
     skips = list(skips)
     c, last = part(stage, action.virtual_stage, stages), stages * virtual_stages - 1
     if action.kind == "F":

@@ -1,9 +1,10 @@
 """Worker: one training step of tests.models.Net("mlp") under torch.distributed.pipelining's
-ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B.
+ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or ScheduleInterleavedZeroBubble.
 
 Usage (one process per stage, RANK/WORLD_SIZE set): python tests/workers/peer_pipelining.py OUT CHUNKS BATCH [SCHEDULE ...]
 SCHEDULE: ``gpipe`` (ScheduleGPipe, the default), ``1f1b`` (Schedule1F1B) or ``interleaved_1f1b``
-(ScheduleInterleaved1F1B with two virtual stages: rank p holds the peer's stages p and p+K of K·2);
+(ScheduleInterleaved1F1B with two virtual stages: rank p holds the peer's stages p and p+K of K·2)
+or ``zb_h1`` (ScheduleInterleavedZeroBubble with one stage per rank: ZB-H1);
 each runs one step from the same weights.
 Rank r runs stage r (and r+K) on the same layer split as GPipeStrategy's uniform balance and writes
 ``peer_rank{r}.pt`` (``peer_{schedule}_rank{r}.pt`` for the others) with its gradients under the
@@ -24,6 +25,7 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
 )
 
 from lightning_gpipe.partition import uniform_balance, virtual_cut
@@ -52,10 +54,9 @@ for name in names:
         PipelineStage(sub, rank + u * world, world * v, torch.device("cpu"))
         for u, sub in enumerate(submodules)
     ]
-    if name == "interleaved_1f1b":
-        schedule = ScheduleInterleaved1F1B(
-            stages, n_microbatches=chunks, loss_fn=loss_fn_exact, scale_grads=False
-        )
+    if name in ("interleaved_1f1b", "zb_h1"):
+        multi = ScheduleInterleaved1F1B if name == "interleaved_1f1b" else ScheduleInterleavedZeroBubble
+        schedule = multi(stages, n_microbatches=chunks, loss_fn=loss_fn_exact, scale_grads=False)
     else:
         peer_schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
         schedule = peer_schedule(stages[0], n_microbatches=chunks, loss_fn=loss_fn_exact, scale_grads=False)

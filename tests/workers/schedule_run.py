@@ -2,12 +2,14 @@
 
 Usage: python tests/workers/schedule_run.py OUT M [M ...] (torchrun-style env: RANK, WORLD_SIZE)
 Every rank runs its stage of a small MLP (K = WORLD_SIZE stages) through one training step for
-each M under fill-drain (one call per step, as under ``schedule="gpipe"``) and under 1F1B (one
-call per micro-batch, each micro-batch's loss backpropagated right after its call, as under
-``schedule="1f1b"``), with a recorder in place of the timeline, and writes ``OUT/rank<r>.json``:
-for each ``"<schedule>:<M>"``, the stage index and the ``F``/``B`` actions the stage executed, in order.
+each M under fill-drain (one call per step, as under ``schedule="gpipe"``), under 1F1B and under
+ZB-H1 with ``checkpoint="never"`` (one call per micro-batch, each micro-batch's loss backpropagated
+right after its call, as under ``schedule="1f1b"``), with a recorder in place of the timeline, and
+writes ``OUT/rank<r>.json``: for each ``"<schedule>:<M>"``, the stage index and the ``F``/``B``/``W``
+actions the stage executed, in order (``W i``: a weight-gradient pass, :mod:`lightning_gpipe.input_first`).
 """
 
+import itertools
 import json
 import sys
 from contextlib import contextmanager
@@ -21,7 +23,7 @@ from torch import nn
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.layout import Layout
 from lightning_gpipe.microbatch import sizes
-from lightning_gpipe.schedule import one_f_one_b
+from lightning_gpipe.schedule import one_f_one_b, zb_h1
 from lightning_gpipe.stage import build_stage
 
 
@@ -33,7 +35,7 @@ class Recorder:
 
     @contextmanager
     def span(self, kind: str, i: int, u: int = 0):
-        if kind in ("forward", "backward"):  # as str(Action)
+        if kind in ("forward", "backward", "weights"):  # as str(Action)
             self.actions.append(f"{kind[0].upper()}{i}" + (f"v{u}" if u else ""))
         yield
 
@@ -58,10 +60,12 @@ for m in chunks:
     assert shared is not None
     stage.backward()
     recorded[f"gpipe:{m}"] = {"stage": stage.topology.stage, "actions": recorder.actions}
-for m in chunks:
+for (name, schedule, checkpoint), m in itertools.product(
+    [("1f1b", one_f_one_b, "except_last"), ("zb_h1", zb_h1, "never")], chunks
+):
     stage = build_stage(
-        seq, uniform_balance(3, world), Layout(world, world), rank, m, "except_last", torch.device("cpu"),
-        schedule=one_f_one_b,
+        seq, uniform_balance(3, world), Layout(world, world), rank, m, checkpoint, torch.device("cpu"),
+        schedule=schedule,
     )  # fmt: skip
     stage.timeline = recorder = Recorder()
     parts = sizes(len(x), m)
@@ -72,7 +76,7 @@ for m in chunks:
             (nn.functional.mse_loss(out_, yi) * len(yi) / len(y)).backward()
             stage.loss_backpropagated(i)
     stage.end_micro_steps()
-    recorded[f"1f1b:{m}"] = {"stage": stage.topology.stage, "actions": recorder.actions}
+    recorded[f"{name}:{m}"] = {"stage": stage.topology.stage, "actions": recorder.actions}
 (out / f"rank{rank}.json").write_text(json.dumps(recorded))
 dist.barrier()
 dist.destroy_process_group()
