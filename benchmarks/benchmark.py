@@ -12,6 +12,10 @@ bubble share, the cost model's error, and the largest model that fits a memory b
 - ``peer``: ``torch.distributed.pipelining``'s same schedule with ``scale_grads=False``, same split
   and micro-batches: ``ScheduleGPipe``, ``Schedule1F1B``, or ``ScheduleInterleaved1F1B`` holding
   our parts ``p, p+K, …`` on rank ``p`` under ``schedule=interleaved_1f1b``;
+- ``peer_schedule``: the peer's schedule, where it differs from ours (a yardstick: ``schedule=zb_h1
+  peer_schedule=1f1b`` and ``schedule=1f1b peer_schedule=1f1b``, both alternating, give our ZB-H1's
+  gain over our 1F1B as the ratio of their ``vs_peer_alternating``, each measured against the same
+  peer within seconds); one virtual stage per stage;
 - ``alternate=true``: ``ours`` and ``bare`` each take turns with the peer in their own processes,
   ``block`` steps each (the peer on a process group of its own), and report
   ``vs_peer_alternating``: the median over blocks of the peer's median step over theirs in the
@@ -136,6 +140,7 @@ COLUMNS = [
     "vs_peer_alternating_blocks",
     "latency_gloo_s",
     "vs_peer_alternating_ci",
+    "peer_schedule",
 ]
 
 # The one-process baselines: 1 thread, K threads, 1 thread on the pipeline's micro-batches.
@@ -288,7 +293,8 @@ def _row(
     step = result["step_s"]
     act = [r.get("activation_bytes") for r in stage_results]
     k, m = cfg.stages, len(microbatch_sizes(cfg.batch_size, cfg.chunks))
-    schedule = cfg.schedule if run in ("ours", "bare", "peer") else None
+    peer_schedule = cfg.get("peer_schedule") or cfg.schedule
+    schedule = (peer_schedule if run == "peer" else cfg.schedule) if run in ("ours", "bare", "peer") else None
     v = cfg.virtual_stages if run in ("ours", "peer") else 1
     return {
         "run": run,
@@ -318,6 +324,7 @@ def _row(
         "activation_bytes_stages": "|".join(str(a) for a in act) if any(a is not None for a in act) else None,
         "rss_bytes": max(r["rss_bytes"] for r in stage_results),
         "schedule": schedule,
+        "peer_schedule": peer_schedule if run in ("ours", "bare", "peer") else None,
         "virtual_stages": v if run in ("ours", "bare", "peer") else None,
         "pin": bool(cfg.get("pin", False)) if run in ("ours", "bare", "peer") else None,
         "cpus_stages": "|".join(",".join(str(c) for c in r["cpus"]) for r in stage_results)
@@ -428,6 +435,7 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
                     "chunks": cfg.chunks,
                     "checkpoint": cfg.checkpoint,
                     "schedule": cfg.schedule,
+                    "peer_schedule": cfg.peer_schedule or cfg.schedule,
                     "virtual_stages": cfg.virtual_stages,
                     "batch_size": cfg.batch_size,
                     "threads": cfg.threads,
@@ -640,7 +648,7 @@ def format_paired(rows: list[dict[str, Any]]) -> str:
         if row.get("vs_peer_paired") not in (None, "")
     ]
     lines += [
-        f"{row['run']} / peer, {row['model']} {_schedule_name(row)} M={row['chunks']}, alternating: "
+        f"{row['run']} / peer{_peer_schedule(row)}, {row['model']} {_schedule_name(row)} M={row['chunks']}, alternating: "
         f"{_fmt(row.get('vs_peer_alternating'), '.3f')} "
         f"(median over {len(str(row.get('vs_peer_alternating_blocks', '')).split('|'))} blocks, its 95 % interval "
         f"{str(row.get('vs_peer_alternating_ci') or '–').replace('|', '–')}; "
@@ -674,6 +682,12 @@ def _fmt(value: Any, spec: str = ".3g", scale: float = 1.0) -> str:
     if value in (None, ""):
         return "–"
     return format(float(value) * scale, spec)
+
+
+def _peer_schedule(row: dict[str, Any]) -> str:
+    """`` (1f1b)`` where the peer ran another schedule than the row (``peer_schedule``), else empty."""
+    other = row.get("peer_schedule")
+    return f" ({other})" if other and other != row.get("schedule") else ""
 
 
 def _schedule_name(row: dict[str, Any]) -> str:

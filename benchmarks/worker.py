@@ -489,7 +489,13 @@ class Peer:
         stage = world - 1 - rank if ours_layout else rank
         self.spec, self.stage, self.world = spec, stage, world
         model_cfg = spec["model"]
-        name = spec.get("schedule", "gpipe")
+        name = spec.get("peer_schedule") or spec.get("schedule", "gpipe")
+        if name != spec.get("schedule", "gpipe") and (
+            name == "interleaved_1f1b" or spec.get("virtual_stages", 1) > 1
+        ):
+            raise ValueError(
+                f"peer_schedule={name!r} with schedule={spec.get('schedule')!r}: a yardstick runs one virtual stage per stage"
+            )
         parts = len(spec["balance"])  # K, or K·v with virtual stages: stage s runs parts s, s+K, ...
         submodules = [
             nn.Sequential(OrderedDict(layers))

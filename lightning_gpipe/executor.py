@@ -331,19 +331,23 @@ class ColumnExecutor(nn.Module):
         layers = self._virtual_modules(u)
         errors = partial(self._naming_errors, "backward", i, run.inputs[key])
         deferred = key in run.plan.deferred  # this column runs W i: B i is the input gradient only
+        wanted = bool(y_grad) and (deferred or action == run.plan.input_first) and any(sources)
+        if wanted:
+            recomputed = recompute.recomputes(self.checkpoint_mode, i, run.chunks)
+            wanted = input_first.splits(layers, recomputed, compiled=self.__dict__["_compiled"] is not None)
         split = None
-        if y_grad and (deferred or action == run.plan.input_first) and any(sources):
-            if input_first.splits(layers, recompute.recomputes(self.checkpoint_mode, i, run.chunks)):
-                params = [p for layer in layers for p in layer.parameters()]
-                split = input_first.Split.of(y_grad, [x for xs in sources for x in xs], params)
-        if split is not None:  # the input gradients leave before the weight gradients are computed
+        if y_grad:
             with self._span("backward", i, u), errors():
-                flat = list(split.inputs(dy))
+                if wanted:  # the input gradients leave before the weight gradients are computed
+                    params = [p for layer in layers for p in layer.parameters()]
+                    split = input_first.Split.of(y_grad, [x for xs in sources for x in xs], params)
+                if split is not None:
+                    flat = list(split.inputs(dy))
+                else:
+                    torch.autograd.backward(y_grad, dy)
+        if split is not None:
             found = [[flat.pop(0) for _ in xs] for xs in sources]
         else:
-            if y_grad:
-                with self._span("backward", i, u), errors():
-                    torch.autograd.backward(y_grad, dy)
             found = [[x.grad for x in xs] for xs in sources]
         for t, xs, gs in zip(sends, sources, found):
             dx = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, gs)]

@@ -35,6 +35,11 @@ Not split (one backward, as before; under ``zb_h1`` its ``W`` then does nothing)
 - a micro-batch whose forward is recomputed (the recompute would run in both passes);
 - a stage whose modules carry backward hooks, or when any module does
   (``register_module_full_backward_hook``): they would run twice;
+- a stage run as one ``torch.compile`` graph: its backward is one autograd node that computes the
+  input and the weight gradients together, so each pass would run all of it (as
+  ``torch.distributed.pipelining`` refuses its zero-bubble schedules under compile). A custom
+  ``torch.autograd.Function`` that computes both whatever ``ctx.needs_input_grad`` says is run in
+  both passes the same way: correct, at the cost of its backward twice;
 - a graph where a parameter reaches an output without passing a node of the input chain (the
   first stage, whose input needs no gradient; an output computed from the weights alone): the
   first pass would not record the gradient it needs;
@@ -54,10 +59,11 @@ from torch.nn.modules import module as _module
 __all__ = ["Split", "splits"]
 
 
-def splits(modules: Sequence[nn.Module], recomputed: bool) -> bool:
+def splits(modules: Sequence[nn.Module], recomputed: bool, compiled: bool = False) -> bool:
     """Whether the backward of a micro-batch that ran through ``modules`` may be split: its forward
-    is not recomputed and no module carries a backward hook (nor is one registered for every module)."""
-    if recomputed or _module._global_backward_hooks or _module._global_backward_pre_hooks:
+    is not recomputed, the modules are not run as one compiled graph (``compiled``), and no module
+    carries a backward hook (nor is one registered for every module)."""
+    if recomputed or compiled or _module._global_backward_hooks or _module._global_backward_pre_hooks:
         return False
     return not any(m._backward_hooks or m._backward_pre_hooks for layer in modules for m in layer.modules())
 

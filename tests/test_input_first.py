@@ -56,10 +56,11 @@ def test_two_passes_give_the_single_backward_gradients_bit_for_bit():
         assert (g is None and split[2][name] is None) or torch.equal(g, split[2][name]), name
 
 
-def test_a_recomputed_forward_or_a_backward_hook_keeps_one_backward():
+def test_a_recomputed_forward_a_compiled_stage_or_a_backward_hook_keeps_one_backward():
     layers = [nn.Sequential(nn.Linear(2, 2), nn.Tanh()), nn.Linear(2, 2)]
     assert input_first.splits(layers, recomputed=False)
     assert not input_first.splits(layers, recomputed=True)
+    assert not input_first.splits(layers, recomputed=False, compiled=True)  # one node: both gradients at once
     handle = layers[0][1].register_full_backward_hook(lambda *args: None)  # on a module inside a layer
     assert not input_first.splits(layers, recomputed=False)
     handle.remove()

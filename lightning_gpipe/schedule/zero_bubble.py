@@ -19,10 +19,10 @@ weight gradients)::
       12  B3      W2      W2
       13  W3      W3      W3
 
-With unit-time actions the grid is as long as 1F1B's with its backwards split in two; what the split
-gains shows when a backward takes two forwards' time (:func:`lightning_gpipe.simulate.simulate`):
-a ``B`` then takes one, so the gradient reaches the stage before one forward's time sooner at every
-stage, and the weight gradients fill the time the stage would wait.
+Each action is one clock step here, a ``B`` and a ``W`` each as long as a forward. Played with
+those times (:func:`lightning_gpipe.simulate.simulate`, ``backward = B + W``), a step takes
+``M(F+B+W) + (K-1)(F+B-W)`` against 1F1B's ``(M+K-1)(F+B+W)``: the gradient reaches each stage
+before a ``W`` is computed, and the ``W`` fill the time the stage would wait.
 """
 
 from __future__ import annotations
