@@ -21,10 +21,13 @@ with the recorded gradients to the parameters, one group of parameters at a time
 that share frontier nodes: a layer's weight and bias, a weight used by two layers), so that the
 input chain runs once and each parameter's gradient is accumulated into ``.grad`` as a single
 backward does (post-accumulate hooks fire). Torch's ``torch.distributed.pipelining`` splits its
-zero-bubble backwards the same way (``stage_backward_input`` / ``stage_backward_weight``). Where a
-group has several frontier nodes and one lies above another, the lower one's incoming gradient is
-pinned to the recorded one, so nothing is counted twice (the chain between them is computed and
-discarded).
+zero-bubble backwards the same way (``stage_backward_input`` / ``stage_backward_weight``).
+
+The second pass starts each frontier node from the gradient the first recorded there (a pre-hook
+replaces what arrives). So a gradient hook on an intermediate tensor (``register_hook``) changes
+the gradient once, though a hook with side effects (``retain_grad``, logging) at a frontier node
+runs in both passes; and where a group has several frontier nodes and one lies above another, the
+lower one is not counted twice (the chain between them is computed and discarded).
 
 The gradients are bit-identical to one backward. Only the parameters receive gradients in the
 second pass: a tensor that requires a gradient but is neither a parameter nor a stage input is left
@@ -38,8 +41,13 @@ Not split (one backward, as before; under ``zb_h1`` its ``W`` then does nothing)
 - a stage run as one ``torch.compile`` graph: its backward is one autograd node that computes the
   input and the weight gradients together, so each pass would run all of it (as
   ``torch.distributed.pipelining`` refuses its zero-bubble schedules under compile). A custom
-  ``torch.autograd.Function`` that computes both whatever ``ctx.needs_input_grad`` says is run in
-  both passes the same way: correct, at the cost of its backward twice;
+  ``torch.autograd.Function`` that computes both whatever ``ctx.needs_input_grad`` says runs in
+  both passes the same way: its backward twice, correct as long as it only returns its gradients
+  (one that adds a weight gradient somewhere itself, such as a fused accumulation into a
+  ``main_grad``, would add it twice: keep such a model under one backward with a backward hook on
+  the module);
+- a graph holding a reentrant checkpoint (``torch.utils.checkpoint(..., use_reentrant=True)``
+  inside a layer), which refuses ``torch.autograd.grad``;
 - a graph where a parameter reaches an output without passing a node of the input chain (the
   first stage, whose input needs no gradient; an output computed from the weights alone): the
   first pass would not record the gradient it needs;
@@ -66,6 +74,9 @@ def splits(modules: Sequence[nn.Module], recomputed: bool, compiled: bool = Fals
     if recomputed or compiled or _module._global_backward_hooks or _module._global_backward_pre_hooks:
         return False
     return not any(m._backward_hooks or m._backward_pre_hooks for layer in modules for m in layer.modules())
+
+
+_REENTRANT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)'s node
 
 
 class _Group:
@@ -110,6 +121,8 @@ class Split:
         stack: list[Node] = list(seen)
         while stack:
             node = stack.pop()
+            if type(node).__name__ == _REENTRANT:
+                return None  # a reentrant checkpoint refuses torch.autograd.grad
             for child, _ in node.next_functions:
                 if child is None:
                     continue
@@ -192,11 +205,11 @@ class Split:
                         grads.append(g)
             if not edges:
                 continue  # no gradient reached these parameters
-            pins = (  # a lower frontier node takes its recorded gradient, not the chain's again
-                [n.register_prehook(lambda _, saved=recorded[n]: saved) for n in group.nodes if n in recorded]
-                if len(group.nodes) > 1
-                else []
-            )
+            # every frontier node takes the gradient the first pass recorded there: a lower one not
+            # the chain's again, and none the tensor hooks' (``register_hook``) a second time
+            pins = [
+                n.register_prehook(lambda _, saved=recorded[n]: saved) for n in group.nodes if n in recorded
+            ]
             try:
                 torch.autograd.backward(edges, grads, inputs=group.params, retain_graph=True)
             finally:

@@ -362,7 +362,11 @@ def simulate(
             weight_backward``, its ``W`` ``weight_backward``; a scalar, ``K`` or ``K·v`` values
             (default: half of ``backward``). A recomputed micro-batch's backward is not split
             (:mod:`lightning_gpipe.input_first`): whole at its ``B``, and its ``W`` takes no time.
-            The drain's split under the other schedules is not modelled.
+            The model splits every other backward; the executor keeps one backward for a few
+            more (module backward hooks, a compiled stage, a weight that reaches an output
+            without the input chain), and the split's own costs (the graph walk, the gradients
+            recorded until ``W``) are not modelled. The drain's split under the other schedules
+            is not modelled.
         latency (float): seconds from the end of a transfer on a link to its arrival
             (default: 0).
         bandwidth (float): bytes per second of each link and direction (default: infinite).

@@ -36,6 +36,7 @@ bytes).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -43,6 +44,11 @@ import torch
 from torch import Tensor
 
 __all__ = ["StageGenerator"]
+
+# Stages run as threads of one process (the tests' in-process transport) take turns at the process's
+# generators: torch's get and set of a generator's state hold the GIL while they wait for the
+# generator's lock, and two threads doing so at once were seen to wait on each other for good.
+_TURNS = threading.Lock()
 
 
 class StageGenerator:
@@ -61,14 +67,16 @@ class StageGenerator:
 
     def _get(self) -> tuple[Tensor, Tensor | None]:
         on_device = self.device.type != "cpu" and hasattr(torch, self.device.type)
-        device_state = getattr(torch, self.device.type).get_rng_state(self.device) if on_device else None
-        return torch.get_rng_state(), device_state
+        with _TURNS:
+            device_state = getattr(torch, self.device.type).get_rng_state(self.device) if on_device else None
+            return torch.get_rng_state(), device_state
 
     def _set(self, states: tuple[Tensor, Tensor | None]) -> None:
         cpu, device_state = states
-        torch.set_rng_state(cpu)
-        if device_state is not None:
-            getattr(torch, self.device.type).set_rng_state(device_state, self.device)
+        with _TURNS:
+            torch.set_rng_state(cpu)
+            if device_state is not None:
+                getattr(torch, self.device.type).set_rng_state(device_state, self.device)
 
     def _start(self) -> tuple[Tensor, Tensor | None]:
         """The stage's streams, seeded ``base + k`` from a number drawn from the process's CPU

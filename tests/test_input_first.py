@@ -194,3 +194,37 @@ def test_a_graph_the_first_pass_cannot_cover_is_not_split():
     assert input_first.Split.of([layer(x), layer.weight * 2], [x], params) is None
     assert input_first.Split.of([layer(x), layer.weight], [x], params) is None
     assert input_first.Split.of([layer(x), x * 2], [x], params) is not None
+
+
+def _hooked_grads(split: bool):
+    torch.manual_seed(2)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    h = first(x)
+    h.register_hook(lambda g: 2 * g)  # on an intermediate tensor: at the first weight's frontier node
+    y = second(torch.tanh(h))
+    dy = torch.randn_like(y)
+    if split:
+        two = input_first.Split.of([y], [x], [*first.parameters(), *second.parameters()])
+        assert two is not None
+        dx = two.inputs([dy])[0]
+        two.weights()
+    else:
+        y.backward(dy)
+        dx = x.grad
+    return [dx, first.weight.grad, first.bias.grad, second.weight.grad]
+
+
+def test_a_gradient_hook_on_an_intermediate_tensor_changes_the_gradient_once():
+    for a, b in zip(_hooked_grads(True), _hooked_grads(False)):
+        assert torch.equal(a, b)
+
+
+def test_a_reentrant_checkpoint_inside_a_layer_is_not_split():
+    """torch.utils.checkpoint(use_reentrant=True) refuses torch.autograd.grad: one backward instead."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer, x = nn.Linear(3, 3), torch.randn(2, 3, requires_grad=True)
+    y = checkpoint(layer, torch.tanh(x), use_reentrant=True)
+    assert input_first.Split.of([y * 2], [x], list(layer.parameters())) is None
+    assert input_first.Split.of([layer(torch.tanh(x))], [x], list(layer.parameters())) is not None
