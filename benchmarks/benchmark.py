@@ -35,7 +35,7 @@ peak RSS; ``ours`` and ``bare`` also the bubble share, each stage's idle share o
 (:func:`lightning_gpipe.balance.profile_layers`, one micro-batch) for the cost model's activation
 memory, with each part's backward workspace (its backward's peak above what its forward kept,
 under the tensor-memory meter) and the output's bytes per sample; each stage's measured peak is
-printed next to the model's; :func:`lightning_gpipe.simulate.simulate` predicts the step window from the run's own
+printed next to the model's; :func:`lightning_gpipe.tools.simulate.simulate` predicts the step window from the run's own
 per-stage forward/backward span medians (timeline) and the P2P latency of a ping-pong in ``bare``
 (and, as a second prediction, the in-run message delay); that latency is printed next to the
 same ping-pong on ``torch.distributed``'s own ``isend``/``irecv`` (``latency_gloo_s``). Rows are appended to ``csv``
@@ -76,12 +76,12 @@ from omegaconf import DictConfig, OmegaConf
 from benchmarks.launch import JobTimeout, job_env, run_job
 from benchmarks.memory import TensorMemoryMeter
 from benchmarks.workloads import build_model, loss_fn, make_batches
-from lightning_gpipe import comm
 from lightning_gpipe.balance import balance_by_parameters, balance_by_time, profile_layers
-from lightning_gpipe.microbatch import sizes as microbatch_sizes
-from lightning_gpipe.partition import check_balance, stage_bounds, uniform_balance
+from lightning_gpipe.engine.microbatch import sizes as microbatch_sizes
+from lightning_gpipe.partition.cut import check_balance, stage_bounds, uniform_balance
 from lightning_gpipe.schedule import ideal_bubble
-from lightning_gpipe.simulate import simulate
+from lightning_gpipe.tools.simulate import simulate
+from lightning_gpipe.transport import p2p as comm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -474,9 +474,9 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
 
 def format_memory(rows: list[dict[str, Any]], step_gradient_bytes: list[int]) -> str:
     """Per run, each stage's measured peak tensor MiB next to the cost model's
-    (:func:`lightning_gpipe.simulate.peak_activation_memory`, backward workspace and loss side
+    (:func:`lightning_gpipe.tools.simulate.peak_activation_memory`, backward workspace and loss side
     included) and their ratio, stage order. Under ``ours`` with a schedule other than ``gpipe`` the
-    per-micro-batch steps (:mod:`lightning_gpipe.microstep`) make the step's parameter gradients
+    per-micro-batch steps (:mod:`lightning_gpipe.strategy.microstep`) make the step's parameter gradients
     afresh, which the meter counts: the measure is the meter less ``step_gradient_bytes`` (per
     stage), the meter's own reading after it."""
     lines = []
@@ -657,7 +657,7 @@ def format_paired(rows: list[dict[str, Any]]) -> str:
         if row.get("vs_peer_alternating") not in (None, "")
     ]
     lines += [
-        f"one-way latency of a 1-element message by ping-pong (bare): lightning_gpipe.comm.P2P "
+        f"one-way latency of a 1-element message by ping-pong (bare): lightning_gpipe.transport.p2p.P2P "
         f"{_fmt(row['latency_s'], '.0f', 1e6)} us, torch.distributed isend/irecv "
         f"{_fmt(row.get('latency_gloo_s'), '.0f', 1e6)} us"
         for row in rows
@@ -733,9 +733,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def _step_need(cfg: DictConfig, num_layers: int, checkpoint: str) -> tuple[int, int]:
     """Bytes one training step of a one-stage pipeline needs, and the parameter count."""
-    from lightning_gpipe.comm import P2P
-    from lightning_gpipe.layout import StageTopology
-    from lightning_gpipe.stage import PipelineStage
+    from lightning_gpipe.engine.stage import PipelineStage
+    from lightning_gpipe.transport.layout import StageTopology
+    from lightning_gpipe.transport.p2p import P2P
 
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     assert isinstance(model_cfg, dict)
@@ -923,7 +923,7 @@ def report(path: str | Path) -> str:
         model_rows = [(m, r) for m, r in model_rows if r.get("predicted_window_s")]
         if model_rows:
             lines += [
-                "\nCost model (lightning_gpipe.simulate fed with the run's own per-stage span medians and the "
+                "\nCost model (lightning_gpipe.tools.simulate fed with the run's own per-stage span medians and the "
                 "measured P2P latency) against the measured step window (median)",
                 "| M | run | measured ms | predicted ms (ping-pong latency) | error "
                 "| predicted ms (in-run message delay) | error |",

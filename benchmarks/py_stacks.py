@@ -15,8 +15,8 @@ Each sample of a stage process's training loop (a stack through ``run_ours`` or 
 
 - ``layers``: the autograd engine's backward, or a frame of a layer's own code (``torch.nn``'s
   modules but ``Module``'s call machinery, the benchmark's workloads);
-- ``send``: ours' :meth:`~lightning_gpipe.comm.P2P.send`, or a ``dist.isend``;
-- ``receive``: ours' :meth:`~lightning_gpipe.comm.P2P.recv` and announcements, or a ``dist.irecv``
+- ``send``: ours' :meth:`~lightning_gpipe.transport.p2p.P2P.send`, or a ``dist.isend``;
+- ``receive``: ours' :meth:`~lightning_gpipe.transport.p2p.P2P.recv` and announcements, or a ``dist.irecv``
   or the peer's wait for its receives;
 - ``optimizer``: the optimizer's update and ``zero_grad``;
 - ``other``: the rest (the executor or the peer's schedule, Lightning, the loss, the timeline).

@@ -6,10 +6,10 @@ is one of:
 - ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under a Lightning ``Trainer`` (Lightning's
   launcher re-runs this command for the other stages), with ``timeline=True`` and the spec's
   ``schedule`` and ``virtual_stages``;
-- ``bare``: the same :class:`~lightning_gpipe.stage.PipelineStage` per process, driven by a plain
+- ``bare``: the same :class:`~lightning_gpipe.engine.stage.PipelineStage` per process, driven by a plain
   PyTorch loop (no Lightning): the Lightning overhead is ``ours`` against this; under ``1f1b``
   the loop calls the stage once per micro-batch and backpropagates each loss right after its call,
-  as :mod:`lightning_gpipe.microstep` does (``interleaved_1f1b`` has no bare run);
+  as :mod:`lightning_gpipe.strategy.microstep` does (``interleaved_1f1b`` has no bare run);
 - ``peer``: ``torch.distributed.pipelining`` on the same split and micro-batches, the spec's
   schedule: ``ScheduleGPipe``, ``Schedule1F1B`` or, under ``interleaved_1f1b``,
   ``ScheduleInterleaved1F1B`` with the peer's stages ``p, p+K, …`` (our parts) on rank ``p``
@@ -48,15 +48,15 @@ from torch import Tensor, nn
 
 from benchmarks.memory import TensorMemoryMeter, peak_rss_bytes
 from benchmarks.workloads import Batch, build_model, loss_fn, make_batches, summed_loss_fn
-from lightning_gpipe.comm import P2P
-from lightning_gpipe.layout import Layout, StageTopology
-from lightning_gpipe.microbatch import split
-from lightning_gpipe.microstep import split_batch
-from lightning_gpipe.partition import cut, virtual_cut
+from lightning_gpipe.engine.microbatch import split
+from lightning_gpipe.engine.stage import PipelineStage
+from lightning_gpipe.partition.cut import cut, virtual_cut
 from lightning_gpipe.schedule import SCHEDULES
-from lightning_gpipe.stage import PipelineStage
-from lightning_gpipe.timeline import Timeline, gather, step_stats
-from lightning_gpipe.trace import plot_gantt, write_chrome_trace
+from lightning_gpipe.strategy.microstep import split_batch
+from lightning_gpipe.tools.timeline import Timeline, gather, step_stats
+from lightning_gpipe.tools.trace import plot_gantt, write_chrome_trace
+from lightning_gpipe.transport.layout import Layout, StageTopology
+from lightning_gpipe.transport.p2p import P2P
 
 # -- measurement helpers ---------------------------------------------------------------------------
 
@@ -385,7 +385,7 @@ def _probe_gloo(other: int, first: bool, repeats: int = 50) -> float:
 
 def _bare_micro_steps(stage: PipelineStage, loss: Any, x: Tensor, y: Tensor, chunks: int) -> None:
     """One step of one call per micro-batch: each call's loss, weighted by its share of the batch,
-    backpropagated right after it (the last stage), as :mod:`lightning_gpipe.microstep` does."""
+    backpropagated right after it (the last stage), as :mod:`lightning_gpipe.strategy.microstep` does."""
     micro, parts = split_batch((x, y), chunks)
     total = sum(parts)
     stage.start_micro_steps(len(micro))
@@ -472,7 +472,7 @@ class Peer:
     micro-batches, its own SGD; :meth:`step` runs one training step (``group``: the ranks' group).
 
     With ``ours_layout`` each process holds the stage ours holds there (stage ``K-1-rank``: the
-    last stage on rank 0, :mod:`lightning_gpipe.layout`), so that in turns (:class:`Alternation`)
+    last stage on rank 0, :mod:`lightning_gpipe.transport.layout`), so that in turns (:class:`Alternation`)
     every process plays one role for both; otherwise stage ``rank``, the peer's default."""
 
     def __init__(

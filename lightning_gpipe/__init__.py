@@ -6,14 +6,14 @@
 
 import importlib
 
-from lightning_gpipe import _namespace
-from lightning_gpipe.failure import StageError
-from lightning_gpipe.loading import UnsafeCheckpointError, load_from_checkpoint
-from lightning_gpipe.microbatch import MicroBatchError, no_chunk
-from lightning_gpipe.partition import PartitionError
+from lightning_gpipe.engine.microbatch import MicroBatchError, no_chunk
+from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
+from lightning_gpipe.partition.cut import PartitionError
 from lightning_gpipe.schedule import Action, fill_drain, format_grid
-from lightning_gpipe.stage import PipelineStage, PipelineUsageError
-from lightning_gpipe.strategy import GPipeStrategy
+from lightning_gpipe.state.loading import UnsafeCheckpointError, load_from_checkpoint
+from lightning_gpipe.strategy import _namespace
+from lightning_gpipe.strategy.strategy import GPipeStrategy
+from lightning_gpipe.transport.failure import StageError
 
 
 def strategy_class(namespace: str = "pytorch_lightning") -> type[GPipeStrategy]:

@@ -93,7 +93,7 @@ OVERRIDDEN: tuple[tuple[type, str], ...] = (
     (SubprocessScriptLauncher, "_check_can_spawn_children"),  # ... and calls it
 )
 """Private members of Lightning classes that :class:`~lightning_gpipe.GPipeStrategy` and
-:class:`~lightning_gpipe.launcher.GPipeLauncher` override, set or call on themselves."""
+:class:`~lightning_gpipe.strategy.launcher.GPipeLauncher` override, set or call on themselves."""
 
 
 # -- Lightning ----------------------------------------------------------------------------------------

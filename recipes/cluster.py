@@ -1,7 +1,7 @@
 """One output directory per job and rank-tagged logs, whatever starts the job's processes.
 
 Lightning's own launcher starts ranks 1.. with the job's directory on their command line
-(:func:`lightning_gpipe.launcher.hydra_child_command`); submitit's tasks share the directory of
+(:func:`lightning_gpipe.strategy.launcher.hydra_child_command`); submitit's tasks share the directory of
 their job in a Hydra sweep (the sweep's resolved values travel with the pickled job). An external
 launcher of a plain run (``torchrun``, ``srun`` under SLURM) starts every rank itself, and each
 process composes its config on its own: resolved there, ``${now:...}`` would give each rank its

@@ -6,7 +6,7 @@ GPipe strategy needs to pipeline it unchanged (see ``DESIGN.md``, "The user's co
 ``LanguageModel`` and ``HFLanguageModel`` share the next-token steps and optimizer
 (``NextTokenSteps``), ``ImageClassifier`` and ``HFImageClassifier`` the classification ones
 (``ClassifierSteps``); the ``HF`` modules train a Hugging Face ``transformers`` model built from a
-config through :mod:`lightning_gpipe.adapters`.
+config through :mod:`lightning_gpipe.integrations.transformers`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
-from lightning_gpipe.adapters import causal_lm, image_classifier
+from lightning_gpipe.integrations.transformers import causal_lm, image_classifier
 from recipes.models.amoebanet import build_amoebanet
 from recipes.models.hf import build_hf
 from recipes.models.transformer import build_transformer
@@ -191,7 +191,7 @@ class LanguageModel(NextTokenSteps):
 class HFLanguageModel(NextTokenSteps):
     """Next-token language model on a Hugging Face ``transformers`` causal LM built from a config.
 
-    ``self.layers`` is :func:`lightning_gpipe.adapters.causal_lm` of
+    ``self.layers`` is :func:`lightning_gpipe.integrations.transformers.causal_lm` of
     ``hf_class(hf_class.config_class(**config))`` (:func:`~recipes.models.hf.build_hf`): it holds
     the model's own parameters (a GPT-2 head tied to the embedding stays tied, across stages
     too). The model itself is ``self.hf``, not a submodule, so every parameter lives in
@@ -346,7 +346,7 @@ class ImageClassifier(ClassifierSteps):
 class HFImageClassifier(ClassifierSteps):
     """Image classifier on a Hugging Face ``transformers`` model built from a config.
 
-    ``self.layers`` is :func:`lightning_gpipe.adapters.image_classifier` of
+    ``self.layers`` is :func:`lightning_gpipe.integrations.transformers.image_classifier` of
     ``hf_class(hf_class.config_class(**config))`` (:func:`~recipes.models.hf.build_hf`),
     holding the model's own parameters; the model itself is ``self.hf``, not a submodule. The
     loss, metrics and optimizer are :class:`ImageClassifier`'s.

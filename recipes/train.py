@@ -8,7 +8,7 @@
     python recipes/train.py -m pipeline.schedule=gpipe,1f1b # fill-drain, then 1F1B (training_step per micro-batch)
 
 Every process of a job runs this script (Lightning's launcher starts ranks 1.. with the job's
-own overrides, see :mod:`lightning_gpipe.launcher`; ``torchrun``, ``srun`` or submitit start every
+own overrides, see :mod:`lightning_gpipe.strategy.launcher`; ``torchrun``, ``srun`` or submitit start every
 rank themselves, see :mod:`recipes.cluster`) and writes into the one output directory of the job,
 the one rank 0 resolved: ``.hydra/config.yaml`` (rank 0), ``metrics.csv`` and ``hparams.yaml``
 (CSVLogger), ``tensorboard/`` when tensorboard is installed, ``checkpoints/`` (best and last) and
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.launcher import GPipeLauncher
+from lightning_gpipe.strategy.launcher import GPipeLauncher
 from recipes.cluster import SharedOutputDir, cluster_environment
 
 __all__ = ["build_data", "build_strategy", "main", "num_devices", "summary", "train"]

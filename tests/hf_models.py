@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gpipe.adapters import causal_lm
+from lightning_gpipe.integrations.transformers import causal_lm
 from tests.models import trainer_kwargs
 
 VOCAB, LENGTH = 50, 8
@@ -102,7 +102,7 @@ class HFImageClassifier(pl.LightningModule):
 
     def __init__(self, family: str, lr: float = 0.1) -> None:
         super().__init__()
-        from lightning_gpipe.adapters import image_classifier
+        from lightning_gpipe.integrations.transformers import image_classifier
 
         hf = build_image(family)
         self.__dict__["hf"] = hf

@@ -12,8 +12,8 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gpipe.microbatch import no_chunk
-from lightning_gpipe.skip import Pop, Stash
+from lightning_gpipe.engine.microbatch import no_chunk
+from lightning_gpipe.engine.skip import Pop, Stash
 
 # The Lightning namespace the models and Trainers come from: "pytorch_lightning" (default) or
 # "lightning.pytorch" (``import lightning as L``); workers set it from their spec.

@@ -1,4 +1,4 @@
-"""transformers models through lightning_gpipe.adapters: same outputs, shared parameters, checkpoints map back,
+"""transformers models through lightning_gpipe.integrations.transformers: same outputs, shared parameters, checkpoints map back,
 and pipelined training equal to one device (tied GPT-2 embedding and head included).
 
 Needs the ``[models]`` extra (transformers). Multi-process jobs run under hard timeouts (tests/_harness.py).
@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from lightning_gpipe import microbatch
-from lightning_gpipe.adapters import causal_lm, image_classifier, original_state_dict
+from lightning_gpipe.engine import microbatch
+from lightning_gpipe.integrations.transformers import causal_lm, image_classifier, original_state_dict
 from tests._harness import check, run_script
 
 transformers = pytest.importorskip("transformers", reason="transformers comes with the [models] extra")
@@ -158,7 +158,7 @@ def test_resnet_and_vit_over_two_stages_train_like_one_device(tmp_path):
     full batch's. It equals, within 1e-5 (measured about 1e-7: float32 summation order), for every parameter
     and every BatchNorm's running statistics, the same step written out on one device without the library
     (``tests.hf_models.micro_batch_reference``): micro-batches as ``torch.tensor_split`` makes them (the
-    pipeline's own split, ``lightning_gpipe.microbatch.sizes``), losses weighted by n_i / N, gradients
+    pipeline's own split, ``lightning_gpipe.engine.microbatch.sizes``), losses weighted by n_i / N, gradients
     accumulated, one SGD step, and each BatchNorm's running statistics updated once from the inputs it received
     over all micro-batches (what a deferred BatchNorm accumulates and commits). Only for the first BatchNorm are
     those inputs the full batch's (the embedder's convolution runs per sample), so its running statistics also

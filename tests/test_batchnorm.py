@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.batchnorm import (
+from lightning_gpipe.engine.batchnorm import (
     DeferredBatchNorm,
     commit_deferred_batch_norm,
     convert_deferred_batch_norm,

@@ -27,7 +27,7 @@ from benchmarks.benchmark import (
 from benchmarks.worker import Alternation, _timeline_summary, pin_rank
 from benchmarks.workloads import build_model
 from lightning_gpipe.schedule import ideal_bubble
-from lightning_gpipe.simulate import simulate
+from lightning_gpipe.tools.simulate import simulate
 from tests._harness import ROOT, _env
 from tests.test_timeline import records_from_simulation
 

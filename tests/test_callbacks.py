@@ -131,7 +131,7 @@ def test_pruning_keeps_this_stages_parameters_and_refuses_a_global_ranking_acros
     """One process: of the (layer, name) pairs ModelPruning listed on the whole model, the last stage
     (layers 3..4) keeps its own, the lottery ticket's saved layers follow their new indices, and a
     global ranking over parameters that span stages raises."""
-    from lightning_gpipe.callbacks import _prune_this_stage
+    from lightning_gpipe.strategy.callbacks import _prune_this_stage
 
     model = Net("mlp")
     last = model.layers[4]
@@ -158,7 +158,7 @@ def test_pruning_keeps_this_stages_parameters_and_refuses_a_global_ranking_acros
 def test_tuners_are_refused_with_a_clear_error(finder):
     """BatchSizeFinder and LearningRateFinder (what Tuner.scale_batch_size / lr_find add) raise, as
     Lightning's own distributed strategies refuse them; other callbacks pass."""
-    from lightning_gpipe.callbacks import refuse_tuners
+    from lightning_gpipe.strategy.callbacks import refuse_tuners
 
     namespace = "lightning" if pl.__name__.startswith("lightning") else "pytorch_lightning"
     refuse_tuners([pl.callbacks.LearningRateMonitor()], namespace)

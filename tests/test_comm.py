@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from lightning_gpipe import comm
-from lightning_gpipe.comm import P2P
-from lightning_gpipe.wire import decode_header, decode_message, unpack
+from lightning_gpipe.transport import p2p as comm
+from lightning_gpipe.transport.p2p import P2P
+from lightning_gpipe.transport.wire import decode_header, decode_message, unpack
 from tests._harness import check, run_ranks
 
 

@@ -16,7 +16,7 @@ def _plain_names(state):
 
 
 def test_uncompile_finds_the_users_compiled_sequential_and_its_settings():
-    from lightning_gpipe.partition import compiled_sequentials, uncompile
+    from lightning_gpipe.partition.cut import compiled_sequentials, uncompile
 
     model = Net("mlp", compile_layers={"backend": "aot_eager", "dynamic": False})
     compiled = model.layers

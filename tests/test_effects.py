@@ -13,10 +13,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.comm import P2P
-from lightning_gpipe.effects import ForwardState, recomputing
-from lightning_gpipe.layout import StageTopology
-from lightning_gpipe.stage import PipelineStage
+from lightning_gpipe.engine.effects import ForwardState, recomputing
+from lightning_gpipe.engine.stage import PipelineStage
+from lightning_gpipe.transport.layout import StageTopology
+from lightning_gpipe.transport.p2p import P2P
 from tests.conftest import max_diff
 from tests.models import Counter, EmaCenter, build_layers, train_single_device
 

@@ -161,9 +161,9 @@ def test_a_buffer_shared_across_stages_is_refused_before_spawn():
 def test_iterating_the_pipelined_sequential_in_a_step_raises_the_one_call_error():
     """``for layer in self.layers:`` inside a step would run only this stage's layers (a raw shape error
     on the next stage); it raises PipelineUsageError, as calling the Sequential twice does."""
-    from lightning_gpipe.comm import P2P
-    from lightning_gpipe.layout import StageTopology
-    from lightning_gpipe.stage import PipelineStage, PipelineUsageError
+    from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
+    from lightning_gpipe.transport.layout import StageTopology
+    from lightning_gpipe.transport.p2p import P2P
 
     layers = [("0", nn.Linear(6, 16)), ("1", nn.Tanh())]
     stage = PipelineStage(

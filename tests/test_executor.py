@@ -1,4 +1,4 @@
-"""The stage executor (:mod:`lightning_gpipe.executor`): the schedule column it runs.
+"""The stage executor (:mod:`lightning_gpipe.engine.executor`): the schedule column it runs.
 
 The executor tests run K stages in one process over a fake transport (no torch.distributed):
 every stage's forward phase in stage order, the loss, every stage's backward phase in reverse
@@ -17,8 +17,9 @@ from torch import nn
 
 from lightning_gpipe import StageError
 from lightning_gpipe.balance import uniform_balance
-from lightning_gpipe.layout import Layout
-from lightning_gpipe.microbatch import sizes
+from lightning_gpipe.engine.microbatch import sizes
+from lightning_gpipe.engine.skip import Pop, Stash
+from lightning_gpipe.engine.stage import PipelineUsageError, StageDone, build_stage
 from lightning_gpipe.schedule import (
     SCHEDULES,
     fill_drain,
@@ -28,9 +29,8 @@ from lightning_gpipe.schedule import (
     stage_actions,
     zb_h1,
 )
-from lightning_gpipe.skip import Pop, Stash
-from lightning_gpipe.stage import PipelineUsageError, StageDone, build_stage
-from lightning_gpipe.wire import decode_header, decode_message, encode_message
+from lightning_gpipe.transport.layout import Layout
+from lightning_gpipe.transport.wire import decode_header, decode_message, encode_message
 from tests._harness import check, run_ranks
 from tests.models import build_layers, pytree_input
 
@@ -45,7 +45,7 @@ class FakeNetwork:
 
 
 class FakeP2P:
-    """The :class:`~lightning_gpipe.comm.P2P` interface over a :class:`FakeNetwork`, checking announcements.
+    """The :class:`~lightning_gpipe.transport.p2p.P2P` interface over a :class:`FakeNetwork`, checking announcements.
 
     Like the real transport, announcing from a rank whose earlier announcement is not all taken
     is an error. ``announced`` and ``received`` count messages per source rank.
@@ -239,7 +239,7 @@ def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", 
     """One training step of ``seq`` with one call per micro-batch, each stage in its own thread.
 
     The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
-    the batch, right after its call, as :mod:`lightning_gpipe.microstep` does; with ``outcome``,
+    the batch, right after its call, as :mod:`lightning_gpipe.strategy.microstep` does; with ``outcome``,
     the stages then share the step outcome as the strategy has them do. Returns the stages
     and, per stage, ``(announced, received)`` per source rank over the step.
     """
@@ -320,7 +320,7 @@ def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, 
 @pytest.mark.parametrize("k", [2, 3])
 def test_the_step_outcome_is_announced_with_the_stretch_that_ends_the_calls_one_call_per_step(k):
     """Fill-drain, one call per step: a non-last stage announces the last stage's step outcome
-    (:mod:`lightning_gpipe.outcome`) with its forward stretch, so that the transport takes it in
+    (:mod:`lightning_gpipe.engine.outcome`) with its forward stretch, so that the transport takes it in
     the background while the last stage still computes; it is the one message taken before the
     backward stretch, and nothing is announced that is not received."""
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
-from lightning_gpipe.gradients import allreduce_gradients, clip_grad_norm_, global_grad_norm
+from lightning_gpipe.strategy.gradients import allreduce_gradients, clip_grad_norm_, global_grad_norm
 
 
 @pytest.fixture

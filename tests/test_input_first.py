@@ -1,4 +1,4 @@
-"""lightning_gpipe.input_first: the drain's last backward sends its input gradient before it
+"""lightning_gpipe.engine.backward_split: the drain's last backward sends its input gradient before it
 computes its weight gradients, with the gradients of a single backward, bit for bit."""
 
 from contextlib import contextmanager
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe import input_first
 from lightning_gpipe.balance import uniform_balance
+from lightning_gpipe.engine import backward_split as input_first
 from lightning_gpipe.schedule import fill_drain, stage_actions
 from tests.test_executor import Recorder, _step
 

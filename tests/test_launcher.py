@@ -7,7 +7,7 @@ import os
 import pytest
 from hydra.core.hydra_config import HydraConfig
 
-from lightning_gpipe.launcher import LAUNCH_ENV, GPipeLauncher, hydra_child_command
+from lightning_gpipe.strategy.launcher import LAUNCH_ENV, GPipeLauncher, hydra_child_command
 from tests.test_recipes import _compose
 
 

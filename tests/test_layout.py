@@ -2,8 +2,8 @@
 
 import pytest
 
-from lightning_gpipe.layout import Layout, check_pipeline_parallel_size
-from lightning_gpipe.skip import Route
+from lightning_gpipe.engine.skip import Route
+from lightning_gpipe.transport.layout import Layout, check_pipeline_parallel_size
 
 
 def test_rank_formula_puts_each_pipelines_last_stage_on_its_lowest_rank():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_gpipe.microbatch import (
+from lightning_gpipe.engine.microbatch import (
     TENSOR,
     TREE,
     TUPLE,

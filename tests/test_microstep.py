@@ -1,11 +1,11 @@
-"""One training_step per micro-batch (lightning_gpipe.microstep): the batch split and the combined logs."""
+"""One training_step per micro-batch (lightning_gpipe.strategy.microstep): the batch split and the combined logs."""
 
 import pytest
 import torch
 import torchmetrics
 
-from lightning_gpipe.microbatch import no_chunk
-from lightning_gpipe.microstep import _LogRecorder, split_batch
+from lightning_gpipe.engine.microbatch import no_chunk
+from lightning_gpipe.strategy.microstep import _LogRecorder, split_batch
 
 
 def test_every_tensor_of_the_batch_splits_like_the_input():
@@ -100,11 +100,11 @@ def live_bytes_after_each_micro_batch(chunks, returns, rows=32, width=64):
     """One 1F1B step of a one-stage pipeline (M = ``chunks`` micro-batches of ``rows`` rows) under
     the tensor-memory meter: its live bytes after each micro-batch's backward, and its peak."""
     from benchmarks.memory import TensorMemoryMeter
-    from lightning_gpipe.comm import P2P
-    from lightning_gpipe.layout import StageTopology
-    from lightning_gpipe.microstep import MicroSteps
+    from lightning_gpipe.engine.stage import PipelineStage
     from lightning_gpipe.schedule import one_f_one_b
-    from lightning_gpipe.stage import PipelineStage
+    from lightning_gpipe.strategy.microstep import MicroSteps
+    from lightning_gpipe.transport.layout import StageTopology
+    from lightning_gpipe.transport.p2p import P2P
 
     torch.manual_seed(0)
     layers = [(str(k), torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())) for k in range(2)]

@@ -3,8 +3,8 @@
 import torch
 from torch import nn
 
-from lightning_gpipe.layout import layer_stages
-from lightning_gpipe.partition import cut, install, plain_parameter_names, uninstall
+from lightning_gpipe.partition.cut import cut, install, plain_parameter_names, uninstall
+from lightning_gpipe.transport.layout import layer_stages
 
 
 def test_cut_keeps_a_module_repeated_in_the_sequential():

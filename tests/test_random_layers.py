@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_gpipe.microbatch import sizes
+from lightning_gpipe.engine.microbatch import sizes
 from tests.conftest import max_diff
 from tests.models import Net, make_data, pl, train_single_device, trainer_kwargs
 
@@ -90,7 +90,7 @@ def test_random_layers_on_one_stage_leave_every_stage_the_same_batches_every_epo
     """Both dropouts on stage 0 of 2 ([5, 1]), a shuffling loader over 3 epochs of 2 steps: the first stage
     draws its masks, the last none, yet every stage draws the same permutation in every epoch (the loader
     draws each epoch's seed from the global generator, which the stages' layers leave alone:
-    ``lightning_gpipe.stage_rng``), and the global generators agree at the end. Before, the ranks parted
+    ``lightning_gpipe.engine.rng``), and the global generators agree at the end. Before, the ranks parted
     from the second epoch: the inputs of one permutation trained against the targets of another."""
     results, _ = gpipe_job(
         "dropout",
@@ -116,7 +116,7 @@ def test_draws_after_the_pipelined_call_reach_every_stage_with_the_step_outcome(
     """``training_step`` draws from torch's generator after the pipelined call (code only the last stage
     runs); with a shuffling loader over 3 epochs every stage still draws one device's permutation in every
     epoch and ends with one device's generator state: the last stage's generator state travels with the
-    step outcome (``lightning_gpipe.outcome``)."""
+    step outcome (``lightning_gpipe.engine.outcome``)."""
     extra = {"max_epochs": 3, "max_steps": -1}
     net = {"indexed": True, "draw_after_call": True}
     reference = train_single_device(
@@ -137,7 +137,7 @@ def test_per_micro_batch_calls_draw_the_same_numbers_before_the_call_on_every_st
     """Under 1F1B ``training_step`` runs once per micro-batch; it draws before the pipelined call (a random
     mask every stage must agree on: the first stage's input, the last stage's loss) and after it (last stage
     only). Every stage draws the same numbers before the call in every call of every step: the last
-    stage's code after the call draws from its own stream (``lightning_gpipe.stage_rng``)."""
+    stage's code after the call draws from its own stream (``lightning_gpipe.engine.rng``)."""
     net = {"draw_before_call": True, "draw_after_call": True}
     results, _ = gpipe_job("mlp", 2, [{"chunks": 4, "schedule": "1f1b"}], timeout=90, steps=3, net=net)
     ranks = results[0]["ranks"]

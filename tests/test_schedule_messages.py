@@ -3,6 +3,7 @@ mirror each other, counts per peer stage, the order each peer takes them, across
 
 from collections import Counter
 
+from lightning_gpipe.engine.skip import Route
 from lightning_gpipe.schedule import (
     SCHEDULES,
     Action,
@@ -20,7 +21,6 @@ from lightning_gpipe.schedule import (
     split_phases,
     stage_actions,
 )
-from lightning_gpipe.skip import Route
 
 
 def test_messages_each_action_receives_and_sends_mirror_each_other():

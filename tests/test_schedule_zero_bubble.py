@@ -13,7 +13,7 @@ from lightning_gpipe.schedule import (
     validate,
     zb_h1,
 )
-from lightning_gpipe.simulate import peak_activation_memory, simulate
+from lightning_gpipe.tools.simulate import peak_activation_memory, simulate
 
 EXPECTED_K3_M4 = """\
 step  stage0  stage1  stage2

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lightning_gpipe.microbatch import sizes as microbatch_sizes
+from lightning_gpipe.engine.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.schedule import ideal_bubble
-from lightning_gpipe.simulate import Event, peak_activation_memory, simulate
+from lightning_gpipe.tools.simulate import Event, peak_activation_memory, simulate
 
 
 def test_equal_stages_give_the_ideal_bubble_and_step_time():

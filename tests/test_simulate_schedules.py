@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from lightning_gpipe.schedule import SCHEDULES, ideal_bubble, interleaved_1f1b, stage_actions
-from lightning_gpipe.simulate import Event, peak_activation_memory, simulate
-from lightning_gpipe.wire import FIRST_ROOM
+from lightning_gpipe.tools.simulate import Event, peak_activation_memory, simulate
+from lightning_gpipe.transport.wire import FIRST_ROOM
 
 
 @pytest.mark.parametrize("name", sorted(SCHEDULES))

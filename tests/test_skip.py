@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.skip import Pop, SkipError, Stash, routes
+from lightning_gpipe.engine.skip import Pop, SkipError, Stash, routes
 from tests.models import build_layers, train_single_device
 
 

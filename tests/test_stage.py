@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.comm import P2P
-from lightning_gpipe.layout import StageTopology
-from lightning_gpipe.stage import PipelineStage, PipelineUsageError
+from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
+from lightning_gpipe.transport.layout import StageTopology
+from lightning_gpipe.transport.p2p import P2P
 
 
 def test_indexing_a_stage_uses_the_whole_sequentials_indices():

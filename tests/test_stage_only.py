@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.materialize import initialize, initialize_layer, layer_seed
+from lightning_gpipe.state.materialize import initialize, initialize_layer, layer_seed
 from tests._harness import check, run_script
 from tests.conftest import max_diff
 from tests.models import build_lazy_layers

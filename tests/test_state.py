@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.partition import PLACEHOLDER, add_placeholder_parameter, cut
+from lightning_gpipe.partition.cut import PLACEHOLDER, add_placeholder_parameter, cut
 from lightning_gpipe.state.optimizer import (
     NAMES_KEY,
     CheckpointError,

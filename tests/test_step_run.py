@@ -1,13 +1,14 @@
-"""A column's plan (:class:`lightning_gpipe.step_run.ColumnPlan`): what each action receives and
+"""A column's plan (:class:`lightning_gpipe.engine.plan.ColumnPlan`): what each action receives and
 sends, as the schedule's own functions name it, made once per step shape."""
 
 import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.comm import P2P
-from lightning_gpipe.layout import Layout, StageTopology
-from lightning_gpipe.outbox import taking_order
+from lightning_gpipe.engine.outbox import taking_order
+from lightning_gpipe.engine.plan import ColumnPlan
+from lightning_gpipe.engine.skip import Route
+from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.schedule import (
     fill_drain,
     interleaved_1f1b,
@@ -18,9 +19,8 @@ from lightning_gpipe.schedule import (
     sends,
     stage_actions,
 )
-from lightning_gpipe.skip import Route
-from lightning_gpipe.stage import PipelineStage
-from lightning_gpipe.step_run import ColumnPlan
+from lightning_gpipe.transport.layout import Layout, StageTopology
+from lightning_gpipe.transport.p2p import P2P
 
 
 def _topology(stage, stages, skips=()):

@@ -1,4 +1,4 @@
-"""Tied weights across stages train like one device (lightning_gpipe.tied).
+"""Tied weights across stages train like one device (lightning_gpipe.partition.tied).
 
 Every multi-process job runs under a hard timeout (tests/_harness.py kills the whole process group).
 """
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.partition import PartitionError, check_tied_parameters
-from lightning_gpipe.tied import Tied, alias_tied_state, canonical_name, find_tied
+from lightning_gpipe.partition.cut import PartitionError, check_tied_parameters
+from lightning_gpipe.partition.tied import Tied, alias_tied_state, canonical_name, find_tied
 from tests.conftest import max_diff
 from tests.models import Net, build_layers, train_single_device
 

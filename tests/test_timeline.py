@@ -8,9 +8,9 @@ import json
 import pytest
 
 from lightning_gpipe.schedule import ideal_bubble
-from lightning_gpipe.simulate import simulate
-from lightning_gpipe.timeline import Timeline, mean_bubble_per_step, step_stats
-from lightning_gpipe.trace import chrome_trace, plot_gantt, write_chrome_trace
+from lightning_gpipe.tools.simulate import simulate
+from lightning_gpipe.tools.timeline import Timeline, mean_bubble_per_step, step_stats
+from lightning_gpipe.tools.trace import chrome_trace, plot_gantt, write_chrome_trace
 from tests._harness import check, run_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

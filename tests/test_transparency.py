@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from lightning_gpipe.microbatch import sizes
+from lightning_gpipe.engine.microbatch import sizes
 from tests.conftest import max_diff
 from tests.models import train_single_device
 

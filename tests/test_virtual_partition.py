@@ -13,10 +13,8 @@ from lightning_gpipe.balance import (
     balance_by_time,
     uniform_balance,
 )
-from lightning_gpipe.balance.choose import check_balance_spec
-from lightning_gpipe.layout import Layout, layer_parts, layer_stages
-from lightning_gpipe.materialize import materialize_layers, materialize_stage
-from lightning_gpipe.partition import (
+from lightning_gpipe.engine.stage import PipelineStage, build_stage
+from lightning_gpipe.partition.cut import (
     PartitionError,
     check_model,
     check_tied_parameters,
@@ -24,9 +22,11 @@ from lightning_gpipe.partition import (
     placement,
     virtual_cut,
 )
+from lightning_gpipe.partition.tied import find_tied
 from lightning_gpipe.schedule import holder
-from lightning_gpipe.stage import PipelineStage, build_stage
-from lightning_gpipe.tied import find_tied
+from lightning_gpipe.state.materialize import materialize_layers, materialize_stage
+from lightning_gpipe.strategy.balance_spec import check_balance_spec
+from lightning_gpipe.transport.layout import Layout, layer_parts, layer_stages
 
 
 def _net(seed: int = 0, width: int = 6, layers: int = 8) -> nn.Sequential:
@@ -205,9 +205,9 @@ def test_stage_only_materialization_seeds_each_layer_by_its_index_in_the_sequent
 
 def test_the_strategy_refuses_virtual_stages_it_cannot_run_before_processes_start():
     from lightning_gpipe import GPipeStrategy
-    from lightning_gpipe.partition import check_skips_within_parts
+    from lightning_gpipe.engine.skip import Pop, Stash
+    from lightning_gpipe.partition.cut import check_skips_within_parts
     from lightning_gpipe.schedule import check_virtual_stages
-    from lightning_gpipe.skip import Pop, Stash
 
     assert GPipeStrategy(schedule="interleaved_1f1b", virtual_stages=2).virtual_stages == 2
     for schedule in ("gpipe", "1f1b"):

@@ -10,12 +10,12 @@ import torch
 from torch import nn
 
 from lightning_gpipe.balance import uniform_balance
-from lightning_gpipe.layout import Layout
-from lightning_gpipe.microbatch import sizes
+from lightning_gpipe.engine.microbatch import sizes
+from lightning_gpipe.engine.stage import StageDone, build_stage
 from lightning_gpipe.schedule import format_grid, in_send_order, interleaved_1f1b, messages, stage_actions
-from lightning_gpipe.stage import StageDone, build_stage
-from lightning_gpipe.timeline import Timeline, step_stats
-from lightning_gpipe.trace import chrome_trace
+from lightning_gpipe.tools.timeline import Timeline, step_stats
+from lightning_gpipe.tools.trace import chrome_trace
+from lightning_gpipe.transport.layout import Layout
 from tests.test_executor import BlockingNetwork, Recorder, ThreadP2P, _by_rank, _reference_grads
 
 
@@ -57,7 +57,7 @@ def _in_threads(stages, body):
 
 
 def _micro_step(seq, k, v, chunks, x, y, checkpoint):
-    """One training step with one call per micro-batch, as lightning_gpipe.microstep runs it: the last
+    """One training step with one call per micro-batch, as lightning_gpipe.strategy.microstep runs it: the last
     stage backpropagates each micro-batch's mean squared error weighted by its share of the batch."""
     stages = _stages(seq, k, v, chunks, checkpoint, BlockingNetwork())
     parts = sizes(x.shape[0], chunks)

@@ -6,7 +6,7 @@ Every multi-process job runs under a hard timeout (tests/_harness.py kills the w
 import pytest
 import torch
 
-from lightning_gpipe.microbatch import sizes
+from lightning_gpipe.engine.microbatch import sizes
 from tests.conftest import max_diff
 from tests.models import Net, train_single_device
 

@@ -6,9 +6,9 @@ from collections import OrderedDict, namedtuple
 import pytest
 import torch
 
-from lightning_gpipe import wire
-from lightning_gpipe.microbatch import TENSOR, TUPLE, MicroBatchError, Structure, flatten, unflatten
-from lightning_gpipe.wire import (
+from lightning_gpipe.engine.microbatch import TENSOR, TUPLE, MicroBatchError, Structure, flatten, unflatten
+from lightning_gpipe.transport import wire
+from lightning_gpipe.transport.wire import (
     FIRST_ROOM,
     HEADER_SLOTS,
     decode_header,

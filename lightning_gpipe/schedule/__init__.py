@@ -23,10 +23,10 @@ order, ``B i`` on stage ``j`` at step ``(M + K - 1) + (M - 1 - i) + (K - 1 - j)`
 share is ``(K - 1) / (M + K - 1)``.
 
 Everything that runs a schedule reads it from here: each stage's executor
-(:class:`lightning_gpipe.stage.PipelineStage`) consumes its own column in order
+(:class:`lightning_gpipe.engine.stage.PipelineStage`) consumes its own column in order
 (:func:`stage_actions`), receiving and sending exactly the messages :func:`receives` and
 :func:`sends` name and announcing their count (:func:`messages`) to its transport; the cost
-model (:mod:`lightning_gpipe.simulate`) plays the same columns; :func:`format_grid` prints them.
+model (:mod:`lightning_gpipe.tools.simulate`) plays the same columns; :func:`format_grid` prints them.
 A schedule is one function ``(stages, chunks, virtual_stages=1) -> Grid`` (:class:`Schedule`,
 by name in :data:`SCHEDULES`); the clock only matters for printing, validation and simulation.
 
@@ -50,7 +50,7 @@ input, and a backward on the last stage needs its micro-batch's loss (:func:`nee
 ``schedule="gpipe"`` the user's ``training_step`` runs once on the whole mini-batch, so every loss
 exists only once it has returned and a stage's column runs in two phases, cut before its first
 backward (:func:`split_phases`); under the other schedules it runs once per micro-batch
-(:mod:`lightning_gpipe.microstep`) and the executor runs each column as far as it can between the
+(:mod:`lightning_gpipe.strategy.microstep`) and the executor runs each column as far as it can between the
 calls.
 """
 
@@ -132,7 +132,7 @@ SCHEDULES: dict[str, Schedule] = {
 runs more than one virtual stage per stage.
 
 ``"gpipe"`` (:func:`fill_drain`, the default) runs the user's ``training_step`` once per mini-batch;
-every other schedule runs it once per micro-batch (:mod:`lightning_gpipe.microstep`)."""
+every other schedule runs it once per micro-batch (:mod:`lightning_gpipe.strategy.microstep`)."""
 
 
 def check_virtual_stages(name: str, virtual_stages: Any, stages: int = 2) -> int:

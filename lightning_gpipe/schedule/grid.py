@@ -43,7 +43,7 @@ class Action:
     ``B i`` is the whole backward unless the stage's column also runs ``W i``: then ``B i``
     computes the gradient of the stage's inputs only (what the previous stage waits for) and
     ``W i`` the gradients of its weights (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024,
-    section 2; :func:`~lightning_gpipe.schedule.zb_h1`, :mod:`lightning_gpipe.input_first`).
+    section 2; :func:`~lightning_gpipe.schedule.zb_h1`, :mod:`lightning_gpipe.engine.backward_split`).
 
     Attributes:
         kind: ``"F"``, ``"B"`` or ``"W"``.

@@ -1,6 +1,6 @@
 """The messages each action implies: what it receives and sends, from and to which stage, in which order.
 
-Each stage's executor (:class:`lightning_gpipe.stage.PipelineStage`) receives and sends exactly
+Each stage's executor (:class:`lightning_gpipe.engine.stage.PipelineStage`) receives and sends exactly
 the messages :func:`receives` and :func:`sends` name and announces their count
 (:func:`messages`) to its transport. With virtual stages, part ``c`` sends its output to part
 ``c+1`` on stage ``(c+1) mod K`` (the last stage's virtual stage ``u`` to stage 0's virtual stage
@@ -29,7 +29,7 @@ __all__ = [
 
 
 class SkipRoute(Protocol):
-    """A skip connection (:class:`lightning_gpipe.skip.Route`): stashed on ``source``, popped on ``target``."""
+    """A skip connection (:class:`lightning_gpipe.engine.skip.Route`): stashed on ``source``, popped on ``target``."""
 
     @property
     def name(self) -> str: ...
@@ -138,11 +138,11 @@ def announced_until(
 ) -> int:
     """Where the stretch of ``column`` whose receives a stage announces at once, from ``start``, ends.
 
-    A stage announces its receives to the transport (:meth:`lightning_gpipe.comm.P2P.expect`)
+    A stage announces its receives to the transport (:meth:`lightning_gpipe.transport.p2p.P2P.expect`)
     stretch by stretch: up to the first backward that ``receives`` a message and whose forward is
     not in ``column[:start]`` (whether its gradient flows depends on that forward's outputs), or
     that ``waits_for_loss`` (under ``"gpipe"``, every backward until the step's loss exists). The
-    stage's executor and the cost model's memory (:func:`lightning_gpipe.simulate.
+    stage's executor and the cost model's memory (:func:`lightning_gpipe.tools.simulate.
     peak_activation_memory`: the receives posted ahead) both cut the column here.
 
     Returns:

@@ -45,7 +45,7 @@ activations at once (fill-drain: ``M``).
 
 from __future__ import annotations
 
-from lightning_gpipe.microbatch import sizes as microbatch_sizes
+from lightning_gpipe.engine.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.schedule.grid import (
     Action,
     Grid,

@@ -20,7 +20,7 @@ weight gradients)::
       13  W3      W3      W3
 
 Each action is one clock step here, a ``B`` and a ``W`` each as long as a forward. Played with
-those times (:func:`lightning_gpipe.simulate.simulate`, ``backward = B + W``), a step takes
+those times (:func:`lightning_gpipe.tools.simulate.simulate`, ``backward = B + W``), a step takes
 ``M(F+B+W) + (K-1)(F+B-W)`` against 1F1B's ``(M+K-1)(F+B+W)``: the gradient reaches each stage
 before a ``W`` is computed, and the ``W`` fill the time the stage would wait.
 """

@@ -7,7 +7,7 @@ parameter name on load (:func:`load_optimizer_states`): the plain module loads s
 ``strict=True``, and any number of stages loads it back. ``sharded`` checkpoints are directories
 written and read by every stage itself with ``torch.distributed.checkpoint``, loadable with any
 number of stages (:mod:`lightning_gpipe.state.sharded`). Both are written atomically.
-torchgpipe's ``checkpoint.py`` is recompute, which lives in :mod:`lightning_gpipe.recompute` here.
+torchgpipe's ``checkpoint.py`` is recompute, which lives in :mod:`lightning_gpipe.engine.recompute` here.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_gpipe._compat import distributed_is_initialized, optimizer_to_device
-from lightning_gpipe.layout import Layout
-from lightning_gpipe.partition import PLACEHOLDER
+from lightning_gpipe.partition.cut import PLACEHOLDER
+from lightning_gpipe.partition.tied import Tied, alias_tied_state
 from lightning_gpipe.state.optimizer import (
     NAMES_KEY,
     drop_placeholder,
@@ -32,7 +32,7 @@ from lightning_gpipe.state.optimizer import (
     split_optimizer_state,
     tensors_to_cpu,
 )
-from lightning_gpipe.tied import Tied, alias_tied_state
+from lightning_gpipe.transport.layout import Layout
 
 __all__ = [
     "FORMATS",
@@ -127,7 +127,7 @@ def module_state_dict(
     Raises:
         RuntimeError: without a stage, the module holds meta tensors (built on the meta device, one stage per rank).
     """
-    from lightning_gpipe.materialize import has_meta
+    from lightning_gpipe.state.materialize import has_meta
 
     if stage is None and has_meta(module):
         raise RuntimeError(
@@ -162,7 +162,7 @@ def merged_optimizer_state(
     Args:
         order: every parameter name of the whole model in model order (groups and parameters are
             merged in it).
-        tied_aliases: this stage's names of tied parameters (:func:`lightning_gpipe.tied.canonical_name`,
+        tied_aliases: this stage's names of tied parameters (:func:`lightning_gpipe.partition.tied.canonical_name`,
             with the model's prefix); a copy the stage does not own (a name mapped to its owner's)
             is left out, so the parameter appears once, where the plain module lists it.
     """
@@ -206,7 +206,7 @@ def load_optimizer_states(
             such checkpoints cannot be loaded.
         tied_aliases: see :func:`merged_optimizer_state`; a tied copy takes its owner's state.
         read: applied to each of this stage's optimizer states before it is loaded (e.g.
-            :meth:`lightning_gpipe.loading.LazyCheckpoint.materialize`: read from the file only
+            :meth:`lightning_gpipe.state.loading.LazyCheckpoint.materialize`: read from the file only
             the states this stage keeps).
 
     Raises:

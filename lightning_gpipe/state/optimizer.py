@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gpipe.partition import PLACEHOLDER
+from lightning_gpipe.partition.cut import PLACEHOLDER
 
 __all__ = [
     "NAMES_KEY",

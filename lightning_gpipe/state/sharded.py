@@ -109,13 +109,13 @@ def load_sharded(
     file (``lightning_meta.pt``) is read with torch's safe unpickler unless ``weights_only=False``.
 
     Raises:
-        lightning_gpipe.loading.UnsafeCheckpointError: the metadata holds objects the safe
+        lightning_gpipe.state.loading.UnsafeCheckpointError: the metadata holds objects the safe
             unpickler refuses (the message names the file and the opt-in).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from lightning_gpipe.loading import load_structure
+    from lightning_gpipe.state.loading import load_structure
 
     path = Path(path)
     checkpoint = load_structure(path / META_FILE, weights_only, map_location="cpu")

@@ -1,7 +1,7 @@
 """Hugging Face ``transformers`` models built from a config (never downloaded), and back from a checkpoint.
 
 The recipes' ``HFLanguageModel`` and ``HFImageClassifier`` (:mod:`recipes.modules`) build the
-model with :func:`build_hf` and train the ``nn.Sequential`` that :mod:`lightning_gpipe.adapters`
+model with :func:`build_hf` and train the ``nn.Sequential`` that :mod:`lightning_gpipe.integrations.transformers`
 makes of it; :func:`hf_from_checkpoint` turns a checkpoint of such a job back into the
 ``transformers`` model, ready for ``save_pretrained``. Needs the ``[models]`` extra.
 """
@@ -15,8 +15,8 @@ from typing import Any
 from hydra.utils import get_class
 from torch import nn
 
-from lightning_gpipe.adapters import causal_lm, image_classifier, original_state_dict
-from lightning_gpipe.loading import load_structure
+from lightning_gpipe.integrations.transformers import causal_lm, image_classifier, original_state_dict
+from lightning_gpipe.state.loading import load_structure
 
 __all__ = ["build_hf", "hf_from_checkpoint", "hf_sequential"]
 
@@ -56,8 +56,8 @@ def build_hf(hf_class: str, config: Mapping[str, Any]) -> nn.Module:
 
 
 def hf_sequential(model: nn.Module) -> nn.Sequential:
-    """The adapter of ``model``: :func:`~lightning_gpipe.adapters.causal_lm` for a causal LM,
-    :func:`~lightning_gpipe.adapters.image_classifier` for an image classifier.
+    """The adapter of ``model``: :func:`~lightning_gpipe.integrations.transformers.causal_lm` for a causal LM,
+    :func:`~lightning_gpipe.integrations.transformers.image_classifier` for an image classifier.
 
     Raises:
         TypeError: if the adapters support neither layout (the message names the class).
@@ -73,7 +73,7 @@ def hf_from_checkpoint(path: str | os.PathLike) -> nn.Module:
 
     Rebuilds the model from the checkpoint's ``hyper_parameters`` (``hf_class``, ``config``)
     and maps ``state_dict`` (keys ``layers.<i>...``) to the model's own keys with
-    :func:`~lightning_gpipe.adapters.original_state_dict`; a tied head is filled from the one
+    :func:`~lightning_gpipe.integrations.transformers.original_state_dict`; a tied head is filled from the one
     stored tensor. The file is read with torch's safe unpickler.
 
     Args:

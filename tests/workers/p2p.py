@@ -1,4 +1,4 @@
-"""Worker: rank 0 sends messages to rank 1 through lightning_gpipe.comm.P2P (torchrun-style env).
+"""Worker: rank 0 sends messages to rank 1 through lightning_gpipe.transport.p2p.P2P (torchrun-style env).
 
 Usage: python tests/workers/p2p.py OUT MODE
 MODE "order": rank 0 sends 6 messages of changing shapes, sizes and dtypes, then 2 more after a barrier;
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.comm import P2P
+from lightning_gpipe.transport.p2p import P2P
 
 out, mode = Path(sys.argv[1]), sys.argv[2]
 
@@ -92,8 +92,9 @@ elif mode == "peer_exits":
     dist.barrier()
     record_error(lambda: p2p.recv(0))
 elif mode == "lanes":
-    from lightning_gpipe import comm, groups
-    from lightning_gpipe.layout import Layout
+    from lightning_gpipe.transport import groups
+    from lightning_gpipe.transport import p2p as comm
+    from lightning_gpipe.transport.layout import Layout
 
     lanes = groups.new_groups(Layout(4, 2), rank).lanes
     assert lanes is not None
@@ -128,8 +129,8 @@ elif mode == "lanes":
     (out / f"lanes{rank}.json").write_text(json.dumps({**used, "equal": equal}))
     dist.barrier()
 elif mode == "lanes_abort":
-    from lightning_gpipe import failure, groups
-    from lightning_gpipe.layout import Layout
+    from lightning_gpipe.transport import failure, groups
+    from lightning_gpipe.transport.layout import Layout
 
     p2p = P2P(torch.device("cpu"), lanes=groups.new_groups(Layout(2, 2), rank).lanes)
     dist.barrier()

@@ -28,7 +28,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from lightning_gpipe.partition import uniform_balance, virtual_cut
+from lightning_gpipe.partition.cut import uniform_balance, virtual_cut
 from tests.models import Net, make_data
 
 torch.set_num_threads(1)

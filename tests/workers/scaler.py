@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.precision import PipelineGradScaler
+from lightning_gpipe.strategy.precision import PipelineGradScaler
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

@@ -7,7 +7,7 @@ Spec keys: out, kind, size (transformer sizes), seed, batch, steps, lr, optimize
 
 - ``reference`` (one process, plain one-device Trainer): builds the whole model eagerly and
   records how much that raised the peak RSS (``whole_mb``); then either initializes it as the
-  stages would (``init="stages"``: :func:`lightning_gpipe.materialize.initialize`) and trains
+  stages would (``init="stages"``: :func:`lightning_gpipe.state.materialize.initialize`) and trains
   ``steps``, or trains ``save_steps``, saves ``one.ckpt`` and then (``then``) resumes from it to
   ``steps`` (``"resume"``, default) or trains ``steps`` more from ``LazyNet.load_from_checkpoint``
   (``"load_from"``).
@@ -40,7 +40,7 @@ import torch  # noqa: E402
 from pytorch_lightning.callbacks import Callback  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
-from lightning_gpipe.materialize import has_meta, initialize  # noqa: E402
+from lightning_gpipe.state.materialize import has_meta, initialize  # noqa: E402
 from tests.models import LazyNet, make_lazy_data, trainer_kwargs  # noqa: E402
 
 torch.set_num_threads(1)

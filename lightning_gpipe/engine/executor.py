@@ -1,0 +1,417 @@
+"""The executor of one stage's schedule column: runs ``F i`` and ``B i`` in order, receiving,
+computing and sending exactly what each action names.
+
+:class:`ColumnExecutor` is the half of :class:`~lightning_gpipe.engine.stage.PipelineStage` that runs
+actions over a :class:`~lightning_gpipe.engine.plan.StepRun`: it builds the step's run from the
+schedule's grid (M from the first stage's split or the first message's header; what each action
+receives and sends is planned once per step shape, :class:`~lightning_gpipe.engine.plan.ColumnPlan`), runs the column
+from its cursor while the actions are runnable, announces the messages each stretch receives
+(:func:`~lightning_gpipe.schedule.messages`), computes each micro-batch on the stage's own random
+stream (:mod:`lightning_gpipe.engine.rng`; recomputable: :mod:`lightning_gpipe.engine.recompute`, replaying
+the module state its forward saw: :mod:`lightning_gpipe.engine.effects`) and sends in the order each peer takes its messages (where the
+grid's stages take them in another order than sent, :func:`~lightning_gpipe.schedule.in_send_order`,
+a send waits for its turn: :mod:`lightning_gpipe.engine.outbox`). The stage's module face (layers under the user's names, the calls,
+the step's contracts) is :mod:`lightning_gpipe.engine.stage`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gpipe.engine import backward_split as input_first
+from lightning_gpipe.engine import outbox, recompute
+from lightning_gpipe.engine.batchnorm import no_accumulate
+from lightning_gpipe.engine.effects import ForwardState
+from lightning_gpipe.engine.microbatch import flatten, scatter, unflatten
+from lightning_gpipe.engine.plan import ColumnPlan, StepRun
+from lightning_gpipe.engine.rng import StageGenerator
+from lightning_gpipe.engine.skip import MicroBatchStore, use_store
+from lightning_gpipe.schedule import Action, Grid, Transfer, announced_until
+from lightning_gpipe.transport.failure import naming_errors
+from lightning_gpipe.transport.layout import StageTopology
+from lightning_gpipe.transport.p2p import P2P
+from lightning_gpipe.transport.wire import Meta
+
+__all__ = ["ColumnExecutor", "PipelineUsageError"]
+
+
+class PipelineUsageError(RuntimeError):
+    """The pipelined module was used in a way the pipeline cannot run (e.g. called twice in a step)."""
+
+
+class ColumnExecutor(nn.Module):
+    """Runs this stage's schedule column; mixed into :class:`~lightning_gpipe.engine.stage.PipelineStage`,
+    whose ``__init__`` sets the attributes below."""
+
+    topology: StageTopology
+    chunks: int
+    checkpoint_mode: str
+    p2p: P2P
+    schedule: Callable[[int, int], Grid]
+    timeline: Any
+    virtual_layers: list[list[str]]
+    received_skips: list[tuple[str, int]]
+    outcome_follows: bool
+    generator: StageGenerator
+    _run: StepRun | None
+    _micro: int | None
+    _modules: dict[str, nn.Module]  # type: ignore[assignment] # as nn.Sequential declares it
+
+    @property
+    def virtual_stages(self) -> int:
+        """v: the virtual stages this stage holds (1 without)."""
+        return len(self.virtual_layers)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of this stage's layers, as in the user's Sequential."""
+        return list(self._modules)
+
+    def _span(self, kind: str, i: int, u: int = 0) -> Any:
+        """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on virtual
+        stage ``u`` on the timeline."""
+        return self.timeline.span(kind, i, u) if self.timeline is not None else nullcontext()
+
+    def local_forward(self, input: Any, store: MicroBatchStore | None = None, virtual_stage: int = 0) -> Any:
+        """Virtual stage ``virtual_stage``'s layers (all of this stage's without virtual stages) applied
+        in order, as ``nn.Sequential`` would, with ``store`` for skips."""
+        compiled = self.__dict__["_compiled"]
+        with use_store(store if store is not None else MicroBatchStore()):
+            if compiled is not None:
+                return compiled[virtual_stage](input)
+            for name in self.virtual_layers[virtual_stage]:
+                input = self._modules[name](input)
+        return input
+
+    def _start(self, input: Any, train: bool) -> StepRun:
+        """A new run at the step's first call: M from the split (first stage) or the first message."""
+        top = self.topology
+        if top.is_first:
+            parts, structure = scatter(input, self.chunks if self._micro is None else 1)
+            run = self._new_run(train, len(parts) if self._micro is None else self._micro)
+            run.micro_batches = dict(enumerate(parts))
+            run.in_structures = dict.fromkeys(range(len(parts)), structure)
+            return run
+        with self._span("recv", 0):  # M comes with the first message
+            first = self.p2p.recv(self._rank(top.stage - 1))
+        if self._micro is not None and first[0].chunks != self._micro:
+            raise RuntimeError(
+                f"stage {top.stage} runs {self._micro} micro-batches but stage {top.stage - 1} sent "
+                f"{first[0].chunks}; the stages split different batches"
+            )
+        run = self._new_run(train, first[0].chunks)
+        run.first, run.taken = first, Counter({top.stage - 1: 1})
+        return run
+
+    def _new_run(self, train: bool, chunks: int) -> StepRun:
+        top = self.topology
+        plan = self._plan(chunks, train)
+        whole = self._micro is None
+        if whole and train and top.is_last and any(a.kind == "B" for a in plan.column[: plan.fill_end]):
+            raise PipelineUsageError(
+                f"this schedule runs a backward on the last stage before its last forward ({list(plan.column)}); it "
+                "needs the user's training_step once per micro-batch (GPipeStrategy(schedule=...) does that)"
+            )
+        run = StepRun(train, chunks, plan, whole)
+        if train and self.outcome_follows and not top.is_last:
+            run.after_calls[top.stages - 1] = (
+                1  # lightning_gpipe.engine.outcome: one message per training step
+            )
+        # sends wait for their turn where a peer takes them out of order (consumed: copied per run)
+        run.order = {peer: list(keys) for peer, keys in plan.order.items()}
+        run.outbox = {peer: {} for peer in run.order}
+        return run
+
+    def _plan(self, chunks: int, train: bool) -> ColumnPlan:
+        """This stage's :class:`~lightning_gpipe.engine.plan.ColumnPlan` for M = ``chunks``, made once per shape."""
+        top, v = self.topology, self.virtual_stages
+        plans: dict[Any, ColumnPlan] = self.__dict__.setdefault("_plans", {})
+        key = (self.schedule, top.stage, top.stages, top.skips, v, chunks, train)
+        plan = plans.get(key)
+        if plan is None:
+            grid = self.schedule(top.stages, chunks) if v == 1 else self.schedule(top.stages, chunks, v)  # type: ignore[call-arg]
+            plan = plans[key] = ColumnPlan.of(grid, top, v, train)
+        return plan
+
+    def _ready(self, action: Action, run: StepRun) -> bool:
+        """Whether ``action`` can run now: what it needs from the user's code has come."""
+        top, v = self.topology, self.virtual_stages
+        if action.kind == "F":
+            # a call gives micro-batch i: its input (virtual stage 0) or, on the last stage, its output
+            # (the last virtual stage); the last stage's other forwards run ahead of the calls
+            gated = action.virtual_stage == (v - 1 if top.is_last else 0)
+            return action.i < run.called or not gated
+        if action.kind == "W":
+            return True  # its B ran before it in the column
+        if run.whole:
+            return run.step_loss
+        return action.i in run.losses or action not in run.plan.needs_loss
+
+    def _advance(self, run: StepRun) -> None:
+        """Run ``run``'s column from the cursor while its actions are runnable."""
+        while not run.done and self._ready(run.column[run.pos], run):
+            if run.pos >= run.announced:
+                self._announce_from(run)
+            self._execute(run.column[run.pos], run)
+            run.pos += 1
+            if run.pos == run.fill_end:  # no forward follows: what the fill left unchanged needs no copy
+                for state in run.states:
+                    state.prune()
+                run.states = []
+            if not run.whole:
+                self.p2p.settle()  # a 1F1B stage frees what it sent as it goes
+        if run.done:
+            self._run = None
+        if run.done or run.whole:
+            self.p2p.flush()
+
+    def _announce_from(self, run: StepRun) -> None:
+        """Announce the receives of the column from the cursor up to the first backward that
+        receives a message and whose forward has not run (what flows back depends on that
+        forward), or, with one call per step, that waits for the step's loss; where that is where
+        the step's calls end, the messages that follow them too (``after_calls``).
+
+        A backward that receives nothing (the last part's: its gradient is the user's loss) does
+        not end the stretch, so the last stage of 1F1B announces every micro-batch's input at the
+        step's start and each is received while the stage computes the one before."""
+        plan, waits = run.plan, run.whole and not run.step_loss
+        end = announced_until(plan.column, run.pos, lambda a: bool(plan.receives[a]), lambda a: waits)
+        waits_for_loss = waits and end < len(
+            plan.column
+        )  # it ended at the first backward, which waits for the loss
+        stretch = plan.column[run.pos : end]
+        messages = plan.messages(stretch, partial(_flows, run))
+        if end == len(run.column) or waits_for_loss:
+            messages, run.after_calls = messages + run.after_calls, Counter()
+        self._announce(messages - run.taken)
+        run.taken, run.announced = Counter(), end
+
+    def _execute(self, action: Action, run: StepRun) -> None:
+        """Run one action of this stage's column: ``F i``, ``B i`` or ``W i``."""
+        if action.kind == "F":
+            self._forward_one(action, run)
+        elif action.kind == "B":
+            self._backward_one(action, run)
+        else:
+            self._weights_one(action, run)
+
+    def _forward_one(self, action: Action, run: StepRun) -> None:
+        """``F i``: receive micro-batch ``i`` and its skips, compute it, send it and its skips on."""
+        top, i, u, v = self.topology, action.i, action.virtual_stage, self.virtual_stages
+        key = (i, u)
+        first_part = top.is_first and u == 0
+        last_part = top.is_last and u == v - 1
+        x = run.micro_batches.pop(i) if first_part else ()
+        x_structure = run.in_structures.pop(i) if first_part else None
+        run.forwarded.add(key)
+        store = MicroBatchStore()
+        received = run.plan.receives[action]
+        for t in received:
+            meta, tensors = self._receive(t, i, u, run)
+            if t.skip is None:
+                x, x_structure = _as_inputs(meta, tensors, run.train), meta.structure
+            else:
+                store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
+                self.received_skips.append((t.skip, t.peer))
+        assert x_structure is not None  # the first stage's split, or the message's
+        with self._span("forward", i, u), self._naming_errors("forward", i, x), self.generator.drawing():
+            y = self._compute(i, u, run, unflatten(x_structure, x), store)
+        kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
+        y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
+        sent = run.plan.sends[action]
+        if run.train:
+            run.inputs[key] = x
+            run.skips_in[key] = {t.skip: store[t.skip] for t in received if t.skip is not None}
+            run.skips_out[key] = {t.skip: store[t.skip] for t in sent if t.skip is not None}
+        if run.train or last_part:
+            run.outputs[key] = y_tensors
+            run.out_structures[key] = y_structure
+        for t in sent:  # the output first, then the skips: the order in which they are received
+            payload = y_tensors if t.skip is None else (store[t.skip],)
+            self._post(run, action, t, payload, structure=y_structure if t.skip is None else None)
+
+    def _receive(self, t: Transfer, i: int, u: int, run: StepRun) -> tuple[Meta, list[Tensor]]:
+        if t.skip is None and run.first is not None:
+            first, run.first = run.first, None
+            return first
+        with self._span("recv", i, u):
+            return self.p2p.recv(self._rank(t.peer))
+
+    def _rank(self, stage: int) -> int:
+        """The global rank of stage ``stage`` of this pipeline."""
+        top = self.topology
+        neighbour = (
+            top.prev_rank if stage == top.stage - 1 else top.next_rank if stage == top.stage + 1 else None
+        )
+        return neighbour if neighbour is not None else top.ranks[stage]
+
+    def _announce(self, messages: Counter[int]) -> None:
+        """Tell the transport how many messages this phase still receives from each stage."""
+        for stage, n in messages.items():
+            self.p2p.expect(self._rank(stage), n)
+
+    def _compute(self, i: int, u: int, run: StepRun, x: Any, store: MicroBatchStore) -> Any:
+        """Virtual stage ``u``'s layers on micro-batch ``i``, recomputable under ``checkpoint``."""
+        if not (run.train and recompute.recomputes(self.checkpoint_mode, i, run.chunks)):
+            return self.local_forward(x, store, u)
+        # what this forward changes, it changes once (the recompute replays it); the layers, not the
+        # stage: iterating the stage inside a step is refused
+        layers = self._virtual_modules(u)
+        state = ForwardState.capture(layers)
+        run.states.append(state)
+        return recompute.run(
+            partial(self.local_forward, virtual_stage=u),
+            x,
+            store,
+            context=lambda: self._recompute_context(i, u, state, layers),
+        )
+
+    def _virtual_modules(self, u: int) -> list[nn.Module]:
+        """Virtual stage ``u``'s layers (all of the stage's without virtual stages)."""
+        return [self._modules[name] for name in self.virtual_layers[u]]  # type: ignore[misc]
+
+    def _post(self, run: StepRun, action: Action, t: Transfer, payload: Any, **options: Any) -> None:
+        """Send what ``action`` sends over ``t`` (``payload`` ``None``: nothing flows), in the order the
+        peer takes its messages: where a grid's stages take them in another order than sent
+        (:func:`~lightning_gpipe.schedule.send_order`), a message waits here for its turn."""
+        order = run.order.get(t.peer)
+        if order is None:
+            if payload is not None:
+                with self._span("send", action.i, action.virtual_stage):
+                    self.p2p.send(payload, self._rank(t.peer), chunks=run.chunks, **options)
+            return
+        key = (action.kind, action.i, action.virtual_stage, t.skip)
+        item = (payload, options, action.i, action.virtual_stage)
+        for ready, ready_options, ready_i, ready_u in outbox.release(order, run.outbox[t.peer], key, item):
+            if ready is not None:
+                with self._span("send", ready_i, ready_u):
+                    self.p2p.send(ready, self._rank(t.peer), chunks=run.chunks, **ready_options)
+
+    def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
+        """Errors of this stage's layers re-raised as a :class:`~lightning_gpipe.transport.failure.StageError`."""
+        first = next(iter(self._modules.values()), None)  # iter(self) refuses inside a step
+        top = self.topology
+        return naming_errors(top.stage, self.layer_names, first, phase, i, x, keep=(PipelineUsageError,))
+
+    @contextmanager
+    def _recompute_context(
+        self, i: int, u: int, state: ForwardState, layers: Sequence[nn.Module]
+    ) -> Iterator[None]:
+        with self._span("recompute", i, u), state.replay(layers), no_accumulate():
+            yield
+
+    def _backward_one(self, action: Action, run: StepRun) -> None:
+        """``B i``: receive the gradients of micro-batch ``i``'s outputs, backpropagate, send its inputs' gradients."""
+        i, u = action.i, action.virtual_stage
+        key = (i, u)
+        y_grad = [t for t in run.outputs[key] if t.requires_grad]
+        dy = list(self._leaf_grads(run, i)) if action in run.plan.needs_loss else []
+        for t in run.plan.receives[action]:
+            if not _flows(run, action, t):
+                continue
+            with self._span("recv", i, u):
+                _, grads = self.p2p.recv(self._rank(t.peer))
+            if t.skip is None:
+                dy = grads
+            else:  # the gradient of a skip this stage sent on comes straight back
+                y_grad, dy = [*y_grad, run.skips_out[key][t.skip]], [*dy, *grads]
+        sends = run.plan.sends[action]
+        sources = [  # per send, the tensors whose gradients it carries
+            [
+                x
+                for x in (run.inputs[key] if t.skip is None else (run.skips_in[key][t.skip],))
+                if x.requires_grad
+            ]
+            for t in sends
+        ]
+        layers = self._virtual_modules(u)
+        errors = partial(self._naming_errors, "backward", i, run.inputs[key])
+        deferred = key in run.plan.deferred  # this column runs W i: B i is the input gradient only
+        wanted = bool(y_grad) and (deferred or action == run.plan.input_first) and any(sources)
+        if wanted:
+            recomputed = recompute.recomputes(self.checkpoint_mode, i, run.chunks)
+            wanted = input_first.splits(layers, recomputed, compiled=self.__dict__["_compiled"] is not None)
+        split = None
+        if y_grad:
+            with self._span("backward", i, u), errors():
+                if wanted:  # the input gradients leave before the weight gradients are computed
+                    params = [p for layer in layers for p in layer.parameters()]
+                    split = input_first.Split.of(y_grad, [x for xs in sources for x in xs], params)
+                if split is not None:
+                    flat = list(split.inputs(dy))
+                else:
+                    torch.autograd.backward(y_grad, dy)
+        if split is not None:
+            found = [[flat.pop(0) for _ in xs] for xs in sources]
+        else:
+            found = [[x.grad for x in xs] for xs in sources]
+        for t, xs, gs in zip(sends, sources, found):
+            dx = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, gs)]
+            self._post(run, action, t, dx or None)
+        if split is not None and deferred:
+            run.weights[key] = split
+        elif split is not None:
+            self._weights(split, i, u, errors)
+        run.inputs[key] = run.outputs[key] = ()  # free this micro-batch
+        run.skips_in[key] = run.skips_out[key] = {}
+
+    def _weights_one(self, action: Action, run: StepRun) -> None:
+        """``W i`` (``schedule="zb_h1"``): the weight gradients of micro-batch ``i``, whose ``B i``
+        computed the input gradient only; nothing where ``B i`` ran the whole backward (not split:
+        :mod:`lightning_gpipe.engine.backward_split`)."""
+        split = run.weights.pop((action.i, action.virtual_stage), None)
+        if split is not None:
+            errors = partial(self._naming_errors, "backward", action.i, ())
+            self._weights(split, action.i, action.virtual_stage, errors)
+
+    def _weights(self, split: input_first.Split, i: int, u: int, errors: Callable[[], Any]) -> None:
+        with self._span("weights", i, u), errors():
+            split.weights()
+
+    def _leaf_grads(self, run: StepRun, i: int) -> tuple[Tensor, ...]:
+        """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's
+        leaves: a joined leaf's split as it was joined, a replicated leaf's to the call's first
+        micro-batch (zeros to the others)."""
+        if i not in run.leaf_grads:
+            call = next(c for c in run.calls if i in c.covered)
+            run.calls.remove(call)  # the leaves are not needed again: their gradients are split here
+            per: dict[int, list[Tensor]] = {k: [] for k in call.covered}
+            for leaf, sizes, whole in zip(call.leaves, call.sizes, call.whole):
+                if not leaf.requires_grad:
+                    continue
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                parts = (
+                    (grad, *(torch.zeros_like(grad) for _ in call.covered[1:]))
+                    if whole
+                    else grad.split(sizes)
+                )
+                for k, part in zip(call.covered, parts):
+                    per[k].append(part)
+            run.leaf_grads.update({k: tuple(v) for k, v in per.items()})
+        return run.leaf_grads.pop(i)
+
+
+def _flows(run: StepRun, action: Action, t: Transfer) -> bool:
+    """Whether ``t``, received by ``action``, carries a message in this run: a backward receives a
+    gradient only for tensors it sent that require one."""
+    if action.kind == "F":
+        return True
+    key = (action.i, action.virtual_stage)
+    if t.skip is None:
+        return any(y.requires_grad for y in run.outputs[key])
+    return run.skips_out[key][t.skip].requires_grad
+
+
+def _as_inputs(meta: Meta, received: list[Tensor], train: bool) -> tuple[Tensor, ...]:
+    """Received activations: floating tensors the sender tracks gradients for get ``requires_grad``."""
+    return tuple(
+        t.requires_grad_(train and rg and t.is_floating_point())
+        for t, (_, _, rg) in zip(received, meta.specs)
+    )

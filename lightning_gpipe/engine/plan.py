@@ -1,0 +1,159 @@
+"""One step's execution state on a stage: the cursor over its schedule column and what its
+forwards keep per (micro-batch, virtual stage) until their backwards.
+
+:class:`ColumnPlan` is what the column implies, the same for every step of the same shape: each
+action's receives and sends (:func:`~lightning_gpipe.schedule.receives`,
+:func:`~lightning_gpipe.schedule.sends`), which need the user's loss, and the order in which the
+peers take this stage's messages. :class:`StepRun` is created at the step's first call (:meth:`.ColumnExecutor._new_run`) and
+dropped when the column has run to its end or the step has no loss. On the last stage,
+:class:`Call` records each call of the Sequential, so that the gradients the user's loss leaves on
+the call's output leaves can be split per micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from lightning_gpipe import schedule
+from lightning_gpipe.engine import backward_split as input_first
+from lightning_gpipe.engine import outbox
+from lightning_gpipe.engine.effects import ForwardState
+from lightning_gpipe.engine.microbatch import Structure
+from lightning_gpipe.schedule import Action, Grid, Transfer
+from lightning_gpipe.transport.layout import StageTopology
+from lightning_gpipe.transport.wire import Meta
+
+__all__ = ["Call", "ColumnPlan", "StepRun"]
+
+
+@dataclass(frozen=True)
+class ColumnPlan:
+    """What a stage's schedule column implies, computed once per step shape (K, M, v, training).
+
+    Attributes:
+        column: the stage's actions in order (only the forwards when not training).
+        fill_end: index after the column's last forward.
+        receives: per action, the messages it takes, in order (:func:`~lightning_gpipe.schedule.receives`).
+        sends: per action, the messages it sends, in order (:func:`~lightning_gpipe.schedule.sends`).
+        needs_loss: the backwards that need the user's loss (:func:`~lightning_gpipe.schedule.needs_loss`).
+        order: per peer stage, the keys of the messages this stage sends it in the order the peer
+            takes them, where that differs from the order sent (:func:`lightning_gpipe.engine.outbox.taking_order`;
+            empty when not training or where every peer takes them as sent).
+        input_first: the column's last backward that sends a gradient and has no ``W`` of its own,
+            which sends it before it computes its weight gradients (:mod:`lightning_gpipe.engine.backward_split`);
+            ``None``: none.
+        deferred: ``(micro-batch, virtual stage)`` of each ``W`` in the column (``schedule="zb_h1"``):
+            its ``B`` computes the input gradient only, its ``W`` the weight gradients.
+    """
+
+    column: tuple[Action, ...]
+    fill_end: int
+    receives: dict[Action, tuple[Transfer, ...]]
+    sends: dict[Action, tuple[Transfer, ...]]
+    needs_loss: frozenset[Action]
+    order: dict[int, tuple[outbox.Key, ...]]
+    input_first: Action | None = None
+    deferred: frozenset[tuple[int, int]] = frozenset()
+
+    @classmethod
+    def of(cls, grid: Grid, topology: StageTopology, virtual_stages: int, train: bool) -> ColumnPlan:
+        """The plan of ``topology.stage``'s column of ``grid``."""
+        top, v = topology, virtual_stages
+        column = [a for a in schedule.stage_actions(grid, top.stage) if train or a.kind == "F"]
+        order = outbox.taking_order(grid, top, v) if train and v > 1 else {}
+        sends = {a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in column}
+        deferred = frozenset((a.i, a.virtual_stage) for a in column if a.kind == "W")
+        return cls(
+            column=tuple(column),
+            fill_end=1 + max(k for k, a in enumerate(column) if a.kind == "F"),
+            receives={a: tuple(schedule.receives(a, top.stage, top.stages, top.skips, v)) for a in column},
+            sends=sends,
+            needs_loss=frozenset(a for a in column if schedule.needs_loss(a, top.stage, top.stages, v)),
+            order={peer: tuple(keys) for peer, keys in order.items()},
+            input_first=next(
+                (
+                    a
+                    for a in reversed(column)
+                    if a.kind == "B" and sends[a] and (a.i, a.virtual_stage) not in deferred
+                ),
+                None,
+            ),
+            deferred=deferred,
+        )
+
+    def messages(self, actions: Iterable[Action], flows: Callable[[Action, Transfer], bool]) -> Counter[int]:
+        """How many messages ``actions`` receive from each peer stage, counting the transfers that
+        ``flows`` (as :func:`~lightning_gpipe.schedule.messages` does, from the plan's receives)."""
+        return Counter(t.peer for a in actions for t in self.receives[a] if flows(a, t))
+
+
+@dataclass
+class Call:
+    """Last stage: one call of the step, for splitting its leaves' gradients per micro-batch."""
+
+    covered: list[int]  # the micro-batches it covered
+    sizes: list[list[int]]  # per leaf, its parts' dim-0 sizes
+    leaves: tuple[Tensor, ...]  # the detached outputs given to the user
+    whole: tuple[bool, ...]  # per leaf: replicated (micro-batch 0's), not joined
+
+
+@dataclass
+class StepRun:
+    """One step's execution state: where the cursor stands, the micro-batches and what the forward keeps."""
+
+    train: bool
+    chunks: int
+    plan: ColumnPlan  # this stage's column and what each action receives and sends
+    whole: bool  # one call covers every micro-batch (schedule="gpipe"); else one call per micro-batch
+    micro_batches: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # first stage: given inputs
+    in_structures: dict[int, Structure] = field(default_factory=dict)  # first stage: how they make values
+    first: tuple[Meta, list[Tensor]] | None = None  # other stages: micro-batch 0's message, taken early
+    taken: Counter[int] = field(default_factory=Counter)  # messages taken before any announcement
+    # keyed by (micro-batch, virtual stage)
+    out_structures: dict[tuple[int, int], Structure] = field(default_factory=dict)  # how outputs make values
+    inputs: dict[tuple[int, int], tuple[Tensor, ...]] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], tuple[Tensor, ...]] = field(default_factory=dict)
+    skips_in: dict[tuple[int, int], dict[str, Tensor]] = field(default_factory=dict)  # received skips
+    skips_out: dict[tuple[int, int], dict[str, Tensor]] = field(default_factory=dict)  # skips sent on
+    called: int = 0  # micro-batches 0 .. called-1 have had their call
+    forwarded: set[tuple[int, int]] = field(
+        default_factory=set
+    )  # (micro-batch, virtual stage) forwarded here
+    losses: set[int] = field(default_factory=set)  # one call per micro-batch: losses backpropagated
+    step_loss: bool = False  # one call per step: Lightning's backward has come
+    pos: int = 0  # the cursor: index of the next action in column
+    announced: int = 0  # receives of column[:announced] are announced
+    # messages that follow the step's calls, per stage (the last stage's step outcome): announced
+    # with the stretch that ends where the calls end, so that they are taken in the background
+    after_calls: Counter[int] = field(default_factory=Counter)
+    states: list[ForwardState] = field(default_factory=list)  # recomputed micro-batches' module states
+    # (micro-batch, virtual stage) -> its backward's second pass, due at its W (schedule="zb_h1")
+    weights: dict[tuple[int, int], input_first.Split] = field(default_factory=dict)
+    # last stage, per call: the micro-batches it covered, each leaf's part sizes, the leaves given to
+    # the user and which of them are replicated (micro-batch 0's)
+    calls: list[Call] = field(default_factory=list)
+    leaf_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
+    # a grid whose stages take a peer's messages in another order than it sends them
+    # (schedule.in_send_order false): per peer stage, the keys (kind, i, virtual stage here, skip)
+    # in the order the peer takes them (lightning_gpipe.engine.outbox); sends wait in outbox until their turn
+    order: dict[int, list[tuple[str, int, int, str | None]]] = field(default_factory=dict)
+    outbox: dict[int, dict[tuple[str, int, int, str | None], Any]] = field(default_factory=dict)
+
+    @property
+    def column(self) -> tuple[Action, ...]:
+        """This stage's actions (only the forwards when not training)."""
+        return self.plan.column
+
+    @property
+    def fill_end(self) -> int:
+        """Index after the column's last forward."""
+        return self.plan.fill_end
+
+    @property
+    def done(self) -> bool:
+        return self.pos == len(self.plan.column)

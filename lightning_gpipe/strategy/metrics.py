@@ -1,0 +1,138 @@
+"""The last stage's losses and metrics, seen by every rank.
+
+Only the last stage of a pipeline computes the user's loss, metrics and ``self.log`` calls.
+Lightning's callbacks run on every rank, though, and ``ModelCheckpoint(monitor=...)``,
+``EarlyStopping`` and metric-monitoring LR schedulers must decide the same everywhere. After
+every step the last stage's outcome reaches the other stages (:mod:`lightning_gpipe.engine.outcome`);
+the epoch-level values (``on_epoch=True`` aggregates, computed at the end of a training or
+validation epoch) are broadcast over each pipeline here, before the epoch-end callbacks run.
+torchmetrics metrics sync over the last stage's data-parallel replicas only; logging calls on the
+other stages (in epoch-end hooks) are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from pytorch_lightning.callbacks import Callback
+from torch import nn
+
+from lightning_gpipe._compat import attached_trainer, distributed_is_initialized
+from lightning_gpipe.state.optimizer import tensors_to_cpu
+from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, namespace_of, specialize
+from lightning_gpipe.transport.layout import Layout
+
+if TYPE_CHECKING:
+    _Base = Callback
+else:
+    _Base = object
+
+
+def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: torch.device) -> None:
+    """Broadcast ``trainer.callback_metrics`` from global rank ``src`` (a last stage) over ``group`` (its pipeline)."""
+    rank = dist.get_rank()
+    box = [tensors_to_cpu(dict(trainer.callback_metrics)) if rank == src else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if rank != src:
+        metrics = trainer.callback_metrics
+        metrics.clear()
+        metrics.update({k: v.to(device) for k, v in (box[0] or {}).items()})
+
+
+def share_over_pipeline(
+    trainer: pl.Trainer,
+    layout: Layout,
+    rank: int,
+    group: Any,
+    device: torch.device,
+    arrive: Callable[[str, list[int]], None],
+) -> None:
+    """Give every stage of ``rank``'s pipeline (``group``) its last stage's ``trainer.callback_metrics``,
+    after ``arrive(operation, ranks)``: all of the pipeline's ranks must come. Nothing with one stage."""
+    if layout.stages == 1 or not distributed_is_initialized():
+        return
+    replica = layout.replica_of(rank)
+    src = layout.rank(replica, layout.stages - 1)
+    arrive(f"sharing epoch metrics over pipeline {replica}", layout.pipeline_ranks(replica))
+    share_last_stage_metrics(trainer, src, group, device)
+
+
+class _ShareLastStageMetricsLogic(_Base):
+    """Runs first among callbacks and calls ``share()`` where Lightning's epoch-end callbacks read metrics.
+
+    Args:
+        share: shares the last stage's ``callback_metrics`` with the rest of the pipeline.
+    """
+
+    def __init__(self, share: Any) -> None:
+        self.share = share
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.share(trainer)
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.share(trainer)
+
+
+class ShareLastStageMetrics(_ShareLastStageMetricsLogic, Callback):
+    __doc__ = _ShareLastStageMetricsLogic.__doc__
+    namespace = PYTORCH_LIGHTNING
+
+
+def install_metric_sharing(trainer: pl.Trainer, share: Any) -> ShareLastStageMetrics:
+    """Put a :class:`ShareLastStageMetrics` (of the Trainer's namespace) first among ``trainer``'s callbacks."""
+    callback = specialize(ShareLastStageMetrics, namespace_of(trainer) or PYTORCH_LIGHTNING)(share)
+    trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
+    return callback
+
+
+def remove_metric_sharing(module: pl.LightningModule | None, callback: ShareLastStageMetrics | None) -> None:
+    """Undo :func:`install_metric_sharing` (and :func:`silence_logging`) on ``module``'s trainer."""
+    trainer = attached_trainer(module) if module is not None else None
+    if callback is not None and trainer is not None and callback in trainer.callbacks:  # type: ignore[attr-defined]
+        trainer.callbacks.remove(callback)  # type: ignore[attr-defined]
+    restore_logging(module)
+
+
+def sync_metrics_over(module: nn.Module | None, group: Any, member: bool) -> None:
+    """torchmetrics metrics live on the last stage: sync them over its data-parallel replicas only.
+
+    Args:
+        group: the last stage's data-parallel group.
+        member: whether this rank is in ``group``; the other stages' metrics never sync (they
+            have no data to sync, and a collective they are not part of would only warn).
+    """
+    from torchmetrics import Metric
+
+    for m in module.modules() if module is not None else ():
+        if isinstance(m, Metric):
+            m.process_group = group if member else None
+            if not member:
+                m.sync_on_compute = False
+                m.dist_sync_on_step = False
+
+
+def silence_logging(module: pl.LightningModule | None) -> None:
+    """Non-last stages compute no loss or metric: their ``self.log`` calls (in epoch hooks) are dropped."""
+    if module is not None:
+        module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+        module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+
+
+def metrics_on_last_stage(module: pl.LightningModule | None, group: Any, last_stage: bool) -> None:
+    """The module's metrics sync over the last stage's replicas (``group``); other stages log nothing."""
+    sync_metrics_over(module, group, last_stage)
+    if not last_stage:
+        silence_logging(module)
+
+
+def restore_logging(module: pl.LightningModule | None) -> None:
+    """Undo :func:`silence_logging`."""
+    if module is not None:
+        module.__dict__.pop("log", None)
+        module.__dict__.pop("log_dict", None)

@@ -1,0 +1,290 @@
+"""One ``training_step`` call per micro-batch: the contract of every schedule but ``"gpipe"``.
+
+1F1B (:func:`lightning_gpipe.schedule.one_f_one_b`) runs the backward of micro-batch ``i`` before
+the forward of micro-batch ``i + K``, so the loss of micro-batch ``i`` must exist before the
+user's code has seen the later micro-batches. Under ``GPipeStrategy(schedule="1f1b")`` the
+strategy therefore runs the user's ``training_step`` once per micro-batch, as
+``accumulate_grad_batches`` would run it once per batch:
+
+- the batch is split like the pipeline's input: every tensor of the batch (any nesting of
+  tuples, lists, dicts, dataclasses) with the batch's dim 0 ``N`` into ``min(M, N)`` parts of
+  :func:`lightning_gpipe.engine.microbatch.sizes` ``(N, M)``; other tensors (0-d, another dim 0, marked
+  with ``no_chunk``) and other values reach every call whole;
+- the loss call ``i`` returns (a tensor, or a dict's ``"loss"``) is weighted by its share of the
+  batch, ``n_i / N``, divided by ``accumulate_grad_batches`` as Lightning divides a loss, scaled
+  by the precision plugin's ``GradScaler`` if it has one, and backpropagated by the strategy
+  right after the call (on the last stage, into the call's output; the stage's backward carries
+  it on): for a loss that is a mean over samples the accumulated gradient equals the full batch's;
+- the gradients made during the calls are set aside and added to the parameters' gradients in
+  Lightning's ``backward`` (which comes after Lightning's ``zero_grad``), so hooks, clipping,
+  the optimizer step and gradient accumulation see them where they see a one-device backward's;
+- ``training_step`` returns ``sum_i (n_i / N) · loss_i``, the full batch's loss for a mean loss
+  (a dict: the last call's, with that ``"loss"``), as a tensor with no graph, so that Lightning's
+  own ``backward`` adds nothing;
+- ``self.log`` (and ``log_dict``) inside the calls is recorded, and after the last call each name
+  is logged once with the same options and the values combined over the calls: a mean weighted
+  by ``n_i`` (``reduce_fx="mean"``, the default), the sum (``"sum"``), the maximum (``"max"``) or
+  the minimum (``"min"``); a torchmetrics ``Metric`` is logged as it stands after the calls (its
+  state has seen every micro-batch); ``batch_size=``, when given, is summed over the calls. The
+  progress bar, the loggers and ``trainer.callback_metrics`` see the full batch's value.
+
+Losses that qualify: means over samples whose every sample counts the same (``F.mse_loss``,
+``F.cross_entropy`` with ``reduction="mean"`` over equally many targets per sample). Losses
+that do not: batch-wide ones (contrastive losses over the batch's pairs, anything normalised by
+a count that differs between micro-batches, e.g. ``ignore_index`` targets): use
+``schedule="gpipe"``, which runs ``training_step`` once on the whole batch.
+
+Refused before any process starts (:func:`check_model`): manual optimization. Refused during the
+step: a batch without a tensor with a batch dimension, a call that returns no loss on the last stage, a
+call that does not call the pipelined Sequential while others do.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_gpipe import _compat
+from lightning_gpipe.engine.microbatch import _marked, sizes
+from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError, StageDone
+
+__all__ = ["MicroSteps", "check_model", "split_batch"]
+
+_MISSING = object()
+
+
+def check_model(model: Any, schedule: str) -> None:
+    """Raise before any process starts if ``model`` cannot run one ``training_step`` per micro-batch.
+
+    Raises:
+        ValueError: the module uses manual optimization (the strategy backpropagates each
+            micro-batch's loss itself).
+    """
+    if schedule != "gpipe" and not model.automatic_optimization:
+        raise ValueError(
+            f"{type(model).__name__} uses manual optimization (automatic_optimization = False), which "
+            f"schedule={schedule!r} does not support: the strategy runs training_step once per micro-batch "
+            "and backpropagates each loss itself; use schedule='gpipe' or automatic optimization"
+        )
+
+
+def split_batch(batch: Any, chunks: int) -> tuple[list[Any], list[int]]:
+    """``batch`` as ``min(chunks, N)`` micro-batches, and their sizes (:func:`~lightning_gpipe.engine.microbatch.sizes`).
+
+    The pipeline's split rule (:func:`lightning_gpipe.engine.microbatch.scatter`) over any collection:
+    ``N`` is dim 0 of the first tensor that has one and is not marked with
+    :func:`~lightning_gpipe.engine.microbatch.no_chunk`; every tensor of that dim 0 is split
+    (``(N, *)`` → ``(n_i, *)``, larger parts first); other tensors (0-d, marked, another dim 0) and
+    every other value reach each part whole.
+
+    Raises:
+        ValueError: the batch holds no tensor with a batch dimension.
+    """
+    found: list[Tensor] = []
+    apply_to_collection(batch, Tensor, found.append)
+    n = next((t.shape[0] for t in found if t.dim() > 0 and not _marked(t)), None)
+    if not n:
+        shapes = ", ".join(str(list(t.shape)) for t in found) or "none"
+        raise ValueError(
+            "one training_step per micro-batch splits the batch along dim 0, but it holds no tensor with a "
+            f"batch dimension (shapes: {shapes}); give a tensor the batch dimension first, or use schedule='gpipe'"
+        )
+    parts = sizes(n, chunks)
+    bounds = [sum(parts[:k]) for k in range(len(parts) + 1)]
+
+    def part(t: Tensor, a: int, b: int) -> Tensor:
+        return t[a:b] if t.dim() > 0 and t.shape[0] == n and not _marked(t) else t
+
+    micro = [apply_to_collection(batch, Tensor, part, a, b) for a, b in zip(bounds, bounds[1:])]
+    return micro, parts
+
+
+class MicroSteps:
+    """Runs a training step as one user ``training_step`` call per micro-batch (see the module docstring).
+
+    One instance per strategy: :meth:`training_step` in the strategy's ``training_step``,
+    :meth:`deposit` in its ``backward``.
+    """
+
+    def __init__(self) -> None:
+        self._made: list[tuple[Tensor, Tensor | None]] = []  # (parameter, gradient made in the step)
+
+    def training_step(
+        self,
+        step: Callable[..., Any],
+        stage: PipelineStage,
+        module: Any,
+        precision_plugin: Any,
+        chunks: int,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Call ``step`` (the user's ``training_step``) once per micro-batch of the batch in ``args[0]``.
+
+        Args:
+            step: the user's step, called as ``step(micro_batch, *args[1:], **kwargs)``.
+            stage: this rank's stage.
+            module: the LightningModule (its ``log`` is recorded during the calls).
+            precision_plugin: the strategy's precision plugin (its ``scaler``, if any, scales each loss).
+            chunks: micro-batches per batch M.
+
+        Returns:
+            The combined output on the last stage; :class:`~lightning_gpipe.engine.stage.StageDone` on the
+            others; the first call's output when it did not call the pipelined Sequential.
+
+        Raises:
+            PipelineUsageError: a call returned no loss on the last stage, or did not call the
+                pipelined Sequential while the first did.
+        """
+        batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
+        micro, parts = split_batch(batch, chunks)
+        total = sum(parts)
+        trainer = _compat.attached_trainer(module)
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        scaler = getattr(precision_plugin, "scaler", None)
+        params = list(module.parameters())
+        aside = [(p, p.grad) for p in params]  # gradients of earlier steps (accumulation)
+        for p in params:
+            p.grad = None
+        log = _LogRecorder(module)
+        last: dict[str, Any] | None = (
+            None  # the last call's dict output, less its loss (returned with the combined one)
+        )
+        losses: list[Tensor] = []
+        uncalled = None
+        stage.start_micro_steps(len(micro))
+        try:
+            with log:
+                for i, part in enumerate(micro):
+                    log.micro_batch = i
+                    out = stage.run_step(step, True, part, *rest, **kwargs)
+                    if not stage.ran_forward:
+                        if i == 0:  # a step without the pipeline: the strategy decides as under "gpipe"
+                            uncalled = (out,)
+                            break
+                        raise PipelineUsageError(
+                            f"training_step did not call the pipelined nn.Sequential for micro-batch {i} but did "
+                            "for micro-batch 0; under a per-micro-batch schedule every call must call it once"
+                        )
+                    if not stage.topology.is_last:
+                        continue
+                    loss = out.get("loss") if isinstance(out, Mapping) else out
+                    if not isinstance(loss, Tensor):
+                        raise PipelineUsageError(
+                            f"training_step returned no loss for micro-batch {i} (got {type(out).__name__}); a "
+                            "per-micro-batch schedule backpropagates every micro-batch's loss: return one from "
+                            "every call, or use schedule='gpipe' to skip steps by returning None"
+                        )
+                    losses.append(_kept(loss))
+                    last = (
+                        {k: None if k == "loss" else v for k, v in out.items()}
+                        if isinstance(out, Mapping)
+                        else None
+                    )
+                    scaled = loss * (parts[i] / total / accumulate)
+                    if isinstance(scaler, torch.amp.GradScaler):
+                        scaled = scaler.scale(scaled)
+                    precision_plugin.backward(scaled, module, None)
+                    stage.loss_backpropagated(i)
+                    del out, loss, scaled  # nothing of a call outlives its backward but its loss value
+            stage.end_micro_steps()
+        finally:
+            self._made = [(p, p.grad) for p in params]
+            for p, g in aside:
+                p.grad = g
+        log.replay(parts)
+        if uncalled is not None:
+            return uncalled[0]
+        if not stage.topology.is_last:
+            return StageDone
+        combined = torch.stack([loss.double() * (n / total) for n, loss in zip(parts, losses)]).sum()
+        loss_out = combined.to(losses[0].dtype).requires_grad_(losses[0].is_floating_point())
+        return {**last, "loss": loss_out} if last is not None else loss_out
+
+    def deposit(self) -> None:
+        """Add the gradients made during the step's calls to the parameters' (in Lightning's ``backward``)."""
+        made, self._made = self._made, []
+        with torch.no_grad():
+            for p, g in made:
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+
+
+def _kept(value: Any) -> Any:
+    """What a step keeps of a micro-batch's value to the end of the step: a tensor detached and copied.
+
+    A loss is a scalar, but it may hold much more: ``F.mse_loss`` returns a 0-d view of its
+    element-wise buffer (one micro-batch's output size), and its graph holds the output leaves
+    and their gradients; a detached view would keep the buffer, an undetached value the graph,
+    for every micro-batch, to the end of the step. A copy owns only its own elements.
+    """
+    return value.detach().clone() if isinstance(value, Tensor) else value
+
+
+class _LogRecorder:
+    """Within: the module's ``log`` records ``(micro-batch, value, options)`` per name; :meth:`replay`
+    then logs each name once with its combined value."""
+
+    _REDUCE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+        "mean": lambda v, w: (v * w).sum() / w.sum(),
+        "sum": lambda v, w: v.sum(),
+        "max": lambda v, w: v.max(),
+        "min": lambda v, w: v.min(),
+    }
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+        self.signature = inspect.signature(type(module).log)
+        self.records: dict[str, list[tuple[int, Any, dict[str, Any]]]] = {}
+        self.micro_batch = 0
+        self._prior: Any = _MISSING
+
+    def __enter__(self) -> _LogRecorder:
+        self._prior = self.module.__dict__.get("log", _MISSING)
+        self.module.__dict__["log"] = self._record
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._prior is _MISSING:
+            self.module.__dict__.pop("log", None)
+        else:
+            self.module.__dict__["log"] = self._prior
+
+    def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        options = self.signature.bind(self.module, name, value, *args, **kwargs).arguments
+        options = {k: v for k, v in options.items() if k not in ("self", "name", "value")}
+        self.records.setdefault(name, []).append((self.micro_batch, _kept(value), options))
+
+    def replay(self, parts: list[int]) -> None:
+        """Log every recorded name once through the module's ``log``, its values combined (module docstring)."""
+        for name, entries in self.records.items():
+            options = dict(entries[-1][2])
+            values = [v for _, v, _ in entries]
+            if options.get("batch_size") is not None:
+                options["batch_size"] = sum(
+                    int(o["batch_size"]) for _, _, o in entries if o.get("batch_size")
+                )
+            if not all(isinstance(v, (Tensor, int, float)) for v in values):
+                self.module.log(name, values[-1], **options)  # a Metric: its state saw every call
+                continue
+            reduce = options.get("reduce_fx", "mean")
+            key = reduce if isinstance(reduce, str) else getattr(reduce, "__name__", "mean")
+            tensors = [torch.as_tensor(v).detach() for v in values]
+            device = tensors[0].device
+            stacked = torch.stack([t.to(device, torch.float64) for t in tensors])
+            weights = torch.tensor(
+                [float(parts[i]) for i, _, _ in entries], dtype=torch.float64, device=device
+            )
+            weights = weights.reshape(-1, *[1] * (stacked.dim() - 1))
+            combined = self._REDUCE.get(key, self._REDUCE["mean"])(stacked, weights)
+            dtype = tensors[0].dtype if tensors[0].is_floating_point() else torch.get_default_dtype()
+            self.module.log(name, combined.to(dtype), **options)

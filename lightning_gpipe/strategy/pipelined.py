@@ -1,0 +1,283 @@
+"""The user's Sequential while it is pipelined: this rank's stage in its place, from setup to teardown.
+
+At setup the strategy cuts the LightningModule's ``nn.Sequential`` and puts this rank's
+:class:`~lightning_gpipe.engine.stage.PipelineStage` where it was (:meth:`Pipelined.install`); after
+``fit`` (or ``validate``/``test``/``predict``) the whole Sequential is back, loaded with every
+stage's trained state (:meth:`Pipelined.uninstall`). Between the two, :class:`Pipelined` holds
+what that life needs: the installed stage and the balance it was cut with, the parameters that
+layers on different stages share (:mod:`lightning_gpipe.partition.tied`), the user's ``torch.compile``
+wrappers taken off to cut the Sequential (back after ``fit``), whether the model was built on the
+meta device (each rank holds only its stage, :mod:`lightning_gpipe.state.materialize`), and the names by
+which saved state is translated between the stage and the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from pytorch_lightning.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_gpipe import _compat, state
+from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError, build_stage
+from lightning_gpipe.partition import cut as partition
+from lightning_gpipe.partition import tied
+from lightning_gpipe.schedule import SCHEDULES, check_virtual_stages
+from lightning_gpipe.state.materialize import check_nothing_meta, check_stage_only_balance, has_meta
+from lightning_gpipe.state.start_state import start_stage
+from lightning_gpipe.strategy import microstep
+from lightning_gpipe.strategy.balance_spec import choose_balance, log_choice, profiled
+from lightning_gpipe.tools.timeline import Timeline
+from lightning_gpipe.transport.layout import Layout
+
+__all__ = ["Pipelined", "check_model", "partition_model", "unpartition_model"]
+
+log = logging.getLogger(__name__)
+
+
+class Pipelined:
+    """One rank's stage installed in the user's LightningModule, and what it takes to put the Sequential back.
+
+    Attributes:
+        stage: this rank's stage, installed in the module (``None`` outside setup–teardown).
+        installed: where the stage replaced the user's Sequential (:class:`.partition.Installed`).
+        index: this rank's stage index ``j``.
+        balance: layers per stage the Sequential was cut with (``None`` before the first cut).
+        tied: parameters shared by layers on different stages (:func:`lightning_gpipe.partition.tied.find_tied`).
+        tied_groups: their process groups, once the processes are connected (:meth:`tie`).
+        stage_only: the Sequential was built on the meta device; this rank materialized only its stage.
+        received_skips: ``(skip, source stage)`` the stage received, kept at :meth:`uninstall` (inspection).
+    """
+
+    def __init__(self) -> None:
+        self.stage: PipelineStage | None = None
+        self.installed: partition.Installed | None = None
+        self.index = 0
+        self.balance: list[int] | None = None
+        self.stages = 1  # K: with virtual stages the balance has K·v entries
+        self.tied: list[tied.Tied] = []
+        self.tied_groups: tied.TiedGroups | None = None
+        self.stage_only = False
+        self.received_skips: list[tuple[str, int]] | None = None
+        self._uncompiled: list[
+            tuple[nn.Module, str, Any]
+        ] = []  # the user's compiled wrappers, back after fit
+        self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
+
+    @property
+    def name(self) -> str | None:
+        """The Sequential's attribute path in the module (e.g. ``"layers"``), while the stage is installed."""
+        return self.installed.name if self.installed is not None else None
+
+    def check_model(
+        self, model: nn.Module, module_name: str | None, balance: Any, stages: int, virtual_stages: int = 1
+    ) -> tuple[str, nn.Sequential, list[int]]:
+        """Raise before any process starts if the model cannot be cut (:func:`.partition.check_model`).
+
+        A ``torch.compile``-d Sequential is replaced by the Sequential itself first
+        (:func:`.partition.uncompile`); each stage is compiled with the user's settings instead.
+        With ``virtual_stages`` v > 1 it is cut into ``stages × v`` parts, and a skip connection
+        between two parts is refused (:func:`.partition.check_skips_within_parts`).
+        """
+        undone, user_compile = partition.uncompile(model)
+        if undone:
+            self._uncompiled += undone
+            self._user_compile = user_compile
+        name, seq, checked = partition.check_model(model, module_name, balance, stages, virtual_stages)
+        if virtual_stages > 1:
+            partition.check_skips_within_parts(seq, checked)
+        return name, seq, checked
+
+    def install(
+        self,
+        model: nn.Module,
+        checked: tuple[str, nn.Sequential, list[int]],
+        spec: Any,
+        layout: Layout,
+        rank: int,
+        device: Any,
+        choose: Callable[[nn.Sequential, list[int]], list[int]],
+        build: Callable[[nn.Sequential, list[int]], PipelineStage],
+        deferred_batch_norm: bool = False,
+        compile: bool | dict[str, Any] = False,
+    ) -> PipelineStage:
+        """Cut the user's Sequential and put this rank's stage in its place; return the stage.
+
+        Args:
+            checked: ``(name, sequential, balance)`` from :meth:`check_model`.
+            spec: the strategy's ``balance=`` (a list, a balancer's name or ``None``).
+            choose: ``(sequential, balance) -> balance``: the balance the stages are cut with
+                (:func:`lightning_gpipe.strategy.balance_spec.choose_balance`).
+            build: ``(sequential, balance) -> stage``: this rank's stage of the cut Sequential.
+            deferred_batch_norm, compile: as ``GPipeStrategy``'s arguments.
+
+        Raises:
+            PartitionError: parameters shared by layers on different stages are buffers.
+            ValueError: a model built on the meta device with a balancer that measures it.
+        """
+        name, seq, balance = checked
+        self.stage_only = has_meta(seq)
+        if self.stage_only:
+            check_stage_only_balance(spec)
+        balance = choose(seq, balance)
+        partition.check_tied_parameters(seq, balance, layout.stages)
+        start_stage(model, name, seq, balance, layout, rank, device, self.stage_only)
+        stage = build(seq, balance)
+        self.installed = partition.install(model, name, stage, deferred_batch_norm=deferred_batch_norm)
+        self.tied = tied.find_tied(seq, balance, layout.stages)
+        stage_compile = partition.stage_compiler(compile, self._user_compile)
+        if stage_compile is not None:
+            stage.compile(stage_compile)
+        self.stage, self.index, self.stages = stage, layout.stage_of(rank), layout.stages
+        check_nothing_meta(model)
+        self.balance = balance
+        return stage
+
+    def describe(self, model: nn.Module, spec: Any, layout: Layout, rank: int) -> None:
+        """Log where the layers went and the balance a balancer chose (rank 0), and this rank's stage."""
+        assert self.installed is not None and self.balance is not None and self.stage is not None
+        seq, balance = self.installed.sequential, self.balance
+        if rank == 0:
+            rank_zero_info(
+                partition.placement(seq, balance, [layout.rank(0, j) for j in range(layout.stages)])
+            )
+        if isinstance(spec, str) and rank == 0 and profiled(model):
+            log_choice(model, spec, balance)  # type: ignore[arg-type]
+        where = f"rank {rank} runs stage {self.index}/{layout.stages}"
+        log.info(f"gpipe: {where} with layers {self.stage.layer_names}")
+
+    def tie(self, layout: Layout, rank: int) -> None:
+        """Process groups for the tied parameters (every rank calls this); the copies start equal."""
+        if self.tied and self.stage is not None:
+            self.tied_groups = tied.new_tied_groups(self.tied, self.stage, layout, rank)
+            tied.broadcast_tied(self.tied_groups)
+
+    def uninstall(
+        self, layout: Layout, rank: int, arrive: Callable[[str], None], gather: bool = True
+    ) -> None:
+        """Put the user's full Sequential back, loaded with every stage's trained state when ``gather``.
+
+        ``gather`` is a collective (every rank of the job calls it, after ``arrive(operation)``);
+        a model built stage-only is put back as it is (each rank holds only its stage).
+        """
+        if self.installed is None or self.stage is None:
+            return
+        self.received_skips = list(self.stage.received_skips)
+        full = None
+        if gather and not self.stage_only:
+            arrive("gathering the model's state (end of fit)")
+            full = state.gather_sequential_state(self.stage, layout, rank, to_all=True, tied=self.tied)
+        partition.uninstall(self.installed, full)
+        partition.recompile(self._uncompiled)
+        self.installed, self.stage, self._uncompiled = None, None, []
+
+    def refuse_uncalled(self, out: Any) -> None:
+        """Raise if a training step returned a loss without calling the pipelined Sequential.
+
+        Raises:
+            PipelineUsageError: ``out`` is not ``None`` (the step would train wrongly).
+        """
+        if out is None:
+            return
+        raise PipelineUsageError(
+            f"the pipelined module was not called in training_step, which returned a loss (stage "
+            f"{self.index}): the step ran something other than the pipelined nn.Sequential "
+            f"{self.name or '?'!r} (a wrapper or a reference to it kept from before fit) and would train "
+            "wrongly; call the Sequential itself (it may be torch.compile-d: the strategy compiles each stage)"
+        )
+
+    @contextlib.contextmanager
+    def configuring(self, device: torch.device) -> Iterator[None]:
+        """Inside: ``configure_optimizers`` runs over the stage: an empty parameter if none is trainable
+        (:func:`.partition.add_placeholder_parameter`), other stages' layers empty (``PipelineStage.__getitem__``)."""
+        assert self.stage is not None
+        partition.add_placeholder_parameter(self.stage, device)
+        self.stage.configuring = True
+        try:
+            yield
+        finally:
+            self.stage.configuring = False
+
+    @property
+    def plain_names(self) -> list[str] | None:
+        """The user's Sequential's parameter names, in model order, while the stage is installed."""
+        return partition.plain_parameter_names(self.installed) if self.installed is not None else None
+
+    def tied_aliases(self) -> dict[str, str | None]:
+        """This stage's names (in the model) of tied parameters: the owner's name, or ``None`` on the owner."""
+        if self.installed is None:
+            return {}
+        prefix = self.installed.name + "."
+        aliases = tied.canonical_name(self.tied, self.index)
+        return {prefix + k: None if v is None else prefix + v for k, v in aliases.items()}
+
+    def owners(self) -> list[str]:
+        """The model's names of the tied parameters this stage holds as copies (their owners' names)."""
+        return [name for name in self.tied_aliases().values() if name is not None]
+
+    def cut_copy(self, seq: nn.Sequential) -> nn.Module:
+        """This stage's part of a copy of the pipelined Sequential (a callback's copy of the module)."""
+        assert self.balance is not None
+        return nn.Sequential(OrderedDict(partition.cut(seq, self.balance, self.index, self.stages)))
+
+    def whole_model(self) -> contextlib.AbstractContextManager[None]:
+        """The module holds its whole Sequential (every stage's layers; other stages' weights are not
+        trained here) inside this context, the stage again after it. For summaries that count the model."""
+        return partition.whole_sequential(self.installed, self.stage)
+
+
+# -- the strategy's set-up and teardown of its stage (GPipeStrategy.setup, teardown) ----------------
+# ``strategy`` is the GPipeStrategy (typed Any: this module is below it in the import graph).
+
+
+def check_model(strategy: Any, model: nn.Module) -> tuple[str, nn.Sequential, list[int]]:
+    """Raise before any process starts if the model cannot be cut (:meth:`.Pipelined.check_model`)
+    or cannot run its schedule (:func:`.microstep.check_model`)."""
+    microstep.check_model(model, strategy.schedule)
+    stages, v = strategy.layout.stages, strategy.virtual_stages
+    check_virtual_stages(strategy.schedule, v, stages)  # interleaving needs two or more stages
+    return strategy._pipelined.check_model(model, strategy.module_name, strategy.balance, stages, v)
+
+
+def partition_model(strategy: Any) -> None:
+    """Cut the user's Sequential and put this rank's :class:`PipelineStage` in its place."""
+    model = strategy._module
+    choose = functools.partial(
+        choose_balance, strategy.balance, model, stages=strategy.layout.stages * strategy.virtual_stages,
+        chunks=strategy.chunks_used,
+        device=strategy.root_device, rank=strategy.global_rank, broadcast=strategy.broadcast,
+        to_device=strategy.batch_to_device, optimizer_state_factor=strategy.optimizer_state_factor,
+    )  # fmt: skip
+
+    def build(seq: nn.Sequential, balance: list[int]) -> PipelineStage:
+        layout, rank, device = strategy.layout, strategy.global_rank, strategy.root_device
+        schedule = SCHEDULES[strategy.schedule]
+        lanes = strategy._groups.lanes if strategy._groups is not None else None
+        return build_stage(
+            seq, balance, layout, rank, strategy.chunks_used, strategy.checkpoint, device, schedule, lanes
+        )
+
+    stage = strategy._pipelined.install(
+        model, check_model(strategy, model), strategy.balance, strategy.layout, strategy.global_rank,
+        strategy.root_device, choose, build, deferred_batch_norm=strategy.deferred_batch_norm,
+        compile=strategy.compile,
+    )  # fmt: skip
+    if strategy.timeline:
+        replica = strategy.layout.replica_of(strategy.global_rank)
+        strategy._timeline = stage.timeline = Timeline(
+            strategy.stage_index, strategy.layout.stages, strategy.global_rank, replica,
+            virtual_stages=strategy.virtual_stages, schedule=strategy.schedule,
+        )  # fmt: skip
+    strategy._pipelined.describe(model, strategy.balance, strategy.layout, strategy.global_rank)
+
+
+def unpartition_model(strategy: Any) -> None:
+    """Put the user's full Sequential back, loaded with every stage's trained state."""
+    gather = not strategy._failed and _compat.distributed_is_initialized()
+    strategy._pipelined.uninstall(strategy.layout, strategy.global_rank, strategy._arrive, gather=gather)

@@ -1,0 +1,233 @@
+"""Process groups: the default group's set-up and world-wide collectives, the pipeline and
+data-parallel groups, and their destruction when the process exits.
+
+Each rank holds three group handles (:class:`Groups`): its pipeline, its stage's data-parallel
+replicas, and the last stage's replicas; on Gloo also its pipeline's :class:`~lightning_gpipe.transport.p2p.Lanes`
+(one group per direction for the stages' messages). They are made once per default group and layout
+(:func:`new_groups`) and destroyed, with the default group, by an exit hook
+(:func:`close_at_exit`) while Python still runs. The world-wide collectives
+(:func:`barrier`, :func:`broadcast_object`, :func:`all_agree`) do nothing before
+``torch.distributed`` is initialized, as Lightning's strategies do.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_gpipe._compat import (
+    default_process_group_backend,
+    distributed_is_initialized,
+    init_dist_connection,
+    sync_ddp,
+)
+from lightning_gpipe.transport import arrival
+from lightning_gpipe.transport.arrival import arrive
+from lightning_gpipe.transport.layout import Layout
+from lightning_gpipe.transport.p2p import Lanes, close_lanes, join_sends
+
+__all__ = [
+    "EXIT_WAIT_S",
+    "Groups",
+    "all_agree",
+    "barrier",
+    "broadcast_object",
+    "close_at_exit",
+    "connect",
+    "new_groups",
+    "reduce",
+]
+
+log = logging.getLogger(__name__)
+
+
+def connect(
+    cluster_environment: Any, backend: str | None, timeout: timedelta | None, device: torch.device, rank: int
+) -> str:
+    """Initialize the default process group (Lightning's rendezvous), then give every rank rank 0's
+    random state (:func:`lightning_gpipe.state.start_state.share_rng_state`; nothing is re-seeded), so that
+    a shuffling DataLoader hands every stage the batches the script draws on one device.
+
+    Returns:
+        The backend: ``backend``, or by default the one Lightning picks for ``device``.
+    """
+    backend = backend or default_process_group_backend(device)
+    kwargs: dict[str, Any] = {"timeout": timeout}
+    if device.type != "cpu":
+        kwargs["device_id"] = device
+    arrival.reset()
+    init_dist_connection(cluster_environment, backend, **kwargs)
+    from lightning_gpipe.state.start_state import share_rng_state
+
+    share_rng_state(rank)
+    return backend
+
+
+def arrive_all(operation: str, timeout: float) -> None:
+    """Every rank reaches ``operation`` within ``timeout`` seconds, or it fails naming those missing
+    (:func:`lightning_gpipe.transport.arrival.arrive`); nothing to wait for outside ``torch.distributed``."""
+    if distributed_is_initialized():
+        arrive(operation, timeout)
+
+
+def barrier(device: torch.device) -> None:
+    """Wait for every rank (on NCCL, on ``device``)."""
+    if not distributed_is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """``obj`` from global rank ``src`` on every rank of ``group`` (default: all; picklable objects)."""
+    if not distributed_is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src, group=group)
+    return box[0]
+
+
+def from_last_stage(obj: Any, layout: Layout, rank: int, group: Any) -> Any:
+    """``obj`` of ``rank``'s pipeline's last stage, on every stage of the pipeline (``group``; tensors on CPU)."""
+    from lightning_gpipe.state.optimizer import tensors_to_cpu
+
+    if layout.stages == 1 or group is None or not distributed_is_initialized():
+        return obj
+    src = layout.rank(layout.replica_of(rank), layout.stages - 1)
+    shared = broadcast_object(tensors_to_cpu(obj) if rank == src else None, src, group)
+    return obj if rank == src else shared
+
+
+def reduce(tensor: Any, group: Any, reduce_op: Any = "mean") -> Any:
+    """``tensor`` reduced over ``group`` (Lightning's ``_sync_ddp``); as it is without a group to reduce over."""
+    if not isinstance(tensor, torch.Tensor) or not distributed_is_initialized():
+        return tensor
+    if group is None or dist.get_rank(group) < 0 or dist.get_world_size(group) == 1:
+        return tensor  # not a member (a stage without losses or metrics: they reach it shared), or alone
+    return sync_ddp(tensor, group, reduce_op=reduce_op)
+
+
+def all_agree(decision: bool, device: torch.device, everyone: bool = True) -> bool:
+    """Whether every rank (``everyone``) or any rank decided ``True``."""
+    if not distributed_is_initialized():
+        return decision
+    t = torch.tensor(int(decision), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return bool(t == dist.get_world_size()) if everyone else bool(t)
+
+
+@dataclass
+class Groups:
+    """The process groups a rank uses besides point-to-point.
+
+    Attributes:
+        pipeline: this rank's pipeline (all stages of its replica); global-norm clipping, metric sharing.
+        data: this rank's stage in every replica; gradient all-reduce.
+        last_stage_data: the last stage in every replica (``None`` on other ranks' behalf is
+            never needed: it is a group handle every rank holds); ``sync_dist`` logging, torchmetrics.
+        lanes: the groups this rank's pipeline sends its stages' messages on, one per direction
+            (Gloo with two stages or more; ``None``: the default group, as on NCCL, whose
+            point-to-point operations have a communicator per pair of ranks already).
+    """
+
+    pipeline: Any
+    data: Any
+    last_stage_data: Any
+    lanes: Lanes | None = None
+
+
+_GROUPS: dict[tuple[int, int, int], tuple[list[Any], list[Any], list[Lanes | None]]] = {}
+
+
+def new_groups(layout: Layout, rank: int) -> Groups:
+    """Create every pipeline and data-parallel group (all ranks must call this, in the same order).
+
+    Groups are made once per process group and layout, so repeated ``fit``/``validate`` calls in
+    one job reuse them.
+    """
+    key = (id(dist.group.WORLD), layout.world_size, layout.stages)
+    if key not in _GROUPS:
+        pipelines = [dist.new_group(layout.pipeline_ranks(d)) for d in range(layout.replicas)]
+        datas = [dist.new_group(layout.data_ranks(s)) for s in range(layout.stages)]
+        _GROUPS[key] = (pipelines, datas, new_lanes(layout))
+    pipelines, datas, lanes = _GROUPS[key]
+    return Groups(
+        pipeline=pipelines[layout.replica_of(rank)],
+        data=datas[layout.stage_of(rank)],
+        last_stage_data=datas[layout.stages - 1],
+        lanes=lanes[layout.replica_of(rank)],
+    )
+
+
+def new_lanes(layout: Layout) -> list[Lanes | None]:
+    """Every pipeline's :class:`~lightning_gpipe.transport.p2p.Lanes` on Gloo (all ranks must call this, in
+    the same order); ``None`` for each on other backends and with one stage."""
+    if layout.stages < 2 or dist.get_backend() != "gloo":
+        return [None] * layout.replicas
+    lanes: list[Lanes | None] = []
+    for d in range(layout.replicas):
+        ranks = layout.pipeline_ranks(d)
+        upward, downward = dist.new_group(ranks), dist.new_group(ranks)
+        lanes.append(Lanes(ranks, upward, downward))
+    return lanes
+
+
+_HOLDERS: weakref.WeakSet[Any] = weakref.WeakSet()
+_EXIT_HOOK = False
+EXIT_WAIT_S = 30.0
+"""At exit, how long to wait for background send waits still pending (after a failure), seconds."""
+
+
+def close_at_exit(holder: Any) -> None:
+    """Destroy every process group when this process exits normally, while Python still runs.
+
+    Left to interpreter finalization, a Gloo worker thread that is still releasing the tensors of
+    the last collective (the caller's ``wait`` has returned, the worker's clean-up has not) must
+    take the GIL to free them; during finalization that ends the thread with a forced unwind and
+    the whole process with ``terminate called without an active exception`` (SIGABRT, exit code
+    134) after a run that succeeded (pytorch/pytorch#179291 proposes the same hook in
+    ``init_process_group``). At exit this destroys the default group and, through
+    ``holder.release_groups()`` for every registered holder, drops the subgroup handles it keeps,
+    so that every group's worker threads are joined before finalization begins.
+
+    The same holds for a send still waited for in the background (:class:`lightning_gpipe.transport.p2p.P2P`)
+    when a rank leaves after a failure: woken during finalization by its peer's receive or closed
+    connection, its thread would abort the process. The hook first waits up to :data:`EXIT_WAIT_S`
+    seconds for such sends; they end when the peer receives or goes away, which the failure
+    protocol (:mod:`lightning_gpipe.transport.failure`) makes prompt.
+
+    Args:
+        holder: an object with a ``release_groups()`` method (the strategy); held weakly.
+    """
+    global _EXIT_HOOK
+    _HOLDERS.add(holder)
+    if not _EXIT_HOOK:
+        atexit.register(_close_process_groups)
+        _EXIT_HOOK = True
+
+
+def _close_process_groups() -> None:
+    if not join_sends(EXIT_WAIT_S):
+        log.warning(
+            f"gpipe: background send waits still wait for a peer after {EXIT_WAIT_S} s at exit; "
+            "this process may abort while Python shuts down"
+        )
+    release: list[Callable[[], None]] = [h.release_groups for h in list(_HOLDERS)]
+    for fn in release:
+        fn()
+    _GROUPS.clear()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    close_lanes()
+    gc.collect()  # groups caught in reference cycles are destroyed (their threads joined) now

@@ -1,0 +1,343 @@
+"""What travels between stages: the message header, the structure codec and the CPU payload.
+
+Every message is a fixed-size int64 *header* (:func:`encode_header`) followed by the tensors it
+describes, so shapes and dtypes travel with the data on every step (nothing is cached from the
+first step). A value that is not a tensor or a tuple of tensors (a dict, nested lists, ``None``,
+numbers, strings: :mod:`lightning_gpipe.engine.microbatch`) sends its structure and non-tensor leaves as
+a last uint8 tensor of compact JSON (:func:`encode_structure`: a restricted codec, never pickle).
+
+On CPU (Gloo) a message travels as its header and its *payload* (:func:`pack`): the
+tensors' bytes, a single tensor as it is (no copy), several in one uint8 buffer. The receiver
+takes the payload into a buffer of the room it keeps for its source (:func:`unpack`), so it posts
+its receives before it knows the message. In a room of at most 64 KiB the header and the payload
+travel copied into one frame (one send and one receive); in a larger room, one after the other
+(two of each, the payload not copied: :data:`lightning_gpipe.transport.p2p.FRAMED_ROOM`). Gloo takes a send shorter than the receive's buffer; a payload
+larger than the room travels as a 16-byte placeholder, its tensors after it, and grows the room on
+both sides alike (each side follows the same sequence of messages), so steady shapes travel in
+one payload from their second message on. NCCL receives need the exact size: on CUDA the header
+and each tensor travel as messages of their own. The transport that sends and
+receives these is :mod:`lightning_gpipe.transport.p2p`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_gpipe.engine.microbatch import CONSTANTS, SLOT, TREE, TUPLE, MicroBatchError, Structure
+
+__all__ = [
+    "FIRST_ROOM",
+    "HEADER_SLOTS",
+    "Meta",
+    "decode_header",
+    "decode_message",
+    "decode_structure",
+    "encode_header",
+    "encode_message",
+    "encode_structure",
+    "pack",
+    "payload_bytes",
+    "unpack",
+]
+
+HEADER_SLOTS = 64
+_DTYPES: list[torch.dtype] = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
+_CODE = {dt: k for k, dt in enumerate(_DTYPES)}
+
+
+def encode_header(
+    tensors: Sequence[Tensor], structure: Structure | None, chunks: int, device: torch.device, blob: int = 0
+) -> Tensor:
+    """Pack ``[chunks, kind, n, (dtype, flags, ndim, *shape) × n]`` into int64 slots.
+
+    ``kind`` is ``structure.kind`` (``None``: a tuple of tensors, none replicated); ``flags`` is
+    ``requires_grad | replicated << 1``. A :data:`~lightning_gpipe.engine.microbatch.TREE` message also
+    describes its structure's ``blob`` bytes (:func:`encode_message`), as a last uint8 tensor.
+
+    A step sends the same description again and again (every micro-batch's activation, every
+    gradient), so each header is built once per description and kept (:data:`_HEADERS`): the
+    tensor returned is shared and must not be written to.
+
+    Raises:
+        ValueError: a tensor's dtype has no code, or the description does not fit in
+            :data:`HEADER_SLOTS` slots.
+    """
+    if structure is None:
+        kind, whole = TUPLE, (False,) * len(tensors)
+    else:
+        kind, whole = structure.kind, structure.whole
+    key = (chunks, kind, blob, whole, device, *[(t.dtype, t.requires_grad, t.shape) for t in tensors])
+    header = _HEADERS.get(key)
+    if header is None:
+        header = _build_header(tensors, kind, whole, chunks, device, blob)
+        if len(_HEADERS) >= _KEPT:  # shapes that vary without end (e.g. sequence lengths) keep no more
+            _HEADERS.clear()
+        _HEADERS[key] = header
+    return header
+
+
+def _build_header(
+    tensors: Sequence[Tensor], kind: int, whole: Sequence[bool], chunks: int, device: torch.device, blob: int
+) -> Tensor:
+    fields = [chunks, kind, len(tensors) + (kind == TREE)]
+    for t, w in zip(tensors, whole):
+        if t.dtype not in _CODE:
+            raise ValueError(f"cannot send a tensor of dtype {t.dtype} between stages")
+        fields += [_CODE[t.dtype], int(t.requires_grad) | int(w) << 1, t.dim(), *t.shape]
+    if kind == TREE:
+        fields += [_CODE[torch.uint8], 0, 1, blob]
+    if len(fields) > HEADER_SLOTS:
+        raise ValueError(
+            f"a stage boundary carries {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dims in all, "
+            f"more than a {HEADER_SLOTS}-slot header can describe; pass fewer tensors between stages"
+        )
+    header = torch.tensor(fields + [0] * (HEADER_SLOTS - len(fields)), dtype=torch.int64)
+    return header if device.type == "cpu" else header.to(device)
+
+
+_KEPT = 256
+"""Descriptions whose header (:data:`_HEADERS`) and decoded meta (:data:`_METAS`) are kept."""
+_HEADERS: dict[tuple[Any, ...], Tensor] = {}
+_METAS: dict[bytes, Meta] = {}
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What a message says: the number of micro-batches M, the value's structure and each tensor's
+    (shape, dtype, requires_grad).
+
+    ``blob`` is the byte count of a :data:`~lightning_gpipe.engine.microbatch.TREE` structure that follows
+    the tensors (0: none); until it is decoded, such a structure holds only ``kind`` and ``whole``.
+    """
+
+    chunks: int
+    structure: Structure
+    specs: tuple[tuple[tuple[int, ...], torch.dtype, bool], ...]
+    blob: int = 0
+
+
+def decode_header(header: Tensor) -> Meta:
+    """Inverse of :func:`encode_header` (kept per header, as the headers are: :data:`_METAS`)."""
+    return _meta(header.cpu().numpy().tobytes())
+
+
+def _meta(raw: bytes) -> Meta:
+    """The :class:`Meta` of a header's bytes (native int64 slots), decoded once per header."""
+    meta = _METAS.get(raw)
+    if meta is None:
+        meta = _decode_slots(struct.unpack(f"={HEADER_SLOTS}q", raw))
+        if len(_METAS) >= _KEPT:
+            _METAS.clear()
+        _METAS[raw] = meta
+    return meta
+
+
+def _decode_slots(h: Sequence[int]) -> Meta:
+    chunks, kind, n = h[0], h[1], h[2]
+    specs, whole, k = [], [], 3
+    for _ in range(n):
+        code, flags, ndim = h[k], h[k + 1], h[k + 2]
+        shape = tuple(h[k + 3 : k + 3 + ndim])
+        specs.append((shape, _DTYPES[code], bool(flags & 1)))
+        whole.append(bool(flags & 2))
+        k += 3 + ndim
+    blob = specs.pop()[0][0] if kind == TREE else 0
+    return Meta(chunks, Structure(kind, tuple(whole[: len(specs)])), tuple(specs), blob)
+
+
+def encode_message(
+    tensors: Sequence[Tensor], structure: Structure | None, chunks: int, device: torch.device
+) -> list[Tensor]:
+    """What travels for a value: ``[header, *tensors, blob]``, ``blob`` (uint8) only for a
+    :data:`~lightning_gpipe.engine.microbatch.TREE`; ``structure=None`` sends a tuple of tensors.
+
+    Raises:
+        ValueError: see :func:`encode_header`.
+        MicroBatchError: the structure holds a node or a dict key that cannot travel (see
+            :func:`encode_structure`).
+    """
+    payload = [t.detach().resolve_conj().resolve_neg().contiguous() for t in tensors]
+    if structure is None or structure.kind != TREE:
+        return [encode_header(tensors, structure, chunks, device), *payload]
+    data = encode_structure(structure)
+    blob = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    return [encode_header(tensors, structure, chunks, device, len(data)), *payload, blob]
+
+
+def decode_message(meta: Meta, received: list[Tensor]) -> tuple[Meta, list[Tensor]]:
+    """The message's meta and tensors once every tensor :func:`decode_header` announced has arrived
+    (the blob, last, decoded into the structure)."""
+    if not meta.blob:
+        return meta, received
+    blob = received.pop()
+    structure = decode_structure(blob.cpu().numpy().tobytes(), meta.structure.whole)
+    return replace(meta, structure=structure), received
+
+
+FIRST_ROOM = 64 * 1024
+"""Bytes a receiver takes a source's first payload into (its room grows with larger payloads)."""
+_ALIGN = 16  # every tensor starts at a multiple of 16 bytes: aligned for every dtype that travels
+_PLACEHOLDER = torch.zeros(_ALIGN, dtype=torch.uint8)  # the payload of a message over its room (or empty)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def payload_bytes(meta: Meta) -> int:
+    """The bytes of the payload :func:`pack` makes of the tensors ``meta`` describes (each padded
+    to 16 bytes), kept per meta."""
+    key = (meta.specs, meta.blob)
+    total = _PAYLOADS.get(key)
+    if total is None:
+        total = sum(_padded(math.prod(shape) * dtype.itemsize) for shape, dtype in _specs(meta))
+        if len(_PAYLOADS) >= _KEPT:
+            _PAYLOADS.clear()
+        _PAYLOADS[key] = total
+    return total
+
+
+_PAYLOADS: dict[tuple[Any, ...], int] = {}
+
+
+def pack(tensors: Sequence[Tensor], room: int) -> tuple[Tensor, list[Tensor], int]:
+    """The tensors of a message (:func:`encode_message`, after its header) as what travels to a peer
+    that keeps ``room`` bytes for its payload: ``(payload, overflow, total)``.
+
+    ``total`` is the payload's size in bytes, each tensor padded to 16 (:func:`payload_bytes`).
+    Within ``room``, ``payload`` holds every tensor's bytes and ``overflow`` is empty: a single
+    tensor travels as it is (its own memory, no copy), several are copied into one uint8 buffer.
+    Larger, ``payload`` is a 16-byte placeholder that takes the receive posted for it, and the
+    tensors travel as ``overflow``, each a message of its own; both sides then keep ``max(room,
+    total)`` for the next payload. Empty (``total`` 0), the placeholder travels alone.
+    """
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    total = sum(_padded(n) for n in sizes)
+    if total > room:
+        return _PLACEHOLDER, list(tensors), total
+    if total == 0:  # nothing to send: the placeholder takes the receive posted for the payload
+        return _PLACEHOLDER, [], 0
+    if len(tensors) == 1:
+        return tensors[0].reshape(-1).view(torch.uint8), [], total
+    buffer = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    offset = 0
+    for t, n in zip(tensors, sizes):
+        buffer[offset : offset + n] = t.reshape(-1).view(torch.uint8)
+        offset += _padded(n)
+    return buffer, [], total
+
+
+def unpack(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
+    """The tensors of a payload (:func:`pack`, within its room) received into ``buffer``.
+
+    Each one is a tensor on ``buffer``'s memory, not a view of it: its own autograd version
+    counter, so an in-place change of one tensor of a message leaves the others' saved versions
+    alone. Copies instead with ``copy`` (a buffer much larger than its message is then not held)
+    and where the tensors' dtypes differ (``torch.save`` refuses one storage as several types).
+    """
+    specs = _specs(meta)
+    copy = copy or len({dtype for _, dtype in specs}) > 1
+    storage = buffer.untyped_storage()
+    tensors, offset = [], 0
+    start = buffer.storage_offset() * buffer.element_size()  # a frame's payload follows its header
+    for shape, dtype in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if copy:
+            t = buffer[offset : offset + nbytes].view(dtype).view(shape).clone()
+        else:  # offsets are multiples of 16 bytes: whole elements of every dtype
+            strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]  # contiguous
+            t = torch.empty(0, dtype=dtype, device=buffer.device)
+            t.set_(storage, (start + offset) // dtype.itemsize, shape, strides)
+        tensors.append(t)
+        offset += _padded(nbytes)
+    return tensors
+
+
+def _specs(meta: Meta) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each tensor that travels for ``meta``, the structure's blob last."""
+    specs = [(shape, dtype) for shape, dtype, _ in meta.specs]
+    if meta.blob:
+        specs.append(((meta.blob,), torch.uint8))
+    return specs
+
+
+def encode_structure(structure: Structure) -> bytes:
+    """A :data:`~lightning_gpipe.engine.microbatch.TREE` structure as compact JSON: a restricted codec, no pickle.
+
+    Nodes are ``["t", ...]`` (tuple), ``["l", ...]`` (list), ``["d", [key, value], ...]`` (dict)
+    and ``["o", ...]`` (OrderedDict); ``["T"]`` is a tensor's place; leaves and dict keys are
+    JSON's own ``null``, ``true``/``false``, numbers (``NaN`` and ``Infinity`` included) and strings.
+
+    Raises:
+        MicroBatchError: a node of another type (a namedtuple, a dataclass, a ``ModelOutput``) or a
+            dict key that is not a constant; the message names its path.
+    """
+    return json.dumps(_encode(structure.template(), ""), separators=(",", ":")).encode()
+
+
+def decode_structure(data: bytes, whole: Sequence[bool]) -> Structure:
+    """Inverse of :func:`encode_structure` (``whole``: per tensor, from the header)."""
+    return Structure.of_template(_decode(json.loads(data)), whole)
+
+
+def _encode(node: Any, path: str) -> Any:
+    if node is SLOT:
+        return ["T"]
+    if type(node) in CONSTANTS:
+        return node
+    if type(node) in (tuple, list):
+        return [
+            "t" if type(node) is tuple else "l",
+            *(_encode(c, f"{path}[{k}]") for k, c in enumerate(node)),
+        ]
+    if type(node) in (dict, OrderedDict):
+        for key in node:
+            if type(key) not in CONSTANTS:
+                raise MicroBatchError(
+                    f"a value between stages has a dict key of type {type(key).__name__} at {path or 'its top'} "
+                    f"({key!r}); keys that travel between stages are str, int, float, bool or None"
+                )
+        items = ([k, _encode(v, f"{path}[{k!r}]")] for k, v in node.items())
+        return ["d" if type(node) is dict else "o", *items]
+    raise MicroBatchError(
+        f"a value between stages holds a {type(node).__name__} at {path or 'its top'}; between stages the "
+        "pipeline carries dicts, lists and tuples (of tensors, None, bool, int, float, str): return its "
+        "fields as a dict or a tuple"
+    )
+
+
+def _decode(node: Any) -> Any:
+    if not isinstance(node, list):
+        return node
+    tag, *rest = node
+    if tag == "T":
+        return SLOT
+    if tag in ("t", "l"):
+        children = [_decode(c) for c in rest]
+        return tuple(children) if tag == "t" else children
+    if tag in ("d", "o"):
+        pairs = [(k, _decode(v)) for k, v in rest]
+        return dict(pairs) if tag == "d" else OrderedDict(pairs)
+    raise ValueError(f"unknown node {tag!r} in a message's structure")
