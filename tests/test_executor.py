@@ -6,10 +6,7 @@ stage order. Sends never block, so this order completes any fill-drain step.
 """
 
 import json
-import queue
-import threading
-from collections import Counter, defaultdict, deque
-from contextlib import contextmanager
+from collections import Counter
 
 import pytest
 import torch
@@ -17,9 +14,8 @@ from torch import nn
 
 from lightning_gpipe import StageError
 from lightning_gpipe.balance import uniform_balance
-from lightning_gpipe.engine.microbatch import sizes
 from lightning_gpipe.engine.skip import Pop, Stash
-from lightning_gpipe.engine.stage import PipelineUsageError, StageDone, build_stage
+from lightning_gpipe.engine.stage import PipelineUsageError, build_stage
 from lightning_gpipe.schedule import (
     SCHEDULES,
     fill_drain,
@@ -30,114 +26,9 @@ from lightning_gpipe.schedule import (
     zb_h1,
 )
 from lightning_gpipe.transport.layout import Layout
-from lightning_gpipe.transport.wire import decode_header, decode_message, encode_message
 from tests._harness import check, run_ranks
+from tests.fakes import FakeNetwork, FakeP2P, Recorder, _by_rank, _micro_step, _reference_grads, _step
 from tests.models import build_layers, pytree_input
-
-# -- the executor over a fake transport ----------------------------------------------------------
-
-
-class FakeNetwork:
-    """Queues between ranks; messages are encoded and decoded with the real header codec."""
-
-    def __init__(self) -> None:
-        self.queues: defaultdict[tuple[int, int], deque] = defaultdict(deque)
-
-
-class FakeP2P:
-    """The :class:`~lightning_gpipe.transport.p2p.P2P` interface over a :class:`FakeNetwork`, checking announcements.
-
-    Like the real transport, announcing from a rank whose earlier announcement is not all taken
-    is an error. ``announced`` and ``received`` count messages per source rank.
-    """
-
-    def __init__(self, network: FakeNetwork, rank: int) -> None:
-        self.network, self.rank, self.device = network, rank, torch.device("cpu")
-        self.left: Counter[int] = Counter()  # announced messages not yet taken, per source
-        self.announced: Counter[int] = Counter()
-        self.received: Counter[int] = Counter()
-        self.expects: list[tuple[int, int]] = []  # every announcement, in order
-
-    def send(self, tensors, dst, *, structure=None, chunks=0):
-        header, *payload = encode_message(tensors, structure, chunks, self.device)
-        message = decode_message(decode_header(header), [t.clone() for t in payload])
-        self.network.queues[(self.rank, dst)].append(message)
-
-    def expect(self, src, messages):
-        assert self.left[src] == 0, f"messages announced from rank {src} are still to be received"
-        self.left[src] = messages
-        self.announced[src] += messages
-        self.expects.append((src, messages))
-
-    def recv(self, src):
-        if self.left[src]:
-            self.left[src] -= 1
-        self.received[src] += 1
-        return self.network.queues[(src, self.rank)].popleft()
-
-    def flush(self):
-        pass
-
-    def settle(self):
-        pass
-
-    def phase(self):
-        """What this phase announced and received (counts reset); every announced message must be taken."""
-        assert not +self.left, f"announced but never received: {+self.left}"
-        done = (+self.announced, +self.received)
-        self.announced, self.received = Counter(), Counter()
-        return done
-
-
-class Recorder:
-    """Stands in for the timeline: keeps the forward and backward spans (with their virtual stage),
-    in order, and (given the stage) the most micro-batches whose outputs the stage held at once."""
-
-    def __init__(self, stage=None):
-        self.actions, self.stage, self.peak_held = [], stage, 0
-
-    @contextmanager
-    def span(self, kind, i, u=0):
-        if kind in ("forward", "backward"):  # as str(Action): F3, or F3v1 on virtual stage 1
-            self.actions.append(f"{kind[0].upper()}{i}" + (f"v{u}" if u else ""))
-        yield
-        run = self.stage._run if self.stage is not None else None
-        if run is not None:
-            self.peak_held = max(self.peak_held, sum(1 for out in run.outputs.values() if out))
-
-
-def _step(
-    seq, balance, chunks, x, y, checkpoint="except_last", loss_fn=nn.functional.mse_loss, recorder=None
-):
-    """One training step of ``seq`` cut by ``balance`` into stages over a fake network.
-
-    Returns the stages in stage order, the loss, and per stage ``(announced, received)`` per
-    source rank in its forward phase and in its backward phase.
-    """
-    k, network = len(balance), FakeNetwork()
-    stages = []
-    for stage_index in range(k):
-        rank = Layout(k, k).rank(0, stage_index)
-        stage = build_stage(seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"))
-        stage.p2p, stage.timeline = FakeP2P(network, rank), (recorder or Recorder)()
-        stages.append(stage)
-    forward, backward = {}, {}
-    out = None
-    for stage in stages:
-        result = stage.run_step(stage, True, x)
-        assert (result is StageDone) == (not stage.topology.is_last)
-        out = result if stage.topology.is_last else out
-        forward[stage.topology.stage] = stage.p2p.phase()
-    loss = loss_fn(out, y)
-    for stage in reversed(stages):  # the last stage sends the loss message before the others take it
-        assert stage.share_outcome(loss if stage.topology.is_last else None, None, training=True) is not None
-        if not stage.topology.is_last:
-            assert stage.p2p.phase() == (Counter(), Counter({stage.topology.ranks[-1]: 1}))  # unannounced
-    loss.backward()
-    for stage in reversed(stages):
-        stage.backward()
-        backward[stage.topology.stage] = stage.p2p.phase()
-    return stages, loss, forward, backward
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -158,10 +49,6 @@ def test_executor_runs_exactly_the_fill_drain_column_and_announces_every_message
         first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
         assert forward[j] == (previous - first, previous)  # the first message comes before M is known
         assert backward[j] == (following, following)
-
-
-def _by_rank(topology, counts):
-    return Counter({topology.ranks[stage]: n for stage, n in counts.items()})
 
 
 def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
@@ -203,95 +90,6 @@ def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
     assert stages[2].received_skips == [("b", 1)] * 3 and stages[1].received_skips == [("a", 0)] * 3
 
 
-class BlockingNetwork:
-    """Queues between ranks whose receives wait (stages run in threads, as processes would).
-
-    A queue is made under a lock: a ``defaultdict(queue.Queue)`` read by the sender and the
-    receiver at once can build two queues for one pair, and the receive then waits on the one
-    nobody sends to.
-    """
-
-    def __init__(self) -> None:
-        self._queues: dict[tuple[int, int], queue.Queue] = {}
-        self._lock = threading.Lock()
-
-    def queue(self, src: int, dst: int) -> queue.Queue:
-        with self._lock:
-            return self._queues.setdefault((src, dst), queue.Queue())
-
-
-class ThreadP2P(FakeP2P):
-    """:class:`FakeP2P` over a :class:`BlockingNetwork`: a receive waits up to 20 s for its message."""
-
-    def send(self, tensors, dst, *, structure=None, chunks=0):
-        header, *payload = encode_message(tensors, structure, chunks, self.device)
-        message = decode_message(decode_header(header), [t.clone() for t in payload])
-        self.network.queue(self.rank, dst).put(message)
-
-    def recv(self, src):
-        if self.left[src]:
-            self.left[src] -= 1
-        self.received[src] += 1
-        return self.network.queue(src, self.rank).get(timeout=20)
-
-
-def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", outcome=False):
-    """One training step of ``seq`` with one call per micro-batch, each stage in its own thread.
-
-    The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
-    the batch, right after its call, as :mod:`lightning_gpipe.strategy.microstep` does; with ``outcome``,
-    the stages then share the step outcome as the strategy has them do. Returns the stages
-    and, per stage, ``(announced, received)`` per source rank over the step.
-    """
-    k, network = len(balance), BlockingNetwork()
-    parts = sizes(x.shape[0], chunks)
-    xs, ys = x.split(parts), y.split(parts)
-    stages = []
-    for j in range(k):
-        rank = Layout(k, k).rank(0, j)
-        stage = build_stage(
-            seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"), schedule=schedule
-        )
-        stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder(stage)
-        stage.outcome_follows = outcome
-        stages.append(stage)
-    counts, errors = {}, []
-
-    def run(stage):
-        try:
-            stage.start_micro_steps(len(parts))
-            loss = None
-            for i, (xi, yi) in enumerate(zip(xs, ys)):
-                out = stage.run_step(stage, True, xi)
-                if stage.topology.is_last:
-                    loss = nn.functional.mse_loss(out, yi) * len(yi) / len(y)
-                    loss.backward()
-                    stage.loss_backpropagated(i)
-            stage.end_micro_steps()
-            if outcome:
-                assert stage.share_outcome(loss, None, training=True) is not None
-            counts[stage.topology.stage] = stage.p2p.phase()
-        except BaseException as err:  # noqa: BLE001 - reported by the test
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(stage,)) for stage in stages]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    assert len(counts) == k, "a stage never finished its column"
-    return stages, counts
-
-
-def _reference_grads(seq, x, y):
-    seq.zero_grad()
-    nn.functional.mse_loss(seq(x), y).backward()
-    grads = [p.grad.clone() for p in seq.parameters()]
-    seq.zero_grad()
-    return grads
-
-
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("m", [1, 3, 4, 8])
 def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, m):
@@ -302,7 +100,7 @@ def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, 
     x, y = torch.randn(10, 4), torch.randn(10, 4)
     expected = _reference_grads(seq, x, y)
     checkpoint = ["always", "except_last", "never"][m % 3]
-    stages, counts = _micro_step(seq, uniform_balance(3, k), m, x, y, one_f_one_b, checkpoint)
+    stages, counts, _ = _micro_step(seq, uniform_balance(3, k), m, x, y, one_f_one_b, checkpoint)
     grid = one_f_one_b(k, min(m, 10))
     for stage in stages:
         top, j = stage.topology, stage.topology.stage
@@ -355,7 +153,7 @@ def test_the_step_outcome_is_announced_with_the_last_stretch_one_call_per_micro_
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(10, 4), torch.randn(10, 4)
-    stages, counts = _micro_step(seq, uniform_balance(3, k), 4, x, y, schedule, "never", outcome=True)
+    stages, counts, _ = _micro_step(seq, uniform_balance(3, k), 4, x, y, schedule, "never", outcome=True)
     for stage in stages:
         top, j = stage.topology, stage.topology.stage
         expected = _by_rank(top, messages(stage_actions(schedule(k, 4), j), j, k, top.skips))
@@ -374,7 +172,7 @@ def test_under_1f1b_the_last_stage_announces_every_forward_input_at_once(k):
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(10, 4), torch.randn(10, 4)
-    stages, _ = _micro_step(seq, uniform_balance(3, k), 4, x, y, one_f_one_b, "never")
+    stages, _, _ = _micro_step(seq, uniform_balance(3, k), 4, x, y, one_f_one_b, "never")
     last = stages[-1]
     assert last.p2p.expects == [(last.topology.prev_rank, 3)]
     for stage in stages[:-1]:
@@ -401,7 +199,7 @@ def test_one_call_per_micro_batch_with_skips_across_stages(schedule, checkpoint)
     )
     x, y = torch.randn(7, 4), torch.randn(7, 2)
     expected = _reference_grads(seq, x, y)
-    stages, counts = _micro_step(seq, [2, 3, 3], 4, x, y, schedule, checkpoint=checkpoint)
+    stages, counts, _ = _micro_step(seq, [2, 3, 3], 4, x, y, schedule, checkpoint=checkpoint)
     for p, g in zip(seq.parameters(), expected):
         assert torch.allclose(p.grad, g, atol=1e-6)
     skips = stages[0].topology.skips

@@ -16,7 +16,7 @@ from lightning_gpipe.schedule import format_grid, in_send_order, interleaved_1f1
 from lightning_gpipe.tools.timeline import Timeline, step_stats
 from lightning_gpipe.tools.trace import chrome_trace
 from lightning_gpipe.transport.layout import Layout
-from tests.test_executor import BlockingNetwork, Recorder, ThreadP2P, _by_rank, _reference_grads
+from tests.fakes import BlockingNetwork, Recorder, ThreadP2P, _by_rank, _reference_grads
 
 
 def _net(blocks: int) -> nn.Sequential:
