@@ -134,6 +134,7 @@ def test_tuple_boundaries_with_long_ids_and_bool_mask(run, checkpoint):
 def _pytree_loss(out, y):
     """tests.models.Net's loss: the per-sample output and the replicated tables handed back."""
     assert out["scale"] == 0.5 and out["note"] is None
+    assert out["y"].shape == y.shape and out["y"].shape[1:] == (7, 3)
     return F.mse_loss(out["y"], y) + 0.1 * out["rope"][0].square().mean()
 
 
@@ -172,7 +173,16 @@ def test_sequence_lengths_change_between_steps(run):
 
     batches = _batches(3, 6, "seq")
     assert [x.shape for x, _ in batches] == [(6, 7, 4), (6, 13, 4), (6, 5, 4)]
-    train_like_one_device(build, batches, k, 4, "except_last", run)
+    shapes = []
+
+    def loss_fn(out, y):
+        shapes.append(tuple(out.shape))
+        return F.mse_loss(out, y)
+
+    train_like_one_device(build, batches, k, 4, "except_last", run, loss_fn=loss_fn)
+    # the last stage's outputs (per call) and the one-device model's, step by step: (N, T, 2)
+    assert {s[1:] for s in shapes} == {(7, 2), (13, 2), (5, 2)}
+    assert {s for s in shapes if s[0] == 6} == {(6, 7, 2), (6, 13, 2), (6, 5, 2)}
 
 
 # -- random layers and batch normalisation -------------------------------------------------------
