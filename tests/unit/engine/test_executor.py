@@ -1,0 +1,273 @@
+"""The stage executor (:mod:`lightning_gpipe.engine.executor`): the schedule column it runs.
+
+The executor tests run K stages in one process over a fake transport (no torch.distributed):
+every stage's forward phase in stage order, the loss, every stage's backward phase in reverse
+stage order. Sends never block, so this order completes any fill-drain step.
+"""
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_gpipe import StageError
+from lightning_gpipe.balance import uniform_balance
+from lightning_gpipe.engine.skip import Pop, Stash
+from lightning_gpipe.engine.stage import PipelineUsageError, build_stage
+from lightning_gpipe.schedule import (
+    fill_drain,
+    format_grid,
+    messages,
+    one_f_one_b,
+    stage_actions,
+    zb_h1,
+)
+from lightning_gpipe.transport.layout import Layout
+from tests.fakes import FakeNetwork, FakeP2P, Recorder, _by_rank, _micro_step, _reference_grads, _step
+from tests.models import build_layers, pytree_input
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_executor_runs_exactly_the_fill_drain_column_and_announces_every_message(k, m):
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    stages, _, forward, backward = _step(seq, uniform_balance(3, k), m, x, y)
+    grid = fill_drain(k, m)
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        assert stage.timeline.actions == [str(a) for a in stage_actions(grid, j)], (
+            f"stage {j}\n{format_grid(grid)}"
+        )
+        previous = Counter({top.prev_rank: m}) if top.prev_rank is not None else Counter()
+        following = Counter({top.next_rank: m}) if top.next_rank is not None else Counter()
+        first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
+        assert forward[j] == (previous - first, previous)  # the first message comes before M is known
+        assert backward[j] == (following, following)
+
+
+def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
+    torch.manual_seed(0)
+    seq = nn.Sequential(
+        Stash("a", nn.Linear(4, 6)),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        Stash("b", nn.Tanh()),
+        Pop("a"),
+        nn.Linear(6, 6),
+        Pop("b"),
+        nn.Linear(6, 2),
+    )
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    plain = [p.detach().clone() for p in seq.parameters()]
+    reference = nn.functional.mse_loss(seq(x), y)
+    reference.backward()
+    expected = [p.grad.clone() for p in seq.parameters()]
+    seq.zero_grad()
+    with torch.no_grad():
+        for p, v in zip(seq.parameters(), plain):
+            p.copy_(v)
+    stages, loss, forward, backward = _step(seq, [2, 3, 3], 3, x, y, checkpoint="always")
+    assert torch.allclose(loss, reference)
+    for p, g in zip(seq.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+    skips = stages[0].topology.skips
+    assert {(r.name, r.source, r.target) for r in skips} == {("a", 0, 1), ("b", 1, 2)}
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        column = stage_actions(fill_drain(3, 3), j)
+        assert stage.timeline.actions == [str(a) for a in column]
+        f, b = column[:3], column[3:]
+        assert forward[j][1] == _by_rank(top, messages(f, j, 3, skips))
+        assert (
+            backward[j] == (_by_rank(top, messages(b, j, 3, skips)),) * 2
+        )  # every skip's gradient flows here
+    assert stages[2].received_skips == [("b", 1)] * 3 and stages[1].received_skips == [("a", 0)] * 3
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("m", [1, 3, 4, 8])
+def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, m):
+    """Batch 10 (not divisible by 3, 4 or 8): the recorded actions are one_f_one_b's columns, every
+    announced message is received, and the gradients equal the unpartitioned model's."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    expected = _reference_grads(seq, x, y)
+    checkpoint = ["always", "except_last", "never"][m % 3]
+    stages, counts, _ = _micro_step(seq, uniform_balance(3, k), m, x, y, one_f_one_b, checkpoint)
+    grid = one_f_one_b(k, min(m, 10))
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        column = stage_actions(grid, j)
+        assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
+        assert counts[j][1] == _by_rank(top, messages(column, j, k, top.skips))
+        assert stage.timeline.peak_held == min(k - j, m), f"stage {j} held too many micro-batches"
+        assert counts[j][0] == counts[j][1] - (
+            Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
+        )
+    for p, g in zip(seq.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_the_step_outcome_is_announced_with_the_stretch_that_ends_the_calls_one_call_per_step(k):
+    """Fill-drain, one call per step: a non-last stage announces the last stage's step outcome
+    (:mod:`lightning_gpipe.engine.outcome`) with its forward stretch, so that the transport takes it in
+    the background while the last stage still computes; it is the one message taken before the
+    backward stretch, and nothing is announced that is not received."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    network, stages = FakeNetwork(), []
+    for j in range(k):
+        rank = Layout(k, k).rank(0, j)
+        stage = build_stage(seq, uniform_balance(3, k), Layout(k, k), rank, 4, "never", torch.device("cpu"))
+        stage.p2p, stage.timeline, stage.outcome_follows = FakeP2P(network, rank), Recorder(), True
+        stages.append(stage)
+    out = [stage.run_step(stage, True, x) for stage in stages][-1]
+    last = stages[-1].topology.ranks[-1]
+    for stage in stages[:-1]:
+        assert +stage.p2p.left == Counter({last: 1}), "the outcome is announced with the forward stretch"
+    loss = nn.functional.mse_loss(out, y)
+    for stage in reversed(stages):
+        assert stage.share_outcome(loss if stage.topology.is_last else None, None, training=True) is not None
+    for stage in stages[:-1]:
+        assert not +stage.p2p.left and stage.p2p.received[last] == 1
+    loss.backward()
+    for stage in reversed(stages):
+        stage.backward()
+        stage.p2p.phase()  # every announced message was received
+
+
+@pytest.mark.parametrize("schedule", [one_f_one_b, fill_drain])
+@pytest.mark.parametrize("k", [2, 3])
+def test_the_step_outcome_is_announced_with_the_last_stretch_one_call_per_micro_batch(schedule, k):
+    """One call per micro-batch: the outcome follows the whole column (the last call's backwards),
+    so a non-last stage announces it with its last stretch, after the last stage's gradients."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    stages, counts, _ = _micro_step(seq, uniform_balance(3, k), 4, x, y, schedule, "never", outcome=True)
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        expected = _by_rank(top, messages(stage_actions(schedule(k, 4), j), j, k, top.skips))
+        if not top.is_last:
+            expected[top.ranks[-1]] += 1
+        first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
+        assert counts[j] == (expected - first, expected)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_under_1f1b_the_last_stage_announces_every_forward_input_at_once(k):
+    """A backward that receives nothing (the last stage's: its gradient is the loss) does not end an
+    announced stretch, so the last stage announces micro-batches 1..M-1's inputs at its first call
+    (micro-batch 0's comes unannounced with M) and each is received while it computes the ones
+    before; a backward that receives a gradient still ends its stretch on the other stages."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(10, 4), torch.randn(10, 4)
+    stages, _, _ = _micro_step(seq, uniform_balance(3, k), 4, x, y, one_f_one_b, "never")
+    last = stages[-1]
+    assert last.p2p.expects == [(last.topology.prev_rank, 3)]
+    for stage in stages[:-1]:
+        assert len([e for e in stage.p2p.expects if e[0] == stage.topology.next_rank]) > 1
+
+
+@pytest.mark.parametrize(
+    ("schedule", "checkpoint"), [(fill_drain, "always"), (one_f_one_b, "always"), (zb_h1, "never")]
+)
+def test_one_call_per_micro_batch_with_skips_across_stages(schedule, checkpoint):
+    """Skip connections across stages: any valid schedule runs with one call per micro-batch, ZB-H1's
+    split backwards (nothing recomputed) too: a B sends the gradients of its input and of the skip it
+    popped, its W computes the weights' (the weights' order: test_every_rank_of_a_run_executes_exactly_its_column)."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(
+        Stash("a", nn.Linear(4, 6)),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        Stash("b", nn.Tanh()),
+        Pop("a"),
+        nn.Linear(6, 6),
+        Pop("b"),
+        nn.Linear(6, 2),
+    )
+    x, y = torch.randn(7, 4), torch.randn(7, 2)
+    expected = _reference_grads(seq, x, y)
+    stages, counts, _ = _micro_step(seq, [2, 3, 3], 4, x, y, schedule, checkpoint=checkpoint)
+    for p, g in zip(seq.parameters(), expected):
+        assert torch.allclose(p.grad, g, atol=1e-6)
+    skips = stages[0].topology.skips
+    for stage in stages:
+        top, j = stage.topology, stage.topology.stage
+        column = stage_actions(schedule(3, 4), j)
+        assert stage.timeline.actions == [str(a) for a in column if a.kind != "W"]
+        assert counts[j][1] == _by_rank(top, messages(column, j, 3, skips))
+    assert stages[2].received_skips == [("b", 1)] * 4 and stages[1].received_skips == [("a", 0)] * 4
+
+
+def test_one_call_per_step_refuses_a_schedule_that_needs_a_loss_before_the_last_forward():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    stage = build_stage(seq, [2], Layout(1, 1), 0, 2, "never", torch.device("cpu"), schedule=one_f_one_b)
+    with pytest.raises(PipelineUsageError, match="needs the user's training_step once per micro-batch"):
+        stage.run_step(stage, True, torch.zeros(4, 4))
+
+
+def test_a_micro_step_that_never_calls_the_sequential_names_where_the_column_stopped():
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    stage = build_stage(seq, [2], Layout(1, 1), 0, 3, "never", torch.device("cpu"), schedule=one_f_one_b)
+    stage.start_micro_steps(3)
+    out = stage.run_step(stage, True, torch.zeros(2, 4))
+    out.sum().backward()
+    stage.loss_backpropagated(0)
+    with pytest.raises(
+        PipelineUsageError, match=r"stage 0 stopped at F1 of its column with 1 of 3 micro-batches"
+    ):
+        stage.end_micro_steps()
+
+
+def _pytree_loss(out, y):
+    """Uses the per-sample output, the replicated tables handed back, and checks the constants."""
+    assert out["scale"] == 0.5 and out["note"] is None
+    return nn.functional.mse_loss(out["y"], y) + 0.1 * (out["rope"][0] * out["rope"][1]).sum()
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+def test_executor_passes_a_pytree_and_matches_the_unpartitioned_model(checkpoint):
+    """A dict of split, replicated and non-tensor leaves across 3 stages, batch 10, chunks 4: the
+    loss, every parameter's gradient, the split input's and the replicated input table's
+    (the sum over micro-batches) equal one device."""
+    torch.manual_seed(0)
+    seq = build_layers("pytree")
+    x, mask, y = torch.randn(10, 7, 8), torch.rand(10, 7) > 0.3, torch.randn(10, 7, 3)
+
+    def inputs():
+        value = pytree_input(x.clone().requires_grad_(), mask)
+        value["rope"] = (value["rope"][0].requires_grad_(), value["rope"][1])  # a replicated leaf with grad
+        return value
+
+    ref_in = inputs()
+    reference = _pytree_loss(seq(ref_in), y)
+    reference.backward()
+    expected = {n: p.grad.clone() for n, p in seq.named_parameters()}
+    seq.zero_grad()
+    pipe_in = inputs()
+    stages, loss, _, _ = _step(seq, [2, 2, 2], 4, pipe_in, y, checkpoint, loss_fn=_pytree_loss)
+    assert abs(loss.item() - reference.item()) <= 1e-6
+    worst = max((p.grad - expected[n]).abs().max().item() for n, p in seq.named_parameters())
+    assert worst <= 1e-5 and seq[0].gain.grad.abs().sum() > 0
+    assert torch.allclose(pipe_in["h"].grad, ref_in["h"].grad, atol=1e-5)
+    assert torch.allclose(pipe_in["rope"][0].grad, ref_in["rope"][0].grad, atol=1e-5)
+
+
+def test_an_error_in_a_stages_layers_names_the_stage_the_micro_batch_and_the_shapes():
+    seq = nn.Sequential(nn.Linear(16, 4), nn.Tanh())
+    stage = build_stage(seq, [2], Layout(1, 1), 0, 2, "never", torch.device("cpu"))
+    with pytest.raises(StageError) as info:
+        stage.run_step(stage, True, torch.zeros(4, 17))
+    message = str(info.value)
+    assert "stage 0 (layers 0..1) failed in forward of micro-batch 0 on input from the batch" in message
+    assert "of shape [(2, 17) float32]; its first layer (Linear) expects (*, 16)" in message
+    assert isinstance(info.value.__cause__, RuntimeError)

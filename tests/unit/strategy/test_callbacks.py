@@ -1,0 +1,44 @@
+"""Lightning callbacks and hooks that see the model: the same values as one device under the gpipe strategy."""
+
+import pytest
+
+from tests.models import Net, pl
+
+
+def test_pruning_keeps_this_stages_parameters_and_refuses_a_global_ranking_across_stages():
+    """One process: of the (layer, name) pairs ModelPruning listed on the whole model, the last stage
+    (layers 3..4) keeps its own, the lottery ticket's saved layers follow their new indices, and a
+    global ranking over parameters that span stages raises."""
+    from lightning_gpipe.strategy.callbacks import _prune_this_stage
+
+    model = Net("mlp")
+    last = model.layers[4]
+    pruning = pl.callbacks.ModelPruning(
+        "l1_unstructured", amount=0.5, use_lottery_ticket_hypothesis=True, use_global_unstructured=False
+    )
+    pruning.setup(None, model, "fit")
+    _prune_this_stage(pruning, model.layers[3:])
+    assert pruning._parameters_to_prune == [(last, "weight"), (last, "bias")]
+    assert [ref["names"] for ref in pruning._original_layers.values()] == [[(0, "weight"), (1, "bias")]]
+    pruning.apply_pruning(0.5)
+    pruning.apply_lottery_ticket_hypothesis()
+    assert int((last.weight_mask == 0).sum()) == 24 and not hasattr(model.layers[0], "weight_mask")
+    ranked = pl.callbacks.ModelPruning(
+        "l1_unstructured", amount=0.5
+    )  # Lightning's default: one global ranking
+    model = Net("mlp")
+    ranked.setup(None, model, "fit")
+    with pytest.raises(ValueError, match=r"\(this stage holds 2 of the 6 .*use_global_unstructured=False"):
+        _prune_this_stage(ranked, model.layers[3:])
+
+
+@pytest.mark.parametrize("finder", ["BatchSizeFinder", "LearningRateFinder"])
+def test_tuners_are_refused_with_a_clear_error(finder):
+    """BatchSizeFinder and LearningRateFinder (what Tuner.scale_batch_size / lr_find add) raise, as
+    Lightning's own distributed strategies refuse them; other callbacks pass."""
+    from lightning_gpipe.strategy.callbacks import refuse_tuners
+
+    namespace = "lightning" if pl.__name__.startswith("lightning") else "pytorch_lightning"
+    refuse_tuners([pl.callbacks.LearningRateMonitor()], namespace)
+    with pytest.raises(ValueError, match=rf"{finder} is not supported under the gpipe strategy .*one-device"):
+        refuse_tuners([getattr(pl.callbacks, finder)()], namespace)

@@ -1,0 +1,157 @@
+"""Misuse gets a clear error: before any process starts where possible, else at the first step."""
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+import lightning_gpipe
+from lightning_gpipe import GPipeStrategy, PartitionError
+from tests.models import Net, make_data, trainer_kwargs
+
+
+class OutsideParams(Net):
+    def __init__(self):
+        super().__init__("mlp")
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+class TwoSequentials(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(2, 2))
+        self.b = nn.Sequential(nn.Linear(2, 2))
+
+
+def _fit_before_spawn(model, devices=2, **strategy_kwargs):
+    """Run fit in this process; the error must come before the launcher starts any child."""
+    trainer = pl.Trainer(strategy=GPipeStrategy(**strategy_kwargs), devices=devices, **trainer_kwargs(1))
+    with pytest.raises(PartitionError) as info:
+        trainer.fit(model, make_data("mlp", 10, 1))
+    assert trainer.strategy.launcher.procs == [], "no child process may start"
+    return str(info.value)
+
+
+def test_registered_strategy_name():
+    trainer = pl.Trainer(strategy="gpipe", devices=2, **trainer_kwargs(1))
+    assert isinstance(trainer.strategy, GPipeStrategy)
+    lightning_gpipe.GPipeStrategy.register_strategies(pl.strategies.StrategyRegistry)  # idempotent
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"chunks": 0}, r"chunks must be an integer >= 1 \(chunks: 0\)"),
+        ({"chunks": 2.5}, r"chunks: 2.5"),
+        (
+            {"checkpoint": "sometimes"},
+            r"checkpoint must be one of 'always', 'except_last', 'never' \(checkpoint: 'sometimes'\)",
+        ),
+        ({"balance": [2, 0, 3]}, r"balance entries must be positive integers \(balance: \[2, 0, 3\]\)"),
+        ({"balance": "time2"}, r"balance must be"),
+        ({"pipeline_parallel_size": 0}, r"pipeline_parallel_size must be an integer >= 1"),
+        ({"schedule": "bogus"}, r"schedule must be one of 'gpipe', '1f1b'.*\(schedule: 'bogus'\)"),
+        (
+            {"balance": [2, 3], "pipeline_parallel_size": 3},
+            r"balance has 2 stages but pipeline_parallel_size is 3",
+        ),
+    ],
+)
+def test_bad_strategy_arguments_raise_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GPipeStrategy(**kwargs)
+
+
+def test_world_not_multiple_of_pipeline_size_raises_at_trainer():
+    with pytest.raises(ValueError, match=r"world size: 3, pipeline_parallel_size: 2"):
+        pl.Trainer(strategy=GPipeStrategy(pipeline_parallel_size=2), devices=3, **trainer_kwargs(1))
+
+
+def test_parameters_outside_sequential_raise_before_spawn():
+    message = _fit_before_spawn(OutsideParams())
+    assert "no nn.Sequential holding all of its parameters" in message and "module_name" in message
+
+
+def test_parameters_outside_named_sequential_are_listed():
+    message = _fit_before_spawn(OutsideParams(), module_name="layers")
+    assert "parameters outside the pipelined nn.Sequential 'layers': scale" in message
+
+
+def test_ambiguous_or_missing_sequential_says_to_pass_module_name():
+    message = _fit_before_spawn(TwoSequentials())
+    assert "module_name" in message
+    message = _fit_before_spawn(Net("mlp"), module_name="nope")
+    assert "module_name='nope' does not name a submodule" in message
+
+
+def test_more_stages_than_layers_raise_before_spawn():
+    message = _fit_before_spawn(Net("mlp"), devices=6)
+    assert "more pipeline stages than layers (stages: 6, layers: 5)" in message
+
+
+def test_balance_sum_mismatch_raises_before_spawn():
+    message = _fit_before_spawn(Net("mlp"), balance=[2, 2])
+    assert "module: 5, sum of balance: 4" in message
+
+
+def test_balance_length_must_match_stages():
+    message = _fit_before_spawn(Net("mlp"), devices=2, balance=[1, 1, 3])
+    assert "balance has 3 stages but the pipeline has 2" in message
+
+
+def test_sync_batchnorm_is_refused_at_trainer_construction():
+    with pytest.raises(ValueError, match=r"sync_batchnorm=True\) is not supported.*deferred_batch_norm=True"):
+        pl.Trainer(strategy=GPipeStrategy(), devices=2, sync_batchnorm=True, **trainer_kwargs(1))
+
+
+class Manual(Net):
+    def __init__(self):
+        super().__init__("mlp")
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_refused_before_spawn():
+    trainer = pl.Trainer(strategy=GPipeStrategy(), devices=2, **trainer_kwargs(1))
+    with pytest.raises(ValueError, match="manual optimization"):
+        trainer.fit(Manual(), make_data("mlp", 10, 1))
+    assert trainer.strategy.launcher.procs == []
+
+
+def test_manual_optimization_under_1f1b_is_refused_before_spawn():
+    trainer = pl.Trainer(strategy=GPipeStrategy(schedule="1f1b"), devices=2, **trainer_kwargs(1))
+    with pytest.raises(ValueError, match=r"manual optimization .* which schedule='1f1b' does not support"):
+        trainer.fit(Manual(), make_data("mlp", 10, 1))
+    assert trainer.strategy.launcher.procs == []
+
+
+def test_a_buffer_shared_across_stages_is_refused_before_spawn():
+    """Tied parameters train across stages (tests/distributed/partition/test_tied.py); a shared buffer cannot stay exact."""
+
+    class Tied(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            bn = nn.BatchNorm1d(6)
+            self.layers = nn.Sequential(bn, nn.Tanh(), bn, nn.Tanh(), nn.Linear(6, 3))
+
+    message = _fit_before_spawn(Tied(), balance=[2, 3])
+    assert "the buffer '0.running_mean' is shared by layers on stages [0, 1]" in message
+    assert "keep the layers sharing it on one stage" in message
+
+
+def test_iterating_the_pipelined_sequential_in_a_step_raises_the_one_call_error():
+    """``for layer in self.layers:`` inside a step would run only this stage's layers (a raw shape error
+    on the next stage); it raises PipelineUsageError, as calling the Sequential twice does."""
+    from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
+    from lightning_gpipe.transport.layout import StageTopology
+    from lightning_gpipe.transport.p2p import P2P
+
+    layers = [("0", nn.Linear(6, 16)), ("1", nn.Tanh())]
+    stage = PipelineStage(
+        layers, StageTopology(0, 2, None, 1), 2, "never", P2P(torch.device("cpu")), ["0", "1", "2"]
+    )
+    assert [type(m) for m in stage] == [nn.Linear, nn.Tanh]  # outside a step: its layers
+    stage.begin_step(expect_backward=True)
+    with pytest.raises(PipelineUsageError, match=r"iterated inside a step .*call the Sequential once"):
+        for _layer in stage:
+            pass
+    stage.end_step()
