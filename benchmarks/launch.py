@@ -1,4 +1,6 @@
-"""Start multi-process jobs under a hard timeout; used by the benchmarks and by the tests.
+"""Start multi-process jobs under a hard timeout; used by the benchmarks.
+
+The tests have their own copy (tests/launch.py), so that neither imports the other.
 
 A job is one command started once (Lightning's launcher starts the other ranks itself) or once
 per rank with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set, as ``torchrun`` does. Every started

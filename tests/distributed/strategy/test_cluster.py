@@ -18,8 +18,8 @@ import pytest
 import yaml
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
-from benchmarks.launch import run_job, run_processes
 from tests._harness import ROOT, _env
+from tests.launch import run_job, run_processes
 
 TRAIN = str(ROOT / "recipes" / "train.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

@@ -99,12 +99,12 @@ class Backward:
 def live_bytes_after_each_micro_batch(chunks, returns, rows=32, width=64):
     """One 1F1B step of a one-stage pipeline (M = ``chunks`` micro-batches of ``rows`` rows) under
     the tensor-memory meter: its live bytes after each micro-batch's backward, and its peak."""
-    from benchmarks.memory import TensorMemoryMeter
     from lightning_gpipe.engine.stage import PipelineStage
     from lightning_gpipe.schedule import one_f_one_b
     from lightning_gpipe.strategy.microstep import MicroSteps
     from lightning_gpipe.transport.layout import StageTopology
     from lightning_gpipe.transport.p2p import P2P
+    from tests.memory import TensorMemoryMeter
 
     torch.manual_seed(0)
     layers = [(str(k), torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())) for k in range(2)]
