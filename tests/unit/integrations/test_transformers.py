@@ -5,19 +5,16 @@ Needs the ``[models]`` extra (transformers). Multi-process jobs run under hard t
 """
 
 import itertools
-import json
 
 import pytest
 import torch
 
 from lightning_gpipe.integrations.transformers import causal_lm, image_classifier, original_state_dict
-from tests._harness import check, run_script
 from tests.hf_models import (  # noqa: E402
     HFCausalLM,
     build_hf,
     lm_data,
     lm_loss_reference,
-    reference,
 )
 
 transformers = pytest.importorskip("transformers", reason="transformers comes with the [models] extra")
@@ -88,52 +85,3 @@ RUNS = [  # the full grid, 8 runs in one multi-process job per stage count
     {"family": family, "chunks": chunks, "checkpoint": checkpoint}
     for family, chunks, checkpoint in itertools.product(("gpt2", "llama"), (1, 4), ("except_last", "always"))
 ]
-
-
-TIED = ("layers.0.wte.weight", "layers.4.weight")
-
-
-def _run(tmp_path, stages, runs):
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"devices": stages, "out": str(tmp_path), "runs": runs}))
-    check(run_script("tests/workers/hf_train.py", str(spec), timeout=600))
-    return [
-        [torch.load(tmp_path / f"run{k}_rank{r}.pt", weights_only=False) for r in range(stages)]
-        for k in range(len(runs))
-    ]
-
-
-def _check_pipelined(tmp_path, stages):
-    results = _run(tmp_path, stages, RUNS)
-    references = {family: reference(family) for family in ("gpt2", "llama")}
-    for k, (run, ranks) in enumerate(zip(RUNS, results)):
-        ref = references[run["family"]]
-        loss_diff = max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref.losses))
-        assert len(ranks[0]["losses"]) == 5 and loss_diff <= 1e-5, (
-            f"K={stages} {run}: losses differ by {loss_diff}"
-        )
-        ref_state = ref.state_dict()
-        for name, value in ranks[0]["state"].items():
-            assert (value - ref_state[name]).abs().max() <= 1e-5, f"K={stages} {run}: {name} differs"
-        if run["family"] == "gpt2":  # the first stage (highest rank) and the last (rank 0) hold a copy each
-            for first, last in zip(ranks[-1]["params"], ranks[0]["params"], strict=True):
-                assert torch.equal(first[TIED[0]], last[TIED[1]])
-        saved = torch.load(tmp_path / f"run{k}.ckpt", weights_only=False)["state_dict"]
-        fresh = build_hf(run["family"])
-        fresh.load_state_dict(
-            original_state_dict(fresh, causal_lm(fresh), saved, prefix="layers."), strict=True
-        )
-        torch.testing.assert_close(causal_lm(fresh).state_dict(), ref.layers.state_dict(), rtol=0, atol=1e-5)
-
-
-@pytest.mark.timeout(900)
-def test_gpt2_and_llama_over_two_stages_train_like_one_device(tmp_path):
-    """Tiny GPT-2 (tied) and Llama × chunks {1, 4} × checkpoint {except_last, always}: 5 SGD steps within 1e-5."""
-    _check_pipelined(tmp_path, 2)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_gpt2_and_llama_over_three_stages_train_like_one_device(tmp_path):
-    """The same grid as over two stages, over three (the tied weight's copies on the first and last stage)."""
-    _check_pipelined(tmp_path, 3)
