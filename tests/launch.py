@@ -167,6 +167,9 @@ class Zygote:
             self.proc.wait(timeout=10)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        import shutil
+
+        shutil.rmtree(self.logs, ignore_errors=True)
 
     def _line(self, deadline: float) -> dict | None:
         import json
