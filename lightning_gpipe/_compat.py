@@ -24,8 +24,10 @@ from lightning_fabric.utilities.distributed import _sync_ddp as sync_ddp
 from lightning_fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE
 from lightning_fabric.utilities.optimizer import _optimizer_to_device as optimizer_to_device
 from lightning_fabric.utilities.optimizer import _optimizers_to_device as optimizers_to_device
+from pytorch_lightning.core.saving import _load_state
 from pytorch_lightning.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncher
 from pytorch_lightning.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from pytorch_lightning.utilities.migration.utils import _pl_migrate_checkpoint
 from torch import nn
 from torch._C._autograd import _enable_record_function
 from torch._dynamo.eval_frame import OptimizedModule
@@ -232,8 +234,6 @@ def load_module_state(
     cls: type, checkpoint: dict[str, Any], strict: bool | None = None, **kwargs: Any
 ) -> Any:
     """Lightning's construction of a module from a checkpoint dict (``load_from_checkpoint`` without the file)."""
-    from pytorch_lightning.core.saving import _load_state
-
     return _load_state(cls, checkpoint, strict=strict, **kwargs)
 
 
@@ -256,8 +256,6 @@ def tree_leaf_paths(value: Any) -> list[tuple[str, Any]]:
 
 def migrate_checkpoint(checkpoint: dict[str, Any], path: Any) -> dict[str, Any]:
     """Lightning's upgrade of an older checkpoint dict, as ``load_from_checkpoint`` applies it."""
-    from pytorch_lightning.utilities.migration.utils import _pl_migrate_checkpoint
-
     return _pl_migrate_checkpoint(checkpoint, checkpoint_path=path)
 
 

@@ -19,7 +19,8 @@ from lightning_gpipe import StageError
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.microbatch import sizes
 from lightning_gpipe.engine.skip import Pop, Stash
-from lightning_gpipe.engine.stage import PipelineUsageError, StageDone, build_stage
+from lightning_gpipe.engine.stage import PipelineUsageError, StageDone
+from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import (
     SCHEDULES,
     fill_drain,

@@ -13,7 +13,8 @@ from lightning_gpipe.balance import (
     balance_by_time,
     uniform_balance,
 )
-from lightning_gpipe.engine.stage import PipelineStage, build_stage
+from lightning_gpipe.engine.stage import PipelineStage
+from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.partition.cut import (
     PartitionError,
     check_model,

@@ -11,7 +11,8 @@ from torch import nn
 
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.microbatch import sizes
-from lightning_gpipe.engine.stage import StageDone, build_stage
+from lightning_gpipe.engine.stage import StageDone
+from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import format_grid, in_send_order, interleaved_1f1b, messages, stage_actions
 from lightning_gpipe.tools.timeline import Timeline, step_stats
 from lightning_gpipe.tools.trace import chrome_trace

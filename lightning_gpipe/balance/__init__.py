@@ -35,7 +35,7 @@ from lightning_gpipe.balance.profile import (
     profile_sizes,
     profile_times,
 )
-from lightning_gpipe.engine.microbatch import sizes
+from lightning_gpipe.schedule import sizes
 
 __all__ = [
     "LayerProfile",

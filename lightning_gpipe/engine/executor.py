@@ -33,6 +33,7 @@ from lightning_gpipe.engine.microbatch import flatten, scatter, unflatten
 from lightning_gpipe.engine.plan import ColumnPlan, StepRun
 from lightning_gpipe.engine.rng import StageGenerator
 from lightning_gpipe.engine.skip import MicroBatchStore, use_store
+from lightning_gpipe.errors import PipelineUsageError
 from lightning_gpipe.schedule import Action, Grid, Transfer, announced_until
 from lightning_gpipe.transport.failure import naming_errors
 from lightning_gpipe.transport.layout import StageTopology
@@ -40,10 +41,6 @@ from lightning_gpipe.transport.p2p import P2P
 from lightning_gpipe.transport.wire import Meta
 
 __all__ = ["ColumnExecutor", "PipelineUsageError"]
-
-
-class PipelineUsageError(RuntimeError):
-    """The pipelined module was used in a way the pipeline cannot run (e.g. called twice in a step)."""
 
 
 class ColumnExecutor(nn.Module):

@@ -31,13 +31,16 @@ gradients), ``None``, ``bool``, ``int``, ``float`` or ``str``. What is split and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_gpipe._compat import TreeSpec, tree_flatten, tree_leaf_paths, tree_unflatten
+from lightning_gpipe._compat import tree_flatten, tree_leaf_paths, tree_unflatten
+from lightning_gpipe.errors import MicroBatchError
+from lightning_gpipe.schedule import sizes
+from lightning_gpipe.transport.structure import CONSTANTS, SLOT, TENSOR, TREE, TUPLE, Structure
 
 __all__ = [
     "SLOT",
@@ -59,27 +62,7 @@ __all__ = [
     "unflatten",
 ]
 
-TENSOR, TUPLE, TREE = 0, 1, 2
-"""The kinds of :class:`Structure`: one tensor, a tuple of tensors, any other pytree."""
-
-CONSTANTS: tuple[type, ...] = (type(None), bool, int, float, str)
-"""The non-tensor leaves a value between layers may hold (exact types)."""
-
 _MARK = "_lightning_gpipe_no_chunk"
-
-
-class MicroBatchError(TypeError):
-    """A value between layers cannot be split, carried or joined (its leaves, its batch size)."""
-
-
-class _Slot:
-    """Where a tensor goes in a :class:`Structure`'s leaves."""
-
-    def __repr__(self) -> str:
-        return "<tensor>"
-
-
-SLOT = _Slot()
 
 
 def no_chunk(tensor: Tensor) -> Tensor:
@@ -102,37 +85,6 @@ def no_chunk(tensor: Tensor) -> Tensor:
 
 def _marked(t: Tensor) -> bool:
     return getattr(t, _MARK, False) is True
-
-
-@dataclass(frozen=True)
-class Structure:
-    """How a value between layers is made of its tensors (its tensors travel apart).
-
-    Attributes:
-        kind: :data:`TENSOR` (one tensor), :data:`TUPLE` (a tuple of tensors) or :data:`TREE`.
-        whole: per tensor, in order: replicated to every micro-batch (``True``) or the
-            micro-batch's own (``False``).
-        spec: :data:`TREE`: the pytree's structure.
-        leaves: :data:`TREE`: its leaves in order, :data:`SLOT` where a tensor goes.
-    """
-
-    kind: int
-    whole: tuple[bool, ...]
-    spec: TreeSpec | None = None
-    leaves: tuple[Any, ...] = ()
-
-    def template(self) -> Any:
-        """The value with :data:`SLOT` in place of each tensor."""
-        if self.kind != TREE:
-            return SLOT if self.kind == TENSOR else tuple(SLOT for _ in self.whole)
-        assert self.spec is not None
-        return tree_unflatten(list(self.leaves), self.spec)
-
-    @classmethod
-    def of_template(cls, template: Any, whole: Sequence[bool]) -> Structure:
-        """Inverse of :meth:`template` (``whole``: per tensor, as :attr:`whole`)."""
-        leaves, spec = tree_flatten(template)
-        return cls(TREE, tuple(whole), spec, tuple(leaves))
 
 
 def _replicated(t: Tensor, keep: Sequence[Tensor]) -> bool:
@@ -370,27 +322,6 @@ def check_chunks(chunks: Any) -> int:
             f"chunks must be an integer >= 1 (chunks: {chunks!r}); it is the number of micro-batches"
         )
     return chunks
-
-
-def sizes(batch_size: int, chunks: int) -> list[int]:
-    """Sizes of the micro-batches of a mini-batch of ``batch_size`` samples: the one split rule.
-
-    Near-equal, larger first (as ``torch.tensor_split``, which :func:`split` uses), and only
-    ``batch_size`` micro-batches when ``batch_size < chunks``: ``sizes(10, 4) == [3, 3, 2, 2]``,
-    ``sizes(2, 4) == [1, 1]``.
-
-    Raises:
-        TypeError: a count is not an ``int``.
-        ValueError: a count below 1.
-    """
-    for name, value in (("batch_size", batch_size), ("chunks", chunks)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int (got {type(value).__name__}: {value!r})")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1 (got {value})")
-    m = min(batch_size, chunks)
-    base, extra = divmod(batch_size, m)
-    return [base + 1 if i < extra else base for i in range(m)]
 
 
 def split(tensors: Sequence[Tensor], chunks: int) -> list[tuple[Tensor, ...]]:

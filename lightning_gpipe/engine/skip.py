@@ -27,9 +27,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-
-class SkipError(ValueError):
-    """Stash/Pop layers do not pair up (a name stashed twice, popped before stashed, never popped)."""
+from lightning_gpipe.errors import SkipError
 
 
 class _Store(dict):

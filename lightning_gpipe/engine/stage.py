@@ -70,17 +70,14 @@ import torch
 from torch import nn
 
 from lightning_gpipe import schedule
-from lightning_gpipe._compat import children
 from lightning_gpipe.engine.executor import ColumnExecutor, PipelineUsageError
 from lightning_gpipe.engine.microbatch import gather, scatter, unflatten
 from lightning_gpipe.engine.outcome import OutcomeChannel, apply_outcome, outcome_of
 from lightning_gpipe.engine.plan import Call, StepRun
 from lightning_gpipe.engine.rng import StageGenerator
-from lightning_gpipe.engine.skip import routes
-from lightning_gpipe.partition.cut import virtual_cut
 from lightning_gpipe.schedule import Grid
-from lightning_gpipe.transport.layout import Layout, StageTopology, layer_parts
-from lightning_gpipe.transport.p2p import P2P, Lanes
+from lightning_gpipe.transport.layout import StageTopology
+from lightning_gpipe.transport.p2p import P2P
 
 
 class StageDone(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -366,31 +363,3 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
                 f"{run.chunks} micro-batches called; every training_step call must call the pipelined "
                 "nn.Sequential once and return a loss"
             )
-
-
-def build_stage(
-    seq: nn.Sequential,
-    balance: Sequence[int],
-    layout: Layout,
-    rank: int,
-    chunks: int,
-    checkpoint: str,
-    device: torch.device,
-    schedule: Callable[[int, int], Grid] = schedule.fill_drain,
-    lanes: Lanes | None = None,
-) -> PipelineStage:
-    """Global rank ``rank``'s :class:`PipelineStage` of ``seq`` cut by ``balance`` (layers shared, not
-    copied), running ``schedule`` (a function of :data:`lightning_gpipe.schedule.SCHEDULES`), its
-    messages on ``lanes`` (:class:`~lightning_gpipe.transport.p2p.Lanes`; ``None``: the default group).
-
-    With virtual stages, ``balance`` has ``K·v`` entries (one per part) and the stage holds
-    parts ``j, j+K, …`` as its virtual stages (:func:`~lightning_gpipe.partition.cut.virtual_cut`);
-    skip routes name parts.
-    """
-    topology = layout.topology(rank, tuple(routes(seq, layer_parts(balance))))
-    per_virtual = virtual_cut(seq, balance, topology.stage, layout.stages)
-    layers = [pair for part in per_virtual for pair in part]
-    names = list(children(seq))
-    virtual_layers = [[n for n, _ in part] for part in per_virtual]
-    p2p = P2P(device, lanes=lanes)
-    return PipelineStage(layers, topology, chunks, checkpoint, p2p, names, schedule, virtual_layers)

@@ -17,12 +17,12 @@ from lightning_gpipe._compat import (
     compiled_module,
     register_state_dict_hook,
 )
+from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.batchnorm import defer_batch_norms, restore_batch_norms
+from lightning_gpipe.engine.skip import routes
+from lightning_gpipe.errors import PartitionError
+from lightning_gpipe.partition.tied import tied_buffers
 from lightning_gpipe.transport.layout import layer_parts
-
-
-class PartitionError(ValueError):
-    """The module cannot be cut into the requested stages."""
 
 
 def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential]:
@@ -112,7 +112,8 @@ def check_model(
         balance = check_balance(balance, len(seq), parts, virtual_stages)
         check_tied_parameters(seq, balance, stages)
     else:
-        balance = uniform_balance(len(seq), parts)  # also checks the parts against layers
+        check_stages(len(seq), parts)
+        balance = uniform_balance(len(seq), parts)
     return name, seq, balance
 
 
@@ -130,18 +131,6 @@ def check_all_parameters_inside(module: nn.Module, name: str, sequential: nn.Seq
 
 def _sequential_names(module: nn.Module) -> str:
     return ", ".join(repr(n) for n, m in module.named_modules() if isinstance(m, nn.Sequential) and n)
-
-
-def uniform_balance(num_layers: int, stages: int) -> list[int]:
-    """Split ``num_layers`` into ``stages`` counts as even as possible, larger stages first.
-
-    Raises:
-        PartitionError: ``stages`` is below 1 or above ``num_layers``.
-    """
-    check_stages(num_layers, stages)
-    from lightning_gpipe.balance import uniform_balance as even_split  # one implementation of the split
-
-    return even_split(num_layers, stages)
 
 
 def check_stages(num_layers: int, stages: int) -> None:
@@ -197,8 +186,6 @@ def check_skips_within_parts(sequential: nn.Sequential, balance: Sequence[int]) 
         PartitionError: a :class:`~lightning_gpipe.engine.skip.Stash` and its :class:`~lightning_gpipe.engine.skip.Pop`
             fall in different parts of ``balance``.
     """
-    from lightning_gpipe.engine.skip import routes
-
     crossing = [r for r in routes(sequential, layer_parts(balance)) if r.source != r.target]
     if crossing:
         names = ", ".join(f"{r.name!r} (parts {r.source} -> {r.target})" for r in crossing)
@@ -259,8 +246,6 @@ def check_tied_parameters(
     Parameters shared by layers on different stages are kept in step by
     :mod:`lightning_gpipe.partition.tied`; buffers are refused (:func:`lightning_gpipe.partition.tied.tied_buffers`).
     """
-    from lightning_gpipe.partition.tied import tied_buffers
-
     for tied in tied_buffers(sequential, balance, stages):
         raise PartitionError(
             f"the buffer {tied.names[0]!r} is shared by layers on stages {list(tied.stages)} (names: "

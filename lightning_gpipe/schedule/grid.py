@@ -74,6 +74,27 @@ def _check_count(name: str, value: int) -> None:
         raise ValueError(f"{name} must be an integer >= 1 ({name}: {value!r})")
 
 
+def sizes(batch_size: int, chunks: int) -> list[int]:
+    """Sizes of the micro-batches of a mini-batch of ``batch_size`` samples: the one split rule.
+
+    Near-equal, larger first (as ``torch.tensor_split``), and only
+    ``batch_size`` micro-batches when ``batch_size < chunks``: ``sizes(10, 4) == [3, 3, 2, 2]``,
+    ``sizes(2, 4) == [1, 1]``.
+
+    Raises:
+        TypeError: a count is not an ``int``.
+        ValueError: a count below 1.
+    """
+    for name, value in (("batch_size", batch_size), ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int (got {type(value).__name__}: {value!r})")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1 (got {value})")
+    m = min(batch_size, chunks)
+    base, extra = divmod(batch_size, m)
+    return [base + 1 if i < extra else base for i in range(m)]
+
+
 def _check_one_virtual_stage(name: str, virtual_stages: int) -> None:
     if virtual_stages != 1:
         raise ValueError(

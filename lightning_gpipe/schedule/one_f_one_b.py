@@ -45,7 +45,6 @@ activations at once (fill-drain: ``M``).
 
 from __future__ import annotations
 
-from lightning_gpipe.engine.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.schedule.grid import (
     Action,
     Grid,
@@ -54,6 +53,7 @@ from lightning_gpipe.schedule.grid import (
     _check_one_virtual_stage,
     place,
 )
+from lightning_gpipe.schedule.grid import sizes as microbatch_sizes
 
 __all__ = ["interleaved_1f1b", "one_f_one_b"]
 

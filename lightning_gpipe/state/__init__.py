@@ -23,6 +23,7 @@ from torch.optim import Optimizer
 from lightning_gpipe._compat import distributed_is_initialized, optimizer_to_device
 from lightning_gpipe.partition.cut import PLACEHOLDER
 from lightning_gpipe.partition.tied import Tied, alias_tied_state
+from lightning_gpipe.state.materialize import has_meta
 from lightning_gpipe.state.optimizer import (
     NAMES_KEY,
     drop_placeholder,
@@ -30,8 +31,8 @@ from lightning_gpipe.state.optimizer import (
     group_names,
     merge_optimizer_states,
     split_optimizer_state,
-    tensors_to_cpu,
 )
+from lightning_gpipe.transport.groups import tensors_to_cpu
 from lightning_gpipe.transport.layout import Layout
 
 __all__ = [
@@ -127,8 +128,6 @@ def module_state_dict(
     Raises:
         RuntimeError: without a stage, the module holds meta tensors (built on the meta device, one stage per rank).
     """
-    from lightning_gpipe.state.materialize import has_meta
-
     if stage is None and has_meta(module):
         raise RuntimeError(
             f"{type(module).__name__} was built on the meta device and each rank holds only its own "

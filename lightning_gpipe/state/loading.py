@@ -25,16 +25,14 @@ from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities.migration import pl_legacy_patch
 from torch import Tensor
 
 from lightning_gpipe._compat import checkpoint_offset, load_module_state, migrate_checkpoint
-from lightning_gpipe.state.optimizer import CheckpointError
+from lightning_gpipe.errors import UnsafeCheckpointError
+from lightning_gpipe.state.optimizer import NAMES_KEY, CheckpointError
 
 OPT_IN = "weights_only=False"
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file holds objects that torch's safe unpickler (``weights_only=True``) refuses."""
 
 
 def safe(weights_only: bool | None) -> bool:
@@ -251,8 +249,6 @@ def load_from_checkpoint(
         CheckpointError: the file is not in torch's zip format, or (``strict``) its keys differ
             from the module's.
     """
-    from pytorch_lightning.utilities.migration import pl_legacy_patch
-
     with pl_legacy_patch():
         checkpoint = LazyCheckpoint(checkpoint_path, weights_only).data
     checkpoint = migrate_checkpoint(checkpoint, Path(checkpoint_path))
@@ -298,8 +294,6 @@ def stage_part(
         also: further parameter names whose optimizer state this rank needs (the owner's name of
             a tied parameter's copy on this stage, :mod:`lightning_gpipe.partition.tied`).
     """
-    from lightning_gpipe.state.optimizer import NAMES_KEY
-
     checkpoint = dict(lazy.data)
     state = checkpoint.pop("state_dict", {})
     optimizer_states = checkpoint.pop("optimizer_states", [])

@@ -38,6 +38,9 @@ from torch import Tensor, nn
 
 from lightning_gpipe import _compat
 from lightning_gpipe._compat import children
+from lightning_gpipe.partition.cut import cut
+from lightning_gpipe.state.loading import CHECKPOINT_SOURCE, LazyCheckpoint, copy_into
+from lightning_gpipe.transport.layout import layer_stages
 
 
 @contextlib.contextmanager
@@ -176,8 +179,6 @@ def load_layers(
     Raises:
         lightning_gpipe.checkpoint.CheckpointError: an entry is missing or has another shape.
     """
-    from lightning_gpipe.state.loading import copy_into
-
     done = []
     for name, layer in layers:
         if layer is None or not has_meta(layer):
@@ -219,10 +220,6 @@ def materialize_stage(
     otherwise each layer is initialized by :func:`materialize_layers` (its ``reset_parameters()``,
     from a random stream of the global seed and the layer's index).
     """
-    from lightning_gpipe.partition.cut import cut
-    from lightning_gpipe.state.loading import CHECKPOINT_SOURCE, LazyCheckpoint
-    from lightning_gpipe.transport.layout import layer_stages
-
     layers = cut(sequential, balance, stage, stages)
     source = getattr(model, CHECKPOINT_SOURCE, None)
     if source is None:

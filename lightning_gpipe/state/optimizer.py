@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gpipe.errors import CheckpointError
 from lightning_gpipe.partition.cut import PLACEHOLDER
 
 __all__ = [
@@ -27,14 +28,9 @@ __all__ = [
     "group_names",
     "merge_optimizer_states",
     "split_optimizer_state",
-    "tensors_to_cpu",
 ]
 
 NAMES_KEY = "gpipe_param_names"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not fit the module or optimizer it is loaded into."""
 
 
 def group_names(optimizer: Optimizer, names_by_id: Mapping[int, str], missing: str = "?") -> list[list[str]]:
@@ -175,17 +171,6 @@ def split_optimizer_state(
             local += 1
         groups.append(group)
     return {"state": state, "param_groups": groups}
-
-
-def tensors_to_cpu(obj: Any) -> Any:
-    """Copy every tensor in a nested dict/list to CPU (for gathering with object collectives)."""
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: tensors_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(tensors_to_cpu(v) for v in obj)
-    return obj
 
 
 def drop_placeholder_names(names: list[list[str]]) -> list[list[str]]:

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 from torch import nn
+from torchmetrics import Metric
 
 from lightning_gpipe._compat import attached_trainer, distributed_is_initialized
-from lightning_gpipe.state.optimizer import tensors_to_cpu
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, namespace_of, specialize
+from lightning_gpipe.transport.groups import tensors_to_cpu
 from lightning_gpipe.transport.layout import Layout
 
 if TYPE_CHECKING:
@@ -107,8 +108,6 @@ def sync_metrics_over(module: nn.Module | None, group: Any, member: bool) -> Non
         member: whether this rank is in ``group``; the other stages' metrics never sync (they
             have no data to sync, and a collective they are not part of would only warn).
     """
-    from torchmetrics import Metric
-
     for m in module.modules() if module is not None else ():
         if isinstance(m, Metric):
             m.process_group = group if member else None

@@ -25,9 +25,10 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_gpipe import _compat, state
-from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError, build_stage
+from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
 from lightning_gpipe.partition import cut as partition
 from lightning_gpipe.partition import tied
+from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import SCHEDULES, check_virtual_stages
 from lightning_gpipe.state.materialize import check_nothing_meta, check_stage_only_balance, has_meta
 from lightning_gpipe.state.start_state import start_stage

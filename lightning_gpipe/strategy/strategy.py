@@ -39,6 +39,7 @@ from typing_extensions import override
 from lightning_gpipe import _compat, state
 from lightning_gpipe.engine.microbatch import check_chunks
 from lightning_gpipe.engine.recompute import check_mode
+from lightning_gpipe.engine.rng import share_rng_state
 from lightning_gpipe.partition import cut as partition
 from lightning_gpipe.partition.cut import PartitionError
 from lightning_gpipe.schedule import check_schedule, check_virtual_stages
@@ -310,7 +311,8 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
         super().setup_environment()
         self.set_world_ranks()
         env, backend, device = self.cluster_environment, self.process_group_backend, self.root_device
-        self.process_group_backend = groups.connect(env, backend, self._timeout, device, self.global_rank)
+        self.process_group_backend = groups.connect(env, backend, self._timeout, device)
+        share_rng_state(self.global_rank)  # a shuffling DataLoader draws alike on every rank
         if self._groups is None:
             self._groups = groups.new_groups(self.layout, self.global_rank)
         groups.close_at_exit(self)

@@ -51,9 +51,9 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_gpipe import schedule as schedule_module
-from lightning_gpipe.engine.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.engine.recompute import recomputed
 from lightning_gpipe.schedule import SCHEDULES, Action, Grid, Schedule
+from lightning_gpipe.schedule import sizes as microbatch_sizes
 from lightning_gpipe.transport.wire import FIRST_ROOM
 
 __all__ = ["Event", "Simulation", "peak_activation_memory", "simulate"]

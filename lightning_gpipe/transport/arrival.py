@@ -30,6 +30,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_default_store
+
+from lightning_gpipe.errors import CollectiveTimeout
 
 NOTE_KEY = "gpipe/failure"
 SIGNAL_GRACE_S = 3.0
@@ -46,13 +49,7 @@ def reset() -> None:
     _counts.clear()
 
 
-class CollectiveTimeout(RuntimeError):
-    """An operation that needs every rank was not reached by some of them in time."""
-
-
 def _store() -> Any:
-    from torch.distributed.distributed_c10d import _get_default_store
-
     return _get_default_store()
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_gpipe._compat import (
     default_process_group_backend,
@@ -51,11 +52,9 @@ log = logging.getLogger(__name__)
 
 
 def connect(
-    cluster_environment: Any, backend: str | None, timeout: timedelta | None, device: torch.device, rank: int
+    cluster_environment: Any, backend: str | None, timeout: timedelta | None, device: torch.device
 ) -> str:
-    """Initialize the default process group (Lightning's rendezvous), then give every rank rank 0's
-    random state (:func:`lightning_gpipe.state.start_state.share_rng_state`; nothing is re-seeded), so that
-    a shuffling DataLoader hands every stage the batches the script draws on one device.
+    """Initialize the default process group (Lightning's rendezvous).
 
     Returns:
         The backend: ``backend``, or by default the one Lightning picks for ``device``.
@@ -66,10 +65,18 @@ def connect(
         kwargs["device_id"] = device
     arrival.reset()
     init_dist_connection(cluster_environment, backend, **kwargs)
-    from lightning_gpipe.state.start_state import share_rng_state
-
-    share_rng_state(rank)
     return backend
+
+
+def tensors_to_cpu(obj: Any) -> Any:
+    """Copy every tensor in a nested dict/list to CPU (for gathering with object collectives)."""
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: tensors_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tensors_to_cpu(v) for v in obj)
+    return obj
 
 
 def arrive_all(operation: str, timeout: float) -> None:
@@ -100,8 +107,6 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 
 def from_last_stage(obj: Any, layout: Layout, rank: int, group: Any) -> Any:
     """``obj`` of ``rank``'s pipeline's last stage, on every stage of the pipeline (``group``; tensors on CPU)."""
-    from lightning_gpipe.state.optimizer import tensors_to_cpu
-
     if layout.stages == 1 or group is None or not distributed_is_initialized():
         return obj
     src = layout.rank(layout.replica_of(rank), layout.stages - 1)

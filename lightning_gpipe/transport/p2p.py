@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gpipe._compat import unrecorded
-from lightning_gpipe.engine.microbatch import Structure
+from lightning_gpipe.transport.structure import Structure
 from lightning_gpipe.transport.wire import (
     FIRST_ROOM,
     HEADER_SLOTS,

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gpipe.engine.microbatch import CONSTANTS, SLOT, TREE, TUPLE, MicroBatchError, Structure
+from lightning_gpipe.errors import MicroBatchError
+from lightning_gpipe.transport.structure import CONSTANTS, SLOT, TREE, TUPLE, Structure
 
 __all__ = [
     "FIRST_ROOM",

@@ -22,7 +22,7 @@ from torch import nn
 
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.microbatch import sizes
-from lightning_gpipe.engine.stage import build_stage
+from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import one_f_one_b, zb_h1
 from lightning_gpipe.transport.layout import Layout
 
