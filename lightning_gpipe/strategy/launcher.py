@@ -17,15 +17,19 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
+import torch
 import torch.distributed as dist
 from lightning_fabric.plugins import ClusterEnvironment
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.utilities.model_helpers import is_overridden
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
 from lightning_gpipe import _compat
 from lightning_gpipe._compat import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, lightning_class, specialize
+from lightning_gpipe.transport.arrival import SigtermCheck
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning launcher it becomes
     _Base = SubprocessScriptLauncher
@@ -265,6 +269,44 @@ def new_launcher(strategy: Any) -> GPipeLauncher | GPipeForkLauncher:
         check=strategy.check_model,
         share=strategy.share_evaluation_results,
     )
+
+
+def set_world_ranks(
+    env: ClusterEnvironment | None, node_rank: int, local_rank: int, processes: int, nodes: int
+) -> None:
+    """Give the cluster environment this process' global rank and the world size (``processes`` per node),
+    and ``rank_zero_only`` the global rank."""
+    if env is not None:
+        env.set_global_rank(node_rank * processes + local_rank)
+        env.set_world_size(nodes * processes)
+    rank = env.global_rank() if env is not None else 0
+    rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]
+
+
+def forward_signal(launcher: Any, signum: int) -> None:
+    """On SIGTERM/SIGINT, the launching rank passes the signal on to the ranks its ``launcher`` started."""
+    kill = getattr(launcher, "kill", None)
+    if callable(kill):
+        kill(signum)
+
+
+def defer_sigterm_check(trainer: pl.Trainer, device: torch.device) -> SigtermCheck:
+    """Put a :class:`~lightning_gpipe.transport.arrival.SigtermCheck` in place of the trainer's per-step
+    SIGTERM broadcast, and return it."""
+    check = SigtermCheck(trainer, device, _compat.sigterm_exception(trainer))
+    _compat.set_sigterm_check(trainer, check)
+    return check
+
+
+def restore_sigterm_check(
+    trainer: pl.Trainer | None, check: SigtermCheck | None, failed: bool, timeout: float
+) -> None:
+    """Give ``trainer`` (if any) Lightning's own SIGTERM broadcast back and, unless the run ``failed``, close
+    ``check`` (if any) within ``timeout`` seconds."""
+    if trainer is not None:
+        _compat.set_sigterm_check(trainer, None)
+    if check is not None and not failed:
+        check.close(timeout)
 
 
 def check_rerunnable_command() -> None:

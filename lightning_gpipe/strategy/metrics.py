@@ -92,6 +92,18 @@ def install_metric_sharing(trainer: pl.Trainer, share: Any) -> ShareLastStageMet
     return callback
 
 
+def evaluation_results(results: Any, trainer: Any, from_last_stage: Callable[[Any], Any]) -> Any:
+    """``trainer.validate``/``test``'s return value ``results``: the last stage's, on every stage of its
+    pipeline (``from_last_stage``); other calls' ``results`` as they are.
+
+    Only the last stage logs; as under DDP, every rank returns the logged metrics.
+    """
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    if getattr(fn, "value", None) not in ("validate", "test"):
+        return results
+    return from_last_stage(results)
+
+
 def remove_metric_sharing(module: pl.LightningModule | None, callback: ShareLastStageMetrics | None) -> None:
     """Undo :func:`install_metric_sharing` (and :func:`silence_logging`) on ``module``'s trainer."""
     trainer = attached_trainer(module) if module is not None else None

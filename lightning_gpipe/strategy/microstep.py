@@ -47,13 +47,14 @@ from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_gpipe import _compat
 from lightning_gpipe.engine.microbatch import _marked, sizes
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError, StageDone
 
-__all__ = ["MicroSteps", "check_model", "split_batch"]
+__all__ = ["MicroSteps", "check_model", "split_batch", "warn_unsplit_backwards"]
 
 _MISSING = object()
 
@@ -70,6 +71,17 @@ def check_model(model: Any, schedule: str) -> None:
             f"{type(model).__name__} uses manual optimization (automatic_optimization = False), which "
             f"schedule={schedule!r} does not support: the strategy runs training_step once per micro-batch "
             "and backpropagates each loss itself; use schedule='gpipe' or automatic optimization"
+        )
+
+
+def warn_unsplit_backwards(schedule: str, checkpoint: str) -> None:
+    """Warn (rank 0) that ``schedule="zb_h1"`` splits no backward of a recomputed micro-batch, unless
+    ``checkpoint="never"``."""
+    if schedule == "zb_h1" and checkpoint != "never":
+        rank_zero_warn(
+            f"schedule='zb_h1' splits only the backwards of micro-batches whose forward is not "
+            f"recomputed; under checkpoint={checkpoint!r} the others run whole at their B, as "
+            "under 1F1B. Use checkpoint='never' for the zero-bubble gain."
         )
 
 
