@@ -12,7 +12,6 @@ from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.schedule import (
     fill_drain,
     interleaved_1f1b,
-    messages,
     needs_loss,
     one_f_one_b,
     receives,
@@ -49,9 +48,6 @@ def test_the_plan_names_what_the_schedule_functions_name(grid, v, skips):
             assert list(plan.receives[a]) == receives(a, stage, stages, skips, v)
             assert list(plan.sends[a]) == sends(a, stage, stages, skips, v)
             assert (a in plan.needs_loss) == needs_loss(a, stage, stages, v)
-        assert plan.messages(column[1:], lambda a, t: a.kind == "F") == messages(
-            column[1:], stage, stages, skips, lambda a, t: a.kind == "F", v
-        )
         expected = taking_order(grid, top, v) if v > 1 else {}
         assert {p: list(keys) for p, keys in plan.order.items()} == expected
 

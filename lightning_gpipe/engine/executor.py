@@ -5,8 +5,7 @@ computing and sending exactly what each action names.
 actions over a :class:`~lightning_gpipe.engine.plan.StepRun`: it builds the step's run from the
 schedule's grid (M from the first stage's split or the first message's header; what each action
 receives and sends is planned once per step shape, :class:`~lightning_gpipe.engine.plan.ColumnPlan`), runs the column
-from its cursor while the actions are runnable, announces the messages each stretch receives
-(:func:`~lightning_gpipe.schedule.messages`), computes each micro-batch on the stage's own random
+from its cursor while the actions are runnable, receives what each action names as it runs it, computes each micro-batch on the stage's own random
 stream (:mod:`lightning_gpipe.engine.rng`; recomputable: :mod:`lightning_gpipe.engine.recompute`, replaying
 the module state its forward saw: :mod:`lightning_gpipe.engine.effects`) and sends in the order each peer takes its messages (where the
 grid's stages take them in another order than sent, :func:`~lightning_gpipe.schedule.in_send_order`,
@@ -16,7 +15,6 @@ the step's contracts) is :mod:`lightning_gpipe.engine.stage`.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -34,7 +32,7 @@ from lightning_gpipe.engine.plan import ColumnPlan, StepRun
 from lightning_gpipe.engine.rng import StageGenerator
 from lightning_gpipe.engine.skip import MicroBatchStore, use_store
 from lightning_gpipe.errors import PipelineUsageError
-from lightning_gpipe.schedule import Action, Grid, Transfer, announced_until
+from lightning_gpipe.schedule import Action, Grid, Transfer
 from lightning_gpipe.transport.failure import naming_errors
 from lightning_gpipe.transport.layout import StageTopology
 from lightning_gpipe.transport.p2p import P2P
@@ -55,7 +53,6 @@ class ColumnExecutor(nn.Module):
     timeline: Any
     virtual_layers: list[list[str]]
     received_skips: list[tuple[str, int]]
-    outcome_follows: bool
     generator: StageGenerator
     _run: StepRun | None
     _micro: int | None
@@ -104,7 +101,7 @@ class ColumnExecutor(nn.Module):
                 f"{first[0].chunks}; the stages split different batches"
             )
         run = self._new_run(train, first[0].chunks)
-        run.first, run.taken = first, Counter({top.stage - 1: 1})
+        run.first = first
         return run
 
     def _new_run(self, train: bool, chunks: int) -> StepRun:
@@ -117,10 +114,6 @@ class ColumnExecutor(nn.Module):
                 "needs the user's training_step once per micro-batch (GPipeStrategy(schedule=...) does that)"
             )
         run = StepRun(train, chunks, plan, whole)
-        if train and self.outcome_follows and not top.is_last:
-            run.after_calls[top.stages - 1] = (
-                1  # lightning_gpipe.engine.outcome: one message per training step
-            )
         # sends wait for their turn where a peer takes them out of order (consumed: copied per run)
         run.order = {peer: list(keys) for peer, keys in plan.order.items()}
         run.outbox = {peer: {} for peer in run.order}
@@ -154,8 +147,6 @@ class ColumnExecutor(nn.Module):
     def _advance(self, run: StepRun) -> None:
         """Run ``run``'s column from the cursor while its actions are runnable."""
         while not run.done and self._ready(run.column[run.pos], run):
-            if run.pos >= run.announced:
-                self._announce_from(run)
             self._execute(run.column[run.pos], run)
             run.pos += 1
             if run.pos == run.fill_end:  # no forward follows: what the fill left unchanged needs no copy
@@ -168,27 +159,6 @@ class ColumnExecutor(nn.Module):
             self._run = None
         if run.done or run.whole:
             self.p2p.flush()
-
-    def _announce_from(self, run: StepRun) -> None:
-        """Announce the receives of the column from the cursor up to the first backward that
-        receives a message and whose forward has not run (what flows back depends on that
-        forward), or, with one call per step, that waits for the step's loss; where that is where
-        the step's calls end, the messages that follow them too (``after_calls``).
-
-        A backward that receives nothing (the last part's: its gradient is the user's loss) does
-        not end the stretch, so the last stage of 1F1B announces every micro-batch's input at the
-        step's start and each is received while the stage computes the one before."""
-        plan, waits = run.plan, run.whole and not run.step_loss
-        end = announced_until(plan.column, run.pos, lambda a: bool(plan.receives[a]), lambda a: waits)
-        waits_for_loss = waits and end < len(
-            plan.column
-        )  # it ended at the first backward, which waits for the loss
-        stretch = plan.column[run.pos : end]
-        messages = plan.messages(stretch, partial(_flows, run))
-        if end == len(run.column) or waits_for_loss:
-            messages, run.after_calls = messages + run.after_calls, Counter()
-        self._announce(messages - run.taken)
-        run.taken, run.announced = Counter(), end
 
     def _execute(self, action: Action, run: StepRun) -> None:
         """Run one action of this stage's column: ``F i``, ``B i`` or ``W i``."""
@@ -248,11 +218,6 @@ class ColumnExecutor(nn.Module):
             top.prev_rank if stage == top.stage - 1 else top.next_rank if stage == top.stage + 1 else None
         )
         return neighbour if neighbour is not None else top.ranks[stage]
-
-    def _announce(self, messages: Counter[int]) -> None:
-        """Tell the transport how many messages this phase still receives from each stage."""
-        for stage, n in messages.items():
-            self.p2p.expect(self._rank(stage), n)
 
     def _compute(self, i: int, u: int, run: StepRun, x: Any, store: MicroBatchStore) -> Any:
         """Virtual stage ``u``'s layers on micro-batch ``i``, recomputable under ``checkpoint``."""

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_gpipe._compat import tree_flatten, tree_leaf_paths, tree_unflatten
-from lightning_gpipe.errors import MicroBatchError
+from lightning_gpipe.errors import MicroBatchError, check_count
 from lightning_gpipe.schedule import sizes
 from lightning_gpipe.transport.structure import CONSTANTS, SLOT, TENSOR, TREE, TUPLE, Structure
 
@@ -51,7 +51,6 @@ __all__ = [
     "Structure",
     "as_tensors",
     "batch_size",
-    "check_chunks",
     "flatten",
     "gather",
     "join",
@@ -173,8 +172,7 @@ def scatter(
         MicroBatchError: a leaf the pipeline cannot carry (see :func:`flatten`), no tensor with a
             batch dimension, or ``N`` is 0.
     """
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    check_count("chunks", chunks)
     tensors, structure = flatten(value, what)
     n = next((t.shape[0] for t in tensors if t.dim() > 0 and not _marked(t)), None)
     if n is None:
@@ -311,19 +309,6 @@ def batch_size(tensors: Sequence[Tensor], what: str = "pipeline input") -> int:
     return sizes[0]
 
 
-def check_chunks(chunks: Any) -> int:
-    """Return ``chunks`` if it is an integer ≥ 1 (the number of micro-batches M).
-
-    Raises:
-        ValueError: anything else (a ``bool``, a float, a count below 1).
-    """
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(
-            f"chunks must be an integer >= 1 (chunks: {chunks!r}); it is the number of micro-batches"
-        )
-    return chunks
-
-
 def split(tensors: Sequence[Tensor], chunks: int) -> list[tuple[Tensor, ...]]:
     """Split tensors of batch size ``N`` into ``min(chunks, N)`` micro-batches.
 
@@ -334,8 +319,7 @@ def split(tensors: Sequence[Tensor], chunks: int) -> list[tuple[Tensor, ...]]:
         ValueError: ``chunks < 1``.
         MicroBatchError: see :func:`batch_size`.
     """
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    check_count("chunks", chunks)
     n = batch_size(tensors)
     m = min(chunks, n)
     parts = [torch.tensor_split(t, m, dim=0) for t in tensors]

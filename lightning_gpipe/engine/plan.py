@@ -12,8 +12,6 @@ the call's output leaves can be split per micro-batch.
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,11 +84,6 @@ class ColumnPlan:
             deferred=deferred,
         )
 
-    def messages(self, actions: Iterable[Action], flows: Callable[[Action, Transfer], bool]) -> Counter[int]:
-        """How many messages ``actions`` receive from each peer stage, counting the transfers that
-        ``flows`` (as :func:`~lightning_gpipe.schedule.messages` does, from the plan's receives)."""
-        return Counter(t.peer for a in actions for t in self.receives[a] if flows(a, t))
-
 
 @dataclass
 class Call:
@@ -113,7 +106,6 @@ class StepRun:
     micro_batches: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # first stage: given inputs
     in_structures: dict[int, Structure] = field(default_factory=dict)  # first stage: how they make values
     first: tuple[Meta, list[Tensor]] | None = None  # other stages: micro-batch 0's message, taken early
-    taken: Counter[int] = field(default_factory=Counter)  # messages taken before any announcement
     # keyed by (micro-batch, virtual stage)
     out_structures: dict[tuple[int, int], Structure] = field(default_factory=dict)  # how outputs make values
     inputs: dict[tuple[int, int], tuple[Tensor, ...]] = field(default_factory=dict)
@@ -127,10 +119,6 @@ class StepRun:
     losses: set[int] = field(default_factory=set)  # one call per micro-batch: losses backpropagated
     step_loss: bool = False  # one call per step: Lightning's backward has come
     pos: int = 0  # the cursor: index of the next action in column
-    announced: int = 0  # receives of column[:announced] are announced
-    # messages that follow the step's calls, per stage (the last stage's step outcome): announced
-    # with the stretch that ends where the calls end, so that they are taken in the background
-    after_calls: Counter[int] = field(default_factory=Counter)
     states: list[ForwardState] = field(default_factory=list)  # recomputed micro-batches' module states
     # (micro-batch, virtual stage) -> its backward's second pass, due at its W (schedule="zb_h1")
     weights: dict[tuple[int, int], input_first.Split] = field(default_factory=dict)

@@ -37,11 +37,7 @@ In order, within a step:
   forward and the backward phase; one call per micro-batch: after every action.
 
 Every receive and send is one that :func:`~lightning_gpipe.schedule.receives` and
-:func:`~lightning_gpipe.schedule.sends` name for the action. Before running a stretch of its
-column the stage announces to the transport the messages that stretch will receive, counted
-from its actions (:func:`~lightning_gpipe.schedule.messages`): every action up to the first
-backward whose forward has not run yet (whether its gradient flows is known only then), never
-past the step's loss under one call per step (the outcome message comes first). Which
+:func:`~lightning_gpipe.schedule.sends` name for the action, received when the action runs. Which
 micro-batches recompute their forward is :mod:`lightning_gpipe.engine.recompute`'s rule; the recompute
 runs on the module state its forward saw and changes nothing (:mod:`lightning_gpipe.engine.effects`).
 
@@ -138,7 +134,6 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         self.calls = 0
         self.configuring = False  # set by the strategy around configure_optimizers
         # set by the strategy: every training step ends with the last stage's outcome (share_outcome)
-        self.outcome_follows = False
         self.outcomes = OutcomeChannel(p2p, p2p.device)
         self.generator = StageGenerator(p2p.device, topology.stage)  # what the layers draw (stage_rng)
         # one call per micro-batch: what the user's code draws after the call on the last stage

@@ -135,7 +135,7 @@ def _sequential_names(module: nn.Module) -> str:
 
 def check_stages(num_layers: int, stages: int) -> None:
     if stages < 1:
-        raise PartitionError(f"the number of stages must be >= 1, got {stages}")
+        raise PartitionError(f"stages must be an integer >= 1 (stages: {stages!r})")
     if stages > num_layers:
         raise PartitionError(
             f"more pipeline stages than layers (stages: {stages}, layers: {num_layers}); "

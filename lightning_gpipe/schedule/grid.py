@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from lightning_gpipe.errors import check_count
+
 __all__ = [
     "Action",
     "Grid",
@@ -65,13 +67,8 @@ Grid = list[list[Action | None]]  # grid[step][stage]
 
 
 def _check_counts(stages: int, chunks: int) -> None:
-    if stages < 1 or chunks < 1:
-        raise ValueError(f"stages and chunks must be >= 1 (stages: {stages}, chunks: {chunks})")
-
-
-def _check_count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 ({name}: {value!r})")
+    check_count("stages", stages)
+    check_count("chunks", chunks)
 
 
 def sizes(batch_size: int, chunks: int) -> list[int]:
@@ -85,11 +82,8 @@ def sizes(batch_size: int, chunks: int) -> list[int]:
         TypeError: a count is not an ``int``.
         ValueError: a count below 1.
     """
-    for name, value in (("batch_size", batch_size), ("chunks", chunks)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int (got {type(value).__name__}: {value!r})")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1 (got {value})")
+    check_count("batch_size", batch_size)
+    check_count("chunks", chunks)
     m = min(batch_size, chunks)
     base, extra = divmod(batch_size, m)
     return [base + 1 if i < extra else base for i in range(m)]
@@ -224,7 +218,7 @@ def ideal_bubble(stages: int, chunks: int, virtual_stages: int = 1) -> float:
         ValueError: a count below 1.
     """
     _check_counts(stages, chunks)
-    _check_count("virtual_stages", virtual_stages)
+    check_count("virtual_stages", virtual_stages)
     return (stages - 1) / (virtual_stages * chunks + stages - 1)
 
 

@@ -70,7 +70,6 @@ class StepDriver:
         if timeline is not None:
             timeline.begin_step(module.trainer.global_step)
         stage = self.stage
-        stage.outcome_follows = True  # share_outcome below: its message is received in the background
         if (
             self.micro_steps is not None
         ):  # one training_step per micro-batch (lightning_gpipe.strategy.microstep)

@@ -37,9 +37,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gpipe import _compat, state
-from lightning_gpipe.engine.microbatch import check_chunks
 from lightning_gpipe.engine.recompute import check_mode
 from lightning_gpipe.engine.rng import share_rng_state
+from lightning_gpipe.errors import check_count
 from lightning_gpipe.partition import cut as partition
 from lightning_gpipe.partition.cut import PartitionError
 from lightning_gpipe.schedule import check_schedule, check_virtual_stages
@@ -192,7 +192,7 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
         virtual_stages: int | None = None,
     ) -> None:
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        self.chunks = check_chunks(chunks) if chunks is not None else None
+        self.chunks = check_count("chunks", chunks) if chunks is not None else None
         self.checkpoint = check_mode(checkpoint)
         self.schedule = check_schedule(schedule)
         self.virtual_stages = check_virtual_stages(self.schedule, virtual_stages)

@@ -52,9 +52,9 @@ from typing import NamedTuple
 
 from lightning_gpipe import schedule as schedule_module
 from lightning_gpipe.engine.recompute import recomputed
+from lightning_gpipe.errors import check_count
 from lightning_gpipe.schedule import SCHEDULES, Action, Grid, Schedule
 from lightning_gpipe.schedule import sizes as microbatch_sizes
-from lightning_gpipe.transport.wire import FIRST_ROOM
 
 __all__ = ["Event", "Simulation", "peak_activation_memory", "simulate"]
 
@@ -108,8 +108,6 @@ def peak_activation_memory(
     virtual_stages: int = 1,
     workspace_bytes: float | Sequence[float] = 0.0,
     output_bytes: float = 0.0,
-    message_bytes: float | Sequence[float] = 0.0,
-    posted_receives: int = 0,
 ) -> list[float]:
     """Peak bytes of activations each stage holds for backward during one step.
 
@@ -152,16 +150,6 @@ def peak_activation_memory(
     loss side stays alive (Lightning holds the loss, whose graph holds the output's gradient)
     until the next call: a backward of another part of the last stage (interleaved) counts it.
 
-    A transport that posts receives ahead (on Gloo, :meth:`lightning_gpipe.transport.p2p.P2P.expect`)
-    holds, per source stage, the buffers of up to ``posted_receives`` messages announced and not
-    yet taken, each as large as the largest message from that source (``message_bytes`` per
-    sample, of the largest micro-batch, and at least the transport's first room,
-    :data:`lightning_gpipe.transport.wire.FIRST_ROOM`). The stage announces its receives stretch by stretch
-    (:func:`lightning_gpipe.schedule.announced_until`); the model plays the same stretches, with
-    the last stage's step outcome (:mod:`lightning_gpipe.engine.outcome`, one message per training
-    step) in the stretch that ends the column or, under ``"gpipe"``, the forwards'. Skip
-    connections' messages are not counted.
-
     Args:
         stages (int): number of stages ``K``.
         chunks (int): number of micro-batches ``M`` (fewer if ``N < M``).
@@ -181,31 +169,24 @@ def peak_activation_memory(
             (default: 0).
         output_bytes (float): ``o``, bytes per sample of the last part's output, the loss's
             input (default: 0).
-        message_bytes: bytes per sample of a message across each boundary between two parts
-            (an activation forward, its gradient backward); a scalar or ``K·v-1`` values
-            (default: 0).
-        posted_receives (int): receives the transport keeps posted per source stage ahead of
-            the one taken: ``comm.AHEAD + 1`` on Gloo (CPU), 0 on NCCL (default: 0).
 
     Returns:
         list[float]: peak bytes per stage, shape ``(K,)``.
 
     Raises:
-        TypeError: a count or ``posted_receives`` is not an ``int``.
+        TypeError: a count is not an ``int``.
         ValueError: a count below 1, a negative or non-finite size, a list of the wrong
             length, an unknown ``checkpoint`` or ``schedule``, a ``virtual_stages`` the
-            schedule cannot run, or a negative ``posted_receives``.
+            schedule cannot run.
     """
-    _check_count("stages", stages)
-    _check_count("virtual_stages", virtual_stages)
+    check_count("stages", stages)
+    check_count("virtual_stages", virtual_stages)
     sizes = microbatch_sizes(batch_size, chunks)
     v = virtual_stages
     a = _per_part("activation_bytes", activation_bytes, stages, v, split=True)
     b = _per_part("input_bytes", input_bytes, stages, v, split=False)
     w = _per_part("workspace_bytes", workspace_bytes, stages, v, split=False)
     _check_value("output_bytes", output_bytes)
-    _check_posted(posted_receives)
-    message = _per_stage("message_bytes", message_bytes, stages * v - 1)
     recompute = recomputed(checkpoint, len(sizes))
     grid = _grid(schedule, stages, len(sizes), v)
     whole_batch = schedule in ("gpipe", schedule_module.fill_drain)  # one training_step per mini-batch
@@ -213,13 +194,11 @@ def peak_activation_memory(
     peaks = []
     for k in range(stages):
         column = schedule_module.stage_actions(grid, k)
-        posted = _PostedReceives(column, k, stages, v, message, max(sizes), posted_receives, whole_batch)
         held = peak = loss_alive = 0.0
         split = _split(column, k, stages, recompute)
-        for p, action in enumerate(column):
+        for action in column:
             c, i = schedule_module.part(k, action.virtual_stage, stages), action.i
             kept = (b[c] if recompute[i] else a[c]) * sizes[i]
-            waiting = posted.take(p)  # bytes of the receives posted once action's are taken
             if action.kind == "W":
                 held -= kept if (i, c) in split else 0.0  # a split backward's graph lives until its W
             elif action.kind == "F":
@@ -230,10 +209,10 @@ def peak_activation_memory(
                 loss_side = 2 * output_bytes * (sum(sizes) if whole_batch else sizes[i]) if c == last else 0.0
                 rematerialized = a[c] * sizes[i] if recompute[i] else 0.0
                 others = loss_side if c == last else loss_alive
-                peak = max(peak, held + rematerialized + w[c] + others + waiting)
+                peak = max(peak, held + rematerialized + w[c] + others)
                 held -= 0.0 if (i, c) in split else kept
                 loss_alive = loss_side if c == last else loss_alive
-            peak = max(peak, held + waiting + loss_alive)
+            peak = max(peak, held + loss_alive)
         peaks.append(peak)
     return peaks
 
@@ -250,74 +229,6 @@ def _split(
         for a in column
         if a.kind == "W" and not recompute[a.i]
     }
-
-
-def _check_posted(posted_receives: int) -> None:
-    if isinstance(posted_receives, bool) or not isinstance(posted_receives, int):
-        raise TypeError(
-            f"posted_receives must be an int (got {type(posted_receives).__name__}: {posted_receives!r})"
-        )
-    if posted_receives < 0:
-        raise ValueError(f"posted_receives must be 0 or more (got {posted_receives})")
-
-
-class _PostedReceives:
-    """Bytes of the receives a stage's transport holds posted, not yet taken, as its column runs
-    (:func:`peak_activation_memory`): per source stage, ``min(ahead, announced and not taken)``
-    buffers of the largest message from that source (at least :data:`~lightning_gpipe.transport.wire.FIRST_ROOM`);
-    on a stage before the last, the last stage's step outcome is announced with the stretch that
-    ends the column (under ``"gpipe"``: the forwards')."""
-
-    def __init__(
-        self,
-        column: list[Action],
-        stage: int,
-        stages: int,
-        virtual_stages: int,
-        message: list[float],
-        largest: int,
-        ahead: int,
-        whole_batch: bool,
-    ) -> None:
-        self.column, self.ahead, self.whole_batch = column, ahead, whole_batch
-        self.outcome_from = stages - 1 if stage < stages - 1 else None  # lightning_gpipe.engine.outcome
-        self.receives = {
-            a: [t.peer for t in schedule_module.receives(a, stage, stages, (), virtual_stages)]
-            for a in column
-        }
-        self.room: dict[int, float] = {} if self.outcome_from is None else {self.outcome_from: FIRST_ROOM}
-        for a in column:
-            c = schedule_module.part(stage, a.virtual_stage, stages)
-            boundary = c - 1 if a.kind == "F" else c  # the input's, or the output's gradient's
-            for peer in self.receives[a]:
-                self.room[peer] = max(self.room.get(peer, FIRST_ROOM), message[boundary] * largest)
-        self.first_backward = next((p for p, a in enumerate(column) if a.kind == "B"), len(column))
-        self.left: dict[int, int] = {}
-        self.announced = 0
-
-    def take(self, p: int) -> float:
-        """Action ``p`` takes its messages (announcing the stretch it starts); the bytes still posted."""
-        if not self.ahead:
-            return 0.0
-        if p >= self.announced:
-            start = p
-            self.announced = schedule_module.announced_until(
-                self.column,
-                start,
-                lambda a: bool(self.receives[a]),
-                lambda a: self.whole_batch and start < self.first_backward,  # the loss is still to come
-            )
-            for a in self.column[start : self.announced]:
-                for peer in self.receives[a]:
-                    self.left[peer] = self.left.get(peer, 0) + 1
-            ends_calls = (
-                self.announced == len(self.column) or self.whole_batch and start < self.first_backward
-            )
-            if self.outcome_from is not None and ends_calls:
-                self.left[self.outcome_from] = self.left.get(self.outcome_from, 0) + 1
-        for peer in self.receives[self.column[p]]:
-            self.left[peer] -= 1
-        return sum(min(self.ahead, n) * self.room[peer] for peer, n in self.left.items())
 
 
 def simulate(
@@ -338,7 +249,6 @@ def simulate(
     input_bytes: float | Sequence[float] = 0.0,
     workspace_bytes: float | Sequence[float] = 0.0,
     output_bytes: float = 0.0,
-    posted_receives: int = 0,
     timeline: bool = False,
 ) -> Simulation:
     """Plays one training step of a schedule through the cost model of the module docstring.
@@ -384,20 +294,16 @@ def simulate(
             default: 0).
         output_bytes (float): per sample, bytes of the last part's output, the loss's input
             (default: 0).
-        posted_receives (int): receives the transport keeps posted per source stage, each the
-            size of that source's largest message, ``boundary_bytes`` (see
-            :func:`peak_activation_memory`; used for the memory estimate; default: 0).
         timeline (bool): also return every stage's events (default: False).
 
     Returns:
         Simulation: step time, bubble share, busy time, peak activation bytes, timeline.
 
     Raises:
-        TypeError: ``stages``, ``chunks``, ``virtual_stages``, ``batch_size`` or
-            ``posted_receives`` is not an ``int``.
+        TypeError: ``stages``, ``chunks``, ``virtual_stages`` or ``batch_size`` is not an ``int``.
         ValueError: a count below 1, a negative or non-finite time or size, a list of the
             wrong length, ``bandwidth <= 0``, an unknown ``checkpoint`` or ``schedule``, a
-            ``virtual_stages`` the schedule cannot run, a negative ``posted_receives``, or a
+            ``virtual_stages`` the schedule cannot run, or a
             ``weight_backward`` above ``backward``.
 
     Example:
@@ -408,10 +314,9 @@ def simulate(
         >>> sim.step_time, round(sim.bubble, 4)
         (28.5, 0.1579)
     """
-    _check_count("stages", stages)
-    _check_count("chunks", chunks)
-    _check_count("virtual_stages", virtual_stages)
-    _check_posted(posted_receives)
+    check_count("stages", stages)
+    check_count("chunks", chunks)
+    check_count("virtual_stages", virtual_stages)
     m = chunks if batch_size is None else len(microbatch_sizes(batch_size, chunks))
     v, parts = virtual_stages, stages * virtual_stages
     f = _per_part("forward", forward, stages, v, split=True)
@@ -502,8 +407,6 @@ def simulate(
             virtual_stages=v,
             workspace_bytes=workspace_bytes,
             output_bytes=output_bytes,
-            message_bytes=[x / max(microbatch_sizes(batch_size, chunks)) for x in size],
-            posted_receives=posted_receives,
         )
     return Simulation(
         step_time=step_time,
@@ -523,13 +426,6 @@ def _grid(schedule: str | Schedule, stages: int, chunks: int, virtual_stages: in
             )
         schedule = SCHEDULES[schedule]
     return schedule(stages, chunks, virtual_stages)
-
-
-def _check_count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (got {type(value).__name__}: {value!r})")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1 (got {value})")
 
 
 def _check_value(name: str, value: float) -> None:
