@@ -71,10 +71,13 @@ def test_a_stage_plans_once_per_step_shape_and_each_run_consumes_its_own_order()
         virtual_layers=[["a"], ["b"]],
     )
     stage._micro = 5
-    first, second = stage._new_run(True, 5), stage._new_run(True, 5)
+    first, second = (
+        stage.executor._new_run(True, 5, whole=False),
+        stage.executor._new_run(True, 5, whole=False),
+    )
     assert first.plan is second.plan  # planned once
     assert first.order == second.order and first.order and first.order is not second.order
     first.order[0].pop(0)  # the outbox consumes a run's order: the next run's is whole
-    assert stage._new_run(True, 5).order == second.order
-    assert stage._new_run(True, 4).plan is not first.plan  # another M: another plan
-    assert stage._new_run(False, 5).plan is not first.plan  # evaluation: forwards only
+    assert stage.executor._new_run(True, 5, whole=False).order == second.order
+    assert stage.executor._new_run(True, 4, whole=False).plan is not first.plan  # another M: another plan
+    assert stage.executor._new_run(False, 5, whole=False).plan is not first.plan  # evaluation: forwards only

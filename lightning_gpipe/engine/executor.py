@@ -1,7 +1,7 @@
 """The executor of one stage's schedule column: runs ``F i`` and ``B i`` in order, receiving,
 computing and sending exactly what each action names.
 
-:class:`ColumnExecutor` is the half of :class:`~lightning_gpipe.engine.stage.PipelineStage` that runs
+:class:`ColumnExecutor` is the component of :class:`~lightning_gpipe.engine.stage.PipelineStage` that runs
 actions over a :class:`~lightning_gpipe.engine.plan.StepRun`: it builds the step's run from the
 schedule's grid (M from the first stage's split or the first message's header; what each action
 receives and sends is planned once per step shape, :class:`~lightning_gpipe.engine.plan.ColumnPlan`), runs the column
@@ -38,35 +38,56 @@ from lightning_gpipe.transport.layout import StageTopology
 from lightning_gpipe.transport.p2p import P2P
 from lightning_gpipe.transport.wire import Meta
 
-__all__ = ["ColumnExecutor", "PipelineUsageError"]
+__all__ = ["ColumnExecutor"]
 
 
-class ColumnExecutor(nn.Module):
-    """Runs this stage's schedule column; mixed into :class:`~lightning_gpipe.engine.stage.PipelineStage`,
-    whose ``__init__`` sets the attributes below."""
+class ColumnExecutor:
+    """Runs one stage's schedule column over a :class:`~lightning_gpipe.engine.plan.StepRun`.
 
-    topology: StageTopology
-    chunks: int
-    checkpoint_mode: str
-    p2p: P2P
-    schedule: Callable[[int, int], Grid]
-    timeline: Any
-    virtual_layers: list[list[str]]
-    received_skips: list[tuple[str, int]]
-    generator: StageGenerator
-    _run: StepRun | None
-    _micro: int | None
-    _modules: dict[str, nn.Module]  # type: ignore[assignment] # as nn.Sequential declares it
+    Owned by its :class:`~lightning_gpipe.engine.stage.PipelineStage`, which holds the step's control
+    (the calls, the run in progress) and hands each run here.
+
+    Args:
+        layers: the stage's layers by name (the stage's own submodule dict, shared).
+        virtual_layers: the names of each virtual stage's layers, in order.
+        topology: stage index, stage count and neighbour ranks.
+        chunks: number of micro-batches M (≥ 1).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        p2p: the transport.
+        schedule: ``(stages, chunks[, virtual_stages]) -> Grid``.
+        generator: the stage's own random stream (:mod:`lightning_gpipe.engine.rng`).
+    """
+
+    def __init__(
+        self,
+        layers: dict[str, nn.Module],
+        virtual_layers: list[list[str]],
+        topology: StageTopology,
+        chunks: int,
+        checkpoint: str,
+        p2p: P2P,
+        schedule: Callable[[int, int], Grid],
+        generator: StageGenerator,
+    ) -> None:
+        self.layers = layers
+        self.virtual_layers = virtual_layers
+        self.topology = topology
+        self.chunks = chunks
+        self.checkpoint_mode = checkpoint
+        self.p2p = p2p
+        self.schedule = schedule
+        self.generator = generator
+        self.timeline: Any = (
+            None  # a lightning_gpipe.tools.timeline.Timeline (anything with span(kind, i, u))
+        )
+        self.compiled: list[Any] | None = None  # per virtual stage, its layers compiled
+        self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
+        self._plans: dict[Any, ColumnPlan] = {}
 
     @property
     def virtual_stages(self) -> int:
         """v: the virtual stages this stage holds (1 without)."""
         return len(self.virtual_layers)
-
-    @property
-    def layer_names(self) -> list[str]:
-        """Names of this stage's layers, as in the user's Sequential."""
-        return list(self._modules)
 
     def _span(self, kind: str, i: int, u: int = 0) -> Any:
         """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on virtual
@@ -76,38 +97,38 @@ class ColumnExecutor(nn.Module):
     def local_forward(self, input: Any, store: MicroBatchStore | None = None, virtual_stage: int = 0) -> Any:
         """Virtual stage ``virtual_stage``'s layers (all of this stage's without virtual stages) applied
         in order, as ``nn.Sequential`` would, with ``store`` for skips."""
-        compiled = self.__dict__["_compiled"]
+        compiled = self.compiled
         with use_store(store if store is not None else MicroBatchStore()):
             if compiled is not None:
                 return compiled[virtual_stage](input)
             for name in self.virtual_layers[virtual_stage]:
-                input = self._modules[name](input)
+                input = self.layers[name](input)
         return input
 
-    def _start(self, input: Any, train: bool) -> StepRun:
-        """A new run at the step's first call: M from the split (first stage) or the first message."""
+    def start(self, input: Any, train: bool, micro: int | None) -> StepRun:
+        """A new run at the step's first call: M from the split (first stage) or the first message;
+        ``micro``: with one call per micro-batch, their number (``None``: one call per step)."""
         top = self.topology
         if top.is_first:
-            parts, structure = scatter(input, self.chunks if self._micro is None else 1)
-            run = self._new_run(train, len(parts) if self._micro is None else self._micro)
+            parts, structure = scatter(input, self.chunks if micro is None else 1)
+            run = self._new_run(train, len(parts) if micro is None else micro, micro is None)
             run.micro_batches = dict(enumerate(parts))
             run.in_structures = dict.fromkeys(range(len(parts)), structure)
             return run
         with self._span("recv", 0):  # M comes with the first message
             first = self.p2p.recv(self._rank(top.stage - 1))
-        if self._micro is not None and first[0].chunks != self._micro:
+        if micro is not None and first[0].chunks != micro:
             raise RuntimeError(
-                f"stage {top.stage} runs {self._micro} micro-batches but stage {top.stage - 1} sent "
+                f"stage {top.stage} runs {micro} micro-batches but stage {top.stage - 1} sent "
                 f"{first[0].chunks}; the stages split different batches"
             )
-        run = self._new_run(train, first[0].chunks)
+        run = self._new_run(train, first[0].chunks, micro is None)
         run.first = first
         return run
 
-    def _new_run(self, train: bool, chunks: int) -> StepRun:
+    def _new_run(self, train: bool, chunks: int, whole: bool) -> StepRun:
         top = self.topology
         plan = self._plan(chunks, train)
-        whole = self._micro is None
         if whole and train and top.is_last and any(a.kind == "B" for a in plan.column[: plan.fill_end]):
             raise PipelineUsageError(
                 f"this schedule runs a backward on the last stage before its last forward ({list(plan.column)}); it "
@@ -122,12 +143,11 @@ class ColumnExecutor(nn.Module):
     def _plan(self, chunks: int, train: bool) -> ColumnPlan:
         """This stage's :class:`~lightning_gpipe.engine.plan.ColumnPlan` for M = ``chunks``, made once per shape."""
         top, v = self.topology, self.virtual_stages
-        plans: dict[Any, ColumnPlan] = self.__dict__.setdefault("_plans", {})
         key = (self.schedule, top.stage, top.stages, top.skips, v, chunks, train)
-        plan = plans.get(key)
+        plan = self._plans.get(key)
         if plan is None:
             grid = self.schedule(top.stages, chunks) if v == 1 else self.schedule(top.stages, chunks, v)  # type: ignore[call-arg]
-            plan = plans[key] = ColumnPlan.of(grid, top, v, train)
+            plan = self._plans[key] = ColumnPlan.of(grid, top, v, train)
         return plan
 
     def _ready(self, action: Action, run: StepRun) -> bool:
@@ -144,7 +164,7 @@ class ColumnExecutor(nn.Module):
             return run.step_loss
         return action.i in run.losses or action not in run.plan.needs_loss
 
-    def _advance(self, run: StepRun) -> None:
+    def advance(self, run: StepRun) -> None:
         """Run ``run``'s column from the cursor while its actions are runnable."""
         while not run.done and self._ready(run.column[run.pos], run):
             self._execute(run.column[run.pos], run)
@@ -155,8 +175,6 @@ class ColumnExecutor(nn.Module):
                 run.states = []
             if not run.whole:
                 self.p2p.settle()  # a 1F1B stage frees what it sent as it goes
-        if run.done:
-            self._run = None
         if run.done or run.whole:
             self.p2p.flush()
 
@@ -237,7 +255,7 @@ class ColumnExecutor(nn.Module):
 
     def _virtual_modules(self, u: int) -> list[nn.Module]:
         """Virtual stage ``u``'s layers (all of the stage's without virtual stages)."""
-        return [self._modules[name] for name in self.virtual_layers[u]]  # type: ignore[misc]
+        return [self.layers[name] for name in self.virtual_layers[u]]
 
     def _post(self, run: StepRun, action: Action, t: Transfer, payload: Any, **options: Any) -> None:
         """Send what ``action`` sends over ``t`` (``payload`` ``None``: nothing flows), in the order the
@@ -258,9 +276,9 @@ class ColumnExecutor(nn.Module):
 
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
         """Errors of this stage's layers re-raised as a :class:`~lightning_gpipe.transport.failure.StageError`."""
-        first = next(iter(self._modules.values()), None)  # iter(self) refuses inside a step
+        first = next(iter(self.layers.values()), None)
         top = self.topology
-        return naming_errors(top.stage, self.layer_names, first, phase, i, x, keep=(PipelineUsageError,))
+        return naming_errors(top.stage, list(self.layers), first, phase, i, x, keep=(PipelineUsageError,))
 
     @contextmanager
     def _recompute_context(
@@ -299,7 +317,7 @@ class ColumnExecutor(nn.Module):
         wanted = bool(y_grad) and (deferred or action == run.plan.input_first) and any(sources)
         if wanted:
             recomputed = recompute.recomputes(self.checkpoint_mode, i, run.chunks)
-            wanted = input_first.splits(layers, recomputed, compiled=self.__dict__["_compiled"] is not None)
+            wanted = input_first.splits(layers, recomputed, compiled=self.compiled is not None)
         split = None
         if y_grad:
             with self._span("backward", i, u), errors():

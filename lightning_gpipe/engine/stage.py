@@ -52,8 +52,8 @@ send waits until the messages the peer takes before it have gone, so a peer's me
 arrive in the order they are taken.
 
 Where it lives: this module is the stage's module face (the layers under the user's names, the
-calls, the step's contracts); the column runs in :mod:`lightning_gpipe.engine.executor`, over one step's
-state (:mod:`lightning_gpipe.engine.plan`, kept per (micro-batch, virtual stage)).
+calls, the step's contracts); the column runs in the stage's :class:`~lightning_gpipe.engine.executor.ColumnExecutor`,
+over one step's state (:mod:`lightning_gpipe.engine.plan`, kept per (micro-batch, virtual stage)).
 """
 
 from __future__ import annotations
@@ -66,11 +66,12 @@ import torch
 from torch import nn
 
 from lightning_gpipe import schedule
-from lightning_gpipe.engine.executor import ColumnExecutor, PipelineUsageError
+from lightning_gpipe.engine.executor import ColumnExecutor
 from lightning_gpipe.engine.microbatch import gather, scatter, unflatten
 from lightning_gpipe.engine.outcome import OutcomeChannel, apply_outcome, outcome_of
 from lightning_gpipe.engine.plan import Call, StepRun
 from lightning_gpipe.engine.rng import StageGenerator
+from lightning_gpipe.errors import PipelineUsageError
 from lightning_gpipe.schedule import Grid
 from lightning_gpipe.transport.layout import StageTopology
 from lightning_gpipe.transport.p2p import P2P
@@ -84,7 +85,7 @@ class StageDone(BaseException):  # noqa: N818 - a control-flow signal, not an er
     """
 
 
-class PipelineStage(ColumnExecutor, nn.Sequential):
+class PipelineStage(nn.Sequential):
     """This rank's partition of the pipelined ``nn.Sequential``, executing its schedule column.
 
     Args:
@@ -127,7 +128,6 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         self.topology = topology
         self.chunks = chunks
         self.checkpoint_mode = checkpoint
-        self.p2p = p2p
         self.expect_backward = False  # set by the strategy around training_step
         self.active = False  # set by the strategy around every step
         self.schedule = schedule
@@ -135,18 +135,47 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         self.configuring = False  # set by the strategy around configure_optimizers
         # set by the strategy: every training step ends with the last stage's outcome (share_outcome)
         self.outcomes = OutcomeChannel(p2p, p2p.device)
-        self.generator = StageGenerator(p2p.device, topology.stage)  # what the layers draw (stage_rng)
+        generator = StageGenerator(p2p.device, topology.stage)  # what the layers draw
+        self.executor = ColumnExecutor(
+            self._modules, self.virtual_layers, topology, chunks, checkpoint, p2p, schedule, generator
+        )
         # one call per micro-batch: what the user's code draws after the call on the last stage
         self.after_call = StageGenerator(p2p.device, topology.stages)
         self._run: StepRun | None = None  # the step in progress
         self._micro: int | None = None  # one call per micro-batch: their number in this step
-        self.timeline: Any = (
-            None  # a lightning_gpipe.tools.timeline.Timeline (anything with span(kind, i, u)), or None
-        )
-        self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
-        self.__dict__["_compiled"] = (
-            None  # per virtual stage, its layers compiled (not a submodule: state_dict keys unchanged)
-        )
+
+    @property
+    def p2p(self) -> P2P:
+        """The stage's transport (its executor's)."""
+        return self.executor.p2p
+
+    @p2p.setter
+    def p2p(self, p2p: P2P) -> None:
+        self.executor.p2p = p2p
+
+    @property
+    def timeline(self) -> Any:
+        """A :class:`~lightning_gpipe.tools.timeline.Timeline` (anything with ``span(kind, i, u)``), or ``None``."""
+        return self.executor.timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Any) -> None:
+        self.executor.timeline = timeline
+
+    @property
+    def received_skips(self) -> list[tuple[str, int]]:
+        """``(name, source stage)`` of every skip received, for inspection."""
+        return self.executor.received_skips
+
+    @property
+    def virtual_stages(self) -> int:
+        """v: the virtual stages this stage holds (1 without)."""
+        return len(self.virtual_layers)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of this stage's layers, as in the user's Sequential."""
+        return list(self._modules)
 
     def compile(self, compile_fn: Any) -> None:  # type: ignore[override]
         """Run each virtual stage's layers through ``compile_fn(nn.Sequential of the layers)`` (e.g. ``torch.compile``).
@@ -154,7 +183,7 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         The compiled module shares the layers (parameters, buffers); it is kept outside the
         stage's submodules, so ``state_dict`` keys stay the user's.
         """
-        self.__dict__["_compiled"] = [
+        self.executor.compiled = [
             compile_fn(nn.Sequential(OrderedDict((n, self._modules[n]) for n in names)))
             for names in self.virtual_layers
         ]
@@ -249,7 +278,7 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         train = self.expect_backward and torch.is_grad_enabled()
         run = self._run if self._micro is not None else None
         if run is None:
-            run = self._run = self._start(input, train)
+            run = self._run = self.executor.start(input, train, self._micro)
         elif top.is_first:
             (run.micro_batches[run.called],), run.in_structures[run.called] = scatter(input, 1)
         if run.called == run.chunks:
@@ -272,6 +301,12 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         if self._micro is not None:  # the code after the call runs here only: its own stream (stage_rng)
             self.after_call.enter()
         return unflatten(structure, joined)
+
+    def _advance(self, run: StepRun) -> None:
+        """Run ``run``'s column while its actions are runnable; a finished run is the step's no longer."""
+        self.executor.advance(run)
+        if run.done:
+            self._run = None
 
     # -- the step outcome --------------------------------------------------------------------
 
