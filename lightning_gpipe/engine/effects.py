@@ -39,7 +39,7 @@ Memory and time: the bytes of the stage's buffers and tensor attributes per reco
 during the forward fill; after it, only those the fill changed (for BatchNorm, ``2·C + 1`` numbers
 per layer and micro-batch); and a deep copy of the other attributes per recomputed micro-batch,
 kept through the backward (tensors inside containers included; those that require grad are kept,
-not copied; a Hugging Face layer's shared ``config``: one copy, about 30 µs). A layer that holds a large
+not copied; a Hugging Face layer's shared ``config``: one copy). A layer that holds a large
 object it never changes in forward can keep it outside the module.
 """
 

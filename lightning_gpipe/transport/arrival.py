@@ -177,7 +177,7 @@ class SigtermCheck:
     ``trainer.received_sigterm`` to every rank (``_TrainingEpochLoop._broadcast_sigterm_tensor``),
     so that all ranks stop at the same step. In a pipeline that collective joins the stages at
     every step boundary: the first stage, which starts the next step, waits a round trip for the
-    last one (1.1 ms a step on the first of two CPU stages, BENCHMARKS.md section 9). Called in its place,
+    last one, a round trip on the critical path of every step. Called in its place,
     this posts the step's broadcast without waiting and reads the previous step's, which has long
     arrived: every rank still stops at the same step, one step later than under Lightning's check.
 
