@@ -88,7 +88,6 @@ from lightning_gpipe.engine.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.partition.cut import check_balance, stage_bounds, uniform_balance
 from lightning_gpipe.schedule import ideal_bubble
 from lightning_gpipe.tools.simulate import simulate
-from lightning_gpipe.transport import p2p as comm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -620,7 +619,6 @@ def _rows(
                 workspace_bytes=profile["workspace"],
                 output_bytes=profile["output"][0],
                 boundary_bytes=[b * micro for b in profile["boundary_bytes_per_sample"]],
-                posted_receives=comm.AHEAD + 1,  # the runs are on CPU: Gloo posts receives ahead
             )
             assert sim.peak_activation_bytes is not None
             row["predicted_bubble"] = sim.bubble
