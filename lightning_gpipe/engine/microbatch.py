@@ -154,6 +154,18 @@ def tensor_paths(structure: Structure) -> list[str]:
     return [path for path, leaf in tree_leaf_paths(structure.template()) if leaf is SLOT]
 
 
+def batch_dim(tensors: Sequence[Tensor]) -> int | None:
+    """``N``: dim 0 of the first tensor that has one and is not marked with :func:`no_chunk`
+    (``None``: no such tensor)."""
+    return next((t.shape[0] for t in tensors if t.dim() > 0 and not _marked(t)), None)
+
+
+def is_split(t: Tensor, n: int) -> bool:
+    """Whether ``t``, a tensor of a batch of ``n`` samples, is split along dim 0 (else it goes whole
+    to every micro-batch): the split rule of the module docstring."""
+    return t.dim() > 0 and not _marked(t) and t.shape[0] == n
+
+
 def scatter(
     value: Any, chunks: int, what: str = "input of the pipelined nn.Sequential"
 ) -> tuple[list[tuple[Tensor, ...]], Structure]:
@@ -174,7 +186,7 @@ def scatter(
     """
     check_count("chunks", chunks)
     tensors, structure = flatten(value, what)
-    n = next((t.shape[0] for t in tensors if t.dim() > 0 and not _marked(t)), None)
+    n = batch_dim(tensors)
     if n is None:
         shapes = ", ".join(str(tuple(t.shape)) for t in tensors) or "no tensors"
         raise MicroBatchError(
@@ -183,7 +195,7 @@ def scatter(
         )
     if n < 1:
         raise MicroBatchError(f"{what}: batch size is 0; the pipeline needs at least one sample")
-    whole = tuple(t.dim() == 0 or _marked(t) or t.shape[0] != n for t in tensors)
+    whole = tuple(not is_split(t, n) for t in tensors)
     m = min(chunks, n)
     parts = [(t,) * m if w else torch.tensor_split(t, m, dim=0) for t, w in zip(tensors, whole)]
     return [tuple(p[i] for p in parts) for i in range(m)], replace(structure, whole=whole)
@@ -310,20 +322,17 @@ def batch_size(tensors: Sequence[Tensor], what: str = "pipeline input") -> int:
 
 
 def split(tensors: Sequence[Tensor], chunks: int) -> list[tuple[Tensor, ...]]:
-    """Split tensors of batch size ``N`` into ``min(chunks, N)`` micro-batches.
+    """Split tensors of batch size ``N`` into ``min(chunks, N)`` micro-batches (:func:`scatter`).
 
     Shapes: each ``(N, *)`` → ``min(chunks, N) × (≈N/chunks, *)``; sizes differ by at most one,
-    larger micro-batches first (``torch.tensor_split``).
+    larger micro-batches first.
 
     Raises:
         ValueError: ``chunks < 1``.
         MicroBatchError: see :func:`batch_size`.
     """
-    check_count("chunks", chunks)
-    n = batch_size(tensors)
-    m = min(chunks, n)
-    parts = [torch.tensor_split(t, m, dim=0) for t in tensors]
-    return [tuple(p[i] for p in parts) for i in range(m)]
+    batch_size(tensors)
+    return scatter(tuple(tensors), chunks)[0]
 
 
 def join(micro_batches: Sequence[Sequence[Tensor]]) -> tuple[Tensor, ...]:
