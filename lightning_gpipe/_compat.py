@@ -220,12 +220,14 @@ def compiled_module(compiled: OptimizedModule) -> nn.Module:
 
 
 def compile_like(compiled: OptimizedModule, module: nn.Module) -> nn.Module:
-    """``module`` compiled with ``compiled``'s own ``torch.compile`` context (backend, mode, dynamic, options)."""
+    """``module`` compiled with ``compiled``'s own ``torch.compile`` context (backend, mode,
+    dynamic, options)."""
     return OptimizedModule(module, compiled.dynamo_ctx)
 
 
 def checkpoint_offset(storage: Any) -> int | None:
-    """Byte offset in the file of a storage that ``torch.load(map_location="meta")`` read (``None``: unknown)."""
+    """Byte offset in the file of a storage that ``torch.load(map_location="meta")`` read (``None``:
+    unknown)."""
     offset = getattr(storage, "_checkpoint_offset", None)
     return None if offset is None else int(offset)
 
@@ -233,7 +235,8 @@ def checkpoint_offset(storage: Any) -> int | None:
 def load_module_state(
     cls: type, checkpoint: dict[str, Any], strict: bool | None = None, **kwargs: Any
 ) -> Any:
-    """Lightning's construction of a module from a checkpoint dict (``load_from_checkpoint`` without the file)."""
+    """Lightning's construction of a module from a checkpoint dict (``load_from_checkpoint`` without
+    the file)."""
     return _load_state(cls, checkpoint, strict=strict, **kwargs)
 
 

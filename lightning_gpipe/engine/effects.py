@@ -28,12 +28,12 @@ recompute's arithmetic equals the forward's. :meth:`ForwardState.prune` drops
 the copies of tensors that the forward fill did not change (most buffers), so they hold no memory
 through the backward; their recompute copies them when it runs.
 
-Not covered: random draws (``torch.utils.checkpoint`` replays the RNG state and leaves the
-global generator as the forward left it), parameters changed in place (``nn.Embedding(max_norm=...)``
+Not covered: random draws (``torch.utils.checkpoint`` replays the RNG state and leaves the global
+generator as the forward left it), parameters changed in place (``nn.Embedding(max_norm=...)``
 renormalizes rows idempotently; copying every parameter per micro-batch would cost the memory
-recompute saves) objects outside the modules (a list a hook closes over): a hook can ask :func:`recomputing` and
-skip such effects), and an attribute ``copy.deepcopy`` refuses (a lock, a generator), which is
-kept by reference.
+recompute saves) objects outside the modules (a list a hook closes over): a hook can ask
+:func:`recomputing` and skip such effects), and an attribute ``copy.deepcopy`` refuses (a lock, a
+generator), which is kept by reference.
 
 Memory and time: the bytes of the stage's buffers and tensor attributes per recomputed micro-batch,
 during the forward fill; after it, only those the fill changed (for BatchNorm, ``2·C + 1`` numbers

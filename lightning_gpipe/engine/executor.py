@@ -1,16 +1,19 @@
 """The executor of one stage's schedule column: runs ``F i`` and ``B i`` in order, receiving,
 computing and sending exactly what each action names.
 
-:class:`ColumnExecutor` is the component of :class:`~lightning_gpipe.engine.stage.PipelineStage` that runs
-actions over a :class:`~lightning_gpipe.engine.plan.StepRun`: it builds the step's run from the
-schedule's grid (M from the first stage's split or the first message's header; what each action
-receives and sends is planned once per step shape, :class:`~lightning_gpipe.engine.plan.ColumnPlan`), runs the column
-from its cursor while the actions are runnable, receives what each action names as it runs it, computes each micro-batch on the stage's own random
-stream (:mod:`lightning_gpipe.engine.rng`; recomputable: :mod:`lightning_gpipe.engine.recompute`, replaying
-the module state its forward saw: :mod:`lightning_gpipe.engine.effects`) and sends in the order each peer takes its messages (where the
-grid's stages take them in another order than sent, :func:`~lightning_gpipe.schedule.in_send_order`,
-a send waits for its turn: :mod:`lightning_gpipe.engine.outbox`). The stage's module face (layers under the user's names, the calls,
-the step's contracts) is :mod:`lightning_gpipe.engine.stage`.
+:class:`ColumnExecutor` is the component of :class:`~lightning_gpipe.engine.stage.PipelineStage`
+that runs actions over a :class:`~lightning_gpipe.engine.plan.StepRun`: it builds the step's run
+from the schedule's grid (M from the first stage's split or the first message's header; what each
+action receives and sends is planned once per step shape,
+:class:`~lightning_gpipe.engine.plan.ColumnPlan`), runs the column from its cursor while the actions
+are runnable, receives what each action names as it runs it, computes each micro-batch on the
+stage's own random stream (:mod:`lightning_gpipe.engine.rng`; recomputable:
+:mod:`lightning_gpipe.engine.recompute`, replaying the module state its forward saw:
+:mod:`lightning_gpipe.engine.effects`) and sends in the order each peer takes its messages (where
+the grid's stages take them in another order than sent,
+:func:`~lightning_gpipe.schedule.in_send_order`, a send waits for its turn:
+:mod:`lightning_gpipe.engine.outbox`). The stage's module face (layers under the user's names, the
+calls, the step's contracts) is :mod:`lightning_gpipe.engine.stage`.
 """
 
 from __future__ import annotations
@@ -131,8 +134,9 @@ class ColumnExecutor:
         plan = self._plan(chunks, train)
         if whole and train and top.is_last and any(a.kind == "B" for a in plan.column[: plan.fill_end]):
             raise PipelineUsageError(
-                f"this schedule runs a backward on the last stage before its last forward ({list(plan.column)}); it "
-                "needs the user's training_step once per micro-batch (GPipeStrategy(schedule=...) does that)"
+                "this schedule runs a backward on the last stage before its last forward "
+                f"({list(plan.column)}); it needs the user's training_step once per micro-batch "
+                "(GPipeStrategy(schedule=...) does that)"
             )
         run = StepRun(train, chunks, plan, whole)
         # sends wait for their turn where a peer takes them out of order (consumed: copied per run)
@@ -141,7 +145,8 @@ class ColumnExecutor:
         return run
 
     def _plan(self, chunks: int, train: bool) -> ColumnPlan:
-        """This stage's :class:`~lightning_gpipe.engine.plan.ColumnPlan` for M = ``chunks``, made once per shape."""
+        """This stage's :class:`~lightning_gpipe.engine.plan.ColumnPlan` for M = ``chunks``, made
+        once per shape."""
         top, v = self.topology, self.virtual_stages
         key = (self.schedule, top.stage, top.stages, top.skips, v, chunks, train)
         plan = self._plans.get(key)
@@ -275,7 +280,8 @@ class ColumnExecutor:
                     self.p2p.send(ready, self._rank(t.peer), chunks=run.chunks, **ready_options)
 
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
-        """Errors of this stage's layers re-raised as a :class:`~lightning_gpipe.transport.failure.StageError`."""
+        """Errors of this stage's layers re-raised as a
+        :class:`~lightning_gpipe.transport.failure.StageError`."""
         first = next(iter(self.layers.values()), None)
         top = self.topology
         return naming_errors(top.stage, list(self.layers), first, phase, i, x, keep=(PipelineUsageError,))
@@ -288,7 +294,8 @@ class ColumnExecutor:
             yield
 
     def _backward_one(self, action: Action, run: StepRun) -> None:
-        """``B i``: receive the gradients of micro-batch ``i``'s outputs, backpropagate, send its inputs' gradients."""
+        """``B i``: receive the gradients of micro-batch ``i``'s outputs, backpropagate, send its
+        inputs' gradients."""
         i, u = action.i, action.virtual_stage
         key = (i, u)
         y_grad = [t for t in run.outputs[key] if t.requires_grad]

@@ -222,8 +222,9 @@ def gather(
     for i, s in enumerate(structures[1:], 1):
         if s != first:
             raise MicroBatchError(
-                f"{what} differs between micro-batches 0 and {i} ({_difference(first, s)}); every micro-batch "
-                "must give the same structure, the same non-tensor values and replicate the same tensors"
+                f"{what} differs between micro-batches 0 and {i} ({_difference(first, s)}); every "
+                "micro-batch must give the same structure, the same non-tensor values and replicate the same "
+                "tensors"
             )
     joined = []
     for k, whole in enumerate(first.whole):
@@ -241,7 +242,8 @@ def gather(
             shapes = ", ".join(str(tuple(p.shape)) for p in parts)
             raise MicroBatchError(
                 f"{what}{tensor_paths(first)[k]}: micro-batch outputs cannot be concatenated along dim 0 "
-                f"(shapes: {shapes}); return per-sample tensors (n_i, *) or mark a replicated one with no_chunk"
+                f"(shapes: {shapes}); return per-sample tensors (n_i, *) or mark a replicated one with "
+                "no_chunk"
             ) from err
     return tuple(joined), first
 
@@ -254,9 +256,9 @@ def _check_replicas(parts: Sequence[Tensor], structure: Structure, k: int, what:
         if p is not parts[0] and not torch.equal(p, parts[0]):
             raise MicroBatchError(
                 f"{what}{tensor_paths(structure)[k]} is a 0-d tensor that differs between micro-batches 0 "
-                f"and {i} ({parts[0].item()} and {p.item()}); a value of the whole mini-batch (a mean, a sum) "
-                "cannot be joined from micro-batches: return it per sample, shape (n_i, *), and reduce it in "
-                "the step"
+                f"and {i} ({parts[0].item()} and {p.item()}); a value of the whole mini-batch (a mean, a "
+                "sum) cannot be joined from micro-batches: return it per sample, shape (n_i, *), and reduce "
+                "it in the step"
             )
 
 

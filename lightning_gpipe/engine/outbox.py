@@ -42,7 +42,8 @@ def taking_order(grid: Grid, topology: StageTopology, virtual_stages: int) -> di
 
 
 def release(order: list[Key], box: dict[Key, Any], key: Key, item: Any) -> list[Any]:
-    """Hold ``item`` (the message ``key``) in ``box``; return, in ``order``, the held items whose turn has come.
+    """Hold ``item`` (the message ``key``) in ``box``; return, in ``order``, the held items whose
+    turn has come.
 
     ``order`` and ``box`` are consumed: what is returned leaves both.
     """

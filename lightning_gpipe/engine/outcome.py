@@ -59,7 +59,8 @@ class StepOutcome:
 
 
 def outcome_of(trainer: Any, out: Any) -> StepOutcome:
-    """The last stage's outcome of the step that returned ``out`` (a loss, a dict with ``"loss"``, or None)."""
+    """The last stage's outcome of the step that returned ``out`` (a loss, a dict with ``"loss"``,
+    or None)."""
     loss = out.get("loss") if isinstance(out, Mapping) else out
     has = isinstance(loss, Tensor)
     value = float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else 0.0

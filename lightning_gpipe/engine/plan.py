@@ -4,10 +4,10 @@ forwards keep per (micro-batch, virtual stage) until their backwards.
 :class:`ColumnPlan` is what the column implies, the same for every step of the same shape: each
 action's receives and sends (:func:`~lightning_gpipe.schedule.receives`,
 :func:`~lightning_gpipe.schedule.sends`), which need the user's loss, and the order in which the
-peers take this stage's messages. :class:`StepRun` is created at the step's first call (:meth:`.ColumnExecutor._new_run`) and
-dropped when the column has run to its end or the step has no loss. On the last stage,
-:class:`Call` records each call of the Sequential, so that the gradients the user's loss leaves on
-the call's output leaves can be split per micro-batch.
+peers take this stage's messages. :class:`StepRun` is created at the step's first call
+(:meth:`.ColumnExecutor._new_run`) and dropped when the column has run to its end or the step has no
+loss. On the last stage, :class:`Call` records each call of the Sequential, so that the gradients
+the user's loss leaves on the call's output leaves can be split per micro-batch.
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ class ColumnPlan:
         sends: per action, the messages it sends, in order (:func:`~lightning_gpipe.schedule.sends`).
         needs_loss: the backwards that need the user's loss (:func:`~lightning_gpipe.schedule.needs_loss`).
         order: per peer stage, the keys of the messages this stage sends it in the order the peer
-            takes them, where that differs from the order sent (:func:`lightning_gpipe.engine.outbox.taking_order`;
-            empty when not training or where every peer takes them as sent).
+            takes them, where that differs from the order sent
+            (:func:`lightning_gpipe.engine.outbox.taking_order`; empty when not training or where
+            every peer takes them as sent).
         input_first: the column's last backward that sends a gradient and has no ``W`` of its own,
-            which sends it before it computes its weight gradients (:mod:`lightning_gpipe.engine.backward_split`);
-            ``None``: none.
+            which sends it before it computes its weight gradients
+            (:mod:`lightning_gpipe.engine.backward_split`); ``None``: none.
         deferred: ``(micro-batch, virtual stage)`` of each ``W`` in the column (``schedule="zb_h1"``):
             its ``B`` computes the input gradient only, its ``W`` the weight gradients.
     """

@@ -1,11 +1,11 @@
 """Re-materialization (GPipe section 2.3): which micro-batches recompute their forward, and how.
 
-A recomputed micro-batch keeps only its stage input during the fill; its forward runs again
-under ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout masks in the
-recompute equal those of the forward) when its backward is due. The recompute runs on the
-module state its forward saw and changes nothing (BatchNorm running statistics, other buffers,
-attributes: :mod:`lightning_gpipe.engine.effects`, which the stage applies through ``context``). torchgpipe calls this module
-``checkpoint.py``; here ``checkpoint=`` names the policy and saved files live in
+A recomputed micro-batch keeps only its stage input during the fill; its forward runs again under
+``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout masks in the recompute
+equal those of the forward) when its backward is due. The recompute runs on the module state its
+forward saw and changes nothing (BatchNorm running statistics, other buffers, attributes:
+:mod:`lightning_gpipe.engine.effects`, which the stage applies through ``context``). torchgpipe
+calls this module ``checkpoint.py``; here ``checkpoint=`` names the policy and saved files live in
 :mod:`lightning_gpipe.state`.
 """
 
@@ -32,7 +32,8 @@ def check_mode(checkpoint: str) -> str:
     """
     if checkpoint not in CHECKPOINT_MODES:
         raise ValueError(
-            f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)} (checkpoint: {checkpoint!r})"
+            f"checkpoint must be one of {', '.join(repr(m) for m in CHECKPOINT_MODES)} (checkpoint: "
+            f"{checkpoint!r})"
         )
     return checkpoint
 

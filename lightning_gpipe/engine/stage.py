@@ -52,8 +52,9 @@ send waits until the messages the peer takes before it have gone, so a peer's me
 arrive in the order they are taken.
 
 Where it lives: this module is the stage's module face (the layers under the user's names, the
-calls, the step's contracts); the column runs in the stage's :class:`~lightning_gpipe.engine.executor.ColumnExecutor`,
-over one step's state (:mod:`lightning_gpipe.engine.plan`, kept per (micro-batch, virtual stage)).
+calls, the step's contracts); the column runs in the stage's
+:class:`~lightning_gpipe.engine.executor.ColumnExecutor`, over one step's state
+(:mod:`lightning_gpipe.engine.plan`, kept per (micro-batch, virtual stage)).
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ class PipelineStage(nn.Sequential):
 
     @property
     def timeline(self) -> Any:
-        """A :class:`~lightning_gpipe.tools.timeline.Timeline` (anything with ``span(kind, i, u)``), or ``None``."""
+        """A :class:`~lightning_gpipe.tools.timeline.Timeline` (anything with ``span(kind, i, u)``),
+        or ``None``."""
         return self.executor.timeline
 
     @timeline.setter
@@ -178,7 +180,8 @@ class PipelineStage(nn.Sequential):
         return list(self._modules)
 
     def compile(self, compile_fn: Any) -> None:  # type: ignore[override]
-        """Run each virtual stage's layers through ``compile_fn(nn.Sequential of the layers)`` (e.g. ``torch.compile``).
+        """Run each virtual stage's layers through ``compile_fn(nn.Sequential of the layers)`` (e.g.
+        ``torch.compile``).
 
         The compiled module shares the layers (parameters, buffers); it is kept outside the
         stage's submodules, so ``state_dict`` keys stay the user's.
@@ -198,8 +201,9 @@ class PipelineStage(nn.Sequential):
         if self.active:
             raise PipelineUsageError(
                 "the pipelined nn.Sequential was iterated inside a step (for layer in ...); under the gpipe "
-                f"strategy this process holds only stage {self.topology.stage}'s layers ({', '.join(self._modules)}) "
-                "and the pipeline runs one forward per step: call the Sequential once (self.layers(x))"
+                f"strategy this process holds only stage {self.topology.stage}'s layers "
+                f"({', '.join(self._modules)}) and the pipeline runs one forward per step: call the "
+                "Sequential once (self.layers(x))"
             )
         return iter(self._modules.values())
 
@@ -220,7 +224,8 @@ class PipelineStage(nn.Sequential):
                 return nn.Sequential(OrderedDict((n, m) for n, m in self._modules.items() if n in wanted))
             raise PipelineUsageError(
                 "slicing the pipelined nn.Sequential is not supported under the gpipe strategy outside "
-                f"configure_optimizers: each process holds only its stage's layers ({', '.join(self._modules)})"
+                "configure_optimizers: each process holds only its stage's layers "
+                f"({', '.join(self._modules)})"
             )
         index = int(idx) + len(self.names) if int(idx) < 0 else int(idx)
         if 0 <= index < len(self.names) and self.names[index] in self._modules:
@@ -283,7 +288,8 @@ class PipelineStage(nn.Sequential):
             (run.micro_batches[run.called],), run.in_structures[run.called] = scatter(input, 1)
         if run.called == run.chunks:
             raise PipelineUsageError(
-                f"the pipelined nn.Sequential was called for more micro-batches than the step has ({run.chunks})"
+                "the pipelined nn.Sequential was called for more micro-batches than the step has "
+                f"({run.chunks})"
             )
         covered = list(range(run.called, run.chunks if run.whole else run.called + 1))
         run.called = covered[-1] + 1
@@ -311,7 +317,8 @@ class PipelineStage(nn.Sequential):
     # -- the step outcome --------------------------------------------------------------------
 
     def share_outcome(self, out: Any, trainer: Any, training: bool) -> Any:
-        """The last stage sends its step outcome to the other stages, which install it (:mod:`lightning_gpipe.engine.outcome`).
+        """The last stage sends its step outcome to the other stages, which install it
+        (:mod:`lightning_gpipe.engine.outcome`).
 
         Call after a step whose forward ran, before Lightning runs any hook. On the last stage
         ``out`` is the user's step output and is returned; it sends whether the step has a loss
@@ -371,7 +378,8 @@ class PipelineStage(nn.Sequential):
         self._micro, self._run = chunks, None
 
     def loss_backpropagated(self, i: int) -> None:
-        """Last stage: micro-batch ``i``'s loss has reached its output leaves; run ``B i`` and what follows."""
+        """Last stage: micro-batch ``i``'s loss has reached its output leaves; run ``B i`` and what
+        follows."""
         run = self._run
         if run is None or i in run.losses or i >= run.called:
             raise RuntimeError(f"micro-batch {i} has no forward waiting for its loss on this stage")

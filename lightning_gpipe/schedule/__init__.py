@@ -134,7 +134,8 @@ every other schedule runs it once per micro-batch (:mod:`lightning_gpipe.strateg
 
 
 def check_virtual_stages(name: str, virtual_stages: Any, stages: int = 2) -> int:
-    """Return ``virtual_stages`` if schedule ``name`` runs that many virtual stages per stage on ``stages`` stages.
+    """Return ``virtual_stages`` if schedule ``name`` runs that many virtual stages per stage on
+    ``stages`` stages.
 
     ``None`` picks the schedule's default: 2 for ``"interleaved_1f1b"`` (interleaving with one
     virtual stage would be plain 1F1B), 1 for the others.

@@ -40,7 +40,8 @@ Kind = Literal["F", "B", "W"]
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of work of a stage: forward (``F``), backward (``B``) or weight gradients (``W``) of micro-batch ``i``.
+    """One unit of work of a stage: forward (``F``), backward (``B``) or weight gradients (``W``) of
+    micro-batch ``i``.
 
     ``B i`` is the whole backward unless the stage's column also runs ``W i``: then ``B i``
     computes the gradient of the stage's inputs only (what the previous stage waits for) and
@@ -107,7 +108,8 @@ class Schedule(Protocol):
 
 
 def part(stage: int, virtual_stage: int, stages: int) -> int:
-    """The model part that stage ``stage``'s virtual stage ``virtual_stage`` holds: ``stage + virtual_stage·stages``.
+    """The model part that stage ``stage``'s virtual stage ``virtual_stage`` holds:
+    ``stage + virtual_stage·stages``.
 
     The model is cut into ``stages × v`` consecutive parts; part ``c`` lives on stage ``c mod K``
     as its virtual stage ``c // K`` (:func:`holder`). Without virtual stages, part = stage.
@@ -131,8 +133,8 @@ def place(columns: Sequence[Sequence[Action]]) -> Grid:
 
     ``F i`` of part ``c`` starts once ``F i`` of part ``c-1`` has finished; ``B i`` of part ``c``
     once ``B i`` of part ``c+1`` and ``F i`` of part ``c`` have (on the last part: micro-batch
-    ``i``'s loss); ``W i`` once ``B i`` of its part has; dependencies as :func:`validate` checks them. Without virtual stages, part =
-    stage.
+    ``i``'s loss); ``W i`` once ``B i`` of its part has; dependencies as :func:`validate` checks
+    them. Without virtual stages, part = stage.
 
     Args:
         columns: per stage, its actions in execution order.
@@ -182,7 +184,8 @@ def stage_actions(grid: Grid, stage: int) -> list[Action]:
 
 
 def needs_loss(action: Action, stage: int, stages: int, virtual_stages: int = 1) -> bool:
-    """Whether ``action`` needs the user's loss: a backward on the last part (the last stage's last virtual stage)."""
+    """Whether ``action`` needs the user's loss: a backward on the last part (the last stage's last
+    virtual stage)."""
     return action.kind == "B" and part(stage, action.virtual_stage, stages) == stages * virtual_stages - 1
 
 

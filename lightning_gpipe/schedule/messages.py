@@ -25,7 +25,8 @@ __all__ = [
 
 
 class SkipRoute(Protocol):
-    """A skip connection (:class:`lightning_gpipe.engine.skip.Route`): stashed on ``source``, popped on ``target``."""
+    """A skip connection (:class:`lightning_gpipe.engine.skip.Route`): stashed on ``source``, popped
+    on ``target``."""
 
     @property
     def name(self) -> str: ...

@@ -97,8 +97,8 @@ def interleaved_1f1b(stages: int, chunks: int, virtual_stages: int = 1) -> Grid:
     check_count("virtual_stages", virtual_stages)
     if virtual_stages > 1 and stages == 1:
         raise ValueError(
-            f"virtual stages need two or more pipeline stages (stages: {stages}, virtual_stages: {virtual_stages}); "
-            "use virtual_stages=1 or more stages"
+            f"virtual stages need two or more pipeline stages (stages: {stages}, virtual_stages: "
+            f"{virtual_stages}); use virtual_stages=1 or more stages"
         )
     if virtual_stages == 1:
         return one_f_one_b(stages, chunks)

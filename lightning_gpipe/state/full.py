@@ -1,4 +1,5 @@
-"""Full checkpoints: the whole Sequential's state and one merged optimizer state, gathered from every stage."""
+"""Full checkpoints: the whole Sequential's state and one merged optimizer state, gathered from
+every stage."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def check_format(checkpoint_format: str) -> str:
 
 
 def broadcast_from_first_replica(stage: nn.Module, layout: Layout, rank: int, group: Any) -> None:
-    """Every copy of a stage takes replica 0's parameters and buffers (as DDP does); ``group``: the stage's replicas."""
+    """Every copy of a stage takes replica 0's parameters and buffers (as DDP does); ``group``: the
+    stage's replicas."""
     if layout.replicas == 1:
         return
     src = layout.rank(0, layout.stage_of(rank))
@@ -92,7 +94,8 @@ def gather_sequential_state(
 def user_state_dict(
     module: nn.Module, stage: nn.Module, seq_name: str, layout: Layout, rank: int, tied: Sequence[Tied] = ()
 ) -> dict[str, Any]:
-    """The user's full ``state_dict`` (original parameter names) on rank 0; ``{}`` elsewhere. All ranks call it."""
+    """The user's full ``state_dict`` (original parameter names) on rank 0; ``{}`` elsewhere. All
+    ranks call it."""
     full = gather_sequential_state(stage, layout, rank, to_all=False, tied=tied)
     if rank != 0:
         return {}
@@ -116,7 +119,8 @@ def module_state_dict(
     (``tied``, :func:`user_state_dict`); the module's own without a stage.
 
     Raises:
-        RuntimeError: without a stage, the module holds meta tensors (built on the meta device, one stage per rank).
+        RuntimeError: without a stage, the module holds meta tensors (built on the meta device, one
+            stage per rank).
     """
     if stage is None and has_meta(module):
         raise RuntimeError(
@@ -151,9 +155,10 @@ def merged_optimizer_state(
     Args:
         order: every parameter name of the whole model in model order (groups and parameters are
             merged in it).
-        tied_aliases: this stage's names of tied parameters (:func:`lightning_gpipe.partition.tied.canonical_name`,
-            with the model's prefix); a copy the stage does not own (a name mapped to its owner's)
-            is left out, so the parameter appears once, where the plain module lists it.
+        tied_aliases: this stage's names of tied parameters
+            (:func:`lightning_gpipe.partition.tied.canonical_name`, with the model's prefix); a copy
+            the stage does not own (a name mapped to its owner's) is left out, so the parameter
+            appears once, where the plain module lists it.
     """
     copies = {k for k, v in (tied_aliases or {}).items() if v is not None}
     names = group_names(optimizer, _names_by_id(module), missing=PLACEHOLDER)

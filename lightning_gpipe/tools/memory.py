@@ -62,12 +62,12 @@ def peak_activation_memory(
       part, the activation gradients passed between layers, and each weight's gradient before
       it is added into ``.grad`` (a Linear(1024, 1024)'s is 4 MiB, whatever the micro-batch).
       Measured on a micro-batch of the run's size (it depends on it);
-    - ``output_bytes`` (``o``, bytes per sample): the last part's output, which the loss
-      receives; while the last part's backwards run, the loss's side is alive, ``2·o`` per
-      sample (the output's gradient and a loss buffer as large as the output, e.g.
-      ``F.mse_loss``'s element-wise one; the output itself is the part's, in ``a``): one micro-batch's (``2·o·N/M``) under schedules that run the loss
-      per micro-batch, the whole mini-batch's (``2·o·N``) under ``"gpipe"``, whose
-      ``training_step`` sees the joined output of all micro-batches.
+    - ``output_bytes`` (``o``, bytes per sample): the last part's output, which the loss receives;
+      while the last part's backwards run, the loss's side is alive, ``2·o`` per sample (the
+      output's gradient and a loss buffer as large as the output, e.g. ``F.mse_loss``'s element-wise
+      one; the output itself is the part's, in ``a``): one micro-batch's (``2·o·N/M``) under
+      schedules that run the loss per micro-batch, the whole mini-batch's (``2·o·N``) under
+      ``"gpipe"``, whose ``training_step`` sees the joined output of all micro-batches.
 
     So 1F1B's ``"never"`` peak on the last stage is ``(N/M)·a + w + 2·o·N/M``, and GPipe's
     ``N·a + w + 2·o·N``. Under the schedules that run the loss per micro-batch, the last call's

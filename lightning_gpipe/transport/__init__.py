@@ -1,4 +1,5 @@
-"""How tensors move between ranks: point-to-point messages, their header codec, process groups, the rank layout."""
+"""How tensors move between ranks: point-to-point messages, their header codec, process groups, the
+rank layout."""
 
 from lightning_gpipe.transport.layout import Layout
 from lightning_gpipe.transport.p2p import P2P

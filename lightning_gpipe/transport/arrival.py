@@ -79,8 +79,8 @@ def arrive(operation: str, timeout: float, ranks: list[int] | None = None) -> No
             raise
         note = (
             f"{operation} needs every rank, but rank(s) {missing} did not reach it within {timeout:g} s "
-            f"(rank {dist.get_rank()} did); call it on every rank (e.g. not only where trainer.is_global_zero), "
-            "or raise GPipeStrategy(collective_timeout=...) if they are only slow"
+            f"(rank {dist.get_rank()} did); call it on every rank (e.g. not only where "
+            "trainer.is_global_zero), or raise GPipeStrategy(collective_timeout=...) if they are only slow"
         )
         try:
             store.set(NOTE_KEY, note)
@@ -158,8 +158,8 @@ def watch_signals(grace: float, on_signal: Callable[[int], None] | None = None) 
             threading.Event().wait(grace)
             print(
                 f"[lightning_gpipe] rank {os.environ.get('RANK', os.environ.get('LOCAL_RANK', '0'))} got "
-                f"{signal.Signals(signum).name} and was still running {grace:g} s later (blocked in a receive "
-                "or a collective); exiting",
+                f"{signal.Signals(signum).name} and was still running {grace:g} s later (blocked in a "
+                "receive or a collective); exiting",
                 file=sys.stderr,
                 flush=True,
             )
@@ -171,7 +171,8 @@ def watch_signals(grace: float, on_signal: Callable[[int], None] | None = None) 
 
 
 class SigtermCheck:
-    """Lightning's per-step SIGTERM check with no wait: rank 0's flag of step ``k`` is acted on at step ``k + 1``.
+    """Lightning's per-step SIGTERM check with no wait: rank 0's flag of step ``k`` is acted on at
+    step ``k + 1``.
 
     Lightning starts every training step with a blocking broadcast of rank 0's
     ``trainer.received_sigterm`` to every rank (``_TrainingEpochLoop._broadcast_sigterm_tensor``),

@@ -2,10 +2,10 @@
 data-parallel groups, and their destruction when the process exits.
 
 Each rank holds three group handles (:class:`Groups`): its pipeline, its stage's data-parallel
-replicas, and the last stage's replicas; on Gloo also its pipeline's :class:`~lightning_gpipe.transport.p2p.Lanes`
-(one group per direction for the stages' messages). They are made once per default group and layout
-(:func:`new_groups`) and destroyed, with the default group, by an exit hook
-(:func:`close_at_exit`) while Python still runs. The world-wide collectives
+replicas, and the last stage's replicas; on Gloo also its pipeline's
+:class:`~lightning_gpipe.transport.p2p.Lanes` (one group per direction for the stages' messages).
+They are made once per default group and layout (:func:`new_groups`) and destroyed, with the default
+group, by an exit hook (:func:`close_at_exit`) while Python still runs. The world-wide collectives
 (:func:`barrier`, :func:`broadcast_object`, :func:`all_agree`) do nothing before
 ``torch.distributed`` is initialized, as Lightning's strategies do.
 """
@@ -106,7 +106,8 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 
 
 def from_last_stage(obj: Any, layout: Layout, rank: int, group: Any) -> Any:
-    """``obj`` of ``rank``'s pipeline's last stage, on every stage of the pipeline (``group``; tensors on CPU)."""
+    """``obj`` of ``rank``'s pipeline's last stage, on every stage of the pipeline (``group``;
+    tensors on CPU)."""
     if layout.stages == 1 or group is None or not distributed_is_initialized():
         return obj
     src = layout.rank(layout.replica_of(rank), layout.stages - 1)
@@ -115,7 +116,8 @@ def from_last_stage(obj: Any, layout: Layout, rank: int, group: Any) -> Any:
 
 
 def reduce(tensor: Any, group: Any, reduce_op: Any = "mean") -> Any:
-    """``tensor`` reduced over ``group`` (Lightning's ``_sync_ddp``); as it is without a group to reduce over."""
+    """``tensor`` reduced over ``group`` (Lightning's ``_sync_ddp``); as it is without a group to
+    reduce over."""
     if not isinstance(tensor, torch.Tensor) or not distributed_is_initialized():
         return tensor
     if group is None or dist.get_rank(group) < 0 or dist.get_world_size(group) == 1:

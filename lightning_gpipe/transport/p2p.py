@@ -83,13 +83,15 @@ _LANES: weakref.WeakSet[Lanes] = weakref.WeakSet()
 
 
 def close_lanes() -> None:
-    """Drop every :class:`Lanes`' groups (after the process groups are destroyed: at exit, after a failure)."""
+    """Drop every :class:`Lanes`' groups (after the process groups are destroyed: at exit, after a
+    failure)."""
     for lanes in list(_LANES):
         lanes.close()
 
 
 class P2P:
-    """Send and receive values between global ranks: each a header, then its tensors, with deferred send waits.
+    """Send and receive values between global ranks: each a header, then its tensors, with deferred
+    send waits.
 
     The send waiter's thread outlives a phase: it waits up to :data:`LINGER_S` seconds for the next
     send before it ends, so a step starts no thread (a thread's start costs the stage's thread a
@@ -118,7 +120,8 @@ class P2P:
         self, tensors: Sequence[Tensor], dst: int, *, structure: Structure | None = None, chunks: int = 0
     ) -> None:
         """Send ``tensors`` (the value ``structure`` describes; ``None``: a tuple of tensors) to
-        ``dst`` (:func:`~lightning_gpipe.transport.wire.encode_message`) asynchronously; waits happen in :meth:`flush`.
+        ``dst`` (:func:`~lightning_gpipe.transport.wire.encode_message`) asynchronously; waits
+        happen in :meth:`flush`.
 
         The sends are posted here, in the calling thread, so their first bytes leave at once; with
         background transport a thread then waits for them to complete and drops what they hold.

@@ -96,8 +96,8 @@ def _build_header(
         fields += [_CODE[torch.uint8], 0, 1, blob]
     if len(fields) > HEADER_SLOTS:
         raise ValueError(
-            f"a stage boundary carries {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dims in all, "
-            f"more than a {HEADER_SLOTS}-slot header can describe; pass fewer tensors between stages"
+            f"a stage boundary carries {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dims in "
+            f"all, more than a {HEADER_SLOTS}-slot header can describe; pass fewer tensors between stages"
         )
     header = torch.tensor(fields + [0] * (HEADER_SLOTS - len(fields)), dtype=torch.int64)
     return header if device.type == "cpu" else header.to(device)
@@ -183,7 +183,8 @@ def decode_message(meta: Meta, received: list[Tensor]) -> tuple[Meta, list[Tenso
 
 
 def encode_structure(structure: Structure) -> bytes:
-    """A :data:`~lightning_gpipe.engine.microbatch.TREE` structure as compact JSON: a restricted codec, no pickle.
+    """A :data:`~lightning_gpipe.engine.microbatch.TREE` structure as compact JSON: a restricted
+    codec, no pickle.
 
     Nodes are ``["t", ...]`` (tuple), ``["l", ...]`` (list), ``["d", [key, value], ...]`` (dict)
     and ``["o", ...]`` (OrderedDict); ``["T"]`` is a tensor's place; leaves and dict keys are
@@ -215,8 +216,9 @@ def _encode(node: Any, path: str) -> Any:
         for key in node:
             if type(key) not in CONSTANTS:
                 raise MicroBatchError(
-                    f"a value between stages has a dict key of type {type(key).__name__} at {path or 'its top'} "
-                    f"({key!r}); keys that travel between stages are str, int, float, bool or None"
+                    f"a value between stages has a dict key of type {type(key).__name__} at "
+                    f"{path or 'its top'} ({key!r}); keys that travel between stages are str, int, float, "
+                    "bool or None"
                 )
         items = ([k, _encode(v, f"{path}[{k!r}]")] for k, v in node.items())
         return ["d" if type(node) is dict else "o", *items]
