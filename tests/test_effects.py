@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.engine.effects import ForwardState, recomputing
+from lightning_gpipe.engine.recompute import ForwardState, recomputing
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.transport.layout import StageTopology
 from lightning_gpipe.transport.p2p import P2P

@@ -5,8 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.engine.outbox import taking_order
-from lightning_gpipe.engine.plan import ColumnPlan
+from lightning_gpipe.engine.plan import ColumnPlan, taking_order
 from lightning_gpipe.engine.skip import Route
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.schedule import (

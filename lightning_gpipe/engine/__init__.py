@@ -4,8 +4,8 @@ Nothing here imports Lightning; the strategy drives a :class:`PipelineStage` thr
 """
 
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
-from lightning_gpipe.engine.effects import recomputing
 from lightning_gpipe.engine.microbatch import no_chunk
+from lightning_gpipe.engine.recompute import recomputing
 from lightning_gpipe.engine.skip import Pop, Stash
 from lightning_gpipe.engine.stage import PipelineStage, StageDone
 

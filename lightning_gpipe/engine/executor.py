@@ -9,10 +9,10 @@ action receives and sends is planned once per step shape,
 are runnable, receives what each action names as it runs it, computes each micro-batch on the
 stage's own random stream (:mod:`lightning_gpipe.engine.rng`; recomputable:
 :mod:`lightning_gpipe.engine.recompute`, replaying the module state its forward saw:
-:mod:`lightning_gpipe.engine.effects`) and sends in the order each peer takes its messages (where
-the grid's stages take them in another order than sent,
+:class:`~lightning_gpipe.engine.recompute.ForwardState`) and sends in the order each peer takes
+its messages (where the grid's stages take them in another order than sent,
 :func:`~lightning_gpipe.schedule.in_send_order`, a send waits for its turn:
-:mod:`lightning_gpipe.engine.outbox`). The stage's module face (layers under the user's names, the
+:func:`~lightning_gpipe.engine.plan.release`). The stage's module face (layers under the user's names, the
 calls, the step's contracts) is :mod:`lightning_gpipe.engine.stage`.
 """
 
@@ -27,11 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.engine import backward_split as input_first
-from lightning_gpipe.engine import outbox, recompute
+from lightning_gpipe.engine import recompute
 from lightning_gpipe.engine.batchnorm import no_accumulate
-from lightning_gpipe.engine.effects import ForwardState
 from lightning_gpipe.engine.microbatch import flatten, scatter, unflatten
-from lightning_gpipe.engine.plan import ColumnPlan, StepRun
+from lightning_gpipe.engine.plan import ColumnPlan, StepRun, release
 from lightning_gpipe.engine.rng import StageGenerator
 from lightning_gpipe.engine.skip import MicroBatchStore, use_store
 from lightning_gpipe.errors import PipelineUsageError
@@ -249,7 +248,7 @@ class ColumnExecutor:
         # what this forward changes, it changes once (the recompute replays it); the layers, not the
         # stage: iterating the stage inside a step is refused
         layers = self._virtual_modules(u)
-        state = ForwardState.capture(layers)
+        state = recompute.ForwardState.capture(layers)
         run.states.append(state)
         return recompute.run(
             partial(self.local_forward, virtual_stage=u),
@@ -274,7 +273,7 @@ class ColumnExecutor:
             return
         key = (action.kind, action.i, action.virtual_stage, t.skip)
         item = (payload, options, action.i, action.virtual_stage)
-        for ready, ready_options, ready_i, ready_u in outbox.release(order, run.outbox[t.peer], key, item):
+        for ready, ready_options, ready_i, ready_u in release(order, run.outbox[t.peer], key, item):
             if ready is not None:
                 with self._span("send", ready_i, ready_u):
                     self.p2p.send(ready, self._rank(t.peer), chunks=run.chunks, **ready_options)
@@ -288,7 +287,7 @@ class ColumnExecutor:
 
     @contextmanager
     def _recompute_context(
-        self, i: int, u: int, state: ForwardState, layers: Sequence[nn.Module]
+        self, i: int, u: int, state: recompute.ForwardState, layers: Sequence[nn.Module]
     ) -> Iterator[None]:
         with self._span("recompute", i, u), state.replay(layers), no_accumulate():
             yield

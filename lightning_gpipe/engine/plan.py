@@ -8,6 +8,13 @@ peers take this stage's messages. :class:`StepRun` is created at the step's firs
 (:meth:`.ColumnExecutor._new_run`) and dropped when the column has run to its end or the step has no
 loss. On the last stage, :class:`Call` records each call of the Sequential, so that the gradients
 the user's loss leaves on the call's output leaves can be split per micro-batch.
+
+**Sends held until their turn** (:func:`release`), where a peer takes this stage's messages in
+another order than this stage's column sends them. That happens where :func:`~lightning_gpipe.schedule.in_send_order` is false: interleaved 1F1B
+with two stages and a micro-batch group of odd size, whose stages exchange activations and
+gradients in both directions. The transport delivers one peer's messages in the order sent, so
+the sender holds each message until those its peer takes before it have gone
+(:func:`~lightning_gpipe.schedule.send_order`).
 """
 
 from __future__ import annotations
@@ -19,14 +26,48 @@ from torch import Tensor
 
 from lightning_gpipe import schedule
 from lightning_gpipe.engine import backward_split as input_first
-from lightning_gpipe.engine import outbox
-from lightning_gpipe.engine.effects import ForwardState
 from lightning_gpipe.engine.microbatch import Structure
+from lightning_gpipe.engine.recompute import ForwardState
 from lightning_gpipe.schedule import Action, Grid, Transfer
 from lightning_gpipe.transport.layout import StageTopology
 from lightning_gpipe.transport.wire import Meta
 
-__all__ = ["Call", "ColumnPlan", "StepRun"]
+__all__ = ["Call", "ColumnPlan", "Key", "StepRun", "release", "taking_order"]
+
+Key = tuple[str, int, int, str | None]  # (kind, micro-batch, virtual stage here, skip) of a message sent
+
+
+def taking_order(grid: Grid, topology: StageTopology, virtual_stages: int) -> dict[int, list[Key]]:
+    """Per peer stage, the messages this stage sends it, in the order the peer takes them.
+
+    Empty where every stage takes each peer's messages in the order sent (then nothing waits).
+    """
+    if schedule.in_send_order(grid, topology.skips):
+        return {}
+    top, v, orders = topology, virtual_stages, {}
+    for peer in range(top.stages):
+        taken: list[Key] = [
+            (a.kind, a.i, t.virtual_stage, t.skip)
+            for a in schedule.stage_actions(grid, peer)
+            for t in schedule.receives(a, peer, top.stages, top.skips, v)
+            if t.peer == top.stage
+        ]
+        if taken:
+            orders[peer] = taken
+    return orders
+
+
+def release(order: list[Key], box: dict[Key, Any], key: Key, item: Any) -> list[Any]:
+    """Hold ``item`` (the message ``key``) in ``box``; return, in ``order``, the held items whose
+    turn has come.
+
+    ``order`` and ``box`` are consumed: what is returned leaves both.
+    """
+    box[key] = item
+    ready = []
+    while order and order[0] in box:
+        ready.append(box.pop(order.pop(0)))
+    return ready
 
 
 @dataclass(frozen=True)
@@ -41,7 +82,7 @@ class ColumnPlan:
         needs_loss: the backwards that need the user's loss (:func:`~lightning_gpipe.schedule.needs_loss`).
         order: per peer stage, the keys of the messages this stage sends it in the order the peer
             takes them, where that differs from the order sent
-            (:func:`lightning_gpipe.engine.outbox.taking_order`; empty when not training or where
+            (:func:`taking_order`; empty when not training or where
             every peer takes them as sent).
         input_first: the column's last backward that sends a gradient and has no ``W`` of its own,
             which sends it before it computes its weight gradients
@@ -55,7 +96,7 @@ class ColumnPlan:
     receives: dict[Action, tuple[Transfer, ...]]
     sends: dict[Action, tuple[Transfer, ...]]
     needs_loss: frozenset[Action]
-    order: dict[int, tuple[outbox.Key, ...]]
+    order: dict[int, tuple[Key, ...]]
     input_first: Action | None = None
     deferred: frozenset[tuple[int, int]] = frozenset()
 
@@ -64,7 +105,7 @@ class ColumnPlan:
         """The plan of ``topology.stage``'s column of ``grid``."""
         top, v = topology, virtual_stages
         column = [a for a in schedule.stage_actions(grid, top.stage) if train or a.kind == "F"]
-        order = outbox.taking_order(grid, top, v) if train and v > 1 else {}
+        order = taking_order(grid, top, v) if train and v > 1 else {}
         sends = {a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in column}
         deferred = frozenset((a.i, a.virtual_stage) for a in column if a.kind == "W")
         return cls(
@@ -129,7 +170,7 @@ class StepRun:
     leaf_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     # a grid whose stages take a peer's messages in another order than it sends them
     # (schedule.in_send_order false): per peer stage, the keys (kind, i, virtual stage here, skip)
-    # in the order the peer takes them (lightning_gpipe.engine.outbox); sends wait in outbox until their turn
+    # in the order the peer takes them (taking_order); sends wait in outbox until their turn (release)
     order: dict[int, list[tuple[str, int, int, str | None]]] = field(default_factory=dict)
     outbox: dict[int, dict[tuple[str, int, int, str | None], Any]] = field(default_factory=dict)
 

@@ -37,9 +37,10 @@ In order, within a step:
   forward and the backward phase; one call per micro-batch: after every action.
 
 Every receive and send is one that :func:`~lightning_gpipe.schedule.receives` and
-:func:`~lightning_gpipe.schedule.sends` name for the action, received when the action runs. Which
-micro-batches recompute their forward is :mod:`lightning_gpipe.engine.recompute`'s rule; the recompute
-runs on the module state its forward saw and changes nothing (:mod:`lightning_gpipe.engine.effects`).
+:func:`~lightning_gpipe.schedule.sends` name for the action, received when the action runs.
+Which micro-batches recompute their forward is :mod:`lightning_gpipe.engine.recompute`'s rule;
+the recompute runs on the module state its forward saw and changes nothing
+(:class:`~lightning_gpipe.engine.recompute.ForwardState`).
 
 Virtual stages (``schedule="interleaved_1f1b"``, :func:`~lightning_gpipe.schedule.interleaved_1f1b`):
 the stage holds parts ``j, j+K, …`` of the Sequential (:attr:`PipelineStage.virtual_layers`), an
