@@ -12,9 +12,9 @@ the user's loss leaves on the call's output leaves can be split per micro-batch.
 **Sends held until their turn** (:func:`release`), where a peer takes this stage's messages in
 another order than this stage's column sends them. That happens where
 :func:`~lightning_gpipe.schedule.in_send_order` is false: interleaved 1F1B with two stages and a
-micro-batch group of odd size, whose stages exchange activations and gradients in both directions. The transport delivers one peer's messages in the order sent, so
-the sender holds each message until those its peer takes before it have gone
-(:func:`~lightning_gpipe.schedule.send_order`).
+micro-batch group of odd size, whose stages exchange activations and gradients in both directions.
+The transport delivers one peer's messages in the order sent, so the sender holds each message
+until those its peer takes before it have gone (:func:`~lightning_gpipe.schedule.send_order`).
 """
 
 from __future__ import annotations
