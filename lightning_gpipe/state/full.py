@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_gpipe._compat import distributed_is_initialized, optimizer_to_device
+from lightning_gpipe._lightning import distributed_is_initialized, optimizer_to_device
 from lightning_gpipe.partition.cut import PLACEHOLDER
 from lightning_gpipe.partition.tied import Tied, alias_tied_state
 from lightning_gpipe.state.materialize import has_meta

@@ -28,7 +28,8 @@ import torch
 from pytorch_lightning.utilities.migration import pl_legacy_patch
 from torch import Tensor
 
-from lightning_gpipe._compat import checkpoint_offset, load_module_state, migrate_checkpoint
+from lightning_gpipe._compat import checkpoint_offset
+from lightning_gpipe._lightning import load_module_state, migrate_checkpoint
 from lightning_gpipe.errors import UnsafeCheckpointError
 from lightning_gpipe.state.optimizer import NAMES_KEY, CheckpointError
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe import _compat
+from lightning_gpipe import _lightning
 from lightning_gpipe._compat import children
 from lightning_gpipe.partition.cut import cut
 from lightning_gpipe.state.loading import CHECKPOINT_SOURCE, LazyCheckpoint, copy_into
@@ -60,7 +60,7 @@ def tensor_init_context(
     default (``default``, the strategy's inherited ``tensor_init_context``): on this rank's device.
     The precision plugin's dtype applies either way.
     """
-    meta = empty_init is True or (empty_init is None and _compat.distributed_is_initialized())
+    meta = empty_init is True or (empty_init is None and _lightning.distributed_is_initialized())
     if not meta:
         with default(empty_init=empty_init):
             yield

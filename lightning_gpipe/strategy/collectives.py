@@ -17,7 +17,7 @@ from lightning_fabric.utilities.types import ReduceOp
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gpipe.strategy import metrics
+from lightning_gpipe.strategy import metrics, process_group
 from lightning_gpipe.transport import groups
 from lightning_gpipe.transport.arrival import arrive
 from lightning_gpipe.transport.layout import Layout
@@ -62,7 +62,7 @@ class Collectives(_Base):
     ) -> Tensor:
         """Reduce over the last stage's data-parallel replicas (where losses and metrics live)."""
         last_stage_data = self._groups.last_stage_data if self._groups is not None else None
-        return groups.reduce(tensor, group if group is not None else last_stage_data, reduce_op)
+        return process_group.reduce(tensor, group if group is not None else last_stage_data, reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name

@@ -23,8 +23,8 @@ from lightning_fabric.plugins.environments.lightning import find_free_network_po
 from pytorch_lightning.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
-from lightning_gpipe import _compat
-from lightning_gpipe._compat import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_gpipe import _lightning
+from lightning_gpipe._lightning import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, lightning_class, specialize
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning launcher it becomes
@@ -244,14 +244,14 @@ def new_launcher(strategy: Any) -> GPipeLauncher | GPipeForkLauncher:
         ValueError: ``Trainer(sync_batchnorm=True)``.
         RuntimeError: ``start_method="popen"`` with several processes in an interactive session.
     """
-    if _compat.layer_sync(strategy) is not None:
+    if _lightning.layer_sync(strategy) is not None:
         raise ValueError(
             "Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (each stage holds different "
             "layers); use GPipeStrategy(deferred_batch_norm=True) for full-batch running statistics"
         )
     if strategy.start_method == "fork":
         return specialize(GPipeForkLauncher, strategy.namespace)(strategy, check=strategy.check_model)
-    if _compat.IS_INTERACTIVE and strategy.num_processes * strategy.num_nodes > 1:
+    if _lightning.IS_INTERACTIVE and strategy.num_processes * strategy.num_nodes > 1:
         raise RuntimeError(
             "Trainer(strategy='gpipe') starts the other ranks by re-running the script, which an interactive "
             "session (Jupyter, python -i) does not have; use Trainer(strategy='gpipe_notebook') (forked ranks), "

@@ -49,7 +49,7 @@ import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_gpipe import _compat
+from lightning_gpipe import _lightning
 from lightning_gpipe.engine.microbatch import batch_dim, is_split, sizes
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError, StageDone
 
@@ -144,7 +144,7 @@ class MicroSteps:
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
         micro, parts = split_batch(batch, chunks)
         total = sum(parts)
-        trainer = _compat.attached_trainer(module)
+        trainer = _lightning.attached_trainer(module)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         scaler = getattr(precision_plugin, "scaler", None)
         params = list(module.parameters())

@@ -24,7 +24,7 @@ import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_gpipe import _compat, state
+from lightning_gpipe import _lightning, state
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
 from lightning_gpipe.partition import cut as partition
 from lightning_gpipe.partition import tied
@@ -280,5 +280,5 @@ def partition_model(strategy: Any) -> None:
 
 def unpartition_model(strategy: Any) -> None:
     """Put the user's full Sequential back, loaded with every stage's trained state."""
-    gather = not strategy._failed and _compat.distributed_is_initialized()
+    gather = not strategy._failed and _lightning.distributed_is_initialized()
     strategy._pipelined.uninstall(strategy.layout, strategy.global_rank, strategy._arrive, gather=gather)

@@ -18,7 +18,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import Precision
 
-from lightning_gpipe import _compat
+from lightning_gpipe import _lightning
 from lightning_gpipe.engine.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.engine.stage import PipelineStage, StageDone
 from lightning_gpipe.strategy.gradients import synchronize_gradients
@@ -83,14 +83,14 @@ class StepDriver:
         if not stage.ran_forward:
             self.pipelined.refuse_uncalled(out)
             return out
-        return stage.share_outcome(out, _compat.attached_trainer(module), training=True)
+        return stage.share_outcome(out, _lightning.attached_trainer(module), training=True)
 
     def eval_step(self, hook: Any, module: pl.LightningModule, *args: Any, **kwargs: Any) -> Any:
         """Lightning's ``validation_step``/``test_step`` hook over the stage, then the step outcome."""
         out = _none_if_done(self.stage.run_step(hook, False, *args, **kwargs))
         if not self.stage.ran_forward:
             return out
-        return self.stage.share_outcome(out, _compat.attached_trainer(module), training=False)
+        return self.stage.share_outcome(out, _lightning.attached_trainer(module), training=False)
 
     def predict_step(
         self,
@@ -108,7 +108,7 @@ class StepDriver:
         prediction is written once per replica. With ``return_predictions=False`` nothing is sent.
         """
         out = _none_if_done(self.stage.run_step(hook, False, *args, **kwargs))
-        if _compat.attached_trainer(module) is None or not module.trainer.predict_loop.return_predictions:
+        if _lightning.attached_trainer(module) is None or not module.trainer.predict_loop.return_predictions:
             return out
         return from_last_stage(out)
 
@@ -132,9 +132,9 @@ class StepDriver:
 
 def accumulating(module: pl.LightningModule | None) -> bool:
     """Whether this backward is followed by another before the optimizer step (gradient accumulation)."""
-    if module is None or not module.automatic_optimization or _compat.attached_trainer(module) is None:
+    if module is None or not module.automatic_optimization or _lightning.attached_trainer(module) is None:
         return False
-    return _compat.should_accumulate(module.trainer)
+    return _lightning.should_accumulate(module.trainer)
 
 
 def _none_if_done(out: Any) -> Any:

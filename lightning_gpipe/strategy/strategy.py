@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe import _compat, state
+from lightning_gpipe import _lightning, state
 from lightning_gpipe.engine.recompute import check_mode
 from lightning_gpipe.engine.rng import share_rng_state
 from lightning_gpipe.errors import check_count
@@ -46,7 +46,7 @@ from lightning_gpipe.schedule import check_schedule, check_virtual_stages
 from lightning_gpipe.state import loading
 from lightning_gpipe.state.loading import UnsafeCheckpointError
 from lightning_gpipe.state.materialize import tensor_init_context
-from lightning_gpipe.strategy import metrics, microstep, precision
+from lightning_gpipe.strategy import metrics, microstep, precision, process_group
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.strategy.balance_spec import check_balance_spec
 from lightning_gpipe.strategy.callbacks import adapt_callbacks, restore_callbacks
@@ -311,7 +311,7 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
         super().setup_environment()
         self.set_world_ranks()
         env, backend, device = self.cluster_environment, self.process_group_backend, self.root_device
-        self.process_group_backend = groups.connect(env, backend, self._timeout, device)
+        self.process_group_backend = process_group.connect(env, backend, self._timeout, device)
         share_rng_state(self.global_rank)  # a shuffling DataLoader draws alike on every rank
         if self._groups is None:
             self._groups = groups.new_groups(self.layout, self.global_rank)
@@ -344,17 +344,17 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
         state.broadcast_from_first_replica(
             self._steps.stage, self.layout, self.global_rank, self._groups.data
         )
-        if _compat.distributed_is_initialized():
+        if _lightning.distributed_is_initialized():
             self._pipelined.tie(self.layout, self.global_rank)  # the tied copies start equal
         metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_optimizers(trainer)
-            self._sigterm = SigtermCheck(trainer, self.root_device, _compat.sigterm_exception(trainer))
-            _compat.set_sigterm_check(trainer, self._sigterm)
+            self._sigterm = SigtermCheck(trainer, self.root_device, _lightning.sigterm_exception(trainer))
+            _lightning.set_sigterm_check(trainer, self._sigterm)
         self.setup_precision_plugin()
         precision.install(self.precision_plugin, self._clip_grad_by_norm)
         if trainer.state.fn == TrainerFn.FITTING:
-            _compat.optimizers_to_device(self.optimizers, self.root_device)
+            _lightning.optimizers_to_device(self.optimizers, self.root_device)
         self._metric_sharing = metrics.install_metric_sharing(trainer, self.share_last_stage_metrics)
         piped, replicas, last = self._pipelined, self.layout.replicas, self.is_last_stage
         adapt_callbacks(
@@ -437,7 +437,7 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
     @override
     def on_train_end(self) -> None:
         """With ``timeline=True``: log ``pipeline/bubble`` and write the trace and the Gantt chart (rank 0)."""
-        if self._timeline is not None and _compat.distributed_is_initialized():
+        if self._timeline is not None and _lightning.distributed_is_initialized():
             trainer = self._module.trainer
             loggers = trainer.loggers if self.is_global_zero else ()
             self.timeline_records = publish(self._timeline, self.timeline_dir or trainer.log_dir, loggers)
@@ -446,7 +446,7 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
     def on_exception(self, exception: BaseException) -> None:
         """End every rank promptly, the original error first (:mod:`lightning_gpipe.transport.failure`)."""
         self._failed = True
-        if _compat.distributed_is_initialized():
+        if _lightning.distributed_is_initialized():
             report_and_abort(exception, f"stage {self.stage_index} (rank {self.global_rank})")
 
     def release_groups(self) -> None:
@@ -457,9 +457,9 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
     @override
     def teardown(self) -> None:
         module = self.lightning_module
-        if module is not None and _compat.attached_trainer(module) is not None:
+        if module is not None and _lightning.attached_trainer(module) is not None:
             restore_callbacks(module.trainer)
-            _compat.set_sigterm_check(module.trainer, None)
+            _lightning.set_sigterm_check(module.trainer, None)
         if self._sigterm is not None and not self._failed:
             self._sigterm.close(self.collective_timeout)
         self._sigterm = None
@@ -476,7 +476,7 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _compat.StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
         if "gpipe" not in strategy_registry:
             strategy_registry.register(
                 "gpipe", cls, description="GPipe pipeline parallelism (lightning_gpipe)"
