@@ -55,16 +55,12 @@ from lightning_gpipe.strategy.collectives import Collectives
 from lightning_gpipe.strategy.gradients import clip_optimizer_gradients
 from lightning_gpipe.strategy.launcher import check_start_method, new_launcher
 from lightning_gpipe.strategy.pipelined import Pipelined, check_model, partition_model, unpartition_model
+from lightning_gpipe.strategy.signals import SIGNAL_GRACE_S, SigtermCheck, watch_signals
 from lightning_gpipe.strategy.steps import StepDriver
 from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.tools.trace import publish
 from lightning_gpipe.transport import groups
-from lightning_gpipe.transport.arrival import (
-    SIGNAL_GRACE_S,
-    SigtermCheck,
-    check_collective_timeout,
-    watch_signals,
-)
+from lightning_gpipe.transport.arrival import check_collective_timeout
 from lightning_gpipe.transport.failure import report_and_abort
 from lightning_gpipe.transport.layout import Layout, check_pipeline_parallel_size
 
