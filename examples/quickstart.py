@@ -1,6 +1,6 @@
 """Quick start: a LightningModule trained with GPipe over 2 pipeline stages on CPU.
 
-    python examples/quickstart.py
+Run it with `python examples/quickstart.py`.
 """
 
 import pytorch_lightning as pl

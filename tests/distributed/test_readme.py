@@ -18,7 +18,9 @@ def readme_python_blocks() -> list[str]:
 def test_readme_shows_the_quickstart_file_byte_for_byte():
     blocks = readme_python_blocks()
     assert len(blocks) == 1, f"the README holds {len(blocks)} python blocks; it shows one, {QUICKSTART}"
-    assert blocks[0].encode() == (ROOT / QUICKSTART).read_bytes(), f"the README's block differs from {QUICKSTART}"
+    assert blocks[0].encode() == (ROOT / QUICKSTART).read_bytes(), (
+        f"the README's block differs from {QUICKSTART}"
+    )
 
 
 @pytest.mark.timeout(180)
