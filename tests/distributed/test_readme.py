@@ -25,7 +25,7 @@ def test_readme_shows_the_quickstart_file_byte_for_byte():
 
 @pytest.mark.timeout(180)
 def test_quickstart_trains_over_two_stages_and_prints_the_loss():
-    """``python examples/quickstart.py``: 80 steps over 2 stages; rank 0 prints the loss before and after fit."""
+    """``python examples/quickstart.py``: 80 steps over 2 stages; rank 0 prints the loss before and after."""
     out = check(run_script(QUICKSTART, timeout=150))
     lines = LOSS_LINE.findall(out)
     assert len(lines) == 1, f"expected one loss line, from rank 0 only:\n{out[-4000:]}"
