@@ -80,13 +80,13 @@ import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from benchmarks.launch import JobTimeout, job_env, run_job
 from benchmarks.memory import TensorMemoryMeter
 from benchmarks.workloads import build_model, loss_fn, make_batches
 from lightning_gpipe.balance import balance_by_parameters, balance_by_time, profile_layers
 from lightning_gpipe.engine.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.partition.cut import check_balance, stage_bounds, uniform_balance
 from lightning_gpipe.schedule import ideal_bubble
+from lightning_gpipe.tools.launch import JobTimeout, job_env, run_job
 from lightning_gpipe.tools.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -173,7 +173,7 @@ def _peak_rss_bytes() -> int:
 def run_trial(spec: dict[str, Any], work: Path, timeout: float) -> list[dict[str, Any]] | None:
     """One job in fresh processes (``stages`` of them, 1 for Naive-1); every rank's record, or None
     if it failed."""
-    from benchmarks.launch import JobTimeout, job_env, run_job
+    from lightning_gpipe.tools.launch import JobTimeout, job_env, run_job
 
     work.mkdir(parents=True, exist_ok=True)
     for old in work.glob("rank*.json"):

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
-from benchmarks.launch import run_job, run_processes
+from lightning_gpipe.tools.launch import run_job, run_processes
 from tests._harness import ROOT, _env
 
 TRAIN = str(ROOT / "recipes" / "train.py")

@@ -1,4 +1,4 @@
-"""Start multi-process jobs under a hard timeout; used by the benchmarks and by the tests.
+"""Start multi-process jobs under a hard timeout: a job of ranks, each in a process group of its own.
 
 A job is one command started once (Lightning's launcher starts the other ranks itself) or once
 per rank with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set, as ``torchrun`` does. Every started
@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_fabric.plugins.environments.lightning import find_free_network_port
-
-__all__ = ["JobTimeout", "job_env", "run_job", "run_processes"]
+__all__ = ["JobTimeout", "free_port", "job_env", "run_job", "run_processes"]
 
 # What a launcher sets for its ranks; removed from the job's environment so that a job started from
 # inside another job (a test under torchrun, a benchmark in a Lightning process) starts afresh.
@@ -38,18 +37,24 @@ class JobTimeout(RuntimeError):
     """A job ran past its timeout and was killed; the message holds every process's output."""
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no process listens on now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def job_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a fresh job on this machine.
 
-    ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (Lightning's
-    ``find_free_network_port``), ``OMP_NUM_THREADS=threads``, unbuffered output, Lightning's
+    ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (:func:`free_port`), ``OMP_NUM_THREADS=threads``, unbuffered output, Lightning's
     fork-based launching off (``PL_DISABLE_FORK=1``), no rank variables of an enclosing job
     (:data:`RANK_KEYS`), then ``extra``.
     """
     env = dict(os.environ)
     env.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(find_free_network_port()),
+        MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS=str(threads),
         PYTHONUNBUFFERED="1",
         PL_DISABLE_FORK="1",
