@@ -1,4 +1,5 @@
-"""Point-to-point transport: messages received on demand and in order, lanes, the send waiter, errors handed on."""
+"""Point-to-point transport: messages received on demand and in order, lanes, the send waiter,
+errors handed on."""
 
 import json
 import threading
@@ -214,8 +215,9 @@ def test_a_failed_post_is_raised_by_the_send_and_flush_still_waits_for_the_earli
 
 
 def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch):
-    """Encoded and posted in the stage's thread: under a per-micro-batch schedule the stage may not flush before its peer waits for the message,
-    so an error held until then would leave the peer waiting for the process group's timeout."""
+    """Encoded and posted in the stage's thread: under a per-micro-batch schedule the stage may not
+    flush before its peer waits for the message, so an error held until then would leave the peer
+    waiting for the process group's timeout."""
     p2p, posted = P2P(torch.device("cpu")), []
     monkeypatch.setattr(comm.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(comm, "_post", lambda t, dst, group, tag=0: posted.append(t.clone()) or _done())

@@ -1,4 +1,5 @@
-"""The outbox (:func:`lightning_gpipe.engine.plan.release`): which sends wait, and that they leave in the taker's order."""
+"""The outbox (:func:`lightning_gpipe.engine.plan.release`): which sends wait, and that they leave
+in the taker's order."""
 
 from lightning_gpipe.engine.plan import release, taking_order
 from lightning_gpipe.schedule import fill_drain, interleaved_1f1b, sends, stage_actions

@@ -31,7 +31,8 @@ out, mode = Path(sys.argv[1]), sys.argv[2]
 
 
 def record_error(receive) -> None:
-    """Write the error ``receive()`` raised (``None``: none) and the seconds it took to OUT/error.json, then exit."""
+    """Write the error ``receive()`` raised (``None``: none) and the seconds it took to
+    OUT/error.json, then exit."""
     start = time.monotonic()
     try:
         receive()
