@@ -18,7 +18,16 @@ import torch
 
 from lightning_gpipe.transport.wire import decode_header, decode_message, encode_message
 
-__all__ = ["BlockingNetwork", "FakeNetwork", "FakeP2P", "Recorder", "ThreadP2P", "in_threads"]
+__all__ = [
+    "BlockingNetwork",
+    "FakeNetwork",
+    "FakeP2P",
+    "Recorder",
+    "ThreadP2P",
+    "TurnNetwork",
+    "TurnP2P",
+    "in_threads",
+]
 
 
 def _round_trip(tensors, structure, chunks, device):
@@ -91,6 +100,28 @@ class ThreadP2P(FakeP2P):
         return self.network.queue(src, self.rank).get(timeout=20)
 
 
+class TurnP2P(ThreadP2P):
+    """:class:`ThreadP2P` whose stages take turns: a stage's thread holds ``network.turn`` (a lock)
+    while it runs and lets go of it only while a receive waits, so no two stages compute at once
+    (what a stage's layers draw from the process's generators stays the stage's)."""
+
+    def recv(self, src):
+        self.received[src] += 1
+        self.network.turn.release()
+        try:
+            return self.network.queue(src, self.rank).get(timeout=20)
+        finally:
+            self.network.turn.acquire()
+
+
+class TurnNetwork(BlockingNetwork):
+    """A :class:`BlockingNetwork` with the lock its stages take turns at (:class:`TurnP2P`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turn = threading.Lock()
+
+
 class Recorder:
     """Stands in for the timeline: keeps the forward and backward spans (with their virtual stage),
     in order, and (given the stage) the most micro-batches whose outputs the stage held at once."""
@@ -108,14 +139,21 @@ class Recorder:
             self.peak_held = max(self.peak_held, sum(1 for out in run.outputs.values() if out))
 
 
-def in_threads(stages, body, timeout: float = 60) -> None:
+def in_threads(stages, body, timeout: float = 60, turn: threading.Lock | None = None) -> None:
     """``body(stage)`` for every stage, each in its own thread (as processes would); errors re-raised
-    (the first one), and a stage that never finishes is an error."""
+    (the first one), and a stage that never finishes is an error. With ``turn`` (a
+    :class:`TurnNetwork`'s), each thread holds it while it runs (:class:`TurnP2P`)."""
     errors, finished = [], []
 
     def run(stage):
         try:
-            body(stage)
+            if turn is not None:
+                turn.acquire()
+            try:
+                body(stage)
+            finally:
+                if turn is not None:
+                    turn.release()
             finished.append(stage)
         except BaseException as err:  # noqa: BLE001 - reported by the caller
             errors.append(err)
