@@ -214,7 +214,7 @@ def test_tuple_boundaries_with_long_ids_and_bool_mask(k, schedule, checkpoint):
 
 def _pytree_loss(out, y):
     """Uses the per-sample output and the replicated tables handed back; checks the constants."""
-    assert out["scale"] == 0.5 and out["note"] is None
+    assert out["scale"] == 0.5 and out["note"] is None and out["y"].shape == y.shape
     return F.mse_loss(out["y"], y) + 0.1 * out["rope"][0].square().mean()
 
 
@@ -326,6 +326,8 @@ def test_dropout_masks_equal_one_device_running_each_stage_on_the_micro_batches(
             _sgd(model)
         if model is seq:
             torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **TIGHT)
+            recomputed = losses
+    assert torch.equal(torch.stack(recomputed), torch.stack(losses)), "recompute changed a loss"
     for (name, p), q in zip(seq.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, **TIGHT, msg=name)
         assert torch.equal(p, dict(never.named_parameters())[name]), f"{name}: recompute changed the masks"
