@@ -102,14 +102,14 @@ def _reference_step(ref, batch, y, loss_fn):
     return loss.detach()
 
 
-def _assert_same_gradients(seq, ref, **tolerances):
+def _assert_same_gradients(seq, ref):
     ours, theirs = dict(seq.named_parameters()), dict(ref.named_parameters())
     assert ours.keys() == theirs.keys()
     for name, p in theirs.items():
         if p.grad is None:
             assert ours[name].grad is None, name
         else:
-            torch.testing.assert_close(ours[name].grad, p.grad, **(tolerances or TIGHT), msg=name)
+            torch.testing.assert_close(ours[name].grad, p.grad, **TIGHT, msg=name)
 
 
 def _sgd(*models):
@@ -121,21 +121,20 @@ def _sgd(*models):
                     p.grad = None
 
 
-def _check_steps(seq, stages, batches, loss_fn, schedule, chunks, turn=None, **tolerances):
+def _check_steps(seq, stages, batches, loss_fn, schedule, chunks):
     """Each of ``batches`` one step on the pipeline and on a deep copy of ``seq`` on one device (taken
     now): the loss on every stage and every gradient equal the copy's; then an SGD step on both."""
     ref = copy.deepcopy(seq)
     for batch, y in batches:
         expected = _reference_step(ref, batch, y, loss_fn)
         seq.zero_grad()
-        losses = _train_step(stages, batch, y, loss_fn, schedule, chunks, turn)
+        losses = _train_step(stages, batch, y, loss_fn, schedule, chunks)
         for loss in losses:
-            torch.testing.assert_close(loss.to(expected.dtype), expected, **(tolerances or TIGHT))
-        _assert_same_gradients(seq, ref, **tolerances)
+            torch.testing.assert_close(loss.to(expected.dtype), expected, **TIGHT)
+        _assert_same_gradients(seq, ref)
         _sgd(seq, ref)
     for (name, p), q in zip(seq.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, **(tolerances or TIGHT), msg=name)
-    return ref
+        torch.testing.assert_close(p, q, **TIGHT, msg=name)
 
 
 # -- the grid: K × M × checkpoint × schedule ------------------------------------------------------
@@ -158,7 +157,9 @@ def test_grid_matches_one_device(k, m, checkpoint, schedule):
     v = 2 if schedule == "interleaved_1f1b" else 1
     if schedule == "interleaved_1f1b" and k == 1:
         with pytest.raises(ValueError, match="virtual stages need two or more pipeline stages"):
-            check_virtual_stages(schedule, v, stages=k)
+            SCHEDULES[schedule](k, m, v)
+        with pytest.raises(ValueError, match="virtual stages need two or more pipeline stages"):
+            check_virtual_stages(schedule, v, stages=k)  # GPipeStrategy's check, before any process starts
         return
     torch.manual_seed(0)
     seq = _mlp()
@@ -206,10 +207,10 @@ def test_tuple_boundaries_with_long_ids_and_bool_mask(k, schedule, checkpoint):
     seq = build_layers("tuple")
     g = torch.Generator().manual_seed(1)
     batches = [_tuple_batch(g) for _ in range(2)]
+    embedding = seq[2].emb.weight.detach().clone()  # on the last stage: reached through the long ids
     stages = _stages(seq, k, 4, checkpoint, schedule)
     _check_steps(seq, stages, batches, F.mse_loss, schedule, 4)
-    assert all(p.grad is None for p in seq.parameters())  # the last SGD step cleared them
-    assert seq[1].emb.weight.abs().sum() > 0
+    assert not torch.equal(seq[2].emb.weight, embedding)
 
 
 def _pytree_loss(out, y):
