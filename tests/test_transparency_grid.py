@@ -30,7 +30,7 @@ from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import SCHEDULES, check_virtual_stages, stage_actions
 from lightning_gpipe.strategy.microstep import split_batch
 from lightning_gpipe.transport.layout import Layout
-from tests.fakes import BlockingNetwork, Recorder, ThreadP2P, TurnNetwork, TurnP2P, in_threads
+from tests.fakes import Recorder, TurnNetwork, TurnP2P, in_threads
 from tests.models import build_layers, pytree_input
 
 TIGHT = {"atol": 1e-6, "rtol": 1e-5}
@@ -44,20 +44,22 @@ def _mlp() -> nn.Sequential:
     )
 
 
-def _stages(seq, k, chunks, checkpoint, schedule, v=1, balance=None, network=None, p2p=ThreadP2P):
-    """The K stages of ``seq`` (cut into K·v parts), one per rank of ``Layout(K, K)``, over ``network``."""
+def _stages(seq, k, chunks, checkpoint, schedule, v=1, balance=None):
+    """The K stages of ``seq`` (cut into K·v parts), one per rank of ``Layout(K, K)``, over one
+    :class:`~tests.fakes.TurnNetwork`: the stages' threads take turns, so each stage's layers draw from
+    its own stream and the process's generators end as they were."""
     balance = balance or uniform_balance(len(seq), k * v)
-    network = network or BlockingNetwork()
+    network = TurnNetwork()
     stages = []
     for j in range(k):
         rank = Layout(k, k).rank(0, j)
         stage = build_stage(seq, balance, Layout(k, k), rank, chunks, checkpoint, CPU, SCHEDULES[schedule])
-        stage.p2p, stage.timeline = p2p(network, rank), Recorder(stage)
+        stage.p2p, stage.timeline = TurnP2P(network, rank), Recorder(stage)
         stages.append(stage)
     return stages
 
 
-def _train_step(stages, batch, y, loss_fn, schedule, chunks, turn=None):
+def _train_step(stages, batch, y, loss_fn, schedule, chunks):
     """One training step of ``stages`` (each in a thread) on ``(batch, y)``, as the strategy drives it.
 
     Returns the step's loss as each stage ends it with (the last stage's own; the others' from the
@@ -90,7 +92,7 @@ def _train_step(stages, batch, y, loss_fn, schedule, chunks, turn=None):
             shared = stage.share_outcome(sum(calls) if top.is_last else None, None, training=True)
         losses[top.stage] = shared.detach()
 
-    in_threads(stages, body, turn=turn)
+    in_threads(stages, body, turn=stages[0].p2p.network.turn)
     return [losses[j] for j in range(len(stages))]
 
 
@@ -153,7 +155,8 @@ GRID = list(
 def test_grid_matches_one_device(k, m, checkpoint, schedule):
     """Batch 10 (not divisible by 3, 4 or 8), two steps: the recorded actions are the schedule's
     columns, every stage's loss and every gradient equal one device's, and so do the parameters
-    after two SGD steps. Interleaved 1F1B runs 2 virtual stages and refuses one stage."""
+    after two SGD steps; the process's generator ends as it was. Interleaved 1F1B runs 2 virtual
+    stages and refuses one stage."""
     v = 2 if schedule == "interleaved_1f1b" else 1
     if schedule == "interleaved_1f1b" and k == 1:
         with pytest.raises(ValueError, match="virtual stages need two or more pipeline stages"):
@@ -165,7 +168,9 @@ def test_grid_matches_one_device(k, m, checkpoint, schedule):
     seq = _mlp()
     batches = [(torch.randn(10, 6), torch.randn(10, 3)) for _ in range(2)]
     stages = _stages(seq, k, m, checkpoint, schedule, v)
+    before = torch.get_rng_state()
     _check_steps(seq, stages, batches, F.mse_loss, schedule, m)
+    assert torch.equal(torch.get_rng_state(), before), "the stages' streams left the process's generator"
     grid = SCHEDULES[schedule](k, min(m, 10), v)
     for stage in stages:
         j = stage.topology.stage
@@ -316,14 +321,11 @@ def test_dropout_masks_equal_one_device_running_each_stage_on_the_micro_batches(
     never = copy.deepcopy(seq)
     for mode, model in ((checkpoint, seq), ("never", never)):
         torch.manual_seed(5)
-        network = TurnNetwork()
-        stages = _stages(
-            model, 2, chunks, mode, schedule, balance=DROPOUT_BALANCE, network=network, p2p=TurnP2P
-        )
+        stages = _stages(model, 2, chunks, mode, schedule, balance=DROPOUT_BALANCE)
         losses = []
         for x, y in batches:
             model.zero_grad()
-            losses.append(_train_step(stages, x, y, F.mse_loss, schedule, chunks, turn=network.turn)[-1])
+            losses.append(_train_step(stages, x, y, F.mse_loss, schedule, chunks)[-1])
             _sgd(model)
         if model is seq:
             torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **TIGHT)
