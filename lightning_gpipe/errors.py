@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 __all__ = [
+    "check_count",
     "CheckpointError",
     "CollectiveTimeout",
     "LayerProfilingError",
@@ -62,3 +63,18 @@ class LayerProfilingError(RuntimeError):
         self.name = name
         self.layer_class = type(layer).__name__
         super().__init__(f"profiling layer {index} ('{name}', {self.layer_class}) failed during {what}")
+
+
+def check_count(name: str, value: object) -> int:
+    """Return ``value`` if it is an integer >= 1: the one check of every count (stages, chunks,
+    virtual stages, layers, a batch size), with one message.
+
+    Raises:
+        TypeError: ``value`` is not an ``int`` (a ``bool`` included).
+        ValueError: ``value`` is below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer >= 1 ({name}: {value!r})")
+    if value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 ({name}: {value!r})")
+    return value

@@ -1,4 +1,4 @@
-"""Run multi-process jobs from tests, through the project's one harness (:mod:`benchmarks.launch`).
+"""Run multi-process jobs from tests, through the project's one harness (:mod:`lightning_gpipe.tools.launch`).
 
 Every job runs in its own process groups under a hard timeout; a job past it is killed whole and
 the test fails with the job's output.
@@ -10,13 +10,14 @@ import os
 import sys
 from pathlib import Path
 
-from benchmarks.launch import job_env, run_job
+from lightning_gpipe.tools.launch import job_env, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """:func:`benchmarks.launch.job_env` with the repository root on ``PYTHONPATH`` (workers import ``tests``)."""
+    """:func:`lightning_gpipe.tools.launch.job_env` with the repository root on ``PYTHONPATH``
+    (workers import ``tests``)."""
     env = job_env(threads=1)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
 
-from benchmarks.launch import run_job, run_processes
+from lightning_gpipe.tools.launch import run_job, run_processes
 from tests._harness import ROOT, _env
 
 TRAIN = str(ROOT / "recipes" / "train.py")
@@ -108,7 +108,8 @@ def test_torchrun_one_node_writes_one_directory_and_says_when_no_validation_ran(
     ]
 
 
-@pytest.mark.slow  # about 15 s; the one-node torchrun and Slurm tests cover the cluster path in the default suite
+# about 15 s; the one-node torchrun and Slurm tests cover the cluster path in the default suite
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_two_nodes_on_localhost_write_one_directory(tmp_path):
     """Two torchrun agents (--nnodes=2, c10d rendezvous), one rank each, trainer.num_nodes=2."""

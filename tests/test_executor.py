@@ -6,10 +6,8 @@ stage order. Sends never block, so this order completes any fill-drain step.
 """
 
 import json
-import queue
 import threading
-from collections import Counter, defaultdict, deque
-from contextlib import contextmanager
+from collections import Counter
 
 import pytest
 import torch
@@ -25,86 +23,22 @@ from lightning_gpipe.schedule import (
     SCHEDULES,
     fill_drain,
     format_grid,
-    messages,
     one_f_one_b,
+    receives,
     stage_actions,
     zb_h1,
 )
 from lightning_gpipe.transport.layout import Layout
-from lightning_gpipe.transport.wire import decode_header, decode_message, encode_message
 from tests._harness import check, run_ranks
+from tests.fakes import BlockingNetwork, FakeNetwork, FakeP2P, Recorder, ThreadP2P
 from tests.models import build_layers, pytree_input
 
 # -- the executor over a fake transport ----------------------------------------------------------
 
 
-class FakeNetwork:
-    """Queues between ranks; messages are encoded and decoded with the real header codec."""
-
-    def __init__(self) -> None:
-        self.queues: defaultdict[tuple[int, int], deque] = defaultdict(deque)
-
-
-class FakeP2P:
-    """The :class:`~lightning_gpipe.transport.p2p.P2P` interface over a :class:`FakeNetwork`, checking announcements.
-
-    Like the real transport, announcing from a rank whose earlier announcement is not all taken
-    is an error. ``announced`` and ``received`` count messages per source rank.
-    """
-
-    def __init__(self, network: FakeNetwork, rank: int) -> None:
-        self.network, self.rank, self.device = network, rank, torch.device("cpu")
-        self.left: Counter[int] = Counter()  # announced messages not yet taken, per source
-        self.announced: Counter[int] = Counter()
-        self.received: Counter[int] = Counter()
-        self.expects: list[tuple[int, int]] = []  # every announcement, in order
-
-    def send(self, tensors, dst, *, structure=None, chunks=0):
-        header, *payload = encode_message(tensors, structure, chunks, self.device)
-        message = decode_message(decode_header(header), [t.clone() for t in payload])
-        self.network.queues[(self.rank, dst)].append(message)
-
-    def expect(self, src, messages):
-        assert self.left[src] == 0, f"messages announced from rank {src} are still to be received"
-        self.left[src] = messages
-        self.announced[src] += messages
-        self.expects.append((src, messages))
-
-    def recv(self, src):
-        if self.left[src]:
-            self.left[src] -= 1
-        self.received[src] += 1
-        return self.network.queues[(src, self.rank)].popleft()
-
-    def flush(self):
-        pass
-
-    def settle(self):
-        pass
-
-    def phase(self):
-        """What this phase announced and received (counts reset); every announced message must be taken."""
-        assert not +self.left, f"announced but never received: {+self.left}"
-        done = (+self.announced, +self.received)
-        self.announced, self.received = Counter(), Counter()
-        return done
-
-
-class Recorder:
-    """Stands in for the timeline: keeps the forward and backward spans (with their virtual stage),
-    in order, and (given the stage) the most micro-batches whose outputs the stage held at once."""
-
-    def __init__(self, stage=None):
-        self.actions, self.stage, self.peak_held = [], stage, 0
-
-    @contextmanager
-    def span(self, kind, i, u=0):
-        if kind in ("forward", "backward"):  # as str(Action): F3, or F3v1 on virtual stage 1
-            self.actions.append(f"{kind[0].upper()}{i}" + (f"v{u}" if u else ""))
-        yield
-        run = self.stage._run if self.stage is not None else None
-        if run is not None:
-            self.peak_held = max(self.peak_held, sum(1 for out in run.outputs.values() if out))
+def _received(actions, stage, stages, skips=(), virtual_stages=1):
+    """The messages ``actions`` on ``stage`` receive, per peer stage, as :func:`receives` names them."""
+    return Counter(t.peer for a in actions for t in receives(a, stage, stages, skips, virtual_stages))
 
 
 def _step(
@@ -112,8 +46,8 @@ def _step(
 ):
     """One training step of ``seq`` cut by ``balance`` into stages over a fake network.
 
-    Returns the stages in stage order, the loss, and per stage ``(announced, received)`` per
-    source rank in its forward phase and in its backward phase.
+    Returns the stages in stage order, the loss, and per stage the messages received per source
+    rank in its forward phase and in its backward phase.
     """
     k, network = len(balance), FakeNetwork()
     stages = []
@@ -133,7 +67,7 @@ def _step(
     for stage in reversed(stages):  # the last stage sends the loss message before the others take it
         assert stage.share_outcome(loss if stage.topology.is_last else None, None, training=True) is not None
         if not stage.topology.is_last:
-            assert stage.p2p.phase() == (Counter(), Counter({stage.topology.ranks[-1]: 1}))  # unannounced
+            assert stage.p2p.phase() == Counter({stage.topology.ranks[-1]: 1})  # the outcome only
     loss.backward()
     for stage in reversed(stages):
         stage.backward()
@@ -143,7 +77,7 @@ def _step(
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_executor_runs_exactly_the_fill_drain_column_and_announces_every_message(k, m):
+def test_executor_runs_exactly_the_fill_drain_column_and_receives_its_messages(k, m):
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(8, 4), torch.randn(8, 4)
@@ -156,9 +90,8 @@ def test_executor_runs_exactly_the_fill_drain_column_and_announces_every_message
         )
         previous = Counter({top.prev_rank: m}) if top.prev_rank is not None else Counter()
         following = Counter({top.next_rank: m}) if top.next_rank is not None else Counter()
-        first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
-        assert forward[j] == (previous - first, previous)  # the first message comes before M is known
-        assert backward[j] == (following, following)
+        assert forward[j] == previous
+        assert backward[j] == following
 
 
 def _by_rank(topology, counts):
@@ -197,43 +130,9 @@ def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
         column = stage_actions(fill_drain(3, 3), j)
         assert stage.timeline.actions == [str(a) for a in column]
         f, b = column[:3], column[3:]
-        assert forward[j][1] == _by_rank(top, messages(f, j, 3, skips))
-        assert (
-            backward[j] == (_by_rank(top, messages(b, j, 3, skips)),) * 2
-        )  # every skip's gradient flows here
+        assert forward[j] == _by_rank(top, _received(f, j, 3, skips))
+        assert backward[j] == _by_rank(top, _received(b, j, 3, skips))  # every skip's gradient flows here
     assert stages[2].received_skips == [("b", 1)] * 3 and stages[1].received_skips == [("a", 0)] * 3
-
-
-class BlockingNetwork:
-    """Queues between ranks whose receives wait (stages run in threads, as processes would).
-
-    A queue is made under a lock: a ``defaultdict(queue.Queue)`` read by the sender and the
-    receiver at once can build two queues for one pair, and the receive then waits on the one
-    nobody sends to.
-    """
-
-    def __init__(self) -> None:
-        self._queues: dict[tuple[int, int], queue.Queue] = {}
-        self._lock = threading.Lock()
-
-    def queue(self, src: int, dst: int) -> queue.Queue:
-        with self._lock:
-            return self._queues.setdefault((src, dst), queue.Queue())
-
-
-class ThreadP2P(FakeP2P):
-    """:class:`FakeP2P` over a :class:`BlockingNetwork`: a receive waits up to 20 s for its message."""
-
-    def send(self, tensors, dst, *, structure=None, chunks=0):
-        header, *payload = encode_message(tensors, structure, chunks, self.device)
-        message = decode_message(decode_header(header), [t.clone() for t in payload])
-        self.network.queue(self.rank, dst).put(message)
-
-    def recv(self, src):
-        if self.left[src]:
-            self.left[src] -= 1
-        self.received[src] += 1
-        return self.network.queue(src, self.rank).get(timeout=20)
 
 
 def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", outcome=False):
@@ -242,7 +141,7 @@ def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", 
     The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
     the batch, right after its call, as :mod:`lightning_gpipe.strategy.microstep` does; with ``outcome``,
     the stages then share the step outcome as the strategy has them do. Returns the stages
-    and, per stage, ``(announced, received)`` per source rank over the step.
+    and, per stage, the messages received per source rank over the step.
     """
     k, network = len(balance), BlockingNetwork()
     parts = sizes(x.shape[0], chunks)
@@ -254,7 +153,6 @@ def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", 
             seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"), schedule=schedule
         )
         stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder(stage)
-        stage.outcome_follows = outcome
         stages.append(stage)
     counts, errors = {}, []
 
@@ -297,7 +195,7 @@ def _reference_grads(seq, x, y):
 @pytest.mark.parametrize("m", [1, 3, 4, 8])
 def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, m):
     """Batch 10 (not divisible by 3, 4 or 8): the recorded actions are one_f_one_b's columns, every
-    announced message is received, and the gradients equal the unpartitioned model's."""
+    message received is one the column names, and the gradients equal the unpartitioned model's."""
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(10, 4), torch.randn(10, 4)
@@ -309,21 +207,17 @@ def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, 
         top, j = stage.topology, stage.topology.stage
         column = stage_actions(grid, j)
         assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
-        assert counts[j][1] == _by_rank(top, messages(column, j, k, top.skips))
+        assert counts[j] == _by_rank(top, _received(column, j, k, top.skips))
         assert stage.timeline.peak_held == min(k - j, m), f"stage {j} held too many micro-batches"
-        assert counts[j][0] == counts[j][1] - (
-            Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
-        )
     for p, g in zip(seq.parameters(), expected):
         assert torch.allclose(p.grad, g, atol=1e-6)
 
 
 @pytest.mark.parametrize("k", [2, 3])
-def test_the_step_outcome_is_announced_with_the_stretch_that_ends_the_calls_one_call_per_step(k):
-    """Fill-drain, one call per step: a non-last stage announces the last stage's step outcome
-    (:mod:`lightning_gpipe.engine.outcome`) with its forward stretch, so that the transport takes it in
-    the background while the last stage still computes; it is the one message taken before the
-    backward stretch, and nothing is announced that is not received."""
+def test_the_step_outcome_is_the_one_message_taken_between_the_phases_one_call_per_step(k):
+    """Fill-drain, one call per step: a non-last stage's forward phase takes only the previous stage's
+    activations; sharing the outcome takes exactly one message, from the last stage; its backward
+    phase takes only the next stage's gradients."""
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(8, 4), torch.randn(8, 4)
@@ -331,55 +225,40 @@ def test_the_step_outcome_is_announced_with_the_stretch_that_ends_the_calls_one_
     for j in range(k):
         rank = Layout(k, k).rank(0, j)
         stage = build_stage(seq, uniform_balance(3, k), Layout(k, k), rank, 4, "never", torch.device("cpu"))
-        stage.p2p, stage.timeline, stage.outcome_follows = FakeP2P(network, rank), Recorder(), True
+        stage.p2p, stage.timeline = FakeP2P(network, rank), Recorder()
         stages.append(stage)
     out = [stage.run_step(stage, True, x) for stage in stages][-1]
+    for stage in stages:
+        top = stage.topology
+        assert stage.p2p.phase() == (Counter({top.prev_rank: 4}) if top.prev_rank is not None else Counter())
     last = stages[-1].topology.ranks[-1]
-    for stage in stages[:-1]:
-        assert +stage.p2p.left == Counter({last: 1}), "the outcome is announced with the forward stretch"
     loss = nn.functional.mse_loss(out, y)
     for stage in reversed(stages):
         assert stage.share_outcome(loss if stage.topology.is_last else None, None, training=True) is not None
-    for stage in stages[:-1]:
-        assert not +stage.p2p.left and stage.p2p.received[last] == 1
+    for stage in stages:
+        assert stage.p2p.phase() == (Counter() if stage.topology.is_last else Counter({last: 1}))
     loss.backward()
     for stage in reversed(stages):
         stage.backward()
-        stage.p2p.phase()  # every announced message was received
+        top = stage.topology
+        assert stage.p2p.phase() == (Counter({top.next_rank: 4}) if top.next_rank is not None else Counter())
 
 
 @pytest.mark.parametrize("schedule", [one_f_one_b, fill_drain])
 @pytest.mark.parametrize("k", [2, 3])
-def test_the_step_outcome_is_announced_with_the_last_stretch_one_call_per_micro_batch(schedule, k):
-    """One call per micro-batch: the outcome follows the whole column (the last call's backwards),
-    so a non-last stage announces it with its last stretch, after the last stage's gradients."""
+def test_the_step_outcome_is_received_after_the_column_one_call_per_micro_batch(schedule, k):
+    """One call per micro-batch: the outcome follows the whole column (the last call's backwards):
+    a non-last stage receives its column's messages and one more, from the last stage."""
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(10, 4), torch.randn(10, 4)
     stages, counts = _micro_step(seq, uniform_balance(3, k), 4, x, y, schedule, "never", outcome=True)
     for stage in stages:
         top, j = stage.topology, stage.topology.stage
-        expected = _by_rank(top, messages(stage_actions(schedule(k, 4), j), j, k, top.skips))
+        expected = _by_rank(top, _received(stage_actions(schedule(k, 4), j), j, k, top.skips))
         if not top.is_last:
             expected[top.ranks[-1]] += 1
-        first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
-        assert counts[j] == (expected - first, expected)
-
-
-@pytest.mark.parametrize("k", [2, 3])
-def test_under_1f1b_the_last_stage_announces_every_forward_input_at_once(k):
-    """A backward that receives nothing (the last stage's: its gradient is the loss) does not end an
-    announced stretch, so the last stage announces micro-batches 1..M-1's inputs at its first call
-    (micro-batch 0's comes unannounced with M) and each is received while it computes the ones
-    before; a backward that receives a gradient still ends its stretch on the other stages."""
-    torch.manual_seed(0)
-    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
-    x, y = torch.randn(10, 4), torch.randn(10, 4)
-    stages, _ = _micro_step(seq, uniform_balance(3, k), 4, x, y, one_f_one_b, "never")
-    last = stages[-1]
-    assert last.p2p.expects == [(last.topology.prev_rank, 3)]
-    for stage in stages[:-1]:
-        assert len([e for e in stage.p2p.expects if e[0] == stage.topology.next_rank]) > 1
+        assert counts[j] == expected
 
 
 @pytest.mark.parametrize(
@@ -388,7 +267,8 @@ def test_under_1f1b_the_last_stage_announces_every_forward_input_at_once(k):
 def test_one_call_per_micro_batch_with_skips_across_stages(schedule, checkpoint):
     """Skip connections across stages: any valid schedule runs with one call per micro-batch, ZB-H1's
     split backwards (nothing recomputed) too: a B sends the gradients of its input and of the skip it
-    popped, its W computes the weights' (the weights' order: test_every_rank_of_a_run_executes_exactly_its_column)."""
+    popped, its W computes the weights' (the weights' order:
+    test_every_rank_of_a_run_executes_exactly_its_column)."""
     torch.manual_seed(0)
     seq = nn.Sequential(
         Stash("a", nn.Linear(4, 6)),
@@ -410,7 +290,7 @@ def test_one_call_per_micro_batch_with_skips_across_stages(schedule, checkpoint)
         top, j = stage.topology, stage.topology.stage
         column = stage_actions(schedule(3, 4), j)
         assert stage.timeline.actions == [str(a) for a in column if a.kind != "W"]
-        assert counts[j][1] == _by_rank(top, messages(column, j, 3, skips))
+        assert counts[j] == _by_rank(top, _received(column, j, 3, skips))
     assert stages[2].received_skips == [("b", 1)] * 4 and stages[1].received_skips == [("a", 0)] * 4
 
 

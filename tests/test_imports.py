@@ -78,6 +78,7 @@ FLOORS = {
     "schedule": 1,  # pure data
     "errors": 0,
     "_compat": 0,
+    "_lightning": 0,
 }
 OPTIONAL = {"matplotlib", "hydra", "__main__"}  # imported where used: the package runs without them
 
@@ -129,3 +130,33 @@ def test_no_module_is_over_450_lines():
         if (n := len(p.read_text().splitlines())) > 450
     }
     assert long == {}
+
+
+LIGHTNING = {
+    "pytorch_lightning",
+    "lightning",
+    "lightning_fabric",
+    "lightning_utilities",
+    "torchmetrics",
+    "hydra",
+}
+WITH_LIGHTNING = {"lightning_gpipe", "strategy", "state", "_lightning"}  # the glue and the checkpoint files
+
+
+def test_only_the_glue_and_the_checkpoint_files_import_lightning():
+    """The engine, the transport, the schedules, the partition and the tools run without Lightning."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        if _folder(module) in WITH_LIGHTNING | {"integrations"}:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            if any(n.split(".")[0] in LIGHTNING or n.startswith("lightning_gpipe._lightning") for n in names):
+                found.append(f"{module}: {names[0]}")
+    assert found == []

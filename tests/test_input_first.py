@@ -10,7 +10,8 @@ from torch import nn
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine import backward_split as input_first
 from lightning_gpipe.schedule import fill_drain, stage_actions
-from tests.test_executor import Recorder, _step
+from tests.fakes import Recorder
+from tests.test_executor import _step
 
 
 class _Net(nn.Module):

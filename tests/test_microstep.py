@@ -1,4 +1,5 @@
-"""One training_step per micro-batch (lightning_gpipe.strategy.microstep): the batch split and the combined logs."""
+"""One training_step per micro-batch (lightning_gpipe.strategy.microstep): the batch split and the
+combined logs."""
 
 import pytest
 import torch

@@ -206,7 +206,8 @@ def test_gantt_png_is_written(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_strategy_logs_bubble_and_writes_trace_and_gantt(tmp_path):
-    """GPipeStrategy(timeline=True), 2 stages, 4 steps: pipeline/bubble per step in the CSV log, trace, PNG."""
+    """GPipeStrategy(timeline=True), 2 stages, 4 steps: pipeline/bubble per step in the CSV log,
+    trace, PNG."""
     check(run_script("tests/workers/timeline_fit.py", str(tmp_path), "4", timeout=100))
     (metrics,) = tmp_path.glob("csv/**/metrics.csv")
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("pipeline/bubble")]

@@ -51,7 +51,7 @@ def _run_parts(stages: list[PipelineStage], x: torch.Tensor) -> torch.Tensor:
     k, v = len(stages), len(stages[0].virtual_layers)
     for c in range(k * v):
         j, u = holder(c, k)
-        x = stages[j].local_forward(x, virtual_stage=u)
+        x = stages[j].executor.local_forward(x, virtual_stage=u)
     return x
 
 

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_gpipe._compat import tree_flatten, tree_leaf_paths, tree_unflatten
-from lightning_gpipe.errors import MicroBatchError
+from lightning_gpipe.errors import MicroBatchError, check_count
 from lightning_gpipe.schedule import sizes
 from lightning_gpipe.transport.structure import CONSTANTS, SLOT, TENSOR, TREE, TUPLE, Structure
 
@@ -51,7 +51,6 @@ __all__ = [
     "Structure",
     "as_tensors",
     "batch_size",
-    "check_chunks",
     "flatten",
     "gather",
     "join",
@@ -155,6 +154,18 @@ def tensor_paths(structure: Structure) -> list[str]:
     return [path for path, leaf in tree_leaf_paths(structure.template()) if leaf is SLOT]
 
 
+def batch_dim(tensors: Sequence[Tensor]) -> int | None:
+    """``N``: dim 0 of the first tensor that has one and is not marked with :func:`no_chunk`
+    (``None``: no such tensor)."""
+    return next((t.shape[0] for t in tensors if t.dim() > 0 and not _marked(t)), None)
+
+
+def is_split(t: Tensor, n: int) -> bool:
+    """Whether ``t``, a tensor of a batch of ``n`` samples, is split along dim 0 (else it goes whole
+    to every micro-batch): the split rule of the module docstring."""
+    return t.dim() > 0 and not _marked(t) and t.shape[0] == n
+
+
 def scatter(
     value: Any, chunks: int, what: str = "input of the pipelined nn.Sequential"
 ) -> tuple[list[tuple[Tensor, ...]], Structure]:
@@ -173,10 +184,9 @@ def scatter(
         MicroBatchError: a leaf the pipeline cannot carry (see :func:`flatten`), no tensor with a
             batch dimension, or ``N`` is 0.
     """
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    check_count("chunks", chunks)
     tensors, structure = flatten(value, what)
-    n = next((t.shape[0] for t in tensors if t.dim() > 0 and not _marked(t)), None)
+    n = batch_dim(tensors)
     if n is None:
         shapes = ", ".join(str(tuple(t.shape)) for t in tensors) or "no tensors"
         raise MicroBatchError(
@@ -185,7 +195,7 @@ def scatter(
         )
     if n < 1:
         raise MicroBatchError(f"{what}: batch size is 0; the pipeline needs at least one sample")
-    whole = tuple(t.dim() == 0 or _marked(t) or t.shape[0] != n for t in tensors)
+    whole = tuple(not is_split(t, n) for t in tensors)
     m = min(chunks, n)
     parts = [(t,) * m if w else torch.tensor_split(t, m, dim=0) for t, w in zip(tensors, whole)]
     return [tuple(p[i] for p in parts) for i in range(m)], replace(structure, whole=whole)
@@ -212,8 +222,9 @@ def gather(
     for i, s in enumerate(structures[1:], 1):
         if s != first:
             raise MicroBatchError(
-                f"{what} differs between micro-batches 0 and {i} ({_difference(first, s)}); every micro-batch "
-                "must give the same structure, the same non-tensor values and replicate the same tensors"
+                f"{what} differs between micro-batches 0 and {i} ({_difference(first, s)}); every "
+                "micro-batch must give the same structure, the same non-tensor values and replicate the same "
+                "tensors"
             )
     joined = []
     for k, whole in enumerate(first.whole):
@@ -231,7 +242,8 @@ def gather(
             shapes = ", ".join(str(tuple(p.shape)) for p in parts)
             raise MicroBatchError(
                 f"{what}{tensor_paths(first)[k]}: micro-batch outputs cannot be concatenated along dim 0 "
-                f"(shapes: {shapes}); return per-sample tensors (n_i, *) or mark a replicated one with no_chunk"
+                f"(shapes: {shapes}); return per-sample tensors (n_i, *) or mark a replicated one with "
+                "no_chunk"
             ) from err
     return tuple(joined), first
 
@@ -244,9 +256,9 @@ def _check_replicas(parts: Sequence[Tensor], structure: Structure, k: int, what:
         if p is not parts[0] and not torch.equal(p, parts[0]):
             raise MicroBatchError(
                 f"{what}{tensor_paths(structure)[k]} is a 0-d tensor that differs between micro-batches 0 "
-                f"and {i} ({parts[0].item()} and {p.item()}); a value of the whole mini-batch (a mean, a sum) "
-                "cannot be joined from micro-batches: return it per sample, shape (n_i, *), and reduce it in "
-                "the step"
+                f"and {i} ({parts[0].item()} and {p.item()}); a value of the whole mini-batch (a mean, a "
+                "sum) cannot be joined from micro-batches: return it per sample, shape (n_i, *), and reduce "
+                "it in the step"
             )
 
 
@@ -311,35 +323,18 @@ def batch_size(tensors: Sequence[Tensor], what: str = "pipeline input") -> int:
     return sizes[0]
 
 
-def check_chunks(chunks: Any) -> int:
-    """Return ``chunks`` if it is an integer ≥ 1 (the number of micro-batches M).
-
-    Raises:
-        ValueError: anything else (a ``bool``, a float, a count below 1).
-    """
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(
-            f"chunks must be an integer >= 1 (chunks: {chunks!r}); it is the number of micro-batches"
-        )
-    return chunks
-
-
 def split(tensors: Sequence[Tensor], chunks: int) -> list[tuple[Tensor, ...]]:
-    """Split tensors of batch size ``N`` into ``min(chunks, N)`` micro-batches.
+    """Split tensors of batch size ``N`` into ``min(chunks, N)`` micro-batches (:func:`scatter`).
 
     Shapes: each ``(N, *)`` → ``min(chunks, N) × (≈N/chunks, *)``; sizes differ by at most one,
-    larger micro-batches first (``torch.tensor_split``).
+    larger micro-batches first.
 
     Raises:
         ValueError: ``chunks < 1``.
         MicroBatchError: see :func:`batch_size`.
     """
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
-    n = batch_size(tensors)
-    m = min(chunks, n)
-    parts = [torch.tensor_split(t, m, dim=0) for t in tensors]
-    return [tuple(p[i] for p in parts) for i in range(m)]
+    batch_size(tensors)
+    return scatter(tuple(tensors), chunks)[0]
 
 
 def join(micro_batches: Sequence[Sequence[Tensor]]) -> tuple[Tensor, ...]:

@@ -116,7 +116,8 @@ class StageGenerator:
 
     @contextmanager
     def drawing(self) -> Iterator[None]:
-        """Within: the process's generators hold the stream (:meth:`enter`); after: as on entry (:meth:`leave`)."""
+        """Within: the process's generators hold the stream (:meth:`enter`); after: as on entry
+        (:meth:`leave`)."""
         self.enter()
         try:
             yield

@@ -67,7 +67,8 @@ def use_store(store: _Store) -> Iterator[None]:
 
 
 class Stash(nn.Module):
-    """Runs ``layer`` (default: identity); its output continues down the Sequential and is stashed as ``name``.
+    """Runs ``layer`` (default: identity); its output continues down the Sequential and is stashed
+    as ``name``.
 
     Shapes: ``layer``'s own; the stashed tensor is the output (a tensor).
     """

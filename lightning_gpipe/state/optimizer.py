@@ -34,7 +34,8 @@ NAMES_KEY = "gpipe_param_names"
 
 
 def group_names(optimizer: Optimizer, names_by_id: Mapping[int, str], missing: str = "?") -> list[list[str]]:
-    """Parameter names of each of ``optimizer``'s groups, in the optimizer's order (``missing`` if unknown)."""
+    """Parameter names of each of ``optimizer``'s groups, in the optimizer's order (``missing`` if
+    unknown)."""
     return [[names_by_id.get(id(p), missing) for p in group["params"]] for group in optimizer.param_groups]
 
 
@@ -148,8 +149,8 @@ def split_optimizer_state(
         saved = {group_of[index[n]] for n in group_names_ if not stateless(n) and n in index}
         if len(saved) > 1:
             raise CheckpointError(
-                f"parameters of this optimizer's group {g} ({', '.join(group_names_)}) are in "
-                f"{len(saved)} different groups of the checkpoint; configure_optimizers must build the same groups"
+                f"parameters of this optimizer's group {g} ({', '.join(group_names_)}) are in {len(saved)} "
+                "different groups of the checkpoint; configure_optimizers must build the same groups"
             )
         if saved:
             hyper = _hyper(merged["param_groups"][saved.pop()])

@@ -21,7 +21,7 @@ import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_gpipe._compat import attached_trainer, running_loop_data
+from lightning_gpipe._lightning import attached_trainer, running_loop_data
 from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, balance_by_time
 from lightning_gpipe.engine.microbatch import as_tensors, split
 from lightning_gpipe.strategy.metrics import restore_logging, silence_logging

@@ -43,7 +43,7 @@ import pytorch_lightning as pl
 from torch import nn
 from torch.nn.utils import prune
 
-from lightning_gpipe._compat import example_input_slot, set_example_input_slot, throughputs
+from lightning_gpipe._lightning import example_input_slot, set_example_input_slot, throughputs
 from lightning_gpipe.strategy._namespace import lightning_class
 from lightning_gpipe.strategy.pipelined import Pipelined
 

@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_gpipe import state
-from lightning_gpipe._compat import distributed_is_initialized, unwrap_optimizer
+from lightning_gpipe._lightning import distributed_is_initialized, unwrap_optimizer
 from lightning_gpipe.state import loading, sharded
 from lightning_gpipe.strategy.pipelined import Pipelined
 from lightning_gpipe.transport.layout import Layout

@@ -26,10 +26,10 @@ from pytorch_lightning.utilities.model_helpers import is_overridden
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_gpipe import _compat
-from lightning_gpipe._compat import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_gpipe import _lightning
+from lightning_gpipe._lightning import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, lightning_class, specialize
-from lightning_gpipe.transport.arrival import SigtermCheck
+from lightning_gpipe.strategy.signals import SigtermCheck
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning launcher it becomes
     _Base = SubprocessScriptLauncher
@@ -248,14 +248,14 @@ def new_launcher(strategy: Any) -> GPipeLauncher | GPipeForkLauncher:
         ValueError: ``Trainer(sync_batchnorm=True)``.
         RuntimeError: ``start_method="popen"`` with several processes in an interactive session.
     """
-    if _compat.layer_sync(strategy) is not None:
+    if _lightning.layer_sync(strategy) is not None:
         raise ValueError(
             "Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (each stage holds different "
             "layers); use GPipeStrategy(deferred_batch_norm=True) for full-batch running statistics"
         )
     if strategy.start_method == "fork":
         return specialize(GPipeForkLauncher, strategy.namespace)(strategy, check=strategy.check_model)
-    if _compat.IS_INTERACTIVE and strategy.num_processes * strategy.num_nodes > 1:
+    if _lightning.IS_INTERACTIVE and strategy.num_processes * strategy.num_nodes > 1:
         raise RuntimeError(
             "Trainer(strategy='gpipe') starts the other ranks by re-running the script, which an interactive "
             "session (Jupyter, python -i) does not have; use Trainer(strategy='gpipe_notebook') (forked ranks), "
@@ -291,10 +291,10 @@ def forward_signal(launcher: Any, signum: int) -> None:
 
 
 def defer_sigterm_check(trainer: pl.Trainer, device: torch.device) -> SigtermCheck:
-    """Put a :class:`~lightning_gpipe.transport.arrival.SigtermCheck` in place of the trainer's per-step
+    """Put a :class:`~lightning_gpipe.strategy.signals.SigtermCheck` in place of the trainer's per-step
     SIGTERM broadcast, and return it."""
-    check = SigtermCheck(trainer, device, _compat.sigterm_exception(trainer))
-    _compat.set_sigterm_check(trainer, check)
+    check = SigtermCheck(trainer, device, _lightning.sigterm_exception(trainer))
+    _lightning.set_sigterm_check(trainer, check)
     return check
 
 
@@ -304,7 +304,7 @@ def restore_sigterm_check(
     """Give ``trainer`` (if any) Lightning's own SIGTERM broadcast back and, unless the run ``failed``, close
     ``check`` (if any) within ``timeout`` seconds."""
     if trainer is not None:
-        _compat.set_sigterm_check(trainer, None)
+        _lightning.set_sigterm_check(trainer, None)
     if check is not None and not failed:
         check.close(timeout)
 

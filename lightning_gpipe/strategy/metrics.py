@@ -22,7 +22,7 @@ from pytorch_lightning.callbacks import Callback
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_gpipe._compat import attached_trainer, distributed_is_initialized
+from lightning_gpipe._lightning import attached_trainer, distributed_is_initialized
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, namespace_of, specialize
 from lightning_gpipe.transport.groups import tensors_to_cpu
 from lightning_gpipe.transport.layout import Layout

@@ -50,8 +50,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_gpipe import _compat
-from lightning_gpipe.engine.microbatch import _marked, sizes
+from lightning_gpipe import _lightning
+from lightning_gpipe.engine.microbatch import batch_dim, is_split, sizes
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError, StageDone
 
 __all__ = ["MicroSteps", "check_model", "split_batch", "warn_unsplit_backwards"]
@@ -99,7 +99,7 @@ def split_batch(batch: Any, chunks: int) -> tuple[list[Any], list[int]]:
     """
     found: list[Tensor] = []
     apply_to_collection(batch, Tensor, found.append)
-    n = next((t.shape[0] for t in found if t.dim() > 0 and not _marked(t)), None)
+    n = batch_dim(found)
     if not n:
         shapes = ", ".join(str(list(t.shape)) for t in found) or "none"
         raise ValueError(
@@ -110,7 +110,7 @@ def split_batch(batch: Any, chunks: int) -> tuple[list[Any], list[int]]:
     bounds = [sum(parts[:k]) for k in range(len(parts) + 1)]
 
     def part(t: Tensor, a: int, b: int) -> Tensor:
-        return t[a:b] if t.dim() > 0 and t.shape[0] == n and not _marked(t) else t
+        return t[a:b] if is_split(t, n) else t
 
     micro = [apply_to_collection(batch, Tensor, part, a, b) for a, b in zip(bounds, bounds[1:])]
     return micro, parts
@@ -156,7 +156,7 @@ class MicroSteps:
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
         micro, parts = split_batch(batch, chunks)
         total = sum(parts)
-        trainer = _compat.attached_trainer(module)
+        trainer = _lightning.attached_trainer(module)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         scaler = getattr(precision_plugin, "scaler", None)
         params = list(module.parameters())

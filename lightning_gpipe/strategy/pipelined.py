@@ -27,10 +27,10 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_gpipe import state
-from lightning_gpipe._compat import distributed_is_initialized
-from lightning_gpipe.engine.microbatch import check_chunks
+from lightning_gpipe._lightning import distributed_is_initialized
 from lightning_gpipe.engine.recompute import check_mode
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
+from lightning_gpipe.errors import check_count
 from lightning_gpipe.partition import cut as partition
 from lightning_gpipe.partition import tied
 from lightning_gpipe.partition.build import build_stage
@@ -292,7 +292,7 @@ def check_arguments(
     Raises:
         ValueError: a bad ``chunks``, ``checkpoint``, ``schedule``, ``virtual_stages`` or ``balance``.
     """
-    chunks = check_chunks(chunks) if chunks is not None else None
+    chunks = check_count("chunks", chunks) if chunks is not None else None
     checkpoint, schedule = check_mode(checkpoint), check_schedule(schedule)
     v = check_virtual_stages(schedule, virtual_stages)
     microstep.warn_unsplit_backwards(schedule, checkpoint)

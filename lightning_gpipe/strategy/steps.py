@@ -16,7 +16,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from lightning_gpipe import _compat
+from lightning_gpipe import _lightning
 from lightning_gpipe.engine.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.engine.stage import StageDone
 from lightning_gpipe.strategy.gradients import synchronize_gradients
@@ -43,14 +43,13 @@ def training_step(
     (:mod:`lightning_gpipe.engine.batchnorm`).
     """
     stage = pipelined.running
-    stage.outcome_follows = True  # share_outcome below: its message is received in the background
     out = run(*args, **kwargs)
     if deferred_batch_norm:
         commit_deferred_batch_norm(stage)  # once per mini-batch, after all its micro-batches
     if not stage.ran_forward:
         pipelined.refuse_uncalled(out)
         return out
-    return stage.share_outcome(out, _compat.attached_trainer(module), training=True)
+    return stage.share_outcome(out, _lightning.attached_trainer(module), training=True)
 
 
 def eval_step(
@@ -61,7 +60,7 @@ def eval_step(
     out = _none_if_done(stage.run_step(hook, False, *args, **kwargs))
     if not stage.ran_forward:
         return out
-    return stage.share_outcome(out, _compat.attached_trainer(module), training=False)
+    return stage.share_outcome(out, _lightning.attached_trainer(module), training=False)
 
 
 def predict_step(
@@ -80,7 +79,7 @@ def predict_step(
     prediction is written once per replica. With ``return_predictions=False`` nothing is sent.
     """
     out = _none_if_done(pipelined.running.run_step(hook, False, *args, **kwargs))
-    if _compat.attached_trainer(module) is None or not module.trainer.predict_loop.return_predictions:
+    if _lightning.attached_trainer(module) is None or not module.trainer.predict_loop.return_predictions:
         return out
     return from_last_stage(out)
 
@@ -111,9 +110,9 @@ def drain(
 
 def accumulating(module: pl.LightningModule | None) -> bool:
     """Whether this backward is followed by another before the optimizer step (gradient accumulation)."""
-    if module is None or not module.automatic_optimization or _compat.attached_trainer(module) is None:
+    if module is None or not module.automatic_optimization or _lightning.attached_trainer(module) is None:
         return False
-    return _compat.should_accumulate(module.trainer)
+    return _lightning.should_accumulate(module.trainer)
 
 
 def check_single_optimizer(count: int) -> None:

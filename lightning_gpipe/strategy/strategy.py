@@ -20,11 +20,21 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe import _compat, state
+from lightning_gpipe import _lightning, state
 from lightning_gpipe.engine.rng import share_rng_state
 from lightning_gpipe.partition import cut as partition
 from lightning_gpipe.state import loading, materialize
-from lightning_gpipe.strategy import callbacks, checkpoints, launcher, metrics, microstep, precision, steps
+from lightning_gpipe.strategy import (
+    callbacks,
+    checkpoints,
+    launcher,
+    metrics,
+    microstep,
+    precision,
+    process_group,
+    signals,
+    steps,
+)
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.strategy.gradients import clip_optimizer_gradients
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, check_arguments, partition_model
@@ -107,7 +117,7 @@ class _GPipeStrategyLogic(_Base):
         self._groups: groups.Groups | None = None
         self._metric_sharing: metrics.ShareLastStageMetrics | None = None
         self._timeline: Timeline | None = None
-        self._sigterm: arrival.SigtermCheck | None = None  # Lightning's per-step SIGTERM broadcast, deferred
+        self._sigterm: signals.SigtermCheck | None = None  # Lightning's per-step SIGTERM broadcast, deferred
         self._lazy: loading.LazyCheckpoint | None = None  # the full checkpoint file being restored
         self.compile = partition.check_compile(compile)
         self.start_method = launcher.check_start_method(start_method)
@@ -199,12 +209,12 @@ class _GPipeStrategyLogic(_Base):
         super().setup_environment()
         self.set_world_ranks()
         env, backend, device = self.cluster_environment, self.process_group_backend, self.root_device
-        self.process_group_backend = groups.connect(env, backend, self._timeout, device)
+        self.process_group_backend = process_group.connect(env, backend, self._timeout, device)
         share_rng_state(self.global_rank)  # a shuffling DataLoader draws alike on every rank
         self._groups = self._groups or groups.new_groups(self.layout, self.global_rank)
         groups.close_at_exit(self)
         forward = functools.partial(launcher.forward_signal, self._launcher)  # to the ranks this one started
-        arrival.watch_signals(arrival.SIGNAL_GRACE_S, on_signal=forward)
+        signals.watch_signals(signals.SIGNAL_GRACE_S, on_signal=forward)
 
     @contextlib.contextmanager
     @override
@@ -227,7 +237,7 @@ class _GPipeStrategyLogic(_Base):
         self.setup_precision_plugin()
         precision.install(self.precision_plugin, self._clip_grad_by_norm)
         if trainer.state.fn == TrainerFn.FITTING:
-            _compat.optimizers_to_device(self.optimizers, self.root_device)
+            _lightning.optimizers_to_device(self.optimizers, self.root_device)
         self._attach_to_trainer(trainer)
 
     def _place_stage(self, trainer: pl.Trainer) -> None:
@@ -324,7 +334,7 @@ class _GPipeStrategyLogic(_Base):
     def reduce(self, tensor: Tensor, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         """Reduce over the last stage's data-parallel replicas (where losses and metrics live)."""
         group = group if group is not None else getattr(self._groups, "last_stage_data", None)
-        return groups.reduce(tensor, group, reduce_op)
+        return process_group.reduce(tensor, group, reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's
@@ -392,7 +402,7 @@ class _GPipeStrategyLogic(_Base):
     @override
     def on_train_end(self) -> None:
         """With ``timeline=True``: log ``pipeline/bubble``, write the trace and the Gantt chart (rank 0)."""
-        if self._timeline is not None and _compat.distributed_is_initialized():
+        if self._timeline is not None and _lightning.distributed_is_initialized():
             trainer = self._module.trainer
             loggers = trainer.loggers if self.is_global_zero else ()
             self.timeline_records = publish(self._timeline, self.timeline_dir or trainer.log_dir, loggers)
@@ -401,7 +411,7 @@ class _GPipeStrategyLogic(_Base):
     def on_exception(self, exception: BaseException) -> None:
         """End every rank promptly, the original error first (:mod:`lightning_gpipe.transport.failure`)."""
         self._failed = True
-        if _compat.distributed_is_initialized():
+        if _lightning.distributed_is_initialized():
             failure.report_and_abort(exception, f"stage {self.stage_index} (rank {self.global_rank})")
 
     def release_groups(self) -> None:
@@ -413,7 +423,7 @@ class _GPipeStrategyLogic(_Base):
     def teardown(self) -> None:
         """Undo what setup attached to the trainer and put the user's whole Sequential back, trained."""
         self._detach_from_trainer()
-        gather = not self._failed and _compat.distributed_is_initialized()  # every stage's trained state
+        gather = not self._failed and _lightning.distributed_is_initialized()  # every stage's trained state
         piped, layout, rank = self._pipelined, self.layout, self.global_rank
         uninstall = functools.partial(piped.uninstall, layout, rank, self._arrive, gather=gather)
         if piped.stage_only:  # Lightning moves the module to the CPU: the stage alone, not the meta layers
@@ -425,7 +435,7 @@ class _GPipeStrategyLogic(_Base):
 
     def _detach_from_trainer(self) -> None:  # and forget the checkpoint file restored from
         module = self.lightning_module
-        trainer = _compat.attached_trainer(module) if module is not None else None
+        trainer = _lightning.attached_trainer(module) if module is not None else None
         callbacks.restore_callbacks(trainer)
         launcher.restore_sigterm_check(trainer, self._sigterm, self._failed, self.collective_timeout)
         metrics.remove_metric_sharing(module, self._metric_sharing)
@@ -433,7 +443,7 @@ class _GPipeStrategyLogic(_Base):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _compat.StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
         if "gpipe" not in strategy_registry:
             description = "GPipe pipeline parallelism (lightning_gpipe)"
             strategy_registry.register("gpipe", cls, description=description)

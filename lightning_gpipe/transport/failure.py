@@ -52,8 +52,8 @@ def naming_errors(
         source = "the batch" if stage == 0 else f"stage {stage - 1}"
         shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in x)
         raise StageError(
-            f"stage {stage} (layers {layers[0]}..{layers[-1]}) failed in {phase} of micro-batch {i} "
-            f"on input from {source} of shape [{shapes}]{_expected_input(first_layer)}: {type(err).__name__}: {err}"
+            f"stage {stage} (layers {layers[0]}..{layers[-1]}) failed in {phase} of micro-batch {i} on input "
+            f"from {source} of shape [{shapes}]{_expected_input(first_layer)}: {type(err).__name__}: {err}"
         ) from err
 
 

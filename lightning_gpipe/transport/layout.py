@@ -102,5 +102,6 @@ def layer_stages(balance: Sequence[int], stages: int | None = None) -> list[int]
 
 
 def layer_parts(balance: Sequence[int]) -> list[int]:
-    """The part of every layer (the entry of ``balance`` it belongs to): ``layer_parts([2, 1]) == [0, 0, 1]``."""
+    """The part of every layer (the entry of ``balance`` it belongs to):
+    ``layer_parts([2, 1]) == [0, 0, 1]``."""
     return [c for c, n in enumerate(balance) for _ in range(n)]

@@ -1,0 +1,168 @@
+"""In-process stand-ins for the transport and the timeline: K stages of a pipeline in one process.
+
+:class:`FakeP2P` is the :class:`~lightning_gpipe.transport.p2p.P2P` interface over queues
+(:class:`FakeNetwork`), every message encoded and decoded with the real header codec; sends never
+block, so stages driven one after another in a valid order complete a fill-drain step.
+:class:`ThreadP2P` runs over a :class:`BlockingNetwork` whose receives wait, for stages run in
+threads (as processes would). :class:`Recorder` stands in for the timeline.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import Counter, defaultdict, deque
+from contextlib import contextmanager
+
+import torch
+
+from lightning_gpipe.transport.wire import decode_header, decode_message, encode_message
+
+__all__ = [
+    "BlockingNetwork",
+    "FakeNetwork",
+    "FakeP2P",
+    "Recorder",
+    "ThreadP2P",
+    "TurnNetwork",
+    "TurnP2P",
+    "in_threads",
+]
+
+
+def _round_trip(tensors, structure, chunks, device):
+    """A message as the receiver decodes it: the real header codec, the payload copied."""
+    header, *payload = encode_message(tensors, structure, chunks, device)
+    return decode_message(decode_header(header), [t.clone() for t in payload])
+
+
+class FakeNetwork:
+    """Queues between ranks; messages are encoded and decoded with the real header codec."""
+
+    def __init__(self) -> None:
+        self.queues: defaultdict[tuple[int, int], deque] = defaultdict(deque)
+
+
+class FakeP2P:
+    """The :class:`~lightning_gpipe.transport.p2p.P2P` interface over a :class:`FakeNetwork`.
+
+    ``received`` counts the messages taken per source rank (:meth:`phase` hands them over).
+    """
+
+    def __init__(self, network, rank: int) -> None:
+        self.network, self.rank, self.device = network, rank, torch.device("cpu")
+        self.received: Counter[int] = Counter()
+
+    def send(self, tensors, dst, *, structure=None, chunks=0):
+        self.network.queues[(self.rank, dst)].append(_round_trip(tensors, structure, chunks, self.device))
+
+    def recv(self, src):
+        self.received[src] += 1
+        return self.network.queues[(src, self.rank)].popleft()
+
+    def flush(self):
+        pass
+
+    def settle(self):
+        pass
+
+    def phase(self) -> Counter:
+        """The messages received per source rank since the last call (the count restarts)."""
+        done, self.received = +self.received, Counter()
+        return done
+
+
+class BlockingNetwork:
+    """Queues between ranks whose receives wait (stages run in threads, as processes would).
+
+    A queue is made under a lock: a ``defaultdict(queue.Queue)`` read by the sender and the
+    receiver at once can build two queues for one pair, and the receive then waits on the one
+    nobody sends to.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[tuple[int, int], queue.Queue] = {}
+        self._lock = threading.Lock()
+
+    def queue(self, src: int, dst: int) -> queue.Queue:
+        with self._lock:
+            return self._queues.setdefault((src, dst), queue.Queue())
+
+
+class ThreadP2P(FakeP2P):
+    """:class:`FakeP2P` over a :class:`BlockingNetwork`: a receive waits up to 20 s for its message."""
+
+    def send(self, tensors, dst, *, structure=None, chunks=0):
+        self.network.queue(self.rank, dst).put(_round_trip(tensors, structure, chunks, self.device))
+
+    def recv(self, src):
+        self.received[src] += 1
+        return self.network.queue(src, self.rank).get(timeout=20)
+
+
+class TurnP2P(ThreadP2P):
+    """:class:`ThreadP2P` whose stages take turns: a stage's thread holds ``network.turn`` (a lock)
+    while it runs and lets go of it only while a receive waits, so no two stages compute at once
+    (what a stage's layers draw from the process's generators stays the stage's)."""
+
+    def recv(self, src):
+        self.received[src] += 1
+        self.network.turn.release()
+        try:
+            return self.network.queue(src, self.rank).get(timeout=20)
+        finally:
+            self.network.turn.acquire()
+
+
+class TurnNetwork(BlockingNetwork):
+    """A :class:`BlockingNetwork` with the lock its stages take turns at (:class:`TurnP2P`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.turn = threading.Lock()
+
+
+class Recorder:
+    """Stands in for the timeline: keeps the forward and backward spans (with their virtual stage),
+    in order, and (given the stage) the most micro-batches whose outputs the stage held at once."""
+
+    def __init__(self, stage=None):
+        self.actions, self.stage, self.peak_held = [], stage, 0
+
+    @contextmanager
+    def span(self, kind, i, u=0):
+        if kind in ("forward", "backward"):  # as str(Action): F3, or F3v1 on virtual stage 1
+            self.actions.append(f"{kind[0].upper()}{i}" + (f"v{u}" if u else ""))
+        yield
+        run = self.stage._run if self.stage is not None else None
+        if run is not None:
+            self.peak_held = max(self.peak_held, sum(1 for out in run.outputs.values() if out))
+
+
+def in_threads(stages, body, timeout: float = 60, turn: threading.Lock | None = None) -> None:
+    """``body(stage)`` for every stage, each in its own thread (as processes would); errors re-raised
+    (the first one), and a stage that never finishes is an error. With ``turn`` (a
+    :class:`TurnNetwork`'s), each thread holds it while it runs (:class:`TurnP2P`)."""
+    errors, finished = [], []
+
+    def run(stage):
+        try:
+            if turn is not None:
+                turn.acquire()
+            try:
+                body(stage)
+            finally:
+                if turn is not None:
+                    turn.release()
+            finished.append(stage)
+        except BaseException as err:  # noqa: BLE001 - reported by the caller
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(stage,), daemon=True) for stage in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+    assert len(finished) == len(stages), "a stage never finished its column"
