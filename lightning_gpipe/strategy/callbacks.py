@@ -137,8 +137,9 @@ def _prune_this_stage(callback: Any, module: nn.Module) -> None:
     others = [pair for i, pair in enumerate(pairs) if i not in set(kept)]
     if others and callback._use_global_unstructured:
         raise ValueError(
-            f"ModelPruning(use_global_unstructured=True) ranks parameters across the whole model, which spans "
-            f"several pipeline stages (this stage holds {len(kept)} of the {len(pairs)} parameters to prune); "
+            "ModelPruning(use_global_unstructured=True) ranks parameters across the whole model, "
+            "which spans several pipeline stages "
+            f"(this stage holds {len(kept)} of the {len(pairs)} parameters to prune); "
             "pass use_global_unstructured=False (each parameter pruned by its own ranking)"
         )
     index = {old: new for new, old in enumerate(kept)}
@@ -199,7 +200,8 @@ def _skip(*args: Any, **kwargs: Any) -> None:
 
 
 def _on_whole_model(hook: Callable[..., Any], whole_model: Callable[[], AbstractContextManager[Any]]) -> Any:
-    """``hook(trainer, pl_module)`` run while the module holds its whole Sequential, not called on its example input."""
+    """``hook(trainer, pl_module)`` run while the module holds its whole Sequential, not called on its
+    example input."""
 
     def run_on_whole_model(trainer: Any, pl_module: Any) -> Any:
         example = example_input_slot(pl_module)

@@ -169,7 +169,8 @@ class _GPipeLauncherLogic(_Base):
                 code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 log.warning(
-                    f"gpipe: local rank {local_rank} (pid {proc.pid}) still runs after {timeout} s; killing it"
+                    f"gpipe: local rank {local_rank} (pid {proc.pid}) still runs after {timeout} s; "
+                    "killing it"
                 )
                 proc.kill()
                 code = proc.wait()
@@ -236,7 +237,8 @@ def check_start_method(start_method: str) -> str:
     """
     if start_method not in ("popen", "fork"):
         raise ValueError(
-            f"start_method must be 'popen' or 'fork' (start_method: {start_method!r}); 'fork' is for notebooks"
+            f"start_method must be 'popen' or 'fork' (start_method: {start_method!r}); "
+            "'fork' is for notebooks"
         )
     return start_method
 
@@ -258,7 +260,8 @@ def new_launcher(strategy: Any) -> GPipeLauncher | GPipeForkLauncher:
     if _lightning.IS_INTERACTIVE and strategy.num_processes * strategy.num_nodes > 1:
         raise RuntimeError(
             "Trainer(strategy='gpipe') starts the other ranks by re-running the script, which an interactive "
-            "session (Jupyter, python -i) does not have; use Trainer(strategy='gpipe_notebook') (forked ranks), "
+            "session (Jupyter, python -i) does not have; "
+            "use Trainer(strategy='gpipe_notebook') (forked ranks), "
             "or run the code as a script"
         )
     assert strategy.cluster_environment is not None
@@ -321,7 +324,8 @@ def check_rerunnable_command() -> None:
         source = "python -c" if sys.argv[0] == "-c" else "standard input"
         raise RuntimeError(
             f"the gpipe strategy starts the other ranks by re-running this program, which came from {source} "
-            f"(sys.argv[0]: {sys.argv[0]!r}) and cannot be re-run; save it to a file and run `python file.py`, "
+            f"(sys.argv[0]: {sys.argv[0]!r}) and cannot be re-run; "
+            "save it to a file and run `python file.py`, "
             'or, in an interactive session or notebook, use Trainer(strategy="gpipe_notebook") (forked ranks)'
         )
 

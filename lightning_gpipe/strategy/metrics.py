@@ -34,7 +34,8 @@ else:
 
 
 def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: torch.device) -> None:
-    """Broadcast ``trainer.callback_metrics`` from global rank ``src`` (a last stage) over ``group`` (its pipeline)."""
+    """Broadcast ``trainer.callback_metrics`` from global rank ``src`` (a last stage) over ``group``
+    (its pipeline)."""
     rank = dist.get_rank()
     box = [tensors_to_cpu(dict(trainer.callback_metrics)) if rank == src else None]
     dist.broadcast_object_list(box, src=src, group=group)
@@ -86,7 +87,8 @@ class ShareLastStageMetrics(_ShareLastStageMetricsLogic, Callback):
 
 
 def install_metric_sharing(trainer: pl.Trainer, share: Any) -> ShareLastStageMetrics:
-    """Put a :class:`ShareLastStageMetrics` (of the Trainer's namespace) first among ``trainer``'s callbacks."""
+    """Put a :class:`ShareLastStageMetrics` (of the Trainer's namespace) first among ``trainer``'s
+    callbacks."""
     callback = specialize(ShareLastStageMetrics, namespace_of(trainer) or PYTORCH_LIGHTNING)(share)
     trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
     return callback

@@ -86,7 +86,8 @@ def warn_unsplit_backwards(schedule: str, checkpoint: str) -> None:
 
 
 def split_batch(batch: Any, chunks: int) -> tuple[list[Any], list[int]]:
-    """``batch`` as ``min(chunks, N)`` micro-batches, and their sizes (:func:`~lightning_gpipe.engine.microbatch.sizes`).
+    """``batch`` as ``min(chunks, N)`` micro-batches, and their sizes
+    (:func:`~lightning_gpipe.engine.microbatch.sizes`).
 
     The pipeline's split rule (:func:`lightning_gpipe.engine.microbatch.scatter`) over any collection:
     ``N`` is dim 0 of the first tensor that has one and is not marked with
@@ -104,7 +105,8 @@ def split_batch(batch: Any, chunks: int) -> tuple[list[Any], list[int]]:
         shapes = ", ".join(str(list(t.shape)) for t in found) or "none"
         raise ValueError(
             "one training_step per micro-batch splits the batch along dim 0, but it holds no tensor with a "
-            f"batch dimension (shapes: {shapes}); give a tensor the batch dimension first, or use schedule='gpipe'"
+            f"batch dimension (shapes: {shapes}); "
+            "give a tensor the batch dimension first, or use schedule='gpipe'"
         )
     parts = sizes(n, chunks)
     bounds = [sum(parts[:k]) for k in range(len(parts) + 1)]
@@ -180,7 +182,8 @@ class MicroSteps:
                             uncalled = (out,)
                             break
                         raise PipelineUsageError(
-                            f"training_step did not call the pipelined nn.Sequential for micro-batch {i} but did "
+                            "training_step did not call the pipelined nn.Sequential "
+                            f"for micro-batch {i} but did "
                             "for micro-batch 0; under a per-micro-batch schedule every call must call it once"
                         )
                     if not stage.topology.is_last:
@@ -188,8 +191,10 @@ class MicroSteps:
                     loss = out.get("loss") if isinstance(out, Mapping) else out
                     if not isinstance(loss, Tensor):
                         raise PipelineUsageError(
-                            f"training_step returned no loss for micro-batch {i} (got {type(out).__name__}); a "
-                            "per-micro-batch schedule backpropagates every micro-batch's loss: return one from "
+                            f"training_step returned no loss for micro-batch {i} "
+                            f"(got {type(out).__name__}); a "
+                            "per-micro-batch schedule backpropagates every micro-batch's loss: "
+                            "return one from "
                             "every call, or use schedule='gpipe' to skip steps by returning None"
                         )
                     losses.append(_kept(loss))
@@ -277,7 +282,8 @@ class _LogRecorder:
         self.records.setdefault(name, []).append((self.micro_batch, _kept(value), options))
 
     def replay(self, parts: list[int]) -> None:
-        """Log every recorded name once through the module's ``log``, its values combined (module docstring)."""
+        """Log every recorded name once through the module's ``log``, its values combined (module
+        docstring)."""
         for name, entries in self.records.items():
             options = dict(entries[-1][2])
             values = [v for _, v, _ in entries]

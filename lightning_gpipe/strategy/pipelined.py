@@ -76,7 +76,8 @@ class Pipelined:
         installed: where the stage replaced the user's Sequential (:class:`.partition.Installed`).
         index: this rank's stage index ``j``.
         balance: layers per stage the Sequential was cut with (``None`` before the first cut).
-        tied: parameters shared by layers on different stages (:func:`lightning_gpipe.partition.tied.find_tied`).
+        tied: parameters shared by layers on different stages
+            (:func:`lightning_gpipe.partition.tied.find_tied`).
         tied_groups: their process groups, once the processes are connected (:meth:`tie`).
         stage_only: the Sequential was built on the meta device; this rank materialized only its stage.
         received_skips: ``(skip, source stage)`` the stage received, kept at :meth:`uninstall` (inspection).
@@ -234,13 +235,15 @@ class Pipelined:
             f"the pipelined module was not called in training_step, which returned a loss (stage "
             f"{self.index}): the step ran something other than the pipelined nn.Sequential "
             f"{self.name or '?'!r} (a wrapper or a reference to it kept from before fit) and would train "
-            "wrongly; call the Sequential itself (it may be torch.compile-d: the strategy compiles each stage)"
+            "wrongly; call the Sequential itself "
+            "(it may be torch.compile-d: the strategy compiles each stage)"
         )
 
     @contextlib.contextmanager
     def configuring(self, device: torch.device) -> Iterator[None]:
         """Inside: ``configure_optimizers`` runs over the stage: an empty parameter if none is trainable
-        (:func:`.partition.add_placeholder_parameter`), other stages' layers empty (``PipelineStage.__getitem__``)."""
+        (:func:`.partition.add_placeholder_parameter`), other stages' layers empty
+        (``PipelineStage.__getitem__``)."""
         assert self.stage is not None
         partition.add_placeholder_parameter(self.stage, device)
         self.stage.configuring = True
@@ -255,7 +258,8 @@ class Pipelined:
         return partition.plain_parameter_names(self.installed) if self.installed is not None else None
 
     def tied_aliases(self) -> dict[str, str | None]:
-        """This stage's names (in the model) of tied parameters: the owner's name, or ``None`` on the owner."""
+        """This stage's names (in the model) of tied parameters: the owner's name, or ``None`` on the
+        owner."""
         if self.installed is None:
             return {}
         prefix = self.installed.name + "."

@@ -24,17 +24,9 @@ from lightning_gpipe import _lightning, state
 from lightning_gpipe.engine.rng import share_rng_state
 from lightning_gpipe.partition import cut as partition
 from lightning_gpipe.state import loading, materialize
-from lightning_gpipe.strategy import (
-    callbacks,
-    checkpoints,
-    launcher,
-    metrics,
-    microstep,
-    precision,
-    process_group,
-    signals,
-    steps,
-)
+from lightning_gpipe.strategy import callbacks, checkpoints, launcher, metrics, microstep
+
+from lightning_gpipe.strategy import precision, process_group, signals, steps  # isort: skip
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.strategy.gradients import clip_optimizer_gradients
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, check_arguments, partition_model
@@ -189,11 +181,9 @@ class _GPipeStrategyLogic(_Base):
 
     @property
     def _stage_spec(self) -> StageSpec:
-        return StageSpec(
-            self.module_name, self.balance, self.chunks_used, self.checkpoint, self.schedule,
+        return StageSpec(self.module_name, self.balance, self.chunks_used, self.checkpoint, self.schedule,
             self.virtual_stages, self.deferred_batch_norm, self.compile, self.optimizer_state_factor,
-            self.timeline,
-        )  # fmt: skip
+            self.timeline)  # fmt: skip
 
     @override
     def _configure_launcher(self) -> None:

@@ -47,9 +47,10 @@ def free_port() -> int:
 def job_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a fresh job on this machine.
 
-    ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (:func:`free_port`), ``OMP_NUM_THREADS=threads``, unbuffered output, Lightning's
-    fork-based launching off (``PL_DISABLE_FORK=1``), no rank variables of an enclosing job
-    (:data:`RANK_KEYS`), then ``extra``.
+    ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (:func:`free_port`),
+    ``OMP_NUM_THREADS=threads``, unbuffered output, Lightning's fork-based launching off
+    (``PL_DISABLE_FORK=1``), no rank variables of an enclosing job (:data:`RANK_KEYS`), then
+    ``extra``.
     """
     env = dict(os.environ)
     env.update(
