@@ -2,14 +2,14 @@
 
 Builds an ``nn.Sequential`` of thin layers (one ``Linear(d, d)``) and a few wide ones (a
 ``Linear(d, h) -> ReLU -> Linear(h, d)`` block with ``h = expand·d/2``, about ``expand``
-times the work of a thin layer), profiles it layer by layer (``profile_times``, the profiler behind ``balance_by_time``),
-and for each stage count compares the largest stage's measured forward+backward time under a uniform balance
-(equal layer counts) and under the time balance (``balance_cost`` of the profiled costs,
-which is what ``balance_by_time`` returns). It also checks that balance against a
-brute-force search over all balances of the same profiled costs, and finally prints what
-``balance_by_time`` itself returns (it profiles again).
+times the work of a thin layer), profiles it layer by layer (``profile_times``, the profiler
+behind ``balance_by_time``), and for each stage count compares the largest stage's measured
+forward+backward time under a uniform balance (equal layer counts) and under the time balance
+(``balance_cost`` of the profiled costs, which is what ``balance_by_time`` returns). It also
+checks that balance against a brute-force search over all balances of the same profiled costs,
+and finally prints what ``balance_by_time`` itself returns (it profiles again).
 
-Run: ``python benchmarks/balance_time.py [--layout WWWtttttt] [--stages 2 3]``
+Run: ``python -m benchmarks.balance_time [--layout WWWtttttt] [--stages 2 3]``
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def main() -> None:
         "--stat",
         choices=["min", "median"],
         default="min",
-        help="per-stage statistic over the runs; min is least disturbed by other processes (default: %(default)s)",
+        help="per-stage statistic over the runs; min is least disturbed by other processes "
+        "(default: %(default)s)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)

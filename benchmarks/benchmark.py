@@ -20,30 +20,32 @@ bubble share, the cost model's error, and the largest model that fits a memory b
   ``block`` steps each (the peer on a process group of its own), and report
   ``vs_peer_alternating``: the median over blocks of the peer's median step over theirs in the
   block before (each block's first step, after the other's turn, untimed), and
-  ``vs_peer_alternating_ci``, that median's 95 % distribution-free interval (:func:`median_interval`). Neighbouring blocks are
-  seconds apart, so the host's drift, which moves separate runs by up to 20 % here, cancels;
+  ``vs_peer_alternating_ci``, that median's 95 % distribution-free interval
+  (:func:`median_interval`). Neighbouring blocks are seconds apart, so a drift of the host's speed,
+  which separate runs minutes apart both see differently, cancels in each ratio;
 - ``single``: the plain model in one process with 1 thread (the one-stage baseline), with
   K × ``threads`` threads (the pipeline's total, row ``single_mt``) and with 1 thread on the
   pipeline's M micro-batches, gradients accumulated (row ``single_mb``).
 
 Every run reports samples/s (``batch_size`` / median seconds between step ends over the timed
 steps; with ``repeats`` > 1 the list runs again, interleaved, and each run keeps its least
-disturbed repeat, which matters on a shared machine), the peak tensor bytes of one step per stage (:class:`benchmarks.memory.TensorMemoryMeter`) and
-peak RSS; ``ours`` and ``bare`` also the bubble share, each stage's idle share of the window
-(``bubble_stages``) and the step window from the timeline. With
-``predict``, each stage's saved bytes are profiled layer by layer
+disturbed repeat, which matters on a shared machine), the peak tensor bytes of one step per
+stage (:class:`lightning_gpipe.tools.meter.TensorMemoryMeter`) and peak RSS; ``ours`` and ``bare`` also the
+bubble share, each stage's idle share of the window (``bubble_stages``) and the step window from
+the timeline. With ``predict``, each stage's saved bytes are profiled layer by layer
 (:func:`lightning_gpipe.balance.profile_layers`, one micro-batch) for the cost model's activation
 memory, with each part's backward workspace (its backward's peak above what its forward kept,
 under the tensor-memory meter) and the output's bytes per sample; each stage's measured peak is
-printed next to the model's; :func:`lightning_gpipe.tools.simulate.simulate` predicts the step window from the run's own
-per-stage forward/backward span medians (timeline) and the P2P latency of a ping-pong in ``bare``
-(and, as a second prediction, the in-run message delay); that latency is printed next to the
-same ping-pong on ``torch.distributed``'s own ``isend``/``irecv`` (``latency_gloo_s``). Rows are appended to ``csv``
-and printed with the ratios: ours/ideal, where ideal = K·M/(M+(K-1)/v) × single-stage (1 thread)
-samples/s (v = 1 but under ``interleaved_1f1b``: the bubble-limited speed-up, Narayanan et al.,
-SC 2021, section 2.2.1); the same against the ideal from ``single_mb`` (one process on the same micro-batches,
-so that the smaller matrices' slower kernels are not counted against the schedule); ours/peer;
-and the Lightning overhead ``ours step / bare step - 1``.
+printed next to the model's; :func:`lightning_gpipe.tools.simulate.simulate` predicts the step
+window from the run's own per-stage forward/backward span medians (timeline) and the P2P latency
+of a ping-pong in ``bare`` (and, as a second prediction, the in-run message delay); that latency
+is printed next to the same ping-pong on ``torch.distributed``'s own ``isend``/``irecv``
+(``latency_gloo_s``). Rows are appended to ``csv`` and printed with the ratios: ours/ideal, where
+ideal = K·M/(M+(K-1)/v) × single-stage (1 thread) samples/s (v = 1 but under
+``interleaved_1f1b``: the bubble-limited speed-up, Narayanan et al., SC 2021, section 2.2.1); the
+same against the ideal from ``single_mb`` (one process on the same micro-batches, so that the
+smaller matrices' slower kernels are not counted against the schedule); ours/peer; and the
+Lightning overhead ``ours step / bare step - 1``.
 
 ``mode=capacity`` (GPipe Table 1's point) bisects ``model.num_layers`` for the largest model whose
 one-stage training step (``chunks`` micro-batches, Adam) fits ``capacity.budget_bytes``, for each
@@ -53,7 +55,12 @@ the meter's peak; on CUDA, ``torch.cuda.max_memory_allocated``.
 ``mode=report`` prints the tables of a CSV: per run and M, samples/s and the ratios, and the M sweep
 normalized to M=1 next to GPipe's Table 2 (K=2).
 
-Run from the repository root: ``python benchmarks/benchmark.py [key=value ...]`` (``benchmarks/conf/benchmark.yaml``).
+``mode=spec`` writes the worker spec of ``runs[0]`` to ``spec`` and runs nothing: the way to run one
+worker under an outside tool (``perf``, ``py-spy``).
+
+Run from the repository root: ``python -m benchmarks.benchmark [key=value ...]``
+(``benchmarks/conf/benchmark.yaml``). Results go where ``csv`` says (``benchmarks/results/`` in the
+documented commands; it is not versioned, and the folders are created as needed).
 """
 
 from __future__ import annotations
@@ -73,19 +80,18 @@ import psutil
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from benchmarks.launch import JobTimeout, job_env, run_job
-from benchmarks.memory import TensorMemoryMeter
 from benchmarks.workloads import build_model, loss_fn, make_batches
 from lightning_gpipe.balance import balance_by_parameters, balance_by_time, profile_layers
 from lightning_gpipe.engine.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.partition.cut import check_balance, stage_bounds, uniform_balance
 from lightning_gpipe.schedule import ideal_bubble
+from lightning_gpipe.tools.launch import JobTimeout, job_env, run_job
+from lightning_gpipe.tools.meter import TensorMemoryMeter
 from lightning_gpipe.tools.simulate import simulate
-from lightning_gpipe.transport import p2p as comm
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["COLUMNS", "benchmark", "capacity", "main", "report"]
+__all__ = ["COLUMNS", "benchmark", "capacity", "main", "report", "worker_spec", "write_spec"]
 
 COLUMNS = [
     "run",
@@ -392,6 +398,59 @@ def predict_window(row: dict[str, Any], sizes: list[float] | None = None) -> flo
     ).step_time
 
 
+def worker_spec(
+    cfg: DictConfig, run: str, model_cfg: dict[str, Any], balance: list[int], boundary: int, out: Path
+) -> dict[str, Any]:
+    """The spec :mod:`benchmarks.worker` reads for one run of ``cfg``: the model, the split
+    (``balance``, layers per part), the schedule, the steps, and ``out``, the folder its ranks
+    write their ``{run}_rank{r}.json`` into; ``boundary`` is the bytes of one boundary message
+    (``bare``'s ping-pong probes that size too)."""
+    return {
+        "run": run,
+        "model": model_cfg,
+        "balance": balance,
+        "stages": cfg.stages,
+        "chunks": cfg.chunks,
+        "checkpoint": cfg.checkpoint,
+        "schedule": cfg.schedule,
+        "peer_schedule": cfg.peer_schedule or cfg.schedule,
+        "virtual_stages": cfg.virtual_stages,
+        "batch_size": cfg.batch_size,
+        "threads": cfg.threads,
+        "pin": bool(cfg.pin),
+        "alternate": bool(cfg.alternate) and run in ("ours", "bare"),
+        "block": cfg.block,
+        "warmup": max(1, cfg.warmup),
+        "timed": cfg.timed,
+        "memory": cfg.memory,
+        "lr": cfg.lr,
+        "boundary_bytes": boundary,
+        "out": str(out),
+    }
+
+
+def write_spec(cfg: DictConfig) -> Path:
+    """Write the worker spec of ``cfg.runs[0]`` to ``cfg.spec`` instead of running it, for a run under
+    an outside tool (``perf record … -- python -m benchmarks.worker SPEC``); the worker writes its
+    results into the spec's folder. Returns the spec's path.
+
+    Raises:
+        ValueError: ``spec`` is not set.
+    """
+    if not cfg.get("spec"):
+        raise ValueError("mode=spec needs spec=PATH (where to write the worker's spec)")
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    assert isinstance(model_cfg, dict)
+    model = build_model(model_cfg)
+    sample = make_batches(model_cfg, microbatch_sizes(cfg.batch_size, cfg.chunks)[0], count=1)[0][0]
+    path = Path(str(cfg.spec)).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    spec = worker_spec(cfg, str(cfg.runs[0]), model_cfg, _balance(cfg, model, sample), 0, path.parent)
+    path.write_text(json.dumps(spec, indent=1) + "\n")
+    print(f"benchmark: wrote {path} (run it with: python -m benchmarks.worker {path})", flush=True)
+    return path
+
+
 def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
     """Run ``cfg.runs`` for one configuration; append the rows to ``cfg.csv``, print and return them.
 
@@ -427,28 +486,7 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
             for run in runs:
                 out = Path(tmp) / f"{run}{repeat}"
                 out.mkdir()
-                spec = {
-                    "run": run,
-                    "model": model_cfg,
-                    "balance": balance,
-                    "stages": cfg.stages,
-                    "chunks": cfg.chunks,
-                    "checkpoint": cfg.checkpoint,
-                    "schedule": cfg.schedule,
-                    "peer_schedule": cfg.peer_schedule or cfg.schedule,
-                    "virtual_stages": cfg.virtual_stages,
-                    "batch_size": cfg.batch_size,
-                    "threads": cfg.threads,
-                    "pin": bool(cfg.pin),
-                    "alternate": bool(cfg.alternate) and run in ("ours", "bare"),
-                    "block": cfg.block,
-                    "warmup": max(1, cfg.warmup),
-                    "timed": cfg.timed,
-                    "memory": cfg.memory,
-                    "lr": cfg.lr,
-                    "boundary_bytes": boundary,
-                    "out": str(out),
-                }
+                spec = worker_spec(cfg, run, model_cfg, balance, boundary, out)
                 _wait_for_quiet(cfg.wait_quiet_s)
                 _launch(spec, cfg.timeout)
                 files = sorted(out.glob(f"{run}_rank*.json"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
@@ -491,7 +529,8 @@ def format_memory(rows: list[dict[str, Any]], step_gradient_bytes: list[int]) ->
             value = meter - (step_gradient_bytes[j] if fresh else 0)
             ratio = f"{value / predicted:.2f}" if predicted else "–"
             pairs.append(
-                f"{value / 2**20:.1f} [meter {meter / 2**20:.1f}] (model {predicted / 2**20:.1f}, ratio {ratio})"
+                f"{value / 2**20:.1f} [meter {meter / 2**20:.1f}] "
+                f"(model {predicted / 2**20:.1f}, ratio {ratio})"
             )
         lines.append(
             f"{r['run']} {_schedule_name(r)} M={r['chunks']}: peak MiB per stage: " + " | ".join(pairs)
@@ -511,7 +550,8 @@ def _faster(new: list[dict[str, Any]], old: list[dict[str, Any]]) -> bool:
 
 
 def _keep_timelines(cfg: DictConfig, run: str, out: Path) -> None:
-    """Copy a run's Chrome traces and Gantt charts to ``{csv dir}/timelines/{run}_{model}_n{N}_k{K}_m{M}_{checkpoint}.*``."""
+    """Copy a run's Chrome traces and Gantt charts to
+    ``{csv dir}/timelines/{run}_{model}_n{N}_k{K}_m{M}_{checkpoint}.*``."""
     for name in ("timeline.png", "timeline.json", "bare_timeline.png", "bare_timeline.json"):
         if (out / name).exists():
             target = Path(str(cfg.csv)).parent / "timelines"
@@ -579,7 +619,6 @@ def _rows(
                 workspace_bytes=profile["workspace"],
                 output_bytes=profile["output"][0],
                 boundary_bytes=[b * micro for b in profile["boundary_bytes_per_sample"]],
-                posted_receives=comm.AHEAD + 1,  # the runs are on CPU: Gloo posts receives ahead
             )
             assert sim.peak_activation_bytes is not None
             row["predicted_bubble"] = sim.bubble
@@ -648,9 +687,10 @@ def format_paired(rows: list[dict[str, Any]]) -> str:
         if row.get("vs_peer_paired") not in (None, "")
     ]
     lines += [
-        f"{row['run']} / peer{_peer_schedule(row)}, {row['model']} {_schedule_name(row)} M={row['chunks']}, alternating: "
-        f"{_fmt(row.get('vs_peer_alternating'), '.3f')} "
-        f"(median over {len(str(row.get('vs_peer_alternating_blocks', '')).split('|'))} blocks, its 95 % interval "
+        f"{row['run']} / peer{_peer_schedule(row)}, {row['model']} {_schedule_name(row)} "
+        f"M={row['chunks']}, alternating: {_fmt(row.get('vs_peer_alternating'), '.3f')} "
+        f"(median over {len(str(row.get('vs_peer_alternating_blocks', '')).split('|'))} blocks, "
+        "its 95 % interval "
         f"{str(row.get('vs_peer_alternating_ci') or '–').replace('|', '–')}; "
         f"per block {str(row.get('vs_peer_alternating_blocks', '')).replace('|', ', ')})"
         for row in rows
@@ -704,8 +744,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     bubble of the pipeline (against the schedule's ideal) and of each stage (stage order), step
     window against the cost model, memory."""
     head = (
-        "| run | schedule | K | M | checkpoint | samples/s | ideal samples/s | vs ideal | vs ideal, same micro-batches "
-        "| vs peer | Lightning overhead | bubble (ideal) | bubble per stage | window ms (model) | act. MiB (model) "
+        "| run | schedule | K | M | checkpoint | samples/s | ideal samples/s | vs ideal "
+        "| vs ideal, same micro-batches | vs peer | Lightning overhead | bubble (ideal) "
+        "| bubble per stage | window ms (model) | act. MiB (model) "
         "| RSS MiB |"
     )
     lines = [head, "|" + "---|" * 16]
@@ -715,14 +756,18 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         return f"{_fmt(r.get(key), spec)} ({_fmt(best, spec)})" if r.get(key) not in (None, "") else "–"
 
     for r in rows:
+        stages = str(r["bubble_stages"]).split("|") if r.get("bubble_stages") else []
+        per_stage = " / ".join(_fmt(b, ".2f") for b in stages) if stages else "–"
         lines.append(
             f"| {r['run']} | {_schedule_name(r)} | {r['stages']} | {r['chunks']} | {r['checkpoint']} "
             f"| {pair('samples_per_s', '.0f')} | {_fmt(r.get('ideal_samples_per_s'), '.0f')} "
-            f"| {pair('vs_ideal', '.2f')} | {pair('vs_ideal_mb', '.2f')} | {pair('vs_peer', '.2f')} | {pair('lightning_overhead', '+.1%')} "
+            f"| {pair('vs_ideal', '.2f')} | {pair('vs_ideal_mb', '.2f')} | {pair('vs_peer', '.2f')} "
+            f"| {pair('lightning_overhead', '+.1%')} "
             f"| {_fmt(r['bubble'], '.2f')} ({_fmt(r['bubble_ideal'], '.2f')}) "
-            f"| {' / '.join(_fmt(b, '.2f') for b in str(r['bubble_stages']).split('|')) if r.get('bubble_stages') else '–'} "
+            f"| {per_stage} "
             f"| {_fmt(r['window_s'], '.1f', 1e3)} ({_fmt(r['predicted_window_s'], '.1f', 1e3)}) "
-            f"| {_fmt(r['activation_bytes'], '.1f', 2**-20)} ({_fmt(r['predicted_activation_bytes'], '.1f', 2**-20)}) "
+            f"| {_fmt(r['activation_bytes'], '.1f', 2**-20)} "
+            f"({_fmt(r['predicted_activation_bytes'], '.1f', 2**-20)}) "
             f"| {_fmt(r['rss_bytes'], '.0f', 2**-20)} |"
         )
     return "\n".join(lines)
@@ -846,7 +891,8 @@ def capacity(cfg: DictConfig) -> list[dict[str, Any]]:
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r['checkpoint']} | {r['num_layers']} | {r['params'] / 1e6:.2f} M | {r['need_bytes'] / 2**20:.1f} "
+            f"| {r['checkpoint']} | {r['num_layers']} | {r['params'] / 1e6:.2f} M "
+            f"| {r['need_bytes'] / 2**20:.1f} "
             f"| {r['budget_bytes'] / 2**20:.0f} | {r['num_layers'] / first:.2f}× |"
         )
     return rows
@@ -899,8 +945,8 @@ def report(path: str | Path) -> str:
         stages = int(k)
         name = schedule + (f" v={v}" if v > 1 else "")
         lines = [
-            f"\n{model}, K={stages}, checkpoint={checkpoint}, schedule={name}: samples/s normalized to the same "
-            "run at M=1 (median step; shortest step in parentheses)",
+            f"\n{model}, K={stages}, checkpoint={checkpoint}, schedule={name}: "
+            "samples/s normalized to the same run at M=1 (median step; shortest step in parentheses)",
             "| M | ideal K·M/(M+(K-1)/v) | ours | bare | peer | GPipe Table 2 (Transformer, K=2) |",
             "|---|---|---|---|---|---|",
         ]
@@ -923,8 +969,8 @@ def report(path: str | Path) -> str:
         model_rows = [(m, r) for m, r in model_rows if r.get("predicted_window_s")]
         if model_rows:
             lines += [
-                "\nCost model (lightning_gpipe.tools.simulate fed with the run's own per-stage span medians and the "
-                "measured P2P latency) against the measured step window (median)",
+                "\nCost model (lightning_gpipe.tools.simulate fed with the run's own per-stage span "
+                "medians and the measured P2P latency) against the measured step window (median)",
                 "| M | run | measured ms | predicted ms (ping-pong latency) | error "
                 "| predicted ms (in-run message delay) | error |",
                 "|---|---|---|---|---|---|---|",
@@ -949,6 +995,9 @@ def main(cfg: DictConfig) -> float | None:
         return None
     if cfg.mode == "report":
         print(report(cfg.csv))
+        return None
+    if cfg.mode == "spec":
+        write_spec(cfg)
         return None
     rows = benchmark(cfg)
     ours = next((r for r in rows if r["run"] == "ours"), None)

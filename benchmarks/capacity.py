@@ -16,11 +16,11 @@ predicts the largest L from the line and checks it (and its neighbours) by measu
 ``overhead`` times one stage with M micro-batches with and without recompute: recompute's time
 overhead (GPipe section 2.3 puts it near 1/3 of the step, one extra forward).
 
-Commands (``--small``: tiny sizes, to check the code paths in seconds)::
+Commands, from the repository root (``--small``: tiny sizes, to check the code paths in seconds)::
 
-    python benchmarks/capacity.py table --device cpu --budget-mib 1024 --out benchmarks/results/capacity_cpu
-    python benchmarks/capacity.py table --device cuda --rows naive 1:always --budget-mib 8192
-    python benchmarks/capacity.py overhead --device cuda --chunks 8
+    python -m benchmarks.capacity table --device cpu --budget-mib 1024 --out benchmarks/results/capacity_cpu
+    python -m benchmarks.capacity table --device cuda --rows naive 1:always --budget-mib 8192
+    python -m benchmarks.capacity overhead --device cuda --chunks 8
 
 Each command writes ``<command>.csv`` and ``<command>.md`` under ``--out`` (default: ``$OUT``
 if set, else ``benchmarks/results/capacity``) and prints the markdown table.
@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MIB = 2**20
 
@@ -172,8 +171,9 @@ def _peak_rss_bytes() -> int:
 
 
 def run_trial(spec: dict[str, Any], work: Path, timeout: float) -> list[dict[str, Any]] | None:
-    """One job in fresh processes (``stages`` of them, 1 for Naive-1); every rank's record, or None if it failed."""
-    from benchmarks.launch import JobTimeout, job_env, run_job
+    """One job in fresh processes (``stages`` of them, 1 for Naive-1); every rank's record, or None
+    if it failed."""
+    from lightning_gpipe.tools.launch import JobTimeout, job_env, run_job
 
     work.mkdir(parents=True, exist_ok=True)
     for old in work.glob("rank*.json"):
@@ -181,8 +181,10 @@ def run_trial(spec: dict[str, Any], work: Path, timeout: float) -> list[dict[str
     spec = dict(spec, out=str(work))
     path = work / "spec.json"
     path.write_text(json.dumps(spec))
-    env = job_env(threads=spec.get("threads", 1), extra={"PYTHONPATH": str(ROOT)})
-    command = [sys.executable, str(Path(__file__).resolve()), "trial", str(path)]
+    env = job_env(threads=spec.get("threads", 1))
+    # run from the checkout as a module: its packages (lightning_gpipe, recipes, benchmarks) import
+    # from the working directory, and Lightning's launcher starts the other ranks the same way
+    command = [sys.executable, "-m", "benchmarks.capacity", "trial", str(path)]
     try:
         ((code, output),) = run_job(command, env=env, cwd=ROOT, timeout=timeout)
     except JobTimeout:
@@ -330,7 +332,8 @@ def _write(args: argparse.Namespace, name: str, rows: list[dict[str, Any]]) -> N
         writer.writerows(rows)
     size = SIZES["small" if args.small else args.device]
     lines = [
-        f"{name}: {args.device}, Transformer d_model={size['d_model']} d_ff={size['d_ff']} heads={size['num_heads']} "
+        f"{name}: {args.device}, Transformer d_model={size['d_model']} d_ff={size['d_ff']} "
+        f"heads={size['num_heads']} "
         f"vocab={size['vocab_size']} seq_len={size['seq_len']} batch={size['batch']}, fp32, Adam"
         + (f", budget {args.budget_mib} MiB per rank" if name == "table" else ""),
         "",

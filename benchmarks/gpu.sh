@@ -7,13 +7,14 @@
 #   2. recompute's time overhead: one stage, M = 8, 8 blocks, checkpoint never vs always;
 #   3. one bf16-mixed training run of the main job's model (recipes/train.py trainer=gpu, one stage).
 # Results (CSV and markdown; the training run's metrics.csv and log) go under $OUT when it is set,
-# else benchmarks/results/gpu; a summary is printed at the end (summary.md).
+# else benchmarks/results/gpu (not versioned); a summary is printed at the end (summary.md), which
+# is what the GPU section of docs/benchmarks.md takes.
 #
 #   bash benchmarks/gpu.sh                  # on a machine with one CUDA device
 #   bash benchmarks/gpu.sh --small --cpu    # tiny sizes on the CPU: checks the code paths only
 #
 # Several stages on CUDA need one GPU per rank (NCCL refuses two ranks on one device), so this
-# script measures K = 1 only; K = 2 runs on CPU (benchmarks/capacity.py table --device cpu).
+# script measures K = 1 only; K = 2 runs on CPU (python -m benchmarks.capacity table --device cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,7 +34,7 @@ fi
 if [[ "$DEVICE" == cuda ]] && ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu.sh: no CUDA device is visible (torch.cuda.is_available() is False); this script measures on one GPU." >&2
   echo "        On CPU: bash benchmarks/gpu.sh --small --cpu (code paths only), or" >&2
-  echo "        python benchmarks/capacity.py table --device cpu (the CPU capacity table)." >&2
+  echo "        python -m benchmarks.capacity table --device cpu (the CPU capacity table)." >&2
   exit 2
 fi
 
@@ -53,12 +54,12 @@ fi
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" > "$RESULTS/versions.txt"
 
 echo "== 1/3 capacity, K = 1: Naive-1 vs Pipeline-1 (recompute), budget $BUDGET MiB"
-timeout "$CAP_T" python benchmarks/capacity.py table --device "$DEVICE" $SMALL --rows naive 1:always \
+timeout "$CAP_T" python -m benchmarks.capacity table --device "$DEVICE" $SMALL --rows naive 1:always \
   --budget-mib "$BUDGET" --chunks 8 --max-layers 64 --timeout "$CAP_TRIAL" --out "$RESULTS" \
   || echo "capacity: did not finish within $CAP_T s (partial output above)"
 
 echo "== 2/3 recompute time overhead: one stage, M = 8, $LAYERS blocks"
-timeout "$OVH_T" python benchmarks/capacity.py overhead --device "$DEVICE" $SMALL --chunks 8 --layers "$LAYERS" \
+timeout "$OVH_T" python -m benchmarks.capacity overhead --device "$DEVICE" $SMALL --chunks 8 --layers "$LAYERS" \
   --warmup 3 --timed 10 --timeout "$OVH_TRIAL" --out "$RESULTS" \
   || echo "overhead: did not finish within $OVH_T s"
 

@@ -13,11 +13,14 @@ prints, per process and thread:
   libc, other);
 - for tracepoints (``-e syscalls:sys_enter_epoll_wait`` …): events per step (``#epoll_wait``).
 
-Usage (the spec is the one ``benchmarks/benchmark.py`` writes into its ``out`` folder; section 13
-of BENCHMARKS.md)::
+Usage, from the repository root (``mode=spec`` writes the spec the benchmark would hand its
+worker, and the worker writes its results beside it)::
 
-    perf record -k CLOCK_MONOTONIC -F 999 -e cpu-clock -o perf.data -- python -m benchmarks.worker SPEC.json
-    python -m benchmarks.perf_turns OUT/ours_rank0.json perf.data
+    python -m benchmarks.benchmark mode=spec schedule=1f1b chunks=8 warmup=4 memory=false \
+        alternate=true block=4 timed=160 'runs=[ours]' spec=/tmp/gpipe-perf/ours.json
+    perf record -k CLOCK_MONOTONIC -F 999 -e cpu-clock -o perf.data -- \
+        python -m benchmarks.worker /tmp/gpipe-perf/ours.json
+    python -m benchmarks.perf_turns /tmp/gpipe-perf/ours_rank0.json perf.data
 
 The windows come from rank 0; the ranks take their turns together, so rank 1's steps fall in
 the same windows to within the pipeline's skew of a few milliseconds.

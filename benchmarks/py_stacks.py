@@ -7,7 +7,7 @@ processes to sample them (``--nonblocking``), then read the file::
     pip install py-spy
     C="chunks=8 warmup=4 memory=false predict=false timed=100"
     py-spy record --nonblocking --subprocesses --format raw -r 250 -o ours.txt -- \\
-        python benchmarks/benchmark.py schedule=interleaved_1f1b virtual_stages=2 $C 'runs=[ours]'
+        python -m benchmarks.benchmark schedule=interleaved_1f1b virtual_stages=2 $C 'runs=[ours]'
     python -m benchmarks.py_stacks ours.txt
 
 Each sample of a stage process's training loop (a stack through ``run_ours`` or ``run_peer`` of

@@ -1,7 +1,7 @@
 """Worker of ``benchmarks/benchmark.py``: one timed run of one configuration, in its own processes.
 
-Usage: ``python -m benchmarks.worker SPEC.json`` (the benchmark writes the spec). ``run``
-is one of:
+Usage: ``python -m benchmarks.worker SPEC.json`` (the benchmark writes the spec; ``python -m
+benchmarks.benchmark mode=spec spec=SPEC.json …`` writes it without running). ``run`` is one of:
 
 - ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under a Lightning ``Trainer`` (Lightning's
   launcher re-runs this command for the other stages), with ``timeline=True`` and the spec's
@@ -26,7 +26,7 @@ each block pair.
 ``bare`` and ``peer`` start like ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_*`` set by the
 benchmark). Every run takes ``warmup`` steps, then ``timed`` steps whose durations (seconds between
 consecutive step ends, optimizer step included) are reported, then, with ``memory``, one step under
-:class:`~benchmarks.memory.TensorMemoryMeter`. Every run zeroes gradients the same way
+:class:`~lightning_gpipe.tools.meter.TensorMemoryMeter`. Every run zeroes gradients the same way
 (:func:`_set_to_none`). With ``pin``, each rank of ``ours``, ``bare`` and ``peer`` and its threads run
 on cores of their own (:func:`pin_rank`). Each rank writes ``{out}/{run}_rank{r}.json``.
 """
@@ -46,13 +46,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from benchmarks.memory import TensorMemoryMeter, peak_rss_bytes
 from benchmarks.workloads import Batch, build_model, loss_fn, make_batches, summed_loss_fn
 from lightning_gpipe.engine.microbatch import split
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.partition.cut import cut, virtual_cut
 from lightning_gpipe.schedule import SCHEDULES
 from lightning_gpipe.strategy.microstep import split_batch
+from lightning_gpipe.tools.meter import TensorMemoryMeter, peak_rss_bytes
 from lightning_gpipe.tools.timeline import Timeline, gather, step_stats
 from lightning_gpipe.tools.trace import plot_gantt, write_chrome_trace
 from lightning_gpipe.transport.layout import Layout, StageTopology
@@ -494,7 +494,8 @@ class Peer:
             name == "interleaved_1f1b" or spec.get("virtual_stages", 1) > 1
         ):
             raise ValueError(
-                f"peer_schedule={name!r} with schedule={spec.get('schedule')!r}: a yardstick runs one virtual stage per stage"
+                f"peer_schedule={name!r} with schedule={spec.get('schedule')!r}: "
+                "a yardstick runs one virtual stage per stage"
             )
         parts = len(spec["balance"])  # K, or K·v with virtual stages: stage s runs parts s, s+K, ...
         submodules = [
@@ -602,6 +603,7 @@ def pin_rank(rank: int, threads: int, cpus: list[int]) -> list[int]:
 
 def main(argv: list[str]) -> None:
     spec = json.loads(Path(argv[1]).read_text())
+    Path(spec["out"]).mkdir(parents=True, exist_ok=True)  # a spec from mode=spec names a folder to create
     if spec.get("pin") and spec["run"] != "single":  # before any thread starts: they inherit it
         rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
         # the job's cores, as the first process found them (Lightning's launcher starts the other

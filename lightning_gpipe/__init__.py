@@ -6,14 +6,18 @@
 
 import importlib
 
-from lightning_gpipe.engine.microbatch import MicroBatchError, no_chunk
-from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
-from lightning_gpipe.partition.cut import PartitionError
+from lightning_gpipe.engine import PipelineStage, no_chunk
+from lightning_gpipe.errors import (
+    MicroBatchError,
+    PartitionError,
+    PipelineUsageError,
+    StageError,
+    UnsafeCheckpointError,
+)
 from lightning_gpipe.schedule import Action, fill_drain, format_grid
-from lightning_gpipe.state.loading import UnsafeCheckpointError, load_from_checkpoint
+from lightning_gpipe.state import load_from_checkpoint
 from lightning_gpipe.strategy import _namespace
 from lightning_gpipe.strategy.strategy import GPipeStrategy
-from lightning_gpipe.transport.failure import StageError
 
 
 def strategy_class(namespace: str = "pytorch_lightning") -> type[GPipeStrategy]:

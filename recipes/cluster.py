@@ -116,7 +116,8 @@ def launch_rank() -> tuple[int, bool]:
 
     Returns:
         tuple[int, bool]: the rank, and whether the processes were started by an external
-        launcher (Lightning's cluster environments: SLURM, torchelastic/``torchrun``, LSF; or :class:`SubmititLocalEnvironment`). Otherwise the rank comes from ``RANK``, then
+        launcher (Lightning's cluster environments: SLURM, torchelastic/``torchrun``, LSF; or
+        :class:`SubmititLocalEnvironment`). Otherwise the rank comes from ``RANK``, then
         ``LOCAL_RANK`` (a rank Lightning's launcher started), else 0; ``NODE_RANK`` > 0 makes a
         process of a hand-started multi-node job count as not rank 0.
     """

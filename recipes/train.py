@@ -5,11 +5,12 @@
     python recipes/train.py model=gpt2 pipeline.chunks=8    # transformers GPT-2 (also llama, resnet, vit)
     python recipes/train.py pipeline.chunks=32 pipeline.checkpoint=always
     python recipes/train.py -m pipeline.chunks=1,4,8        # a sweep: one job of 2 processes per value
-    python recipes/train.py -m pipeline.schedule=gpipe,1f1b # fill-drain, then 1F1B (training_step per micro-batch)
+    python recipes/train.py -m pipeline.schedule=gpipe,1f1b # fill-drain, then 1F1B
+                                                            # (training_step per micro-batch)
 
 Every process of a job runs this script (Lightning's launcher starts ranks 1.. with the job's
-own overrides, see :mod:`lightning_gpipe.strategy.launcher`; ``torchrun``, ``srun`` or submitit start every
-rank themselves, see :mod:`recipes.cluster`) and writes into the one output directory of the job,
+own overrides, see :mod:`lightning_gpipe.strategy.launcher`; ``torchrun``, ``srun`` or submitit
+start every rank themselves, see :mod:`recipes.cluster`) and writes into the one output directory of the job,
 the one rank 0 resolved: ``.hydra/config.yaml`` (rank 0), ``metrics.csv`` and ``hparams.yaml``
 (CSVLogger), ``tensorboard/`` when tensorboard is installed, ``checkpoints/`` (best and last) and
 the log files ``train.log`` (rank 0) and ``train_rank<r>.log``.

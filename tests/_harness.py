@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """:func:`tests.launch.job_env` with the repository root on ``PYTHONPATH`` (workers import ``tests``)."""
+    """:func:`tests.launch.job_env` with the repository root on ``PYTHONPATH`` (workers import
+    ``tests``)."""
     env = job_env(threads=1)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra or {})

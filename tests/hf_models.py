@@ -1,4 +1,5 @@
-"""Tiny transformers models (from configs, never the hub) under a LightningModule whose ``layers`` is the adapter."""
+"""Tiny transformers models (from configs, never the hub) under a LightningModule whose ``layers``
+is the adapter."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def build_hf(family: str):
         )  # fmt: skip
         return GPT2LMHeadModel(config)
     config = LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
     return LlamaForCausalLM(config)
 
@@ -143,12 +145,14 @@ def reference(family: str, steps: int = 5):
 
 
 def micro_batch_reference(family: str, chunks: int) -> tuple[HFImageClassifier, list[int]]:
-    """One SGD step of the image module on one device as GPipe with ``chunks`` micro-batches and deferred BatchNorm
-    computes it, written out without the library: the first batch of :func:`image_data` split as
-    ``torch.tensor_split`` splits it, each micro-batch's forward in train mode (every BatchNorm normalises by that
-    micro-batch's statistics) and backward of its loss weighted by n_i / N, gradients accumulated, one step; then
-    every BatchNorm's running statistics set by one momentum update from the inputs it received over all micro-
-    batches, concatenated (mean, unbiased variance; ``num_batches_tracked`` + 1), as a deferred BatchNorm commits.
+    """One SGD step of the image module on one device as GPipe with ``chunks`` micro-batches and
+    deferred BatchNorm computes it, written out without the library: the first batch of
+    :func:`image_data` split as ``torch.tensor_split`` splits it, each micro-batch's forward in
+    train mode (every BatchNorm normalises by that micro-batch's statistics) and backward of its
+    loss weighted by n_i / N, gradients accumulated, one step; then every BatchNorm's running
+    statistics set by one momentum update from the inputs it received over all micro-batches,
+    concatenated (mean, unbiased variance; ``num_batches_tracked`` + 1), as a deferred BatchNorm
+    commits.
 
     Returns the module after the step and the micro-batch sizes.
     """

@@ -1,74 +1,30 @@
-"""Start multi-process jobs under a hard timeout: the tests' own launcher (tests/_harness.py).
+"""The tests' job launcher: torchrun-style ranks forked from a fork server (:class:`Zygote`).
 
-The benchmarks keep their own copy (benchmarks/launch.py): the product's tests do not import the
-lab, and the lab does not import the tests.
-
-A job is one command started once (Lightning's launcher starts the other ranks itself) or once
-per rank with ``RANK``/``LOCAL_RANK``/``WORLD_SIZE`` set, as ``torchrun`` does. Every started
-process leads a process group of its own (``start_new_session``), so on timeout the whole job,
-ranks started by Lightning included, is killed with one ``killpg`` per process, and a job is
-over only when no process of those groups is left.
+A job is run by :mod:`lightning_gpipe.tools.launch` (every process in a process group of its own,
+killed whole on timeout); ranks that ``python script ...`` starts once per rank come instead
+forked from a process that has imported torch and Lightning (``tests/workers/zygote.py``), which
+saves each rank the imports. ``GPIPE_TEST_FRESH=1`` starts every rank as a fresh interpreter.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import os
+import select
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from lightning_gpipe.tools.launch import JobTimeout, group_alive, job_env, run_processes
 
-__all__ = ["JobTimeout", "job_env", "run_job", "run_processes"]
-
-# What a launcher sets for its ranks; removed from the job's environment so that a job started from
-# inside another job (a test under torchrun, a benchmark in a Lightning process) starts afresh.
-RANK_KEYS = (
-    "LOCAL_RANK",
-    "RANK",
-    "WORLD_SIZE",
-    "NODE_RANK",
-    "GROUP_RANK",
-    "LOCAL_WORLD_SIZE",
-    "PL_GLOBAL_SEED",
-)
-
-
-class JobTimeout(RuntimeError):
-    """A job ran past its timeout and was killed; the message holds every process's output."""
-
-
-def job_env(threads: int = 1, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a fresh job on this machine.
-
-    ``MASTER_ADDR=127.0.0.1`` and a free ``MASTER_PORT`` (Lightning's
-    ``find_free_network_port``), ``OMP_NUM_THREADS=threads``, unbuffered output, Lightning's
-    fork-based launching off (``PL_DISABLE_FORK=1``), no rank variables of an enclosing job
-    (:data:`RANK_KEYS`), then ``extra``.
-    """
-    env = dict(os.environ)
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(find_free_network_port()),
-        OMP_NUM_THREADS=str(threads),
-        PYTHONUNBUFFERED="1",
-        PL_DISABLE_FORK="1",
-    )
-    for key in RANK_KEYS:
-        env.pop(key, None)
-    env.update(extra or {})
-    return env
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+__all__ = ["JobTimeout", "Zygote", "job_env", "run_job", "run_processes"]
 
 
 def run_job(
@@ -124,8 +80,6 @@ class Zygote:
 
     @staticmethod
     def usable(command: Sequence[str]) -> bool:
-        import sys
-
         return (
             os.environ.get("GPIPE_TEST_FRESH") != "1"
             and len(command) >= 2
@@ -140,9 +94,6 @@ class Zygote:
         return cls._instance
 
     def __init__(self) -> None:
-        import sys
-        import tempfile
-
         root = Path(__file__).resolve().parents[1]
         env = job_env(threads=1)
         env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
@@ -157,8 +108,6 @@ class Zygote:
             start_new_session=True,
         )
         self.jobs = 0
-        import atexit
-
         atexit.register(self.close)
 
     def close(self) -> None:
@@ -167,14 +116,9 @@ class Zygote:
             self.proc.wait(timeout=10)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        import shutil
-
         shutil.rmtree(self.logs, ignore_errors=True)
 
     def _line(self, deadline: float) -> dict | None:
-        import json
-        import select
-
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -193,8 +137,6 @@ class Zygote:
         cwd: str | Path | None = None,
         timeout: float = 240.0,
     ) -> list[tuple[int, str]]:
-        import json
-
         self.jobs += 1
         logs = [self.logs / f"job{self.jobs}_proc{k}.log" for k in range(len(processes))]
         request = {
@@ -213,9 +155,9 @@ class Zygote:
         done = self._line(deadline)
         if done is not None:  # ranks' own children (none expected) may still be ending
             for pid in pids:
-                while _group_alive(pid) and time.monotonic() < deadline:
+                while group_alive(pid) and time.monotonic() < deadline:
                     time.sleep(0.2)
-        if done is None or any(_group_alive(pid) for pid in pids):
+        if done is None or any(group_alive(pid) for pid in pids):
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pid, signal.SIGKILL)
@@ -227,48 +169,3 @@ class Zygote:
         for log in logs:
             log.unlink()
         return list(zip(done["rcs"], outs))
-
-
-def run_processes(
-    processes: Sequence[tuple[Sequence[str], dict[str, str]]],
-    *,
-    cwd: str | Path | None = None,
-    timeout: float = 240.0,
-) -> list[tuple[int, str]]:
-    """Run the processes of one job, each ``(argv, environment)`` (e.g. two ``torchrun`` nodes,
-    or ranks with a cluster's variables), and wait for all of them, as :func:`run_job` does.
-
-    Raises:
-        JobTimeout: the job did not end within ``timeout`` seconds; every process group of the
-            job is killed (SIGKILL) first.
-    """
-    procs = [
-        subprocess.Popen(
-            list(command),
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        for command, env in processes
-    ]
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-            results.append((p.returncode, out))
-        for p in procs:  # ranks started by Lightning's launcher live in the same process group
-            while _group_alive(p.pid):
-                if time.monotonic() > deadline:
-                    raise subprocess.TimeoutExpired(str(p.args), timeout)
-                time.sleep(0.2)
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):  # already gone
-                os.killpg(p.pid, signal.SIGKILL)
-        outs = [p.communicate()[0] for p in procs]
-        raise JobTimeout(f"job exceeded its {timeout} s timeout; output:\n" + "\n".join(outs)) from None
-    return results

@@ -187,7 +187,8 @@ class Counter(nn.Module):
 
 
 class EmaCenter(nn.Module):
-    """``x - mean``, then (training) ``mean`` moves halfway to the batch mean: the output depends on the buffer."""
+    """``x - mean``, then (training) ``mean`` moves halfway to the batch mean: the output depends on
+    the buffer."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -690,7 +691,8 @@ class Writer(pl.callbacks.BasePredictionWriter):
 
 def feature_callbacks(names: dict) -> list:
     """Lightning callbacks by name, from the test namespace: ``{"swa": kwargs, "ema": kwargs,
-    "throughput": kwargs, "summary": kwargs, "writer": kwargs, "pruning": kwargs (ModelPruning("l1_unstructured")),
+    "throughput": kwargs, "summary": kwargs, "writer": kwargs,
+    "pruning": kwargs (ModelPruning("l1_unstructured")),
     "lr_monitor": kwargs, "accumulation": {"scheduling": {epoch (str or int): factor}},
     "stop_probe": {} (:class:`StopProbe`)}``."""
     made = {

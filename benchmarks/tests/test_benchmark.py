@@ -334,14 +334,16 @@ def test_interleaved_rows_take_the_bubble_limited_ideal_and_show_each_stages_bub
 
 @pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
 def test_the_workers_timeline_summary_gives_each_stages_bubble(schedule, v):
-    """benchmarks.worker's summary of gathered records: the bubble and each stage's idle share per timed step."""
+    """benchmarks.worker's summary of gathered records: the bubble and each stage's idle share per
+    timed step."""
     records, sim = records_from_simulation(2, 4, schedule=schedule, virtual_stages=v, steps=3)
     summary = _timeline_summary(records, {"warmup": 1, "timed": 2})
     assert summary["bubble"] == [pytest.approx(sim.bubble)] * 2
     assert summary["stage_bubble"] == [pytest.approx([1 - b / sim.step_time for b in sim.busy])] * 2
 
 
-@pytest.mark.slow  # about 60 s: four small jobs; the every-run-kind test covers the driver in the default suite
+# about 60 s: four small jobs; the every-run-kind test covers the driver in the default suite
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("schedule", "v"), [("1f1b", 1), ("interleaved_1f1b", 2)])
 def test_schedules_run_ours_against_the_peers_same_schedule(tmp_path, schedule, v):

@@ -2,17 +2,28 @@
 
 from benchmarks.py_stacks import classify, main, read
 
-_LOOP = 'process 1:"python -m benchmarks.worker";<module> (benchmarks/worker.py:9);run_ours (benchmarks/worker.py:200)'
-_PEER = 'process 2:"python -m benchmarks.worker";run_peer (benchmarks/worker.py:532);Peer.step (benchmarks/worker.py:518)'
+_LOOP = (
+    'process 1:"python -m benchmarks.worker";<module> (benchmarks/worker.py:9);'
+    "run_ours (benchmarks/worker.py:200)"
+)
+_PEER = (
+    'process 2:"python -m benchmarks.worker";run_peer (benchmarks/worker.py:532);'
+    "Peer.step (benchmarks/worker.py:518)"
+)
 LINES = [
-    f"{_LOOP};ColumnExecutor._backward_one (lightning_gpipe/engine/executor.py:324);_engine_run_backward (torch/autograd/graph.py:979) 50\n",
-    f"{_LOOP};ColumnExecutor._compute (lightning_gpipe/engine/executor.py:260);Linear.forward (torch/nn/modules/linear.py:134) 30\n",
-    f"{_LOOP};Module._call_impl (torch/nn/modules/module.py:1789);ColumnExecutor._post (lightning_gpipe/engine/executor.py:285);"
+    f"{_LOOP};ColumnExecutor._backward_one (lightning_gpipe/engine/executor.py:324);"
+    "_engine_run_backward (torch/autograd/graph.py:979) 50\n",
+    f"{_LOOP};ColumnExecutor._compute (lightning_gpipe/engine/executor.py:260);"
+    "Linear.forward (torch/nn/modules/linear.py:134) 30\n",
+    f"{_LOOP};Module._call_impl (torch/nn/modules/module.py:1789);"
+    "ColumnExecutor._post (lightning_gpipe/engine/executor.py:285);"
     "P2P.send (lightning_gpipe/transport/p2p.py:171);isend (torch/distributed/distributed_c10d.py:2652) 7\n",
-    f"{_LOOP};P2P.recv (lightning_gpipe/transport/p2p.py:228);_wait (lightning_gpipe/transport/p2p.py:466) 5\n",
+    f"{_LOOP};P2P.recv (lightning_gpipe/transport/p2p.py:228);"
+    "_wait (lightning_gpipe/transport/p2p.py:466) 5\n",
     f"{_LOOP};SGD.step (torch/optim/sgd.py:127);_single_tensor_sgd (torch/optim/sgd.py:379) 2\n",
     f"{_LOOP};ColumnExecutor._advance (lightning_gpipe/engine/executor.py:160) 6\n",
-    f"{_PEER};_batch_p2p (torch/distributed/pipelining/schedules.py:643);irecv (torch/distributed/distributed_c10d.py:2709) 4\n",
+    f"{_PEER};_batch_p2p (torch/distributed/pipelining/schedules.py:643);"
+    "irecv (torch/distributed/distributed_c10d.py:2709) 4\n",
     'process 3:"python benchmarks/benchmark.py";<module> (benchmarks/benchmark.py:72) 99\n',
     "not a stack line\n",
 ]

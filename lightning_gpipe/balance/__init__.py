@@ -35,7 +35,8 @@ from lightning_gpipe.balance.profile import (
     profile_sizes,
     profile_times,
 )
-from lightning_gpipe.engine.microbatch import sizes
+from lightning_gpipe.errors import check_count
+from lightning_gpipe.schedule import sizes
 
 __all__ = [
     "LayerProfile",
@@ -97,8 +98,7 @@ def uniform_balance(num_layers: int, stages: int) -> list[int]:
         TypeError: ``num_layers`` or ``stages`` is not an ``int``.
         ValueError: ``stages < 1`` or more stages than layers.
     """
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int):
-        raise TypeError(f"num_layers must be an int (got {type(num_layers).__name__}: {num_layers!r})")
+    check_count("num_layers", num_layers)
     blockpartition.validate_costs([0.0] * max(num_layers, 0), stages)
     return sizes(num_layers, stages)  # the near-equal split, larger first (stages <= num_layers here)
 

@@ -28,6 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lightning_gpipe.errors import check_count
+
 __all__ = ["solve", "stage_costs", "validate_costs"]
 
 # key of a (partial) partition, smaller is better:
@@ -50,10 +52,7 @@ def validate_costs(costs: Sequence[float], stages: int) -> list[float]:
         ValueError: ``stages < 1``, more stages than layers, or a cost that is
             negative, NaN or infinite.
     """
-    if isinstance(stages, bool) or not isinstance(stages, int):
-        raise TypeError(f"stages must be an int (got {type(stages).__name__}: {stages!r})")
-    if stages < 1:
-        raise ValueError(f"stages must be at least 1 (got {stages})")
+    check_count("stages", stages)
     values = [float(c) for c in costs]
     if stages > len(values):
         raise ValueError(

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe._compat import children, own_buffers, own_parameters
+from lightning_gpipe.errors import LayerProfilingError
 
 __all__ = [
     "LayerProfile",
@@ -41,17 +42,6 @@ __all__ = [
 ]
 
 Sample = torch.Tensor | Sequence[torch.Tensor]
-
-
-class LayerProfilingError(RuntimeError):
-    """A layer failed while being profiled; the message names the layer, ``__cause__`` holds
-    the original exception."""
-
-    def __init__(self, index: int, name: str, layer: nn.Module, what: str) -> None:
-        self.index = index
-        self.name = name
-        self.layer_class = type(layer).__name__
-        super().__init__(f"profiling layer {index} ('{name}', {self.layer_class}) failed during {what}")
 
 
 @dataclass(frozen=True)

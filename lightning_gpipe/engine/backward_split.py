@@ -6,8 +6,7 @@ Two uses, one mechanism (:class:`Split`):
 
 - the drain of every schedule: a stage's last backward of a step that sends a gradient sends it
   before its weight gradients are computed, so the stage before it starts its own last backward
-  about one weight-gradient pass earlier (with the MLP benchmark, K = 2, M = 8, 1F1B: BENCHMARKS.md
-  section 22);
+  about one weight-gradient pass earlier;
 - ``schedule="zb_h1"`` (:func:`lightning_gpipe.schedule.zb_h1`): every ``B i`` computes the
   input gradient only and the schedule's ``W i`` computes the weight gradients later, where the
   stage would otherwise idle.

@@ -1,22 +1,23 @@
 """The executor of one stage's schedule column: runs ``F i`` and ``B i`` in order, receiving,
 computing and sending exactly what each action names.
 
-:class:`ColumnExecutor` is the half of :class:`~lightning_gpipe.engine.stage.PipelineStage` that runs
-actions over a :class:`~lightning_gpipe.engine.plan.StepRun`: it builds the step's run from the
-schedule's grid (M from the first stage's split or the first message's header; what each action
-receives and sends is planned once per step shape, :class:`~lightning_gpipe.engine.plan.ColumnPlan`), runs the column
-from its cursor while the actions are runnable, announces the messages each stretch receives
-(:func:`~lightning_gpipe.schedule.messages`), computes each micro-batch on the stage's own random
-stream (:mod:`lightning_gpipe.engine.rng`; recomputable: :mod:`lightning_gpipe.engine.recompute`, replaying
-the module state its forward saw: :mod:`lightning_gpipe.engine.effects`) and sends in the order each peer takes its messages (where the
-grid's stages take them in another order than sent, :func:`~lightning_gpipe.schedule.in_send_order`,
-a send waits for its turn: :mod:`lightning_gpipe.engine.outbox`). The stage's module face (layers under the user's names, the calls,
-the step's contracts) is :mod:`lightning_gpipe.engine.stage`.
+:class:`ColumnExecutor` is the component of :class:`~lightning_gpipe.engine.stage.PipelineStage`
+that runs actions over a :class:`~lightning_gpipe.engine.plan.StepRun`: it builds the step's run
+from the schedule's grid (M from the first stage's split or the first message's header; what each
+action receives and sends is planned once per step shape,
+:class:`~lightning_gpipe.engine.plan.ColumnPlan`), runs the column from its cursor while the actions
+are runnable, receives what each action names as it runs it, computes each micro-batch on the
+stage's own random stream (:mod:`lightning_gpipe.engine.rng`; recomputable:
+:mod:`lightning_gpipe.engine.recompute`, replaying the module state its forward saw:
+:class:`~lightning_gpipe.engine.recompute.ForwardState`) and sends in the order each peer takes
+its messages (where the grid's stages take them in another order than sent,
+:func:`~lightning_gpipe.schedule.in_send_order`, a send waits for its turn:
+:func:`~lightning_gpipe.engine.plan.release`). The stage's module face (layers under the user's names, the
+calls, the step's contracts) is :mod:`lightning_gpipe.engine.stage`.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -26,53 +27,69 @@ import torch
 from torch import Tensor, nn
 
 from lightning_gpipe.engine import backward_split as input_first
-from lightning_gpipe.engine import outbox, recompute
+from lightning_gpipe.engine import recompute
 from lightning_gpipe.engine.batchnorm import no_accumulate
-from lightning_gpipe.engine.effects import ForwardState
 from lightning_gpipe.engine.microbatch import flatten, scatter, unflatten
-from lightning_gpipe.engine.plan import ColumnPlan, StepRun
+from lightning_gpipe.engine.plan import ColumnPlan, StepRun, release
 from lightning_gpipe.engine.rng import StageGenerator
 from lightning_gpipe.engine.skip import MicroBatchStore, use_store
-from lightning_gpipe.schedule import Action, Grid, Transfer, announced_until
+from lightning_gpipe.errors import PipelineUsageError
+from lightning_gpipe.schedule import Action, Grid, Transfer
 from lightning_gpipe.transport.failure import naming_errors
 from lightning_gpipe.transport.layout import StageTopology
 from lightning_gpipe.transport.p2p import P2P
 from lightning_gpipe.transport.wire import Meta
 
-__all__ = ["ColumnExecutor", "PipelineUsageError"]
+__all__ = ["ColumnExecutor"]
 
 
-class PipelineUsageError(RuntimeError):
-    """The pipelined module was used in a way the pipeline cannot run (e.g. called twice in a step)."""
+class ColumnExecutor:
+    """Runs one stage's schedule column over a :class:`~lightning_gpipe.engine.plan.StepRun`.
 
+    Owned by its :class:`~lightning_gpipe.engine.stage.PipelineStage`, which holds the step's control
+    (the calls, the run in progress) and hands each run here.
 
-class ColumnExecutor(nn.Module):
-    """Runs this stage's schedule column; mixed into :class:`~lightning_gpipe.engine.stage.PipelineStage`,
-    whose ``__init__`` sets the attributes below."""
+    Args:
+        layers: the stage's layers by name (the stage's own submodule dict, shared).
+        virtual_layers: the names of each virtual stage's layers, in order.
+        topology: stage index, stage count and neighbour ranks.
+        chunks: number of micro-batches M (≥ 1).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        p2p: the transport.
+        schedule: ``(stages, chunks[, virtual_stages]) -> Grid``.
+        generator: the stage's own random stream (:mod:`lightning_gpipe.engine.rng`).
+    """
 
-    topology: StageTopology
-    chunks: int
-    checkpoint_mode: str
-    p2p: P2P
-    schedule: Callable[[int, int], Grid]
-    timeline: Any
-    virtual_layers: list[list[str]]
-    received_skips: list[tuple[str, int]]
-    outcome_follows: bool
-    generator: StageGenerator
-    _run: StepRun | None
-    _micro: int | None
-    _modules: dict[str, nn.Module]  # type: ignore[assignment] # as nn.Sequential declares it
+    def __init__(
+        self,
+        layers: dict[str, nn.Module],
+        virtual_layers: list[list[str]],
+        topology: StageTopology,
+        chunks: int,
+        checkpoint: str,
+        p2p: P2P,
+        schedule: Callable[[int, int], Grid],
+        generator: StageGenerator,
+    ) -> None:
+        self.layers = layers
+        self.virtual_layers = virtual_layers
+        self.topology = topology
+        self.chunks = chunks
+        self.checkpoint_mode = checkpoint
+        self.p2p = p2p
+        self.schedule = schedule
+        self.generator = generator
+        self.timeline: Any = (
+            None  # a lightning_gpipe.tools.timeline.Timeline (anything with span(kind, i, u))
+        )
+        self.compiled: list[Any] | None = None  # per virtual stage, its layers compiled
+        self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
+        self._plans: dict[Any, ColumnPlan] = {}
 
     @property
     def virtual_stages(self) -> int:
         """v: the virtual stages this stage holds (1 without)."""
         return len(self.virtual_layers)
-
-    @property
-    def layer_names(self) -> list[str]:
-        """Names of this stage's layers, as in the user's Sequential."""
-        return list(self._modules)
 
     def _span(self, kind: str, i: int, u: int = 0) -> Any:
         """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on virtual
@@ -82,62 +99,59 @@ class ColumnExecutor(nn.Module):
     def local_forward(self, input: Any, store: MicroBatchStore | None = None, virtual_stage: int = 0) -> Any:
         """Virtual stage ``virtual_stage``'s layers (all of this stage's without virtual stages) applied
         in order, as ``nn.Sequential`` would, with ``store`` for skips."""
-        compiled = self.__dict__["_compiled"]
+        compiled = self.compiled
         with use_store(store if store is not None else MicroBatchStore()):
             if compiled is not None:
                 return compiled[virtual_stage](input)
             for name in self.virtual_layers[virtual_stage]:
-                input = self._modules[name](input)
+                input = self.layers[name](input)
         return input
 
-    def _start(self, input: Any, train: bool) -> StepRun:
-        """A new run at the step's first call: M from the split (first stage) or the first message."""
+    def start(self, input: Any, train: bool, micro: int | None) -> StepRun:
+        """A new run at the step's first call: M from the split (first stage) or the first message;
+        ``micro``: with one call per micro-batch, their number (``None``: one call per step)."""
         top = self.topology
         if top.is_first:
-            parts, structure = scatter(input, self.chunks if self._micro is None else 1)
-            run = self._new_run(train, len(parts) if self._micro is None else self._micro)
+            parts, structure = scatter(input, self.chunks if micro is None else 1)
+            run = self._new_run(train, len(parts) if micro is None else micro, micro is None)
             run.micro_batches = dict(enumerate(parts))
             run.in_structures = dict.fromkeys(range(len(parts)), structure)
             return run
         with self._span("recv", 0):  # M comes with the first message
             first = self.p2p.recv(self._rank(top.stage - 1))
-        if self._micro is not None and first[0].chunks != self._micro:
+        if micro is not None and first[0].chunks != micro:
             raise RuntimeError(
-                f"stage {top.stage} runs {self._micro} micro-batches but stage {top.stage - 1} sent "
+                f"stage {top.stage} runs {micro} micro-batches but stage {top.stage - 1} sent "
                 f"{first[0].chunks}; the stages split different batches"
             )
-        run = self._new_run(train, first[0].chunks)
-        run.first, run.taken = first, Counter({top.stage - 1: 1})
+        run = self._new_run(train, first[0].chunks, micro is None)
+        run.first = first
         return run
 
-    def _new_run(self, train: bool, chunks: int) -> StepRun:
+    def _new_run(self, train: bool, chunks: int, whole: bool) -> StepRun:
         top = self.topology
         plan = self._plan(chunks, train)
-        whole = self._micro is None
         if whole and train and top.is_last and any(a.kind == "B" for a in plan.column[: plan.fill_end]):
             raise PipelineUsageError(
-                f"this schedule runs a backward on the last stage before its last forward ({list(plan.column)}); it "
-                "needs the user's training_step once per micro-batch (GPipeStrategy(schedule=...) does that)"
+                "this schedule runs a backward on the last stage before its last forward "
+                f"({list(plan.column)}); it needs the user's training_step once per micro-batch "
+                "(GPipeStrategy(schedule=...) does that)"
             )
         run = StepRun(train, chunks, plan, whole)
-        if train and self.outcome_follows and not top.is_last:
-            run.after_calls[top.stages - 1] = (
-                1  # lightning_gpipe.engine.outcome: one message per training step
-            )
         # sends wait for their turn where a peer takes them out of order (consumed: copied per run)
         run.order = {peer: list(keys) for peer, keys in plan.order.items()}
         run.outbox = {peer: {} for peer in run.order}
         return run
 
     def _plan(self, chunks: int, train: bool) -> ColumnPlan:
-        """This stage's :class:`~lightning_gpipe.engine.plan.ColumnPlan` for M = ``chunks``, made once per shape."""
+        """This stage's :class:`~lightning_gpipe.engine.plan.ColumnPlan` for M = ``chunks``, made
+        once per shape."""
         top, v = self.topology, self.virtual_stages
-        plans: dict[Any, ColumnPlan] = self.__dict__.setdefault("_plans", {})
         key = (self.schedule, top.stage, top.stages, top.skips, v, chunks, train)
-        plan = plans.get(key)
+        plan = self._plans.get(key)
         if plan is None:
             grid = self.schedule(top.stages, chunks) if v == 1 else self.schedule(top.stages, chunks, v)  # type: ignore[call-arg]
-            plan = plans[key] = ColumnPlan.of(grid, top, v, train)
+            plan = self._plans[key] = ColumnPlan.of(grid, top, v, train)
         return plan
 
     def _ready(self, action: Action, run: StepRun) -> bool:
@@ -154,11 +168,9 @@ class ColumnExecutor(nn.Module):
             return run.step_loss
         return action.i in run.losses or action not in run.plan.needs_loss
 
-    def _advance(self, run: StepRun) -> None:
+    def advance(self, run: StepRun) -> None:
         """Run ``run``'s column from the cursor while its actions are runnable."""
         while not run.done and self._ready(run.column[run.pos], run):
-            if run.pos >= run.announced:
-                self._announce_from(run)
             self._execute(run.column[run.pos], run)
             run.pos += 1
             if run.pos == run.fill_end:  # no forward follows: what the fill left unchanged needs no copy
@@ -167,31 +179,8 @@ class ColumnExecutor(nn.Module):
                 run.states = []
             if not run.whole:
                 self.p2p.settle()  # a 1F1B stage frees what it sent as it goes
-        if run.done:
-            self._run = None
         if run.done or run.whole:
             self.p2p.flush()
-
-    def _announce_from(self, run: StepRun) -> None:
-        """Announce the receives of the column from the cursor up to the first backward that
-        receives a message and whose forward has not run (what flows back depends on that
-        forward), or, with one call per step, that waits for the step's loss; where that is where
-        the step's calls end, the messages that follow them too (``after_calls``).
-
-        A backward that receives nothing (the last part's: its gradient is the user's loss) does
-        not end the stretch, so the last stage of 1F1B announces every micro-batch's input at the
-        step's start and each is received while the stage computes the one before."""
-        plan, waits = run.plan, run.whole and not run.step_loss
-        end = announced_until(plan.column, run.pos, lambda a: bool(plan.receives[a]), lambda a: waits)
-        waits_for_loss = waits and end < len(
-            plan.column
-        )  # it ended at the first backward, which waits for the loss
-        stretch = plan.column[run.pos : end]
-        messages = plan.messages(stretch, partial(_flows, run))
-        if end == len(run.column) or waits_for_loss:
-            messages, run.after_calls = messages + run.after_calls, Counter()
-        self._announce(messages - run.taken)
-        run.taken, run.announced = Counter(), end
 
     def _execute(self, action: Action, run: StepRun) -> None:
         """Run one action of this stage's column: ``F i``, ``B i`` or ``W i``."""
@@ -252,11 +241,6 @@ class ColumnExecutor(nn.Module):
         )
         return neighbour if neighbour is not None else top.ranks[stage]
 
-    def _announce(self, messages: Counter[int]) -> None:
-        """Tell the transport how many messages this phase still receives from each stage."""
-        for stage, n in messages.items():
-            self.p2p.expect(self._rank(stage), n)
-
     def _compute(self, i: int, u: int, run: StepRun, x: Any, store: MicroBatchStore) -> Any:
         """Virtual stage ``u``'s layers on micro-batch ``i``, recomputable under ``checkpoint``."""
         if not (run.train and recompute.recomputes(self.checkpoint_mode, i, run.chunks)):
@@ -264,7 +248,7 @@ class ColumnExecutor(nn.Module):
         # what this forward changes, it changes once (the recompute replays it); the layers, not the
         # stage: iterating the stage inside a step is refused
         layers = self._virtual_modules(u)
-        state = ForwardState.capture(layers)
+        state = recompute.ForwardState.capture(layers)
         run.states.append(state)
         return recompute.run(
             partial(self.local_forward, virtual_stage=u),
@@ -275,7 +259,7 @@ class ColumnExecutor(nn.Module):
 
     def _virtual_modules(self, u: int) -> list[nn.Module]:
         """Virtual stage ``u``'s layers (all of the stage's without virtual stages)."""
-        return [self._modules[name] for name in self.virtual_layers[u]]  # type: ignore[misc]
+        return [self.layers[name] for name in self.virtual_layers[u]]
 
     def _post(self, run: StepRun, action: Action, t: Transfer, payload: Any, **options: Any) -> None:
         """Send what ``action`` sends over ``t`` (``payload`` ``None``: nothing flows), in the order the
@@ -289,26 +273,28 @@ class ColumnExecutor(nn.Module):
             return
         key = (action.kind, action.i, action.virtual_stage, t.skip)
         item = (payload, options, action.i, action.virtual_stage)
-        for ready, ready_options, ready_i, ready_u in outbox.release(order, run.outbox[t.peer], key, item):
+        for ready, ready_options, ready_i, ready_u in release(order, run.outbox[t.peer], key, item):
             if ready is not None:
                 with self._span("send", ready_i, ready_u):
                     self.p2p.send(ready, self._rank(t.peer), chunks=run.chunks, **ready_options)
 
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
-        """Errors of this stage's layers re-raised as a :class:`~lightning_gpipe.transport.failure.StageError`."""
-        first = next(iter(self._modules.values()), None)  # iter(self) refuses inside a step
+        """Errors of this stage's layers re-raised as a
+        :class:`~lightning_gpipe.transport.failure.StageError`."""
+        first = next(iter(self.layers.values()), None)
         top = self.topology
-        return naming_errors(top.stage, self.layer_names, first, phase, i, x, keep=(PipelineUsageError,))
+        return naming_errors(top.stage, list(self.layers), first, phase, i, x, keep=(PipelineUsageError,))
 
     @contextmanager
     def _recompute_context(
-        self, i: int, u: int, state: ForwardState, layers: Sequence[nn.Module]
+        self, i: int, u: int, state: recompute.ForwardState, layers: Sequence[nn.Module]
     ) -> Iterator[None]:
         with self._span("recompute", i, u), state.replay(layers), no_accumulate():
             yield
 
     def _backward_one(self, action: Action, run: StepRun) -> None:
-        """``B i``: receive the gradients of micro-batch ``i``'s outputs, backpropagate, send its inputs' gradients."""
+        """``B i``: receive the gradients of micro-batch ``i``'s outputs, backpropagate, send its
+        inputs' gradients."""
         i, u = action.i, action.virtual_stage
         key = (i, u)
         y_grad = [t for t in run.outputs[key] if t.requires_grad]
@@ -337,7 +323,7 @@ class ColumnExecutor(nn.Module):
         wanted = bool(y_grad) and (deferred or action == run.plan.input_first) and any(sources)
         if wanted:
             recomputed = recompute.recomputes(self.checkpoint_mode, i, run.chunks)
-            wanted = input_first.splits(layers, recomputed, compiled=self.__dict__["_compiled"] is not None)
+            wanted = input_first.splits(layers, recomputed, compiled=self.compiled is not None)
         split = None
         if y_grad:
             with self._span("backward", i, u), errors():

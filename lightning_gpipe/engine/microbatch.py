@@ -31,13 +31,16 @@ gradients), ``None``, ``bool``, ``int``, ``float`` or ``str``. What is split and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from lightning_gpipe._compat import TreeSpec, tree_flatten, tree_leaf_paths, tree_unflatten
+from lightning_gpipe._compat import tree_flatten, tree_leaf_paths, tree_unflatten
+from lightning_gpipe.errors import MicroBatchError, check_count
+from lightning_gpipe.schedule import sizes
+from lightning_gpipe.transport.structure import CONSTANTS, SLOT, TENSOR, TREE, TUPLE, Structure
 
 __all__ = [
     "SLOT",
@@ -48,7 +51,6 @@ __all__ = [
     "Structure",
     "as_tensors",
     "batch_size",
-    "check_chunks",
     "flatten",
     "gather",
     "join",
@@ -59,27 +61,7 @@ __all__ = [
     "unflatten",
 ]
 
-TENSOR, TUPLE, TREE = 0, 1, 2
-"""The kinds of :class:`Structure`: one tensor, a tuple of tensors, any other pytree."""
-
-CONSTANTS: tuple[type, ...] = (type(None), bool, int, float, str)
-"""The non-tensor leaves a value between layers may hold (exact types)."""
-
 _MARK = "_lightning_gpipe_no_chunk"
-
-
-class MicroBatchError(TypeError):
-    """A value between layers cannot be split, carried or joined (its leaves, its batch size)."""
-
-
-class _Slot:
-    """Where a tensor goes in a :class:`Structure`'s leaves."""
-
-    def __repr__(self) -> str:
-        return "<tensor>"
-
-
-SLOT = _Slot()
 
 
 def no_chunk(tensor: Tensor) -> Tensor:
@@ -102,37 +84,6 @@ def no_chunk(tensor: Tensor) -> Tensor:
 
 def _marked(t: Tensor) -> bool:
     return getattr(t, _MARK, False) is True
-
-
-@dataclass(frozen=True)
-class Structure:
-    """How a value between layers is made of its tensors (its tensors travel apart).
-
-    Attributes:
-        kind: :data:`TENSOR` (one tensor), :data:`TUPLE` (a tuple of tensors) or :data:`TREE`.
-        whole: per tensor, in order: replicated to every micro-batch (``True``) or the
-            micro-batch's own (``False``).
-        spec: :data:`TREE`: the pytree's structure.
-        leaves: :data:`TREE`: its leaves in order, :data:`SLOT` where a tensor goes.
-    """
-
-    kind: int
-    whole: tuple[bool, ...]
-    spec: TreeSpec | None = None
-    leaves: tuple[Any, ...] = ()
-
-    def template(self) -> Any:
-        """The value with :data:`SLOT` in place of each tensor."""
-        if self.kind != TREE:
-            return SLOT if self.kind == TENSOR else tuple(SLOT for _ in self.whole)
-        assert self.spec is not None
-        return tree_unflatten(list(self.leaves), self.spec)
-
-    @classmethod
-    def of_template(cls, template: Any, whole: Sequence[bool]) -> Structure:
-        """Inverse of :meth:`template` (``whole``: per tensor, as :attr:`whole`)."""
-        leaves, spec = tree_flatten(template)
-        return cls(TREE, tuple(whole), spec, tuple(leaves))
 
 
 def _replicated(t: Tensor, keep: Sequence[Tensor]) -> bool:
@@ -203,6 +154,18 @@ def tensor_paths(structure: Structure) -> list[str]:
     return [path for path, leaf in tree_leaf_paths(structure.template()) if leaf is SLOT]
 
 
+def batch_dim(tensors: Sequence[Tensor]) -> int | None:
+    """``N``: dim 0 of the first tensor that has one and is not marked with :func:`no_chunk`
+    (``None``: no such tensor)."""
+    return next((t.shape[0] for t in tensors if t.dim() > 0 and not _marked(t)), None)
+
+
+def is_split(t: Tensor, n: int) -> bool:
+    """Whether ``t``, a tensor of a batch of ``n`` samples, is split along dim 0 (else it goes whole
+    to every micro-batch): the split rule of the module docstring."""
+    return t.dim() > 0 and not _marked(t) and t.shape[0] == n
+
+
 def scatter(
     value: Any, chunks: int, what: str = "input of the pipelined nn.Sequential"
 ) -> tuple[list[tuple[Tensor, ...]], Structure]:
@@ -221,10 +184,9 @@ def scatter(
         MicroBatchError: a leaf the pipeline cannot carry (see :func:`flatten`), no tensor with a
             batch dimension, or ``N`` is 0.
     """
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
+    check_count("chunks", chunks)
     tensors, structure = flatten(value, what)
-    n = next((t.shape[0] for t in tensors if t.dim() > 0 and not _marked(t)), None)
+    n = batch_dim(tensors)
     if n is None:
         shapes = ", ".join(str(tuple(t.shape)) for t in tensors) or "no tensors"
         raise MicroBatchError(
@@ -233,7 +195,7 @@ def scatter(
         )
     if n < 1:
         raise MicroBatchError(f"{what}: batch size is 0; the pipeline needs at least one sample")
-    whole = tuple(t.dim() == 0 or _marked(t) or t.shape[0] != n for t in tensors)
+    whole = tuple(not is_split(t, n) for t in tensors)
     m = min(chunks, n)
     parts = [(t,) * m if w else torch.tensor_split(t, m, dim=0) for t, w in zip(tensors, whole)]
     return [tuple(p[i] for p in parts) for i in range(m)], replace(structure, whole=whole)
@@ -260,8 +222,9 @@ def gather(
     for i, s in enumerate(structures[1:], 1):
         if s != first:
             raise MicroBatchError(
-                f"{what} differs between micro-batches 0 and {i} ({_difference(first, s)}); every micro-batch "
-                "must give the same structure, the same non-tensor values and replicate the same tensors"
+                f"{what} differs between micro-batches 0 and {i} ({_difference(first, s)}); every "
+                "micro-batch must give the same structure, the same non-tensor values and replicate the same "
+                "tensors"
             )
     joined = []
     for k, whole in enumerate(first.whole):
@@ -279,7 +242,8 @@ def gather(
             shapes = ", ".join(str(tuple(p.shape)) for p in parts)
             raise MicroBatchError(
                 f"{what}{tensor_paths(first)[k]}: micro-batch outputs cannot be concatenated along dim 0 "
-                f"(shapes: {shapes}); return per-sample tensors (n_i, *) or mark a replicated one with no_chunk"
+                f"(shapes: {shapes}); return per-sample tensors (n_i, *) or mark a replicated one with "
+                "no_chunk"
             ) from err
     return tuple(joined), first
 
@@ -292,9 +256,9 @@ def _check_replicas(parts: Sequence[Tensor], structure: Structure, k: int, what:
         if p is not parts[0] and not torch.equal(p, parts[0]):
             raise MicroBatchError(
                 f"{what}{tensor_paths(structure)[k]} is a 0-d tensor that differs between micro-batches 0 "
-                f"and {i} ({parts[0].item()} and {p.item()}); a value of the whole mini-batch (a mean, a sum) "
-                "cannot be joined from micro-batches: return it per sample, shape (n_i, *), and reduce it in "
-                "the step"
+                f"and {i} ({parts[0].item()} and {p.item()}); a value of the whole mini-batch (a mean, a "
+                "sum) cannot be joined from micro-batches: return it per sample, shape (n_i, *), and reduce "
+                "it in the step"
             )
 
 
@@ -359,56 +323,18 @@ def batch_size(tensors: Sequence[Tensor], what: str = "pipeline input") -> int:
     return sizes[0]
 
 
-def check_chunks(chunks: Any) -> int:
-    """Return ``chunks`` if it is an integer ≥ 1 (the number of micro-batches M).
-
-    Raises:
-        ValueError: anything else (a ``bool``, a float, a count below 1).
-    """
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(
-            f"chunks must be an integer >= 1 (chunks: {chunks!r}); it is the number of micro-batches"
-        )
-    return chunks
-
-
-def sizes(batch_size: int, chunks: int) -> list[int]:
-    """Sizes of the micro-batches of a mini-batch of ``batch_size`` samples: the one split rule.
-
-    Near-equal, larger first (as ``torch.tensor_split``, which :func:`split` uses), and only
-    ``batch_size`` micro-batches when ``batch_size < chunks``: ``sizes(10, 4) == [3, 3, 2, 2]``,
-    ``sizes(2, 4) == [1, 1]``.
-
-    Raises:
-        TypeError: a count is not an ``int``.
-        ValueError: a count below 1.
-    """
-    for name, value in (("batch_size", batch_size), ("chunks", chunks)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int (got {type(value).__name__}: {value!r})")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1 (got {value})")
-    m = min(batch_size, chunks)
-    base, extra = divmod(batch_size, m)
-    return [base + 1 if i < extra else base for i in range(m)]
-
-
 def split(tensors: Sequence[Tensor], chunks: int) -> list[tuple[Tensor, ...]]:
-    """Split tensors of batch size ``N`` into ``min(chunks, N)`` micro-batches.
+    """Split tensors of batch size ``N`` into ``min(chunks, N)`` micro-batches (:func:`scatter`).
 
     Shapes: each ``(N, *)`` → ``min(chunks, N) × (≈N/chunks, *)``; sizes differ by at most one,
-    larger micro-batches first (``torch.tensor_split``).
+    larger micro-batches first.
 
     Raises:
         ValueError: ``chunks < 1``.
         MicroBatchError: see :func:`batch_size`.
     """
-    if chunks < 1:
-        raise ValueError(f"chunks must be >= 1, got {chunks}")
-    n = batch_size(tensors)
-    m = min(chunks, n)
-    parts = [torch.tensor_split(t, m, dim=0) for t in tensors]
-    return [tuple(p[i] for p in parts) for i in range(m)]
+    batch_size(tensors)
+    return scatter(tuple(tensors), chunks)[0]
 
 
 def join(micro_batches: Sequence[Sequence[Tensor]]) -> tuple[Tensor, ...]:

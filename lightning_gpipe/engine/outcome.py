@@ -21,10 +21,7 @@ values flattened in key order, and the generator's state (5 056 bytes), plus the
 512-byte header. The keys (names, dtypes,
 shapes) travel as a second, uint8 message only when they change (the first step, a new logged
 key), so a steady step costs no extra message. Validation and test steps have no loss message of
-their own; they send the same one (``has_loss = 0``). In a training step the other stages announce
-the message to their transport with the stretch of their column that ends where their calls end
-(``StepRun.after_calls``), so it is received in the background while they compute and is in hand
-when they read it (1.5–2.3 ms a step before, a round trip at the first stage's step boundary).
+their own; they send the same one (``has_loss = 0``).
 """
 
 from __future__ import annotations
@@ -62,7 +59,8 @@ class StepOutcome:
 
 
 def outcome_of(trainer: Any, out: Any) -> StepOutcome:
-    """The last stage's outcome of the step that returned ``out`` (a loss, a dict with ``"loss"``, or None)."""
+    """The last stage's outcome of the step that returned ``out`` (a loss, a dict with ``"loss"``,
+    or None)."""
     loss = out.get("loss") if isinstance(out, Mapping) else out
     has = isinstance(loss, Tensor)
     value = float(loss.detach().float()) if isinstance(loss, Tensor) and loss.numel() == 1 else 0.0

@@ -4,16 +4,21 @@ forwards keep per (micro-batch, virtual stage) until their backwards.
 :class:`ColumnPlan` is what the column implies, the same for every step of the same shape: each
 action's receives and sends (:func:`~lightning_gpipe.schedule.receives`,
 :func:`~lightning_gpipe.schedule.sends`), which need the user's loss, and the order in which the
-peers take this stage's messages. :class:`StepRun` is created at the step's first call (:meth:`.ColumnExecutor._new_run`) and
-dropped when the column has run to its end or the step has no loss. On the last stage,
-:class:`Call` records each call of the Sequential, so that the gradients the user's loss leaves on
-the call's output leaves can be split per micro-batch.
+peers take this stage's messages. :class:`StepRun` is created at the step's first call
+(:meth:`.ColumnExecutor._new_run`) and dropped when the column has run to its end or the step has no
+loss. On the last stage, :class:`Call` records each call of the Sequential, so that the gradients
+the user's loss leaves on the call's output leaves can be split per micro-batch.
+
+**Sends held until their turn** (:func:`release`), where a peer takes this stage's messages in
+another order than this stage's column sends them. That happens where
+:func:`~lightning_gpipe.schedule.in_send_order` is false: interleaved 1F1B with two stages and a
+micro-batch group of odd size, whose stages exchange activations and gradients in both directions.
+The transport delivers one peer's messages in the order sent, so the sender holds each message
+until those its peer takes before it have gone (:func:`~lightning_gpipe.schedule.send_order`).
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,14 +26,48 @@ from torch import Tensor
 
 from lightning_gpipe import schedule
 from lightning_gpipe.engine import backward_split as input_first
-from lightning_gpipe.engine import outbox
-from lightning_gpipe.engine.effects import ForwardState
 from lightning_gpipe.engine.microbatch import Structure
+from lightning_gpipe.engine.recompute import ForwardState
 from lightning_gpipe.schedule import Action, Grid, Transfer
 from lightning_gpipe.transport.layout import StageTopology
 from lightning_gpipe.transport.wire import Meta
 
-__all__ = ["Call", "ColumnPlan", "StepRun"]
+__all__ = ["Call", "ColumnPlan", "Key", "StepRun", "release", "taking_order"]
+
+Key = tuple[str, int, int, str | None]  # (kind, micro-batch, virtual stage here, skip) of a message sent
+
+
+def taking_order(grid: Grid, topology: StageTopology, virtual_stages: int) -> dict[int, list[Key]]:
+    """Per peer stage, the messages this stage sends it, in the order the peer takes them.
+
+    Empty where every stage takes each peer's messages in the order sent (then nothing waits).
+    """
+    if schedule.in_send_order(grid, topology.skips):
+        return {}
+    top, v, orders = topology, virtual_stages, {}
+    for peer in range(top.stages):
+        taken: list[Key] = [
+            (a.kind, a.i, t.virtual_stage, t.skip)
+            for a in schedule.stage_actions(grid, peer)
+            for t in schedule.receives(a, peer, top.stages, top.skips, v)
+            if t.peer == top.stage
+        ]
+        if taken:
+            orders[peer] = taken
+    return orders
+
+
+def release(order: list[Key], box: dict[Key, Any], key: Key, item: Any) -> list[Any]:
+    """Hold ``item`` (the message ``key``) in ``box``; return, in ``order``, the held items whose
+    turn has come.
+
+    ``order`` and ``box`` are consumed: what is returned leaves both.
+    """
+    box[key] = item
+    ready = []
+    while order and order[0] in box:
+        ready.append(box.pop(order.pop(0)))
+    return ready
 
 
 @dataclass(frozen=True)
@@ -42,11 +81,12 @@ class ColumnPlan:
         sends: per action, the messages it sends, in order (:func:`~lightning_gpipe.schedule.sends`).
         needs_loss: the backwards that need the user's loss (:func:`~lightning_gpipe.schedule.needs_loss`).
         order: per peer stage, the keys of the messages this stage sends it in the order the peer
-            takes them, where that differs from the order sent (:func:`lightning_gpipe.engine.outbox.taking_order`;
-            empty when not training or where every peer takes them as sent).
+            takes them, where that differs from the order sent
+            (:func:`taking_order`; empty when not training or where
+            every peer takes them as sent).
         input_first: the column's last backward that sends a gradient and has no ``W`` of its own,
-            which sends it before it computes its weight gradients (:mod:`lightning_gpipe.engine.backward_split`);
-            ``None``: none.
+            which sends it before it computes its weight gradients
+            (:mod:`lightning_gpipe.engine.backward_split`); ``None``: none.
         deferred: ``(micro-batch, virtual stage)`` of each ``W`` in the column (``schedule="zb_h1"``):
             its ``B`` computes the input gradient only, its ``W`` the weight gradients.
     """
@@ -56,7 +96,7 @@ class ColumnPlan:
     receives: dict[Action, tuple[Transfer, ...]]
     sends: dict[Action, tuple[Transfer, ...]]
     needs_loss: frozenset[Action]
-    order: dict[int, tuple[outbox.Key, ...]]
+    order: dict[int, tuple[Key, ...]]
     input_first: Action | None = None
     deferred: frozenset[tuple[int, int]] = frozenset()
 
@@ -65,7 +105,7 @@ class ColumnPlan:
         """The plan of ``topology.stage``'s column of ``grid``."""
         top, v = topology, virtual_stages
         column = [a for a in schedule.stage_actions(grid, top.stage) if train or a.kind == "F"]
-        order = outbox.taking_order(grid, top, v) if train and v > 1 else {}
+        order = taking_order(grid, top, v) if train and v > 1 else {}
         sends = {a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in column}
         deferred = frozenset((a.i, a.virtual_stage) for a in column if a.kind == "W")
         return cls(
@@ -85,11 +125,6 @@ class ColumnPlan:
             ),
             deferred=deferred,
         )
-
-    def messages(self, actions: Iterable[Action], flows: Callable[[Action, Transfer], bool]) -> Counter[int]:
-        """How many messages ``actions`` receive from each peer stage, counting the transfers that
-        ``flows`` (as :func:`~lightning_gpipe.schedule.messages` does, from the plan's receives)."""
-        return Counter(t.peer for a in actions for t in self.receives[a] if flows(a, t))
 
 
 @dataclass
@@ -113,7 +148,6 @@ class StepRun:
     micro_batches: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)  # first stage: given inputs
     in_structures: dict[int, Structure] = field(default_factory=dict)  # first stage: how they make values
     first: tuple[Meta, list[Tensor]] | None = None  # other stages: micro-batch 0's message, taken early
-    taken: Counter[int] = field(default_factory=Counter)  # messages taken before any announcement
     # keyed by (micro-batch, virtual stage)
     out_structures: dict[tuple[int, int], Structure] = field(default_factory=dict)  # how outputs make values
     inputs: dict[tuple[int, int], tuple[Tensor, ...]] = field(default_factory=dict)
@@ -127,10 +161,6 @@ class StepRun:
     losses: set[int] = field(default_factory=set)  # one call per micro-batch: losses backpropagated
     step_loss: bool = False  # one call per step: Lightning's backward has come
     pos: int = 0  # the cursor: index of the next action in column
-    announced: int = 0  # receives of column[:announced] are announced
-    # messages that follow the step's calls, per stage (the last stage's step outcome): announced
-    # with the stretch that ends where the calls end, so that they are taken in the background
-    after_calls: Counter[int] = field(default_factory=Counter)
     states: list[ForwardState] = field(default_factory=list)  # recomputed micro-batches' module states
     # (micro-batch, virtual stage) -> its backward's second pass, due at its W (schedule="zb_h1")
     weights: dict[tuple[int, int], input_first.Split] = field(default_factory=dict)
@@ -140,7 +170,7 @@ class StepRun:
     leaf_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
     # a grid whose stages take a peer's messages in another order than it sends them
     # (schedule.in_send_order false): per peer stage, the keys (kind, i, virtual stage here, skip)
-    # in the order the peer takes them (lightning_gpipe.engine.outbox); sends wait in outbox until their turn
+    # in the order the peer takes them (taking_order); sends wait in outbox until their turn (release)
     order: dict[int, list[tuple[str, int, int, str | None]]] = field(default_factory=dict)
     outbox: dict[int, dict[tuple[str, int, int, str | None], Any]] = field(default_factory=dict)
 

@@ -12,7 +12,7 @@ the first random layer, and from the next epoch on the stages would train on dif
 So a stage's layers draw from the stage's own stream (:class:`StageGenerator`): ``torch``'s CPU
 generator and the stage device's, swapped in around each micro-batch's forward and out after it.
 At the stage's first forward, every rank of a pipeline holds the same state (rank 0's:
-:func:`lightning_gpipe.state.start_state.share_rng_state`, and the same user code ran since); a number
+:func:`share_rng_state`, and the same user code ran since); a number
 ``base = torch.randint(2**62, (1,))`` is drawn from it and put back, and stage ``k``'s streams are
 ``torch.Generator(device).manual_seed(base + k)``: each stage's differ (as one device's layers draw
 different masks; one state for all stages would give stage 0's and stage 1's dropouts the same
@@ -30,20 +30,30 @@ every stage from the process's generators. (Under ``"gpipe"`` the last stage's g
 reaches the other stages with the step outcome instead, :mod:`lightning_gpipe.engine.outcome`, so those
 draws are one device's.)
 
+**Rank 0's state.** A seeded script run on one device draws its shuffled batches from the global
+generators in the state the script left them. Every rank here runs the same script, but only rank
+0 (the process the user started) is guaranteed to have run it exactly as on one device, so
+:func:`share_rng_state` gives every rank rank 0's generator states when the processes connect,
+without re-seeding (which a one-device run never does): a shuffling ``DataLoader`` then draws the
+same permutation on every stage of every pipeline as the script would on one device.
+
 Cost: two copies of each generator's state per micro-batch forward (the CPU generator's is 5 056
 bytes).
 """
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["StageGenerator"]
+__all__ = ["StageGenerator", "share_rng_state"]
 
 # Stages run as threads of one process (the tests' in-process transport) take turns at the process's
 # generators: torch's get and set of a generator's state hold the GIL while they wait for the
@@ -106,9 +116,24 @@ class StageGenerator:
 
     @contextmanager
     def drawing(self) -> Iterator[None]:
-        """Within: the process's generators hold the stream (:meth:`enter`); after: as on entry (:meth:`leave`)."""
+        """Within: the process's generators hold the stream (:meth:`enter`); after: as on entry
+        (:meth:`leave`)."""
         self.enter()
         try:
             yield
         finally:
             self.leave()
+
+
+def share_rng_state(rank: int) -> None:
+    """Set this process's ``torch`` (CPU), ``random`` and ``numpy`` generators to global rank 0's states.
+
+    A collective over the default group: every rank calls it.
+    """
+    box = [(torch.get_rng_state(), random.getstate(), np.random.get_state()) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    assert box[0] is not None
+    torch_state, python_state, numpy_state = box[0]
+    torch.set_rng_state(torch_state)
+    random.setstate(python_state)
+    np.random.set_state(numpy_state)

@@ -27,9 +27,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-
-class SkipError(ValueError):
-    """Stash/Pop layers do not pair up (a name stashed twice, popped before stashed, never popped)."""
+from lightning_gpipe.errors import SkipError
 
 
 class _Store(dict):
@@ -69,7 +67,8 @@ def use_store(store: _Store) -> Iterator[None]:
 
 
 class Stash(nn.Module):
-    """Runs ``layer`` (default: identity); its output continues down the Sequential and is stashed as ``name``.
+    """Runs ``layer`` (default: identity); its output continues down the Sequential and is stashed
+    as ``name``.
 
     Shapes: ``layer``'s own; the stashed tensor is the output (a tensor).
     """

@@ -37,13 +37,10 @@ In order, within a step:
   forward and the backward phase; one call per micro-batch: after every action.
 
 Every receive and send is one that :func:`~lightning_gpipe.schedule.receives` and
-:func:`~lightning_gpipe.schedule.sends` name for the action. Before running a stretch of its
-column the stage announces to the transport the messages that stretch will receive, counted
-from its actions (:func:`~lightning_gpipe.schedule.messages`): every action up to the first
-backward whose forward has not run yet (whether its gradient flows is known only then), never
-past the step's loss under one call per step (the outcome message comes first). Which
-micro-batches recompute their forward is :mod:`lightning_gpipe.engine.recompute`'s rule; the recompute
-runs on the module state its forward saw and changes nothing (:mod:`lightning_gpipe.engine.effects`).
+:func:`~lightning_gpipe.schedule.sends` name for the action, received when the action runs.
+Which micro-batches recompute their forward is :mod:`lightning_gpipe.engine.recompute`'s rule;
+the recompute runs on the module state its forward saw and changes nothing
+(:class:`~lightning_gpipe.engine.recompute.ForwardState`).
 
 Virtual stages (``schedule="interleaved_1f1b"``, :func:`~lightning_gpipe.schedule.interleaved_1f1b`):
 the stage holds parts ``j, j+K, …`` of the Sequential (:attr:`PipelineStage.virtual_layers`), an
@@ -56,8 +53,9 @@ send waits until the messages the peer takes before it have gone, so a peer's me
 arrive in the order they are taken.
 
 Where it lives: this module is the stage's module face (the layers under the user's names, the
-calls, the step's contracts); the column runs in :mod:`lightning_gpipe.engine.executor`, over one step's
-state (:mod:`lightning_gpipe.engine.plan`, kept per (micro-batch, virtual stage)).
+calls, the step's contracts); the column runs in the stage's
+:class:`~lightning_gpipe.engine.executor.ColumnExecutor`, over one step's state
+(:mod:`lightning_gpipe.engine.plan`, kept per (micro-batch, virtual stage)).
 """
 
 from __future__ import annotations
@@ -70,17 +68,15 @@ import torch
 from torch import nn
 
 from lightning_gpipe import schedule
-from lightning_gpipe._compat import children
-from lightning_gpipe.engine.executor import ColumnExecutor, PipelineUsageError
+from lightning_gpipe.engine.executor import ColumnExecutor
 from lightning_gpipe.engine.microbatch import gather, scatter, unflatten
 from lightning_gpipe.engine.outcome import OutcomeChannel, apply_outcome, outcome_of
 from lightning_gpipe.engine.plan import Call, StepRun
 from lightning_gpipe.engine.rng import StageGenerator
-from lightning_gpipe.engine.skip import routes
-from lightning_gpipe.partition.cut import virtual_cut
+from lightning_gpipe.errors import PipelineUsageError
 from lightning_gpipe.schedule import Grid
-from lightning_gpipe.transport.layout import Layout, StageTopology, layer_parts
-from lightning_gpipe.transport.p2p import P2P, Lanes
+from lightning_gpipe.transport.layout import StageTopology
+from lightning_gpipe.transport.p2p import P2P
 
 
 class StageDone(BaseException):  # noqa: N818 - a control-flow signal, not an error
@@ -91,7 +87,7 @@ class StageDone(BaseException):  # noqa: N818 - a control-flow signal, not an er
     """
 
 
-class PipelineStage(ColumnExecutor, nn.Sequential):
+class PipelineStage(nn.Sequential):
     """This rank's partition of the pipelined ``nn.Sequential``, executing its schedule column.
 
     Args:
@@ -134,35 +130,64 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         self.topology = topology
         self.chunks = chunks
         self.checkpoint_mode = checkpoint
-        self.p2p = p2p
         self.expect_backward = False  # set by the strategy around training_step
         self.active = False  # set by the strategy around every step
         self.schedule = schedule
         self.calls = 0
         self.configuring = False  # set by the strategy around configure_optimizers
         # set by the strategy: every training step ends with the last stage's outcome (share_outcome)
-        self.outcome_follows = False
         self.outcomes = OutcomeChannel(p2p, p2p.device)
-        self.generator = StageGenerator(p2p.device, topology.stage)  # what the layers draw (stage_rng)
+        generator = StageGenerator(p2p.device, topology.stage)  # what the layers draw
+        self.executor = ColumnExecutor(
+            self._modules, self.virtual_layers, topology, chunks, checkpoint, p2p, schedule, generator
+        )
         # one call per micro-batch: what the user's code draws after the call on the last stage
         self.after_call = StageGenerator(p2p.device, topology.stages)
         self._run: StepRun | None = None  # the step in progress
         self._micro: int | None = None  # one call per micro-batch: their number in this step
-        self.timeline: Any = (
-            None  # a lightning_gpipe.tools.timeline.Timeline (anything with span(kind, i, u)), or None
-        )
-        self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
-        self.__dict__["_compiled"] = (
-            None  # per virtual stage, its layers compiled (not a submodule: state_dict keys unchanged)
-        )
+
+    @property
+    def p2p(self) -> P2P:
+        """The stage's transport (its executor's)."""
+        return self.executor.p2p
+
+    @p2p.setter
+    def p2p(self, p2p: P2P) -> None:
+        self.executor.p2p = p2p
+
+    @property
+    def timeline(self) -> Any:
+        """A :class:`~lightning_gpipe.tools.timeline.Timeline` (anything with ``span(kind, i, u)``),
+        or ``None``."""
+        return self.executor.timeline
+
+    @timeline.setter
+    def timeline(self, timeline: Any) -> None:
+        self.executor.timeline = timeline
+
+    @property
+    def received_skips(self) -> list[tuple[str, int]]:
+        """``(name, source stage)`` of every skip received, for inspection."""
+        return self.executor.received_skips
+
+    @property
+    def virtual_stages(self) -> int:
+        """v: the virtual stages this stage holds (1 without)."""
+        return len(self.virtual_layers)
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Names of this stage's layers, as in the user's Sequential."""
+        return list(self._modules)
 
     def compile(self, compile_fn: Any) -> None:  # type: ignore[override]
-        """Run each virtual stage's layers through ``compile_fn(nn.Sequential of the layers)`` (e.g. ``torch.compile``).
+        """Run each virtual stage's layers through ``compile_fn(nn.Sequential of the layers)`` (e.g.
+        ``torch.compile``).
 
         The compiled module shares the layers (parameters, buffers); it is kept outside the
         stage's submodules, so ``state_dict`` keys stay the user's.
         """
-        self.__dict__["_compiled"] = [
+        self.executor.compiled = [
             compile_fn(nn.Sequential(OrderedDict((n, self._modules[n]) for n in names)))
             for names in self.virtual_layers
         ]
@@ -177,8 +202,9 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         if self.active:
             raise PipelineUsageError(
                 "the pipelined nn.Sequential was iterated inside a step (for layer in ...); under the gpipe "
-                f"strategy this process holds only stage {self.topology.stage}'s layers ({', '.join(self._modules)}) "
-                "and the pipeline runs one forward per step: call the Sequential once (self.layers(x))"
+                f"strategy this process holds only stage {self.topology.stage}'s layers "
+                f"({', '.join(self._modules)}) and the pipeline runs one forward per step: call the "
+                "Sequential once (self.layers(x))"
             )
         return iter(self._modules.values())
 
@@ -199,7 +225,8 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
                 return nn.Sequential(OrderedDict((n, m) for n, m in self._modules.items() if n in wanted))
             raise PipelineUsageError(
                 "slicing the pipelined nn.Sequential is not supported under the gpipe strategy outside "
-                f"configure_optimizers: each process holds only its stage's layers ({', '.join(self._modules)})"
+                "configure_optimizers: each process holds only its stage's layers "
+                f"({', '.join(self._modules)})"
             )
         index = int(idx) + len(self.names) if int(idx) < 0 else int(idx)
         if 0 <= index < len(self.names) and self.names[index] in self._modules:
@@ -257,12 +284,13 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         train = self.expect_backward and torch.is_grad_enabled()
         run = self._run if self._micro is not None else None
         if run is None:
-            run = self._run = self._start(input, train)
+            run = self._run = self.executor.start(input, train, self._micro)
         elif top.is_first:
             (run.micro_batches[run.called],), run.in_structures[run.called] = scatter(input, 1)
         if run.called == run.chunks:
             raise PipelineUsageError(
-                f"the pipelined nn.Sequential was called for more micro-batches than the step has ({run.chunks})"
+                "the pipelined nn.Sequential was called for more micro-batches than the step has "
+                f"({run.chunks})"
             )
         covered = list(range(run.called, run.chunks if run.whole else run.called + 1))
         run.called = covered[-1] + 1
@@ -281,10 +309,17 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
             self.after_call.enter()
         return unflatten(structure, joined)
 
+    def _advance(self, run: StepRun) -> None:
+        """Run ``run``'s column while its actions are runnable; a finished run is the step's no longer."""
+        self.executor.advance(run)
+        if run.done:
+            self._run = None
+
     # -- the step outcome --------------------------------------------------------------------
 
     def share_outcome(self, out: Any, trainer: Any, training: bool) -> Any:
-        """The last stage sends its step outcome to the other stages, which install it (:mod:`lightning_gpipe.engine.outcome`).
+        """The last stage sends its step outcome to the other stages, which install it
+        (:mod:`lightning_gpipe.engine.outcome`).
 
         Call after a step whose forward ran, before Lightning runs any hook. On the last stage
         ``out`` is the user's step output and is returned; it sends whether the step has a loss
@@ -344,7 +379,8 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
         self._micro, self._run = chunks, None
 
     def loss_backpropagated(self, i: int) -> None:
-        """Last stage: micro-batch ``i``'s loss has reached its output leaves; run ``B i`` and what follows."""
+        """Last stage: micro-batch ``i``'s loss has reached its output leaves; run ``B i`` and what
+        follows."""
         run = self._run
         if run is None or i in run.losses or i >= run.called:
             raise RuntimeError(f"micro-batch {i} has no forward waiting for its loss on this stage")
@@ -366,31 +402,3 @@ class PipelineStage(ColumnExecutor, nn.Sequential):
                 f"{run.chunks} micro-batches called; every training_step call must call the pipelined "
                 "nn.Sequential once and return a loss"
             )
-
-
-def build_stage(
-    seq: nn.Sequential,
-    balance: Sequence[int],
-    layout: Layout,
-    rank: int,
-    chunks: int,
-    checkpoint: str,
-    device: torch.device,
-    schedule: Callable[[int, int], Grid] = schedule.fill_drain,
-    lanes: Lanes | None = None,
-) -> PipelineStage:
-    """Global rank ``rank``'s :class:`PipelineStage` of ``seq`` cut by ``balance`` (layers shared, not
-    copied), running ``schedule`` (a function of :data:`lightning_gpipe.schedule.SCHEDULES`), its
-    messages on ``lanes`` (:class:`~lightning_gpipe.transport.p2p.Lanes`; ``None``: the default group).
-
-    With virtual stages, ``balance`` has ``K·v`` entries (one per part) and the stage holds
-    parts ``j, j+K, …`` as its virtual stages (:func:`~lightning_gpipe.partition.cut.virtual_cut`);
-    skip routes name parts.
-    """
-    topology = layout.topology(rank, tuple(routes(seq, layer_parts(balance))))
-    per_virtual = virtual_cut(seq, balance, topology.stage, layout.stages)
-    layers = [pair for part in per_virtual for pair in part]
-    names = list(children(seq))
-    virtual_layers = [[n for n, _ in part] for part in per_virtual]
-    p2p = P2P(device, lanes=lanes)
-    return PipelineStage(layers, topology, chunks, checkpoint, p2p, names, schedule, virtual_layers)

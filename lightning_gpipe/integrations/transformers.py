@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` models as an ``nn.Sequential`` the pipeline can cut, sharing their parameters.
+"""Hugging Face ``transformers`` models as an ``nn.Sequential`` the pipeline can cut, sharing their
+parameters.
 
 - :func:`causal_lm`: a GPT-2 or Llama-family causal LM (``GPT2LMHeadModel``,
   ``LlamaForCausalLM`` and models laid out like it: ``model.embed_tokens``, ``model.layers``,

@@ -17,12 +17,12 @@ from lightning_gpipe._compat import (
     compiled_module,
     register_state_dict_hook,
 )
+from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.batchnorm import defer_batch_norms, restore_batch_norms
+from lightning_gpipe.engine.skip import routes
+from lightning_gpipe.errors import PartitionError
+from lightning_gpipe.partition.tied import tied_buffers
 from lightning_gpipe.transport.layout import layer_parts
-
-
-class PartitionError(ValueError):
-    """The module cannot be cut into the requested stages."""
 
 
 def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[str, nn.Sequential]:
@@ -66,8 +66,8 @@ def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[
         return candidates[0]
     if not candidates:
         raise PartitionError(
-            f"{type(module).__name__} has no nn.Sequential holding all of its parameters "
-            f"(nn.Sequential submodules: {_sequential_names(module) or 'none'}); put the layers to pipeline in one "
+            f"{type(module).__name__} has no nn.Sequential holding all of its parameters (nn.Sequential "
+            f"submodules: {_sequential_names(module) or 'none'}); put the layers to pipeline in one "
             "nn.Sequential and keep every parameter inside it, or pass GPipeStrategy(module_name=...)"
         )
     names = ", ".join(name for name, _ in candidates)
@@ -102,9 +102,9 @@ def check_model(
     name, seq = find_sequential(model, module_name)
     if stages > 1 and not model.automatic_optimization:
         raise ValueError(
-            f"{type(model).__name__} uses manual optimization (automatic_optimization = False), which the gpipe "
-            "strategy does not support: on every stage but the last, training_step ends at the pipelined call, "
-            "before the user's backward and optimizer step; use automatic optimization"
+            f"{type(model).__name__} uses manual optimization (automatic_optimization = False), which the "
+            "gpipe strategy does not support: on every stage but the last, training_step ends at the "
+            "pipelined call, before the user's backward and optimizer step; use automatic optimization"
         )
     parts = stages * virtual_stages
     if isinstance(balance, list):
@@ -112,7 +112,8 @@ def check_model(
         balance = check_balance(balance, len(seq), parts, virtual_stages)
         check_tied_parameters(seq, balance, stages)
     else:
-        balance = uniform_balance(len(seq), parts)  # also checks the parts against layers
+        check_stages(len(seq), parts)
+        balance = uniform_balance(len(seq), parts)
     return name, seq, balance
 
 
@@ -132,21 +133,9 @@ def _sequential_names(module: nn.Module) -> str:
     return ", ".join(repr(n) for n, m in module.named_modules() if isinstance(m, nn.Sequential) and n)
 
 
-def uniform_balance(num_layers: int, stages: int) -> list[int]:
-    """Split ``num_layers`` into ``stages`` counts as even as possible, larger stages first.
-
-    Raises:
-        PartitionError: ``stages`` is below 1 or above ``num_layers``.
-    """
-    check_stages(num_layers, stages)
-    from lightning_gpipe.balance import uniform_balance as even_split  # one implementation of the split
-
-    return even_split(num_layers, stages)
-
-
 def check_stages(num_layers: int, stages: int) -> None:
     if stages < 1:
-        raise PartitionError(f"the number of stages must be >= 1, got {stages}")
+        raise PartitionError(f"stages must be an integer >= 1 (stages: {stages!r})")
     if stages > num_layers:
         raise PartitionError(
             f"more pipeline stages than layers (stages: {stages}, layers: {num_layers}); "
@@ -175,12 +164,14 @@ def check_balance(
         )
     if sum(balance) != num_layers:
         raise PartitionError(
-            f"module and sum of balance have different length (module: {num_layers}, sum of balance: {sum(balance)})"
+            f"module and sum of balance have different length (module: {num_layers}, sum of balance: "
+            f"{sum(balance)})"
         )
     if stages is not None and len(balance) != stages and virtual_stages > 1:
         raise PartitionError(
-            f"balance has {len(balance)} entries but the pipeline has {stages} parts ({stages // virtual_stages} "
-            f"stages × {virtual_stages} virtual stages; balance: {balance}); give one entry per part, in model order"
+            f"balance has {len(balance)} entries but the pipeline has {stages} parts "
+            f"({stages // virtual_stages} stages × {virtual_stages} virtual stages; balance: {balance}); "
+            "give one entry per part, in model order"
         )
     if stages is not None and len(balance) != stages:
         raise PartitionError(
@@ -194,11 +185,9 @@ def check_skips_within_parts(sequential: nn.Sequential, balance: Sequence[int]) 
     """Raise :class:`PartitionError` for a skip connection between different parts (virtual stages).
 
     Raises:
-        PartitionError: a :class:`~lightning_gpipe.engine.skip.Stash` and its :class:`~lightning_gpipe.engine.skip.Pop`
-            fall in different parts of ``balance``.
+        PartitionError: a :class:`~lightning_gpipe.engine.skip.Stash` and its
+            :class:`~lightning_gpipe.engine.skip.Pop` fall in different parts of ``balance``.
     """
-    from lightning_gpipe.engine.skip import routes
-
     crossing = [r for r in routes(sequential, layer_parts(balance)) if r.source != r.target]
     if crossing:
         names = ", ".join(f"{r.name!r} (parts {r.source} -> {r.target})" for r in crossing)
@@ -209,7 +198,8 @@ def check_skips_within_parts(sequential: nn.Sequential, balance: Sequence[int]) 
 
 
 def stage_bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
-    """``[start, stop)`` layer indices of every entry of ``balance`` (a stage; with virtual stages, a part)."""
+    """``[start, stop)`` layer indices of every entry of ``balance`` (a stage; with virtual stages,
+    a part)."""
     bounds, start = [], 0
     for n in balance:
         bounds.append((start, start + n))
@@ -257,10 +247,9 @@ def check_tied_parameters(
     """Raise :class:`PartitionError` for what tying across stages cannot make exact: a shared buffer.
 
     Parameters shared by layers on different stages are kept in step by
-    :mod:`lightning_gpipe.partition.tied`; buffers are refused (:func:`lightning_gpipe.partition.tied.tied_buffers`).
+    :mod:`lightning_gpipe.partition.tied`; buffers are refused
+    (:func:`lightning_gpipe.partition.tied.tied_buffers`).
     """
-    from lightning_gpipe.partition.tied import tied_buffers
-
     for tied in tied_buffers(sequential, balance, stages):
         raise PartitionError(
             f"the buffer {tied.names[0]!r} is shared by layers on stages {list(tied.stages)} (names: "
@@ -347,7 +336,8 @@ def placement(sequential: nn.Sequential, balance: Sequence[int], ranks: Sequence
 
 @dataclass
 class Installed:
-    """Where a stage replaced the user's Sequential: ``parent.<attr>`` (``name`` in the model) was ``sequential``."""
+    """Where a stage replaced the user's Sequential: ``parent.<attr>`` (``name`` in the model) was
+    ``sequential``."""
 
     name: str
     parent: nn.Module
@@ -357,7 +347,8 @@ class Installed:
 
 
 def install(model: nn.Module, name: str, stage: nn.Module, deferred_batch_norm: bool = False) -> Installed:
-    """Put ``stage`` where the Sequential ``name`` (a dotted path in ``model``) was; undo with :func:`uninstall`.
+    """Put ``stage`` where the Sequential ``name`` (a dotted path in ``model``) was; undo with
+    :func:`uninstall`.
 
     With ``deferred_batch_norm``, the stage's BatchNorms become
     :class:`~lightning_gpipe.engine.batchnorm.DeferredBatchNorm` (sharing parameters and buffers).
@@ -371,7 +362,8 @@ def install(model: nn.Module, name: str, stage: nn.Module, deferred_batch_norm: 
 
 
 def uninstall(installed: Installed, state: dict[str, Any] | None = None) -> nn.Sequential:
-    """Put the user's Sequential back (its BatchNorms as they were), loaded with ``state`` if given; return it."""
+    """Put the user's Sequential back (its BatchNorms as they were), loaded with ``state`` if given;
+    return it."""
     restore_batch_norms(installed.batch_norms)
     if state is not None:
         installed.sequential.load_state_dict(state)
@@ -381,7 +373,8 @@ def uninstall(installed: Installed, state: dict[str, Any] | None = None) -> nn.S
 
 @contextlib.contextmanager
 def whole_sequential(installed: Installed | None, stage: nn.Module | None) -> Iterator[None]:
-    """The model holds the user's whole Sequential in place of ``stage`` inside this context, the stage after it."""
+    """The model holds the user's whole Sequential in place of ``stage`` inside this context, the
+    stage after it."""
     if installed is None or stage is None:
         yield
         return

@@ -121,7 +121,8 @@ def canonical_name(tied: Sequence[Tied], stage: int) -> dict[str, str | None]:
 
 
 def alias_tied_state(state: dict[str, Tensor], tied: Sequence[Tied], prefix: str = "") -> dict[str, Tensor]:
-    """Make every key of each tied parameter in ``state`` (a full Sequential ``state_dict``) one tensor, the owner's."""
+    """Make every key of each tied parameter in ``state`` (a full Sequential ``state_dict``) one
+    tensor, the owner's."""
     for t in tied:
         source = state.get(prefix + t.names[0])
         if source is None:
@@ -181,6 +182,7 @@ def sum_tied_gradients(groups: TiedGroups) -> None:
 
 
 def norm_parameters(params: Iterable[Tensor], groups: TiedGroups | None, stage: int) -> list[Tensor]:
-    """``params`` without the copies this stage does not own: each tied parameter counts once in a global norm."""
+    """``params`` without the copies this stage does not own: each tied parameter counts once in a
+    global norm."""
     copies = groups.copies(stage) if groups is not None else set()
     return [p for p in params if id(p) not in copies]

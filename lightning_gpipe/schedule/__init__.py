@@ -25,7 +25,7 @@ share is ``(K - 1) / (M + K - 1)``.
 Everything that runs a schedule reads it from here: each stage's executor
 (:class:`lightning_gpipe.engine.stage.PipelineStage`) consumes its own column in order
 (:func:`stage_actions`), receiving and sending exactly the messages :func:`receives` and
-:func:`sends` name and announcing their count (:func:`messages`) to its transport; the cost
+:func:`sends` name; the cost
 model (:mod:`lightning_gpipe.tools.simulate`) plays the same columns; :func:`format_grid` prints them.
 A schedule is one function ``(stages, chunks, virtual_stages=1) -> Grid`` (:class:`Schedule`,
 by name in :data:`SCHEDULES`); the clock only matters for printing, validation and simulation.
@@ -41,7 +41,7 @@ The package, one idea per module:
 - :mod:`~lightning_gpipe.schedule.zero_bubble`: :func:`zb_h1` (Zero Bubble's ZB-H1: backwards split
   into ``B``, the input gradient, and ``W``, the weight gradients);
 - :mod:`~lightning_gpipe.schedule.messages`: the messages each action receives and sends
-  (:func:`receives`, :func:`sends`, :func:`messages`, :func:`send_order`);
+  (:func:`receives`, :func:`sends`, :func:`send_order`);
 - here: :data:`SCHEDULES` by name and the checks of the strategy's ``schedule=`` and
   ``virtual_stages=`` arguments.
 
@@ -58,12 +58,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_gpipe.errors import check_count
 from lightning_gpipe.schedule.fill_drain import fill_drain
 from lightning_gpipe.schedule.grid import (
     Action,
     Grid,
     Schedule,
-    _check_count,
     bubble_share,
     format_grid,
     holder,
@@ -71,6 +71,7 @@ from lightning_gpipe.schedule.grid import (
     needs_loss,
     part,
     place,
+    sizes,
     split_phases,
     stage_actions,
     validate,
@@ -79,9 +80,7 @@ from lightning_gpipe.schedule.grid import (
 from lightning_gpipe.schedule.messages import (
     SkipRoute,
     Transfer,
-    announced_until,
     in_send_order,
-    messages,
     receives,
     send_order,
     sends,
@@ -96,7 +95,6 @@ __all__ = [
     "Schedule",
     "SkipRoute",
     "Transfer",
-    "announced_until",
     "bubble_share",
     "check_schedule",
     "check_virtual_stages",
@@ -105,7 +103,6 @@ __all__ = [
     "ideal_bubble",
     "in_send_order",
     "interleaved_1f1b",
-    "messages",
     "needs_loss",
     "holder",
     "one_f_one_b",
@@ -114,6 +111,7 @@ __all__ = [
     "receives",
     "send_order",
     "sends",
+    "sizes",
     "split_phases",
     "stage_actions",
     "validate",
@@ -136,7 +134,8 @@ every other schedule runs it once per micro-batch (:mod:`lightning_gpipe.strateg
 
 
 def check_virtual_stages(name: str, virtual_stages: Any, stages: int = 2) -> int:
-    """Return ``virtual_stages`` if schedule ``name`` runs that many virtual stages per stage on ``stages`` stages.
+    """Return ``virtual_stages`` if schedule ``name`` runs that many virtual stages per stage on
+    ``stages`` stages.
 
     ``None`` picks the schedule's default: 2 for ``"interleaved_1f1b"`` (interleaving with one
     virtual stage would be plain 1F1B), 1 for the others.
@@ -147,7 +146,7 @@ def check_virtual_stages(name: str, virtual_stages: Any, stages: int = 2) -> int
     """
     if virtual_stages is None:
         virtual_stages = 2 if name == "interleaved_1f1b" else 1
-    _check_count("virtual_stages", virtual_stages)
+    check_count("virtual_stages", virtual_stages)
     SCHEDULES[name](stages, 1, virtual_stages)  # each schedule refuses what it cannot run
     return int(virtual_stages)
 

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from lightning_gpipe.errors import check_count
+
 __all__ = [
     "Action",
     "Grid",
@@ -38,7 +40,8 @@ Kind = Literal["F", "B", "W"]
 
 @dataclass(frozen=True)
 class Action:
-    """One unit of work of a stage: forward (``F``), backward (``B``) or weight gradients (``W``) of micro-batch ``i``.
+    """One unit of work of a stage: forward (``F``), backward (``B``) or weight gradients (``W``) of
+    micro-batch ``i``.
 
     ``B i`` is the whole backward unless the stage's column also runs ``W i``: then ``B i``
     computes the gradient of the stage's inputs only (what the previous stage waits for) and
@@ -65,13 +68,26 @@ Grid = list[list[Action | None]]  # grid[step][stage]
 
 
 def _check_counts(stages: int, chunks: int) -> None:
-    if stages < 1 or chunks < 1:
-        raise ValueError(f"stages and chunks must be >= 1 (stages: {stages}, chunks: {chunks})")
+    check_count("stages", stages)
+    check_count("chunks", chunks)
 
 
-def _check_count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1 ({name}: {value!r})")
+def sizes(batch_size: int, chunks: int) -> list[int]:
+    """Sizes of the micro-batches of a mini-batch of ``batch_size`` samples: the one split rule.
+
+    Near-equal, larger first (as ``torch.tensor_split``), and only
+    ``batch_size`` micro-batches when ``batch_size < chunks``: ``sizes(10, 4) == [3, 3, 2, 2]``,
+    ``sizes(2, 4) == [1, 1]``.
+
+    Raises:
+        TypeError: a count is not an ``int``.
+        ValueError: a count below 1.
+    """
+    check_count("batch_size", batch_size)
+    check_count("chunks", chunks)
+    m = min(batch_size, chunks)
+    base, extra = divmod(batch_size, m)
+    return [base + 1 if i < extra else base for i in range(m)]
 
 
 def _check_one_virtual_stage(name: str, virtual_stages: int) -> None:
@@ -92,7 +108,8 @@ class Schedule(Protocol):
 
 
 def part(stage: int, virtual_stage: int, stages: int) -> int:
-    """The model part that stage ``stage``'s virtual stage ``virtual_stage`` holds: ``stage + virtual_stage·stages``.
+    """The model part that stage ``stage``'s virtual stage ``virtual_stage`` holds:
+    ``stage + virtual_stage·stages``.
 
     The model is cut into ``stages × v`` consecutive parts; part ``c`` lives on stage ``c mod K``
     as its virtual stage ``c // K`` (:func:`holder`). Without virtual stages, part = stage.
@@ -116,8 +133,8 @@ def place(columns: Sequence[Sequence[Action]]) -> Grid:
 
     ``F i`` of part ``c`` starts once ``F i`` of part ``c-1`` has finished; ``B i`` of part ``c``
     once ``B i`` of part ``c+1`` and ``F i`` of part ``c`` have (on the last part: micro-batch
-    ``i``'s loss); ``W i`` once ``B i`` of its part has; dependencies as :func:`validate` checks them. Without virtual stages, part =
-    stage.
+    ``i``'s loss); ``W i`` once ``B i`` of its part has; dependencies as :func:`validate` checks
+    them. Without virtual stages, part = stage.
 
     Args:
         columns: per stage, its actions in execution order.
@@ -167,7 +184,8 @@ def stage_actions(grid: Grid, stage: int) -> list[Action]:
 
 
 def needs_loss(action: Action, stage: int, stages: int, virtual_stages: int = 1) -> bool:
-    """Whether ``action`` needs the user's loss: a backward on the last part (the last stage's last virtual stage)."""
+    """Whether ``action`` needs the user's loss: a backward on the last part (the last stage's last
+    virtual stage)."""
     return action.kind == "B" and part(stage, action.virtual_stage, stages) == stages * virtual_stages - 1
 
 
@@ -203,7 +221,7 @@ def ideal_bubble(stages: int, chunks: int, virtual_stages: int = 1) -> float:
         ValueError: a count below 1.
     """
     _check_counts(stages, chunks)
-    _check_count("virtual_stages", virtual_stages)
+    check_count("virtual_stages", virtual_stages)
     return (stages - 1) / (virtual_stages * chunks + stages - 1)
 
 

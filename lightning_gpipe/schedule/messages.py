@@ -1,16 +1,14 @@
 """The messages each action implies: what it receives and sends, from and to which stage, in which order.
 
 Each stage's executor (:class:`lightning_gpipe.engine.stage.PipelineStage`) receives and sends exactly
-the messages :func:`receives` and :func:`sends` name and announces their count
-(:func:`messages`) to its transport. With virtual stages, part ``c`` sends its output to part
+the messages :func:`receives` and :func:`sends` name. With virtual stages, part ``c`` sends its output to part
 ``c+1`` on stage ``(c+1) mod K`` (the last stage's virtual stage ``u`` to stage 0's virtual stage
 ``u+1``), and each :class:`Transfer` names the peer's virtual stage.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -19,9 +17,7 @@ from lightning_gpipe.schedule.grid import Action, Grid, holder, part, stage_acti
 __all__ = [
     "SkipRoute",
     "Transfer",
-    "announced_until",
     "in_send_order",
-    "messages",
     "receives",
     "send_order",
     "sends",
@@ -29,7 +25,8 @@ __all__ = [
 
 
 class SkipRoute(Protocol):
-    """A skip connection (:class:`lightning_gpipe.engine.skip.Route`): stashed on ``source``, popped on ``target``."""
+    """A skip connection (:class:`lightning_gpipe.engine.skip.Route`): stashed on ``source``, popped
+    on ``target``."""
 
     @property
     def name(self) -> str: ...
@@ -107,55 +104,6 @@ def sends(
         return first + [_transfer(r.target, stages, r.name) for r in skips if r.source == c and r.target != c]
     first = [_transfer(c - 1, stages)] if c > 0 else []
     return first + [_transfer(r.source, stages, r.name) for r in skips if r.target == c and r.source != c]
-
-
-def messages(
-    actions: Iterable[Action],
-    stage: int,
-    stages: int,
-    skips: Iterable[SkipRoute] = (),
-    flows: Callable[[Action, Transfer], bool] = lambda action, transfer: True,
-    virtual_stages: int = 1,
-) -> Counter[int]:
-    """How many messages ``actions`` receive from each peer stage (for the transport's announcements).
-
-    Args:
-        flows: whether a transfer really carries a message at run time (a gradient flows only
-            for tensors that require one); default: all do.
-        virtual_stages: virtual stages per stage v (default 1).
-    """
-    skips = list(skips)
-    return Counter(
-        t.peer for a in actions for t in receives(a, stage, stages, skips, virtual_stages) if flows(a, t)
-    )
-
-
-def announced_until(
-    column: Sequence[Action],
-    start: int,
-    receives: Callable[[Action], bool],
-    waits_for_loss: Callable[[Action], bool] = lambda action: False,
-) -> int:
-    """Where the stretch of ``column`` whose receives a stage announces at once, from ``start``, ends.
-
-    A stage announces its receives to the transport (:meth:`lightning_gpipe.transport.p2p.P2P.expect`)
-    stretch by stretch: up to the first backward that ``receives`` a message and whose forward is
-    not in ``column[:start]`` (whether its gradient flows depends on that forward's outputs), or
-    that ``waits_for_loss`` (under ``"gpipe"``, every backward until the step's loss exists). The
-    stage's executor and the cost model's memory (:func:`lightning_gpipe.tools.simulate.
-    peak_activation_memory`: the receives posted ahead) both cut the column here.
-
-    Returns:
-        the index after the stretch's last action (``len(column)`` when it runs to the end).
-    """
-    forwarded = {(a.i, a.virtual_stage) for a in column[:start] if a.kind == "F"}
-    end = start
-    while end < len(column):
-        a = column[end]
-        if a.kind == "B" and (waits_for_loss(a) or (receives(a) and (a.i, a.virtual_stage) not in forwarded)):
-            break
-        end += 1
-    return end
 
 
 def send_order(

@@ -45,15 +45,15 @@ activations at once (fill-drain: ``M``).
 
 from __future__ import annotations
 
-from lightning_gpipe.engine.microbatch import sizes as microbatch_sizes
+from lightning_gpipe.errors import check_count
 from lightning_gpipe.schedule.grid import (
     Action,
     Grid,
-    _check_count,
     _check_counts,
     _check_one_virtual_stage,
     place,
 )
+from lightning_gpipe.schedule.grid import sizes as microbatch_sizes
 
 __all__ = ["interleaved_1f1b", "one_f_one_b"]
 
@@ -94,11 +94,11 @@ def interleaved_1f1b(stages: int, chunks: int, virtual_stages: int = 1) -> Grid:
     The grid for K=2, v=2, M=4 is in this module's docstring.
     """
     _check_counts(stages, chunks)
-    _check_count("virtual_stages", virtual_stages)
+    check_count("virtual_stages", virtual_stages)
     if virtual_stages > 1 and stages == 1:
         raise ValueError(
-            f"virtual stages need two or more pipeline stages (stages: {stages}, virtual_stages: {virtual_stages}); "
-            "use virtual_stages=1 or more stages"
+            f"virtual stages need two or more pipeline stages (stages: {stages}, virtual_stages: "
+            f"{virtual_stages}); use virtual_stages=1 or more stages"
         )
     if virtual_stages == 1:
         return one_f_one_b(stages, chunks)

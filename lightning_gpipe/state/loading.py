@@ -25,16 +25,15 @@ from typing import Any, cast
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities.migration import pl_legacy_patch
 from torch import Tensor
 
-from lightning_gpipe._compat import checkpoint_offset, load_module_state, migrate_checkpoint
-from lightning_gpipe.state.optimizer import CheckpointError
+from lightning_gpipe._compat import checkpoint_offset
+from lightning_gpipe._lightning import load_module_state, migrate_checkpoint
+from lightning_gpipe.errors import UnsafeCheckpointError
+from lightning_gpipe.state.optimizer import NAMES_KEY, CheckpointError
 
 OPT_IN = "weights_only=False"
-
-
-class UnsafeCheckpointError(CheckpointError):
-    """A checkpoint file holds objects that torch's safe unpickler (``weights_only=True``) refuses."""
 
 
 def safe(weights_only: bool | None) -> bool:
@@ -45,7 +44,8 @@ def safe(weights_only: bool | None) -> bool:
 def load_structure(
     path: str | os.PathLike, weights_only: bool | None = None, map_location: Any = "meta"
 ) -> Any:
-    """``torch.load`` a file with the safe unpickler unless ``weights_only=False``; tensors on ``map_location``.
+    """``torch.load`` a file with the safe unpickler unless ``weights_only=False``; tensors on
+    ``map_location``.
 
     Args:
         path: the file.
@@ -68,10 +68,11 @@ def load_structure(
         reason = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
         reason = reason.removeprefix("WeightsUnpickler error: ").split(". ")[0].rstrip(".")
         raise UnsafeCheckpointError(
-            f"refused to load {os.fspath(path)}: torch's safe unpickler (weights_only=True) does not allow what it "
-            f"holds ({reason}); if you trust this file, load it with {OPT_IN} (GPipeStrategy({OPT_IN}) for "
-            f"trainer.fit/validate/test(ckpt_path=...), lightning_gpipe.load_from_checkpoint(..., {OPT_IN})), or "
-            "allow its classes with torch.serialization.add_safe_globals"
+            f"refused to load {os.fspath(path)}: torch's safe unpickler (weights_only=True) does not allow "
+            f"what it holds ({reason}); if you trust this file, load it with {OPT_IN} "
+            f"(GPipeStrategy({OPT_IN}) for trainer.fit/validate/test(ckpt_path=...), "
+            f"lightning_gpipe.load_from_checkpoint(..., {OPT_IN})), or allow its classes with "
+            "torch.serialization.add_safe_globals"
         ) from None
 
 
@@ -160,7 +161,8 @@ class LazyCheckpoint:
                 )
 
     def materialize(self, obj: Any) -> Any:
-        """``obj`` (part of :attr:`data`) with every meta tensor read (containers rebuilt, not changed in place)."""
+        """``obj`` (part of :attr:`data`) with every meta tensor read (containers rebuilt, not
+        changed in place)."""
         if isinstance(obj, Tensor):
             return self.read(obj)
         if isinstance(obj, Mapping):
@@ -206,7 +208,8 @@ def copy_into(
             value = source[key]
             if tuple(value.shape) != tuple(tensor.shape):
                 raise CheckpointError(
-                    f"{key}: the checkpoint's tensor has shape {tuple(value.shape)}, the module's {tuple(tensor.shape)}"
+                    f"{key}: the checkpoint's tensor has shape {tuple(value.shape)}, the module's "
+                    f"{tuple(tensor.shape)}"
                 )
             read_into(value, tensor)
 
@@ -251,8 +254,6 @@ def load_from_checkpoint(
         CheckpointError: the file is not in torch's zip format, or (``strict``) its keys differ
             from the module's.
     """
-    from pytorch_lightning.utilities.migration import pl_legacy_patch
-
     with pl_legacy_patch():
         checkpoint = LazyCheckpoint(checkpoint_path, weights_only).data
     checkpoint = migrate_checkpoint(checkpoint, Path(checkpoint_path))
@@ -270,8 +271,9 @@ def load_from_checkpoint(
         saved = set(checkpoint.get("state_dict", {}))
         if own != saved:
             raise CheckpointError(
-                f"{os.fspath(checkpoint_path)} does not fit {cls.__name__} (missing: {sorted(own - saved)[:5]}, "
-                f"unexpected: {sorted(saved - own)[:5]}); pass strict=False to load what fits"
+                f"{os.fspath(checkpoint_path)} does not fit {cls.__name__} (missing: "
+                f"{sorted(own - saved)[:5]}, unexpected: {sorted(saved - own)[:5]}); pass strict=False to "
+                "load what fits"
             )
     setattr(model, CHECKPOINT_SOURCE, (os.fspath(checkpoint_path), weights_only))
     return model
@@ -298,8 +300,6 @@ def stage_part(
         also: further parameter names whose optimizer state this rank needs (the owner's name of
             a tied parameter's copy on this stage, :mod:`lightning_gpipe.partition.tied`).
     """
-    from lightning_gpipe.state.optimizer import NAMES_KEY
-
     checkpoint = dict(lazy.data)
     state = checkpoint.pop("state_dict", {})
     optimizer_states = checkpoint.pop("optimizer_states", [])

@@ -36,8 +36,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_gpipe import _compat
+from lightning_gpipe import _lightning
 from lightning_gpipe._compat import children
+from lightning_gpipe.partition.cut import cut
+from lightning_gpipe.state.loading import CHECKPOINT_SOURCE, LazyCheckpoint, copy_into
+from lightning_gpipe.transport.layout import layer_stages
 
 
 @contextlib.contextmanager
@@ -46,17 +49,18 @@ def tensor_init_context(
     precision_plugin: Any,
     empty_init: bool | None,
 ) -> Generator[None, None, None]:
-    """Where ``Trainer.init_module`` and ``configure_model`` create tensors (``GPipeStrategy.tensor_init_context``).
+    """Where ``Trainer.init_module`` and ``configure_model`` create tensors
+    (``GPipeStrategy.tensor_init_context``).
 
-    ``empty_init=True``, and ``None`` inside ``configure_model`` (which runs on every rank
-    once the processes are up): on the meta device; at setup the strategy cuts the meta
-    Sequential and materializes only this rank's stage (:func:`materialize_stage`:
-    each layer initialized by its ``reset_parameters()`` from a stream seeded by the global
-    seed and the layer's index, the same for any stage count). Otherwise (``False``, or
-    ``None`` before the processes start), Lightning's default (``default``, the strategy's
-    inherited ``tensor_init_context``): on this rank's device. The precision plugin's dtype applies either way.
+    ``empty_init=True``, and ``None`` inside ``configure_model`` (which runs on every rank once the
+    processes are up): on the meta device; at setup the strategy cuts the meta Sequential and
+    materializes only this rank's stage (:func:`materialize_stage`: each layer initialized by its
+    ``reset_parameters()`` from a stream seeded by the global seed and the layer's index, the same
+    for any stage count). Otherwise (``False``, or ``None`` before the processes start), Lightning's
+    default (``default``, the strategy's inherited ``tensor_init_context``): on this rank's device.
+    The precision plugin's dtype applies either way.
     """
-    meta = empty_init is True or (empty_init is None and _compat.distributed_is_initialized())
+    meta = empty_init is True or (empty_init is None and _lightning.distributed_is_initialized())
     if not meta:
         with default(empty_init=empty_init):
             yield
@@ -72,7 +76,8 @@ def layer_seed(seed: int, index: int) -> int:
 
 
 def global_seed() -> int:
-    """The seed of ``seed_everything`` (``PL_GLOBAL_SEED``); unseeded, a draw from a copy of the CPU generator.
+    """The seed of ``seed_everything`` (``PL_GLOBAL_SEED``); unseeded, a draw from a copy of the CPU
+    generator.
 
     The draw leaves the CPU generator as it was; every rank of the job holds the same state (the
     strategy gives them rank 0's), so every rank draws the same seed.
@@ -109,8 +114,8 @@ def initialize_layer(layer: nn.Module, seed: int, only_meta: bool = True) -> Non
                 continue
             if not callable(getattr(module, "reset_parameters", None)):
                 raise TypeError(
-                    f"{type(module).__name__} holds parameters or buffers built on the meta device but has no "
-                    "reset_parameters() to initialize them; give it one, or build this layer outside "
+                    f"{type(module).__name__} holds parameters or buffers built on the meta device but has "
+                    "no reset_parameters() to initialize them; give it one, or build this layer outside "
                     "Trainer.init_module(empty_init=True) / configure_model"
                 )
             if has_meta(module, recurse=False):
@@ -165,10 +170,11 @@ def load_layers(
 ) -> list[str]:
     """Give the meta tensors of each ``(name, layer)`` the values of a checkpoint's ``state_dict``.
 
-    Every submodule with meta tensors of its own gets empty storage on ``device``; then each of
-    the layer's ``state_dict`` entries is filled by ``read_into(state[prefix + name + "." + key],
-    entry)`` (e.g. :meth:`lightning_gpipe.state.loading.LazyCheckpoint.read_into`), one tensor at a time. Layers without meta tensors keep
-    their values.
+    Every submodule with meta tensors of its own gets empty storage on ``device``; then each of the
+    layer's ``state_dict`` entries is filled by
+    ``read_into(state[prefix + name + "." + key], entry)`` (e.g.
+    :meth:`lightning_gpipe.state.loading.LazyCheckpoint.read_into`), one tensor at a time. Layers
+    without meta tensors keep their values.
 
     Returns:
         The names of the layers loaded.
@@ -176,8 +182,6 @@ def load_layers(
     Raises:
         lightning_gpipe.checkpoint.CheckpointError: an entry is missing or has another shape.
     """
-    from lightning_gpipe.state.loading import copy_into
-
     done = []
     for name, layer in layers:
         if layer is None or not has_meta(layer):
@@ -219,10 +223,6 @@ def materialize_stage(
     otherwise each layer is initialized by :func:`materialize_layers` (its ``reset_parameters()``,
     from a random stream of the global seed and the layer's index).
     """
-    from lightning_gpipe.partition.cut import cut
-    from lightning_gpipe.state.loading import CHECKPOINT_SOURCE, LazyCheckpoint
-    from lightning_gpipe.transport.layout import layer_stages
-
     layers = cut(sequential, balance, stage, stages)
     source = getattr(model, CHECKPOINT_SOURCE, None)
     if source is None:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gpipe.errors import CheckpointError
 from lightning_gpipe.partition.cut import PLACEHOLDER
 
 __all__ = [
@@ -27,18 +28,14 @@ __all__ = [
     "group_names",
     "merge_optimizer_states",
     "split_optimizer_state",
-    "tensors_to_cpu",
 ]
 
 NAMES_KEY = "gpipe_param_names"
 
 
-class CheckpointError(ValueError):
-    """A checkpoint does not fit the module or optimizer it is loaded into."""
-
-
 def group_names(optimizer: Optimizer, names_by_id: Mapping[int, str], missing: str = "?") -> list[list[str]]:
-    """Parameter names of each of ``optimizer``'s groups, in the optimizer's order (``missing`` if unknown)."""
+    """Parameter names of each of ``optimizer``'s groups, in the optimizer's order (``missing`` if
+    unknown)."""
     return [[names_by_id.get(id(p), missing) for p in group["params"]] for group in optimizer.param_groups]
 
 
@@ -152,8 +149,8 @@ def split_optimizer_state(
         saved = {group_of[index[n]] for n in group_names_ if not stateless(n) and n in index}
         if len(saved) > 1:
             raise CheckpointError(
-                f"parameters of this optimizer's group {g} ({', '.join(group_names_)}) are in "
-                f"{len(saved)} different groups of the checkpoint; configure_optimizers must build the same groups"
+                f"parameters of this optimizer's group {g} ({', '.join(group_names_)}) are in {len(saved)} "
+                "different groups of the checkpoint; configure_optimizers must build the same groups"
             )
         if saved:
             hyper = _hyper(merged["param_groups"][saved.pop()])
@@ -175,17 +172,6 @@ def split_optimizer_state(
             local += 1
         groups.append(group)
     return {"state": state, "param_groups": groups}
-
-
-def tensors_to_cpu(obj: Any) -> Any:
-    """Copy every tensor in a nested dict/list to CPU (for gathering with object collectives)."""
-    if isinstance(obj, Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: tensors_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(tensors_to_cpu(v) for v in obj)
-    return obj
 
 
 def drop_placeholder_names(names: list[list[str]]) -> list[list[str]]:

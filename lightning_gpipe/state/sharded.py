@@ -15,8 +15,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.optim import Optimizer
+
+from lightning_gpipe.state.loading import load_structure
 
 __all__ = [
     "META_FILE",
@@ -32,8 +40,6 @@ META_FILE = "lightning_meta.pt"
 
 def _flat_options() -> Any:
     """Optimizer states flattened to one key per parameter and field, so shards can be regrouped."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -53,9 +59,6 @@ def save_sharded(
     to ``<path>.tmp`` and renamed when complete, so a crash during the save leaves a previous
     checkpoint at ``path`` intact.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     rank = dist.get_rank()
@@ -112,10 +115,6 @@ def load_sharded(
         lightning_gpipe.state.loading.UnsafeCheckpointError: the metadata holds objects the safe
             unpickler refuses (the message names the file and the opt-in).
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-    from lightning_gpipe.state.loading import load_structure
 
     path = Path(path)
     checkpoint = load_structure(path / META_FILE, weights_only, map_location="cpu")
@@ -131,7 +130,5 @@ def load_sharded(
 def set_sharded_optimizer_states(
     module: nn.Module, optimizers: Sequence[Optimizer], states: Sequence[Any]
 ) -> None:
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-
     for opt, state in zip(optimizers, states):
         set_optimizer_state_dict(module, opt, state, options=_FLAT)

@@ -1,14 +1,7 @@
-"""Every rank starts from global rank 0: its weights, as every DDP replica does, and its random state.
+"""Every rank starts from global rank 0's weights, as every DDP replica does.
 
 A model built on the meta device (each rank holds only its stage) starts instead from its own
 stage's layers, materialized on the rank (:func:`start_stage`, :mod:`lightning_gpipe.state.materialize`).
-
-**Random state.** A seeded script run on one device draws its shuffled batches from the global
-generators in the state the script left them. Every rank here runs the same script, but only rank
-0 (the process the user started) is guaranteed to have run it exactly as on one device, so
-:func:`share_rng_state` gives every rank rank 0's generator states when the processes connect,
-without re-seeding (which a one-device run never does): a shuffling ``DataLoader`` then draws the
-same permutation on every stage of every pipeline as the script would on one device.
 
 **Weights.**
 Each process builds the whole LightningModule; what it holds may differ between processes (an
@@ -28,14 +21,13 @@ need nothing more.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
-import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_gpipe.partition.cut import cut
+from lightning_gpipe.state.materialize import materialize_stage
 from lightning_gpipe.transport.layout import Layout
 from lightning_gpipe.transport.p2p import P2P
 
@@ -116,25 +108,8 @@ def start_stage(
     (:func:`lightning_gpipe.state.materialize.materialize_stage`); otherwise every stage takes global rank
     0's weights (:func:`send_rank0_state`; replicas ``d > 0`` then take replica 0's in setup).
     """
-    from lightning_gpipe.partition.cut import cut
-    from lightning_gpipe.state.materialize import materialize_stage
-
     if stage_only:
         materialize_stage(model, name, sequential, balance, layout.stage_of(rank), device, layout.stages)
         return
     stages = [cut(sequential, balance, s, layout.stages) for s in range(layout.stages)]
     send_rank0_state(stages, layout, rank, P2P(device))
-
-
-def share_rng_state(rank: int) -> None:
-    """Set this process's ``torch`` (CPU), ``random`` and ``numpy`` generators to global rank 0's states.
-
-    A collective over the default group: every rank calls it.
-    """
-    box = [(torch.get_rng_state(), random.getstate(), np.random.get_state()) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    assert box[0] is not None
-    torch_state, python_state, numpy_state = box[0]
-    torch.set_rng_state(torch_state)
-    random.setstate(python_state)
-    np.random.set_state(numpy_state)

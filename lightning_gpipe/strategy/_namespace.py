@@ -71,7 +71,8 @@ def lightning_class(klass: type, namespace: str) -> type:
 
 @cache
 def specialize(cls: type, namespace: str) -> type:
-    """``cls`` (``class C(Logic, LightningBase)``, defined over ``pytorch_lightning``) over ``namespace``'s base.
+    """``cls`` (``class C(Logic, LightningBase)``, defined over ``pytorch_lightning``) over
+    ``namespace``'s base.
 
     Returns ``cls`` itself for ``"pytorch_lightning"``; otherwise a class of the same name and
     logic whose Lightning base is the namespace's copy of ``LightningBase``, with ``namespace``
@@ -82,7 +83,8 @@ def specialize(cls: type, namespace: str) -> type:
     """
     if len(cls.__bases__) != 2 or cls.__dict__.get("namespace") is None:
         raise TypeError(
-            f"{cls.__qualname__} cannot be moved to the {namespace!r} namespace (it is not a lightning_gpipe class "
+            f"{cls.__qualname__} cannot be moved to the {namespace!r} namespace (it is not a "
+            "lightning_gpipe class "
             f"built from logic and a Lightning base); subclass lightning_gpipe.strategy_class({namespace!r}) "
             "to customise the strategy for that namespace"
         )
@@ -126,7 +128,8 @@ def adopt(obj: Any, namespace: str | None) -> None:
     root = next((c for c in cls.__mro__ if "namespace" in c.__dict__), cls)
     if root is not cls:
         raise TypeError(
-            f"{cls.__qualname__} subclasses the {getattr(root, 'namespace', '?')!r} namespace's {root.__qualname__} and cannot run "
+            f"{cls.__qualname__} subclasses the {getattr(root, 'namespace', '?')!r} namespace's "
+            f"{root.__qualname__} and cannot run "
             f"under a {namespace!r} Trainer; subclass lightning_gpipe.strategy_class({namespace!r}) instead"
         )
     obj.__class__ = specialize(_pytorch_lightning_class(cls), namespace)

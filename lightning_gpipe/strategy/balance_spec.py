@@ -21,7 +21,7 @@ import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_gpipe._compat import attached_trainer, running_loop_data
+from lightning_gpipe._lightning import attached_trainer, running_loop_data
 from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, balance_by_time
 from lightning_gpipe.engine.microbatch import as_tensors, split
 from lightning_gpipe.strategy.metrics import restore_logging, silence_logging
@@ -57,7 +57,8 @@ def check_balance_spec(
     bad = [b for b in balance if isinstance(b, bool) or not isinstance(b, int) or b < 1]
     if bad or not list(balance):
         raise ValueError(
-            f"balance entries must be positive integers (balance: {list(balance)!r}); every stage needs a layer"
+            f"balance entries must be positive integers (balance: {list(balance)!r}); "
+            "every stage needs a layer"
         )
     balance = list(balance)
     valid_size = (
@@ -67,7 +68,8 @@ def check_balance_spec(
     if valid_size and virtual_stages > 1 and len(balance) != parts:
         raise ValueError(
             f"balance has {len(balance)} entries but the pipeline has {pipeline_parallel_size} stages × "
-            f"{virtual_stages} virtual stages (balance: {balance}); give one entry per part, {parts} in model order"
+            f"{virtual_stages} virtual stages (balance: {balance}); "
+            f"give one entry per part, {parts} in model order"
         )
     if valid_size and virtual_stages == 1 and len(balance) != pipeline_parallel_size:
         raise ValueError(
@@ -145,7 +147,8 @@ def profiled(model: nn.Module) -> bool:
 
 
 def log_choice(model: pl.LightningModule, how: str, balance: list[int]) -> None:
-    """Say which balance ``balance=how`` chose, and log it as the hyperparameter ``gpipe_balance`` (rank 0)."""
+    """Say which balance ``balance=how`` chose, and log it as the hyperparameter ``gpipe_balance``
+    (rank 0)."""
     rank_zero_info(f"gpipe: balance={how!r} chose {balance} (layers per stage)")
     trainer = attached_trainer(model)
     for logger in trainer.loggers if trainer is not None else ():

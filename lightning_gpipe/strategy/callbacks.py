@@ -43,8 +43,9 @@ import pytorch_lightning as pl
 from torch import nn
 from torch.nn.utils import prune
 
-from lightning_gpipe._compat import example_input_slot, set_example_input_slot, throughputs
+from lightning_gpipe._lightning import example_input_slot, set_example_input_slot, throughputs
 from lightning_gpipe.strategy._namespace import lightning_class
+from lightning_gpipe.strategy.pipelined import Pipelined
 
 _PATCHED = "_gpipe_patched"  # names of the instance attributes set on a callback, to remove at teardown
 
@@ -71,11 +72,9 @@ def adapt_callbacks(
     trainer: pl.Trainer,
     module: nn.Module,
     namespace: str,
-    seq_name: str,
-    cut_copy: Callable[[nn.Sequential], nn.Module],
+    pipelined: Pipelined,
     replicas: int,
     holds_predictions: bool,
-    whole_model: Callable[[], AbstractContextManager[Any]],
 ) -> None:
     """Adjust ``trainer``'s callbacks to this rank's stage (see the module docstring).
 
@@ -83,12 +82,12 @@ def adapt_callbacks(
         trainer: the Trainer (either namespace).
         module: the LightningModule, already cut.
         namespace: the Trainer's namespace (``"pytorch_lightning"`` or ``"lightning"``).
-        seq_name: attribute path of the pipelined Sequential in ``module``.
-        cut_copy: the Sequential of a copy of ``module`` → this stage's part of it.
+        pipelined: this rank's stage in ``module``: the Sequential's name, a copy's cut
+            (:meth:`.Pipelined.cut_copy`), the whole model again (:meth:`.Pipelined.whole_model`).
         replicas: data-parallel pipelines D.
         holds_predictions: whether this rank is a last stage.
-        whole_model: a context in which ``module`` holds its whole Sequential again.
     """
+    seq_name, cut_copy, whole_model = pipelined.name or "", pipelined.cut_copy, pipelined.whole_model
     callbacks = pl.callbacks
     refuse_tuners(trainer.callbacks, namespace)  # type: ignore[attr-defined]
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -138,8 +137,9 @@ def _prune_this_stage(callback: Any, module: nn.Module) -> None:
     others = [pair for i, pair in enumerate(pairs) if i not in set(kept)]
     if others and callback._use_global_unstructured:
         raise ValueError(
-            f"ModelPruning(use_global_unstructured=True) ranks parameters across the whole model, which spans "
-            f"several pipeline stages (this stage holds {len(kept)} of the {len(pairs)} parameters to prune); "
+            "ModelPruning(use_global_unstructured=True) ranks parameters across the whole model, "
+            "which spans several pipeline stages "
+            f"(this stage holds {len(kept)} of the {len(pairs)} parameters to prune); "
             "pass use_global_unstructured=False (each parameter pruned by its own ranking)"
         )
     index = {old: new for new, old in enumerate(kept)}
@@ -200,7 +200,8 @@ def _skip(*args: Any, **kwargs: Any) -> None:
 
 
 def _on_whole_model(hook: Callable[..., Any], whole_model: Callable[[], AbstractContextManager[Any]]) -> Any:
-    """``hook(trainer, pl_module)`` run while the module holds its whole Sequential, not called on its example input."""
+    """``hook(trainer, pl_module)`` run while the module holds its whole Sequential, not called on its
+    example input."""
 
     def run_on_whole_model(trainer: Any, pl_module: Any) -> Any:
         example = example_input_slot(pl_module)

@@ -1,4 +1,5 @@
-"""Gradients across processes: tied copies summed, data-parallel all-reduce, global-norm clipping over all stages."""
+"""Gradients across processes: tied copies summed, data-parallel all-reduce, global-norm clipping over
+all stages."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ BUCKET_BYTES = 25 * 2**20
 def allreduce_gradients(
     params: Iterable[Tensor], group: object, replicas: int, bucket_bytes: int = BUCKET_BYTES
 ) -> None:
-    """Average ``.grad`` of ``params`` over the ``replicas`` ranks of ``group``, in buckets of ≤ ``bucket_bytes``.
+    """Average ``.grad`` of ``params`` over the ``replicas`` ranks of ``group``, in buckets of
+    ≤ ``bucket_bytes``.
 
     Buckets are flattened per dtype and reduced asynchronously, then waited on together. A
     parameter without a gradient takes part as zeros, so every replica posts the same buckets.
@@ -88,7 +90,8 @@ def clip_grad_norm_(
     device: torch.device,
     counted: Iterable[Tensor] | None = None,
 ) -> Tensor:
-    """Clip gradients by the global norm over all stages, like ``torch.nn.utils.clip_grad_norm_`` on one device.
+    """Clip gradients by the global norm over all stages, like ``torch.nn.utils.clip_grad_norm_`` on
+    one device.
 
     Args:
         counted: the parameters whose gradients make up this stage's share of the norm (default:

@@ -17,15 +17,19 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
+import torch
 import torch.distributed as dist
 from lightning_fabric.plugins import ClusterEnvironment
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from pytorch_lightning.utilities.model_helpers import is_overridden
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from typing_extensions import override
 
-from lightning_gpipe import _compat
-from lightning_gpipe._compat import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_gpipe import _lightning
+from lightning_gpipe._lightning import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, lightning_class, specialize
+from lightning_gpipe.strategy.signals import SigtermCheck
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning launcher it becomes
     _Base = SubprocessScriptLauncher
@@ -165,7 +169,8 @@ class _GPipeLauncherLogic(_Base):
                 code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 log.warning(
-                    f"gpipe: local rank {local_rank} (pid {proc.pid}) still runs after {timeout} s; killing it"
+                    f"gpipe: local rank {local_rank} (pid {proc.pid}) still runs after {timeout} s; "
+                    "killing it"
                 )
                 proc.kill()
                 code = proc.wait()
@@ -232,7 +237,8 @@ def check_start_method(start_method: str) -> str:
     """
     if start_method not in ("popen", "fork"):
         raise ValueError(
-            f"start_method must be 'popen' or 'fork' (start_method: {start_method!r}); 'fork' is for notebooks"
+            f"start_method must be 'popen' or 'fork' (start_method: {start_method!r}); "
+            "'fork' is for notebooks"
         )
     return start_method
 
@@ -244,17 +250,18 @@ def new_launcher(strategy: Any) -> GPipeLauncher | GPipeForkLauncher:
         ValueError: ``Trainer(sync_batchnorm=True)``.
         RuntimeError: ``start_method="popen"`` with several processes in an interactive session.
     """
-    if _compat.layer_sync(strategy) is not None:
+    if _lightning.layer_sync(strategy) is not None:
         raise ValueError(
             "Trainer(sync_batchnorm=True) is not supported by the gpipe strategy (each stage holds different "
             "layers); use GPipeStrategy(deferred_batch_norm=True) for full-batch running statistics"
         )
     if strategy.start_method == "fork":
         return specialize(GPipeForkLauncher, strategy.namespace)(strategy, check=strategy.check_model)
-    if _compat.IS_INTERACTIVE and strategy.num_processes * strategy.num_nodes > 1:
+    if _lightning.IS_INTERACTIVE and strategy.num_processes * strategy.num_nodes > 1:
         raise RuntimeError(
             "Trainer(strategy='gpipe') starts the other ranks by re-running the script, which an interactive "
-            "session (Jupyter, python -i) does not have; use Trainer(strategy='gpipe_notebook') (forked ranks), "
+            "session (Jupyter, python -i) does not have; "
+            "use Trainer(strategy='gpipe_notebook') (forked ranks), "
             "or run the code as a script"
         )
     assert strategy.cluster_environment is not None
@@ -265,6 +272,44 @@ def new_launcher(strategy: Any) -> GPipeLauncher | GPipeForkLauncher:
         check=strategy.check_model,
         share=strategy.share_evaluation_results,
     )
+
+
+def set_world_ranks(
+    env: ClusterEnvironment | None, node_rank: int, local_rank: int, processes: int, nodes: int
+) -> None:
+    """Give the cluster environment this process' global rank and the world size (``processes`` per node),
+    and ``rank_zero_only`` the global rank."""
+    if env is not None:
+        env.set_global_rank(node_rank * processes + local_rank)
+        env.set_world_size(nodes * processes)
+    rank = env.global_rank() if env is not None else 0
+    rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]
+
+
+def forward_signal(launcher: Any, signum: int) -> None:
+    """On SIGTERM/SIGINT, the launching rank passes the signal on to the ranks its ``launcher`` started."""
+    kill = getattr(launcher, "kill", None)
+    if callable(kill):
+        kill(signum)
+
+
+def defer_sigterm_check(trainer: pl.Trainer, device: torch.device) -> SigtermCheck:
+    """Put a :class:`~lightning_gpipe.strategy.signals.SigtermCheck` in place of the trainer's per-step
+    SIGTERM broadcast, and return it."""
+    check = SigtermCheck(trainer, device, _lightning.sigterm_exception(trainer))
+    _lightning.set_sigterm_check(trainer, check)
+    return check
+
+
+def restore_sigterm_check(
+    trainer: pl.Trainer | None, check: SigtermCheck | None, failed: bool, timeout: float
+) -> None:
+    """Give ``trainer`` (if any) Lightning's own SIGTERM broadcast back and, unless the run ``failed``, close
+    ``check`` (if any) within ``timeout`` seconds."""
+    if trainer is not None:
+        _lightning.set_sigterm_check(trainer, None)
+    if check is not None and not failed:
+        check.close(timeout)
 
 
 def check_rerunnable_command() -> None:
@@ -279,7 +324,8 @@ def check_rerunnable_command() -> None:
         source = "python -c" if sys.argv[0] == "-c" else "standard input"
         raise RuntimeError(
             f"the gpipe strategy starts the other ranks by re-running this program, which came from {source} "
-            f"(sys.argv[0]: {sys.argv[0]!r}) and cannot be re-run; save it to a file and run `python file.py`, "
+            f"(sys.argv[0]: {sys.argv[0]!r}) and cannot be re-run; "
+            "save it to a file and run `python file.py`, "
             'or, in an interactive session or notebook, use Trainer(strategy="gpipe_notebook") (forked ranks)'
         )
 

@@ -20,10 +20,11 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 from torch import nn
+from torchmetrics import Metric
 
-from lightning_gpipe._compat import attached_trainer, distributed_is_initialized
-from lightning_gpipe.state.optimizer import tensors_to_cpu
+from lightning_gpipe._lightning import attached_trainer, distributed_is_initialized
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, namespace_of, specialize
+from lightning_gpipe.transport.groups import tensors_to_cpu
 from lightning_gpipe.transport.layout import Layout
 
 if TYPE_CHECKING:
@@ -33,7 +34,8 @@ else:
 
 
 def share_last_stage_metrics(trainer: pl.Trainer, src: int, group: Any, device: torch.device) -> None:
-    """Broadcast ``trainer.callback_metrics`` from global rank ``src`` (a last stage) over ``group`` (its pipeline)."""
+    """Broadcast ``trainer.callback_metrics`` from global rank ``src`` (a last stage) over ``group``
+    (its pipeline)."""
     rank = dist.get_rank()
     box = [tensors_to_cpu(dict(trainer.callback_metrics)) if rank == src else None]
     dist.broadcast_object_list(box, src=src, group=group)
@@ -85,10 +87,23 @@ class ShareLastStageMetrics(_ShareLastStageMetricsLogic, Callback):
 
 
 def install_metric_sharing(trainer: pl.Trainer, share: Any) -> ShareLastStageMetrics:
-    """Put a :class:`ShareLastStageMetrics` (of the Trainer's namespace) first among ``trainer``'s callbacks."""
+    """Put a :class:`ShareLastStageMetrics` (of the Trainer's namespace) first among ``trainer``'s
+    callbacks."""
     callback = specialize(ShareLastStageMetrics, namespace_of(trainer) or PYTORCH_LIGHTNING)(share)
     trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
     return callback
+
+
+def evaluation_results(results: Any, trainer: Any, from_last_stage: Callable[[Any], Any]) -> Any:
+    """``trainer.validate``/``test``'s return value ``results``: the last stage's, on every stage of its
+    pipeline (``from_last_stage``); other calls' ``results`` as they are.
+
+    Only the last stage logs; as under DDP, every rank returns the logged metrics.
+    """
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    if getattr(fn, "value", None) not in ("validate", "test"):
+        return results
+    return from_last_stage(results)
 
 
 def remove_metric_sharing(module: pl.LightningModule | None, callback: ShareLastStageMetrics | None) -> None:
@@ -107,8 +122,6 @@ def sync_metrics_over(module: nn.Module | None, group: Any, member: bool) -> Non
         member: whether this rank is in ``group``; the other stages' metrics never sync (they
             have no data to sync, and a collective they are not part of would only warn).
     """
-    from torchmetrics import Metric
-
     for m in module.modules() if module is not None else ():
         if isinstance(m, Metric):
             m.process_group = group if member else None

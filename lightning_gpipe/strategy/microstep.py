@@ -47,13 +47,14 @@ from typing import Any
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_gpipe import _compat
-from lightning_gpipe.engine.microbatch import _marked, sizes
+from lightning_gpipe import _lightning
+from lightning_gpipe.engine.microbatch import batch_dim, is_split, sizes
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError, StageDone
 
-__all__ = ["MicroSteps", "check_model", "split_batch"]
+__all__ = ["MicroSteps", "check_model", "split_batch", "warn_unsplit_backwards"]
 
 _MISSING = object()
 
@@ -73,8 +74,20 @@ def check_model(model: Any, schedule: str) -> None:
         )
 
 
+def warn_unsplit_backwards(schedule: str, checkpoint: str) -> None:
+    """Warn (rank 0) that ``schedule="zb_h1"`` splits no backward of a recomputed micro-batch, unless
+    ``checkpoint="never"``."""
+    if schedule == "zb_h1" and checkpoint != "never":
+        rank_zero_warn(
+            f"schedule='zb_h1' splits only the backwards of micro-batches whose forward is not "
+            f"recomputed; under checkpoint={checkpoint!r} the others run whole at their B, as "
+            "under 1F1B. Use checkpoint='never' for the zero-bubble gain."
+        )
+
+
 def split_batch(batch: Any, chunks: int) -> tuple[list[Any], list[int]]:
-    """``batch`` as ``min(chunks, N)`` micro-batches, and their sizes (:func:`~lightning_gpipe.engine.microbatch.sizes`).
+    """``batch`` as ``min(chunks, N)`` micro-batches, and their sizes
+    (:func:`~lightning_gpipe.engine.microbatch.sizes`).
 
     The pipeline's split rule (:func:`lightning_gpipe.engine.microbatch.scatter`) over any collection:
     ``N`` is dim 0 of the first tensor that has one and is not marked with
@@ -87,18 +100,19 @@ def split_batch(batch: Any, chunks: int) -> tuple[list[Any], list[int]]:
     """
     found: list[Tensor] = []
     apply_to_collection(batch, Tensor, found.append)
-    n = next((t.shape[0] for t in found if t.dim() > 0 and not _marked(t)), None)
+    n = batch_dim(found)
     if not n:
         shapes = ", ".join(str(list(t.shape)) for t in found) or "none"
         raise ValueError(
             "one training_step per micro-batch splits the batch along dim 0, but it holds no tensor with a "
-            f"batch dimension (shapes: {shapes}); give a tensor the batch dimension first, or use schedule='gpipe'"
+            f"batch dimension (shapes: {shapes}); "
+            "give a tensor the batch dimension first, or use schedule='gpipe'"
         )
     parts = sizes(n, chunks)
     bounds = [sum(parts[:k]) for k in range(len(parts) + 1)]
 
     def part(t: Tensor, a: int, b: int) -> Tensor:
-        return t[a:b] if t.dim() > 0 and t.shape[0] == n and not _marked(t) else t
+        return t[a:b] if is_split(t, n) else t
 
     micro = [apply_to_collection(batch, Tensor, part, a, b) for a, b in zip(bounds, bounds[1:])]
     return micro, parts
@@ -144,7 +158,7 @@ class MicroSteps:
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
         micro, parts = split_batch(batch, chunks)
         total = sum(parts)
-        trainer = _compat.attached_trainer(module)
+        trainer = _lightning.attached_trainer(module)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         scaler = getattr(precision_plugin, "scaler", None)
         params = list(module.parameters())
@@ -168,7 +182,8 @@ class MicroSteps:
                             uncalled = (out,)
                             break
                         raise PipelineUsageError(
-                            f"training_step did not call the pipelined nn.Sequential for micro-batch {i} but did "
+                            "training_step did not call the pipelined nn.Sequential "
+                            f"for micro-batch {i} but did "
                             "for micro-batch 0; under a per-micro-batch schedule every call must call it once"
                         )
                     if not stage.topology.is_last:
@@ -176,8 +191,10 @@ class MicroSteps:
                     loss = out.get("loss") if isinstance(out, Mapping) else out
                     if not isinstance(loss, Tensor):
                         raise PipelineUsageError(
-                            f"training_step returned no loss for micro-batch {i} (got {type(out).__name__}); a "
-                            "per-micro-batch schedule backpropagates every micro-batch's loss: return one from "
+                            f"training_step returned no loss for micro-batch {i} "
+                            f"(got {type(out).__name__}); a "
+                            "per-micro-batch schedule backpropagates every micro-batch's loss: "
+                            "return one from "
                             "every call, or use schedule='gpipe' to skip steps by returning None"
                         )
                     losses.append(_kept(loss))
@@ -265,7 +282,8 @@ class _LogRecorder:
         self.records.setdefault(name, []).append((self.micro_batch, _kept(value), options))
 
     def replay(self, parts: list[int]) -> None:
-        """Log every recorded name once through the module's ``log``, its values combined (module docstring)."""
+        """Log every recorded name once through the module's ``log``, its values combined (module
+        docstring)."""
         for name, entries in self.records.items():
             options = dict(entries[-1][2])
             values = [v for _, v, _ in entries]

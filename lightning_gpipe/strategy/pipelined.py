@@ -14,31 +14,58 @@ which saved state is translated between the stage and the whole model.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_gpipe import _compat, state
-from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError, build_stage
+from lightning_gpipe import state
+from lightning_gpipe._lightning import distributed_is_initialized
+from lightning_gpipe.engine.recompute import check_mode
+from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
+from lightning_gpipe.errors import check_count
 from lightning_gpipe.partition import cut as partition
 from lightning_gpipe.partition import tied
-from lightning_gpipe.schedule import SCHEDULES, check_virtual_stages
+from lightning_gpipe.partition.build import build_stage
+from lightning_gpipe.schedule import SCHEDULES, check_schedule, check_virtual_stages
 from lightning_gpipe.state.materialize import check_nothing_meta, check_stage_only_balance, has_meta
 from lightning_gpipe.state.start_state import start_stage
 from lightning_gpipe.strategy import microstep
-from lightning_gpipe.strategy.balance_spec import choose_balance, log_choice, profiled
+from lightning_gpipe.strategy.balance_spec import check_balance_spec, choose_balance, log_choice, profiled
 from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.transport.layout import Layout
+from lightning_gpipe.transport.p2p import Lanes
 
-__all__ = ["Pipelined", "check_model", "partition_model", "unpartition_model"]
+__all__ = ["Pipelined", "StageSpec", "check_arguments", "partition_model"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+    """What the strategy's arguments ask of the cut and of the stage, as they stand at set-up.
+
+    Every field is ``GPipeStrategy``'s argument of the same name, except ``chunks``: the
+    micro-batches M used (``GPipeStrategy.chunks_used``).
+    """
+
+    module_name: str | None
+    balance: list[int] | str | None
+    chunks: int
+    checkpoint: str
+    schedule: str
+    virtual_stages: int
+    deferred_batch_norm: bool
+    compile: bool | dict[str, Any]
+    optimizer_state_factor: float
+    timeline: bool
 
 
 class Pipelined:
@@ -49,7 +76,8 @@ class Pipelined:
         installed: where the stage replaced the user's Sequential (:class:`.partition.Installed`).
         index: this rank's stage index ``j``.
         balance: layers per stage the Sequential was cut with (``None`` before the first cut).
-        tied: parameters shared by layers on different stages (:func:`lightning_gpipe.partition.tied.find_tied`).
+        tied: parameters shared by layers on different stages
+            (:func:`lightning_gpipe.partition.tied.find_tied`).
         tied_groups: their process groups, once the processes are connected (:meth:`tie`).
         stage_only: the Sequential was built on the meta device; this rank materialized only its stage.
         received_skips: ``(skip, source stage)`` the stage received, kept at :meth:`uninstall` (inspection).
@@ -71,26 +99,36 @@ class Pipelined:
         self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
 
     @property
+    def running(self) -> PipelineStage:
+        """The installed stage (from setup to teardown)."""
+        assert self.stage is not None, "the stage exists from setup to teardown"
+        return self.stage
+
+    @property
     def name(self) -> str | None:
         """The Sequential's attribute path in the module (e.g. ``"layers"``), while the stage is installed."""
         return self.installed.name if self.installed is not None else None
 
     def check_model(
-        self, model: nn.Module, module_name: str | None, balance: Any, stages: int, virtual_stages: int = 1
+        self, model: nn.Module, spec: StageSpec, stages: int
     ) -> tuple[str, nn.Sequential, list[int]]:
-        """Raise before any process starts if the model cannot be cut (:func:`.partition.check_model`).
+        """Raise before any process starts if the model cannot be cut into ``stages`` stages as ``spec`` says
+        (:func:`.partition.check_model`) or cannot run its schedule (:func:`.microstep.check_model`).
 
         A ``torch.compile``-d Sequential is replaced by the Sequential itself first
         (:func:`.partition.uncompile`); each stage is compiled with the user's settings instead.
         With ``virtual_stages`` v > 1 it is cut into ``stages × v`` parts, and a skip connection
         between two parts is refused (:func:`.partition.check_skips_within_parts`).
         """
+        microstep.check_model(model, spec.schedule)
+        v = spec.virtual_stages
+        check_virtual_stages(spec.schedule, v, stages)  # interleaving needs two or more stages
         undone, user_compile = partition.uncompile(model)
         if undone:
             self._uncompiled += undone
             self._user_compile = user_compile
-        name, seq, checked = partition.check_model(model, module_name, balance, stages, virtual_stages)
-        if virtual_stages > 1:
+        name, seq, checked = partition.check_model(model, spec.module_name, spec.balance, stages, v)
+        if v > 1:
             partition.check_skips_within_parts(seq, checked)
         return name, seq, checked
 
@@ -152,6 +190,14 @@ class Pipelined:
         where = f"rank {rank} runs stage {self.index}/{layout.stages}"
         log.info(f"gpipe: {where} with layers {self.stage.layer_names}")
 
+    def start_equal(self, layout: Layout, rank: int, data: Any) -> None:
+        """Every replica's stage takes replica 0's weights (``data``: the stage's replicas' group), and the
+        tied copies their owner's (every rank calls this)."""
+        assert self.stage is not None
+        state.broadcast_from_first_replica(self.stage, layout, rank, data)
+        if distributed_is_initialized():
+            self.tie(layout, rank)
+
     def tie(self, layout: Layout, rank: int) -> None:
         """Process groups for the tied parameters (every rank calls this); the copies start equal."""
         if self.tied and self.stage is not None:
@@ -189,13 +235,15 @@ class Pipelined:
             f"the pipelined module was not called in training_step, which returned a loss (stage "
             f"{self.index}): the step ran something other than the pipelined nn.Sequential "
             f"{self.name or '?'!r} (a wrapper or a reference to it kept from before fit) and would train "
-            "wrongly; call the Sequential itself (it may be torch.compile-d: the strategy compiles each stage)"
+            "wrongly; call the Sequential itself "
+            "(it may be torch.compile-d: the strategy compiles each stage)"
         )
 
     @contextlib.contextmanager
     def configuring(self, device: torch.device) -> Iterator[None]:
         """Inside: ``configure_optimizers`` runs over the stage: an empty parameter if none is trainable
-        (:func:`.partition.add_placeholder_parameter`), other stages' layers empty (``PipelineStage.__getitem__``)."""
+        (:func:`.partition.add_placeholder_parameter`), other stages' layers empty
+        (``PipelineStage.__getitem__``)."""
         assert self.stage is not None
         partition.add_placeholder_parameter(self.stage, device)
         self.stage.configuring = True
@@ -210,7 +258,8 @@ class Pipelined:
         return partition.plain_parameter_names(self.installed) if self.installed is not None else None
 
     def tied_aliases(self) -> dict[str, str | None]:
-        """This stage's names (in the model) of tied parameters: the owner's name, or ``None`` on the owner."""
+        """This stage's names (in the model) of tied parameters: the owner's name, or ``None`` on the
+        owner."""
         if self.installed is None:
             return {}
         prefix = self.installed.name + "."
@@ -232,52 +281,69 @@ class Pipelined:
         return partition.whole_sequential(self.installed, self.stage)
 
 
-# -- the strategy's set-up and teardown of its stage (GPipeStrategy.setup, teardown) ----------------
-# ``strategy`` is the GPipeStrategy (typed Any: this module is below it in the import graph).
+def check_arguments(
+    chunks: int | None,
+    balance: list[int] | str | None,
+    checkpoint: str,
+    schedule: str,
+    virtual_stages: int | None,
+    pipeline_parallel_size: int | None,
+) -> tuple[int | None, list[int] | str | None, str, str, int]:
+    """``GPipeStrategy``'s arguments of the same names, checked: ``(chunks, balance, checkpoint, schedule,
+    virtual_stages)``, ``virtual_stages`` chosen by ``schedule`` when ``None``; warns where
+    ``schedule="zb_h1"`` would gain little.
+
+    Raises:
+        ValueError: a bad ``chunks``, ``checkpoint``, ``schedule``, ``virtual_stages`` or ``balance``.
+    """
+    chunks = check_count("chunks", chunks) if chunks is not None else None
+    checkpoint, schedule = check_mode(checkpoint), check_schedule(schedule)
+    v = check_virtual_stages(schedule, virtual_stages)
+    microstep.warn_unsplit_backwards(schedule, checkpoint)
+    return chunks, check_balance_spec(balance, pipeline_parallel_size, v), checkpoint, schedule, v
 
 
-def check_model(strategy: Any, model: nn.Module) -> tuple[str, nn.Sequential, list[int]]:
-    """Raise before any process starts if the model cannot be cut (:meth:`.Pipelined.check_model`)
-    or cannot run its schedule (:func:`.microstep.check_model`)."""
-    microstep.check_model(model, strategy.schedule)
-    stages, v = strategy.layout.stages, strategy.virtual_stages
-    check_virtual_stages(strategy.schedule, v, stages)  # interleaving needs two or more stages
-    return strategy._pipelined.check_model(model, strategy.module_name, strategy.balance, stages, v)
+def partition_model(
+    pipelined: Pipelined,
+    model: pl.LightningModule,
+    spec: StageSpec,
+    layout: Layout,
+    rank: int,
+    device: torch.device,
+    lanes: Lanes | None,
+    broadcast: Callable[[Any], Any],
+    to_device: Callable[[Any], Any],
+) -> Timeline | None:
+    """Cut the user's Sequential as ``spec`` says and put this rank's stage in its place (:meth:`.install`).
 
+    Args:
+        lanes: the transport's lanes (:attr:`.Groups.lanes`), ``None`` without process groups.
+        broadcast, to_device: the strategy's ``broadcast`` and ``batch_to_device``, for a balancer
+            that measures the model (:func:`~lightning_gpipe.strategy.balance_spec.choose_balance`).
 
-def partition_model(strategy: Any) -> None:
-    """Cut the user's Sequential and put this rank's :class:`PipelineStage` in its place."""
-    model = strategy._module
+    Returns:
+        The stage's :class:`~lightning_gpipe.tools.timeline.Timeline` with ``spec.timeline``, else ``None``.
+    """
     choose = functools.partial(
-        choose_balance, strategy.balance, model, stages=strategy.layout.stages * strategy.virtual_stages,
-        chunks=strategy.chunks_used,
-        device=strategy.root_device, rank=strategy.global_rank, broadcast=strategy.broadcast,
-        to_device=strategy.batch_to_device, optimizer_state_factor=strategy.optimizer_state_factor,
+        choose_balance, spec.balance, model, stages=layout.stages * spec.virtual_stages, chunks=spec.chunks,
+        device=device, rank=rank, broadcast=broadcast, to_device=to_device,
+        optimizer_state_factor=spec.optimizer_state_factor,
     )  # fmt: skip
+    schedule = SCHEDULES[spec.schedule]
 
     def build(seq: nn.Sequential, balance: list[int]) -> PipelineStage:
-        layout, rank, device = strategy.layout, strategy.global_rank, strategy.root_device
-        schedule = SCHEDULES[strategy.schedule]
-        lanes = strategy._groups.lanes if strategy._groups is not None else None
-        return build_stage(
-            seq, balance, layout, rank, strategy.chunks_used, strategy.checkpoint, device, schedule, lanes
-        )
+        return build_stage(seq, balance, layout, rank, spec.chunks, spec.checkpoint, device, schedule, lanes)
 
-    stage = strategy._pipelined.install(
-        model, check_model(strategy, model), strategy.balance, strategy.layout, strategy.global_rank,
-        strategy.root_device, choose, build, deferred_batch_norm=strategy.deferred_batch_norm,
-        compile=strategy.compile,
+    checked = pipelined.check_model(model, spec, layout.stages)
+    stage = pipelined.install(
+        model, checked, spec.balance, layout, rank, device, choose, build,
+        deferred_batch_norm=spec.deferred_batch_norm, compile=spec.compile,
     )  # fmt: skip
-    if strategy.timeline:
-        replica = strategy.layout.replica_of(strategy.global_rank)
-        strategy._timeline = stage.timeline = Timeline(
-            strategy.stage_index, strategy.layout.stages, strategy.global_rank, replica,
-            virtual_stages=strategy.virtual_stages, schedule=strategy.schedule,
+    timeline = None
+    if spec.timeline:
+        timeline = stage.timeline = Timeline(
+            layout.stage_of(rank), layout.stages, rank, layout.replica_of(rank),
+            virtual_stages=spec.virtual_stages, schedule=spec.schedule,
         )  # fmt: skip
-    strategy._pipelined.describe(model, strategy.balance, strategy.layout, strategy.global_rank)
-
-
-def unpartition_model(strategy: Any) -> None:
-    """Put the user's full Sequential back, loaded with every stage's trained state."""
-    gather = not strategy._failed and _compat.distributed_is_initialized()
-    strategy._pipelined.uninstall(strategy.layout, strategy.global_rank, strategy._arrive, gather=gather)
+    pipelined.describe(model, spec.balance, layout, rank)
+    return timeline

@@ -33,7 +33,8 @@ class PipelineGradScaler(torch.amp.GradScaler):
 
     @classmethod
     def from_scaler(cls, scaler: torch.amp.GradScaler, group: Any = None) -> PipelineGradScaler:
-        """A copy of ``scaler`` (same device, scale, growth settings and tracker) that agrees over ``group``."""
+        """A copy of ``scaler`` (same device, scale, growth settings and tracker) that agrees over
+        ``group``."""
         new = cls(scaler_device(scaler), group=group, enabled=scaler.is_enabled())
         new.load_state_dict(scaler.state_dict())
         return new

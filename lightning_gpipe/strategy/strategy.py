@@ -1,23 +1,9 @@
-"""``GPipeStrategy``: the Lightning glue. Each hook delegates to the module named for its idea.
-
-Hook order (Lightning's automatic optimization): ``training_step`` runs the user's step, whose
-call of the pipelined Sequential is the forward fill (:mod:`lightning_gpipe.engine.stage`), then the
-loss message; ``backward`` runs the user's loss backward on the last stage and then the backward
-drain on every stage; ``optimizer_step`` steps each stage's own optimizer on its own parameters.
-Where the rest lives: rank layout (:mod:`~lightning_gpipe.transport.layout`), process groups
-(:mod:`~lightning_gpipe.transport.groups`, bounded by :mod:`~lightning_gpipe.transport.arrival`), the balance
-(:mod:`~lightning_gpipe.strategy.balance_spec`), the stage's life in the module from setup to teardown
-(:mod:`~lightning_gpipe.strategy.pipelined`, cutting in :mod:`~lightning_gpipe.partition.cut`), its starting
-weights (:mod:`~lightning_gpipe.state.start_state`, :mod:`~lightning_gpipe.state.materialize`), gradients
-(:mod:`~lightning_gpipe.strategy.gradients`), the checkpoint hooks (:mod:`~lightning_gpipe.strategy.checkpoints`),
-collectives (:mod:`~lightning_gpipe.strategy.collectives`),
-metrics (:mod:`~lightning_gpipe.strategy.metrics`), the timeline (:mod:`~lightning_gpipe.tools.timeline`,
-:mod:`~lightning_gpipe.tools.trace`), the launcher (:mod:`~lightning_gpipe.strategy.launcher`).
-"""
+"""``GPipeStrategy``: the Lightning glue, each hook in the class body, its work in the modules beside it."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Generator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -26,45 +12,27 @@ import pytorch_lightning as pl
 import torch
 from lightning_fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning_fabric.utilities.types import ReduceOp
 from pytorch_lightning.plugins.precision import Precision
 from pytorch_lightning.strategies.parallel import ParallelStrategy
 from pytorch_lightning.trainer.states import TrainerFn
-from pytorch_lightning.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from pytorch_lightning.utilities.types import STEP_OUTPUT
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe import _compat, state
-from lightning_gpipe.engine.microbatch import check_chunks
-from lightning_gpipe.engine.recompute import check_mode
+from lightning_gpipe import _lightning, state
+from lightning_gpipe.engine.rng import share_rng_state
 from lightning_gpipe.partition import cut as partition
-from lightning_gpipe.partition.cut import PartitionError
-from lightning_gpipe.schedule import check_schedule, check_virtual_stages
-from lightning_gpipe.state import loading
-from lightning_gpipe.state.loading import UnsafeCheckpointError
-from lightning_gpipe.state.materialize import tensor_init_context
-from lightning_gpipe.strategy import metrics, microstep, precision
+from lightning_gpipe.state import loading, materialize
+from lightning_gpipe.strategy import callbacks, checkpoints, launcher, metrics, microstep
+
+from lightning_gpipe.strategy import precision, process_group, signals, steps  # isort: skip
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
-from lightning_gpipe.strategy.balance_spec import check_balance_spec
-from lightning_gpipe.strategy.callbacks import adapt_callbacks, restore_callbacks
-from lightning_gpipe.strategy.checkpoints import CheckpointHooks, SavedState
-from lightning_gpipe.strategy.collectives import Collectives
 from lightning_gpipe.strategy.gradients import clip_optimizer_gradients
-from lightning_gpipe.strategy.launcher import check_start_method, new_launcher
-from lightning_gpipe.strategy.pipelined import Pipelined, check_model, partition_model, unpartition_model
-from lightning_gpipe.strategy.steps import StepDriver
+from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, check_arguments, partition_model
 from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.tools.trace import publish
-from lightning_gpipe.transport import groups
-from lightning_gpipe.transport.arrival import (
-    SIGNAL_GRACE_S,
-    SigtermCheck,
-    check_collective_timeout,
-    watch_signals,
-)
-from lightning_gpipe.transport.failure import report_and_abort
+from lightning_gpipe.transport import arrival, failure, groups
 from lightning_gpipe.transport.layout import Layout, check_pipeline_parallel_size
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning strategy it becomes
@@ -73,162 +41,79 @@ else:
     _Base = object
 
 
-class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
+class _GPipeStrategyLogic(_Base):
     """GPipe pipeline parallelism (Huang et al. 2019, arXiv 1811.06965) as a Lightning strategy.
 
-    The LightningModule's ``nn.Sequential`` is cut into K consecutive stages, one per process;
-    each mini-batch ``(N, *)`` is split into ``chunks × (≈N/chunks, *)`` micro-batches that
-    stream through the stages (fill-drain); gradients accumulate over the micro-batches and one
-    synchronous optimizer step follows. The result equals training the unpartitioned module on
-    the whole mini-batch, up to float reassociation.
+    The logic, with no Lightning base: ``GPipeStrategy`` adds one; :mod:`._namespace`, the other namespace's.
 
-    One definition serves both Lightning namespaces (:mod:`lightning_gpipe.strategy._namespace`):
-    ``GPipeStrategy`` is the ``pytorch_lightning`` class; ``L.Trainer`` (``import lightning as L``)
-    accepts an instance too, which then takes the ``lightning.pytorch`` class.
-
-    Args:
-        chunks: number of micro-batches M per mini-batch (≥ 1; a batch of N < M samples gives N).
-            ``None`` (the default): M = 4·K for K stages (GPipe's guidance M ≥ 4·K keeps the bubble
-            (K-1)/(M+K-1) under 20 %), capped by each batch's size. ``chunks=1`` runs the whole
-            mini-batch at once (no pipelining).
-        balance: layers per stage, e.g. ``[3, 2]``; ``None`` splits as evenly as possible by layer
-            count, earlier stages taking the extra layers; or a balancer: ``"uniform"``,
-            ``"parameters"``, ``"time"`` or ``"memory"`` (:mod:`lightning_gpipe.strategy.balance_spec`).
-            The chosen balance is logged (``gpipe_balance``) and stored in checkpoints (``"gpipe"``).
-        checkpoint: re-materialization per micro-batch: ``"always"``, ``"except_last"`` (the
-            last micro-batch's backward comes first, so it keeps its activations) or ``"never"``.
-        schedule: ``"gpipe"`` (fill-drain, the default: ``training_step`` runs once on the whole
-            batch) or ``"1f1b"`` (PipeDream-Flush: stage k holds at most K-k micro-batches'
-            activations; ``training_step`` runs once per micro-batch, :mod:`lightning_gpipe.strategy.microstep`);
-            the names of :data:`lightning_gpipe.schedule.SCHEDULES`; ``"interleaved_1f1b"``
-            (Megatron-LM's interleaved 1F1B, with ``virtual_stages``); or ``"zb_h1"`` (Zero
-            Bubble's ZB-H1: 1F1B with each backward split into the input gradient, sent at once,
-            and the weight gradients, run later where the stage would idle; only micro-batches
-            that are not recomputed split, so it wants ``checkpoint="never"``, and warns otherwise).
-        virtual_stages: virtual stages per stage v (default ``None``: 2 under
-            ``"interleaved_1f1b"``, else 1). With v > 1 (``schedule=
-            "interleaved_1f1b"``, K ≥ 2) the Sequential is cut into K·v parts and stage j holds parts
-            j, j+K, …, dividing the bubble by about v (:func:`lightning_gpipe.schedule.interleaved_1f1b`);
-            ``balance`` then gives (or balances) K·v parts in model order. Skip connections across
-            parts are refused.
-        module_name: attribute path of the ``nn.Sequential`` to pipeline (e.g. ``"layers"``);
-            ``None`` finds the only ``nn.Sequential`` holding every parameter.
-        pipeline_parallel_size: stages per pipeline K; the world (``devices × num_nodes``) holds
-            ``W / K`` data-parallel replicas. ``None``: K = W.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin:
-            as for any Lightning ``ParallelStrategy``; the Trainer fills them in.
-        process_group_backend: ``"gloo"`` or ``"nccl"``; ``None`` picks by device.
-        timeout: ``torch.distributed`` timeout for collectives and point-to-point.
-        timeline: record every stage's spans (:mod:`lightning_gpipe.tools.timeline`); at the end of ``fit``,
-            log ``pipeline/bubble`` per step, write ``timeline.json`` and ``timeline.png``.
-        timeline_dir: where those files go (default: the trainer's ``log_dir``).
-        gradient_clip_norm_type: the norm that ``Trainer(gradient_clip_val=...,
-            gradient_clip_algorithm="norm")`` clips by (2.0, or ``float("inf")``), computed over
-            the gradients of all stages together, as on one device.
-        deferred_batch_norm: BatchNorm running statistics updated once per mini-batch, equal to
-            those of the unpartitioned model (:mod:`lightning_gpipe.engine.batchnorm`; GPipe section 2.2).
-        optimizer_state_factor: optimizer state per parameter, in parameters (2.0: Adam's two
-            moments), for ``balance="memory"``.
-        checkpoint_format: ``"full"``: one Lightning checkpoint file, as the plain module's;
-            ``"sharded"``: a directory, one shard per stage; both atomic (:mod:`lightning_gpipe.state`).
-        collective_timeout: seconds every rank waits for the others at an operation that needs them
-            all (barriers, broadcasts, ``reduce_boolean_decision``, gathering state for a checkpoint,
-            sharing epoch metrics) before it fails with :class:`lightning_gpipe.transport.arrival.CollectiveTimeout`
-            naming the operation and the ranks that did not arrive (:mod:`lightning_gpipe.transport.arrival`).
-        compile: compile every stage's layers with ``torch.compile``: ``True`` (defaults) or a dict
-            of its arguments (``{"backend": ..., "mode": ..., "dynamic": ...}``), applied after the
-            cut, as Lightning's FSDP/ModelParallel strategies compile after wrapping. A Sequential
-            the user compiled (``model.net = torch.compile(model.net, ...)``) is found too: it is cut
-            uncompiled and each stage compiled with the user's own settings; the user's wrapper is
-            back after ``fit``. A step that returns a loss without calling the pipelined Sequential
-            raises ``PipelineUsageError`` ("the pipelined module was not called").
-        start_method: ``"popen"``: the other ranks re-run the script (Lightning's default launcher);
-            ``"fork"``: every rank is forked from this process, for Jupyter and ``python -i``
-            (``strategy="gpipe_notebook"``, as ``ddp_notebook`` for DDP).
-        weights_only: how checkpoint files are unpickled when ``fit``/``validate``/``test``/
-            ``predict`` get ``ckpt_path=``: ``None`` or ``True``, torch's safe unpickler
-            (tensors, containers, primitive types; anything else is refused with
-            :class:`~lightning_gpipe.state.loading.UnsafeCheckpointError`, naming the file); ``False``,
-            full pickle, which runs whatever the file names (only for files you trust).
-            Lightning does not hand ``trainer.fit(weights_only=...)`` to strategies that restore
-            after setup, so the opt-in is given here.
+    Args (the README's "GPipeStrategy arguments" says more):
+        chunks: micro-batches M per mini-batch (≥ 1); ``None``: 4·K for K stages, capped by the batch size.
+        balance: layers per stage (``[3, 2]``), ``None`` (even) or a balancer's name (:mod:`.balance_spec`).
+        checkpoint: re-materialization per micro-batch: ``"always"``, ``"except_last"`` or ``"never"``.
+        schedule: ``"gpipe"`` (``training_step`` per batch), ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``.
+        virtual_stages: virtual stages per stage v (``None``: 2 under ``"interleaved_1f1b"``, else 1).
+        module_name: attribute path of the ``nn.Sequential``; ``None``: the one holding every parameter.
+        pipeline_parallel_size: stages per pipeline K (``None``: the world size W); W / K replicas.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: the Trainer's.
+        process_group_backend, timeout: ``"gloo"``/``"nccl"`` (``None``: by device), its timeout.
+        timeline, timeline_dir: record every stage's spans, log ``pipeline/bubble``, write a trace there.
+        gradient_clip_norm_type: the norm ``gradient_clip_val`` clips by, over all stages together.
+        checkpoint_format: ``"full"`` (one Lightning checkpoint file) or ``"sharded"`` (one shard per stage).
+        optimizer_state_factor: optimizer state per parameter (2.0: Adam), for ``balance="memory"``.
+        deferred_batch_norm: BatchNorm running statistics updated once per mini-batch, as unpartitioned.
+        collective_timeout: seconds a rank waits for the others at a collective before failing.
+        compile: ``torch.compile`` every stage after the cut: ``True`` or a dict of its arguments.
+        start_method: ``"popen"`` (the other ranks re-run the script) or ``"fork"`` (``"gpipe_notebook"``).
+        weights_only: how ``ckpt_path=`` files are unpickled: ``None``/``True`` safely, ``False`` full pickle.
 
     Raises:
-        ValueError: at construction, for a bad ``chunks``, ``checkpoint``, ``balance``, ``schedule`` or
-            ``pipeline_parallel_size``; at ``Trainer`` construction, when the world size is not a
-            multiple of ``pipeline_parallel_size``.
+        ValueError: a bad argument; at ``Trainer`` construction, a world size not a multiple of K.
         PartitionError: before processes start, when the module cannot be cut as asked.
     """
 
     strategy_name = "gpipe"
+    restore_checkpoint_after_setup = True  # checkpoints load into the partitioned module, each stage its part
     namespace: str  # "pytorch_lightning" or "lightning" (lightning_gpipe.strategy._namespace)
 
     def __init__(
         self,
-        chunks: int | None = None,
-        balance: list[int] | str | None = None,
-        checkpoint: str = "except_last",
-        module_name: str | None = None,
-        pipeline_parallel_size: int | None = None,
+        chunks: int | None = None, balance: list[int] | str | None = None, checkpoint: str = "except_last",
+        module_name: str | None = None, pipeline_parallel_size: int | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        timeline: bool = False,
-        timeline_dir: str | None = None,
-        gradient_clip_norm_type: float = 2.0,
-        checkpoint_format: str = "full",
-        optimizer_state_factor: float = 2.0,
-        deferred_batch_norm: bool = False,
-        collective_timeout: float = 30.0,
-        compile: bool | dict[str, Any] = False,
-        start_method: str = "popen",
-        weights_only: bool | None = None,
-        schedule: str = "gpipe",
-        virtual_stages: int | None = None,
-    ) -> None:
+        cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None, process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout, timeline: bool = False,
+        timeline_dir: str | None = None, gradient_clip_norm_type: float = 2.0,
+        checkpoint_format: str = "full", optimizer_state_factor: float = 2.0,
+        deferred_batch_norm: bool = False, collective_timeout: float = 30.0,
+        compile: bool | dict[str, Any] = False, start_method: str = "popen", weights_only: bool | None = None,
+        schedule: str = "gpipe", virtual_stages: int | None = None,
+    ) -> None:  # fmt: skip
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        self.chunks = check_chunks(chunks) if chunks is not None else None
-        self.checkpoint = check_mode(checkpoint)
-        self.schedule = check_schedule(schedule)
-        self.virtual_stages = check_virtual_stages(self.schedule, virtual_stages)
-        if self.schedule == "zb_h1" and self.checkpoint != "never":
-            rank_zero_warn(
-                f"schedule='zb_h1' splits only the backwards of micro-batches whose forward is not "
-                f"recomputed; under checkpoint={self.checkpoint!r} the others run whole at their B, as "
-                "under 1F1B. Use checkpoint='never' for the zero-bubble gain."
-            )
-        self.balance = check_balance_spec(balance, pipeline_parallel_size, self.virtual_stages)
+        valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, pipeline_parallel_size)
+        self.chunks, self.balance, self.checkpoint, self.schedule, self.virtual_stages = valid
         self.pipeline_parallel_size = check_pipeline_parallel_size(pipeline_parallel_size)
-        self.checkpoint_format = state.check_format(checkpoint_format)
-        self.module_name = module_name
+        self.checkpoint_format, self.module_name = state.check_format(checkpoint_format), module_name
         self.gradient_clip_norm_type = float(gradient_clip_norm_type)
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.deferred_batch_norm = bool(deferred_batch_norm)
-        self.collective_timeout = check_collective_timeout(collective_timeout)
+        self.collective_timeout = arrival.check_collective_timeout(collective_timeout)
         self.weights_only = loading.check_weights_only(weights_only)
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
         self.last_grad_norm: Tensor | None = None  # total gradient norm before the last clip (inspection)
         self.process_group_backend = process_group_backend  # chosen by device at set-up when None
-        self._timeout = timeout
-        self.num_nodes = 1  # set by the Trainer
+        self._timeout, self._failed, self.num_nodes = timeout, False, 1  # num_nodes: set by the Trainer
         self._pipelined = Pipelined()  # this rank's stage in the module, from setup to teardown
         self._groups: groups.Groups | None = None
         self._metric_sharing: metrics.ShareLastStageMetrics | None = None
         self._timeline: Timeline | None = None
-        self._sigterm: SigtermCheck | None = None  # Lightning's per-step SIGTERM broadcast, deferred
-        self._failed = False
+        self._sigterm: signals.SigtermCheck | None = None  # Lightning's per-step SIGTERM broadcast, deferred
+        self._lazy: loading.LazyCheckpoint | None = None  # the full checkpoint file being restored
         self.compile = partition.check_compile(compile)
-        self.start_method = check_start_method(start_method)
-        self._saved = SavedState(self._pipelined)  # the checkpoint hooks' work, the file being restored
-        micro_steps = microstep.MicroSteps() if schedule != "gpipe" else None
-        self._steps = StepDriver(
-            self._pipelined, micro_steps, self.deferred_batch_norm
-        )  # the step hooks' work
+        self.start_method = launcher.check_start_method(start_method)
+        self._micro_steps = microstep.MicroSteps() if schedule != "gpipe" else None  # a call per micro-batch
 
     @property
     def accelerator(self) -> Any:
@@ -239,8 +124,6 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
         """Set by the Trainer's connector first: the strategy takes the class of the Trainer's namespace."""
         adopt(self, namespace_of(accelerator))
         self._accelerator = accelerator
-
-    # -- topology ------------------------------------------------------------------------------
 
     @property
     @override
@@ -273,169 +156,243 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
 
     @property
     def is_distributed(self) -> bool:
-        """Lightning shards data (and syncs logs) only over data-parallel replicas: with one, every
-        stage sees the user's batches in the user's order (no ``DistributedSampler``)."""
+        """Data (and logs) are sharded over data-parallel replicas only: one, no ``DistributedSampler``."""
         return self.layout.replicas > 1
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        layout = self.layout
-        return {"num_replicas": layout.replicas, "rank": layout.replica_of(self.global_rank)}
+        return {"num_replicas": self.layout.replicas, "rank": self.layout.replica_of(self.global_rank)}
 
     @property
-    def _module(self) -> pl.LightningModule:
-        module = self.lightning_module
-        assert module is not None
-        return module
+    def balance_used(self) -> list[int] | None:
+        """The balance the stages were cut with (layers per stage); ``None`` before setup."""
+        return self._pipelined.balance
 
     @property
     def last_received_skips(self) -> list[tuple[str, int]] | None:
         """``(skip, source stage)`` pairs this stage received, kept at teardown (inspection)."""
         return self._pipelined.received_skips
 
+    @property
+    def _module(self) -> pl.LightningModule:
+        assert self.lightning_module is not None
+        return self.lightning_module
+
+    @property
+    def _stage_spec(self) -> StageSpec:
+        return StageSpec(self.module_name, self.balance, self.chunks_used, self.checkpoint, self.schedule,
+            self.virtual_stages, self.deferred_batch_norm, self.compile, self.optimizer_state_factor,
+            self.timeline)  # fmt: skip
+
     @override
     def _configure_launcher(self) -> None:
         self.layout  # noqa: B018 - validates world size against pipeline_parallel_size before any spawn
-        self._launcher = new_launcher(self)
+        self._launcher = launcher.new_launcher(self)
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        env, processes = self.cluster_environment, self.num_processes
+        launcher.set_world_ranks(env, self.node_rank, self.local_rank, processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
         env, backend, device = self.cluster_environment, self.process_group_backend, self.root_device
-        self.process_group_backend = groups.connect(env, backend, self._timeout, device, self.global_rank)
-        if self._groups is None:
-            self._groups = groups.new_groups(self.layout, self.global_rank)
+        self.process_group_backend = process_group.connect(env, backend, self._timeout, device)
+        share_rng_state(self.global_rank)  # a shuffling DataLoader draws alike on every rank
+        self._groups = self._groups or groups.new_groups(self.layout, self.global_rank)
         groups.close_at_exit(self)
-        watch_signals(SIGNAL_GRACE_S, on_signal=self._forward_signal)
-
-    # -- the model -------------------------------------------------------------------------------
+        forward = functools.partial(launcher.forward_signal, self._launcher)  # to the ranks this one started
+        signals.watch_signals(signals.SIGNAL_GRACE_S, on_signal=forward)
 
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """Where ``Trainer.init_module`` and ``configure_model`` create tensors: on the meta device with
-        ``empty_init=True`` (and ``None`` inside ``configure_model``), only this rank's stage materialized
-        at setup; otherwise on this rank's device (:func:`.materialize.tensor_init_context`)."""
-        with tensor_init_context(super().tensor_init_context, self.precision_plugin, empty_init):
+        """Where ``init_module`` and ``configure_model`` create tensors (:func:`.tensor_init_context`)."""
+        with materialize.tensor_init_context(super().tensor_init_context, self.precision_plugin, empty_init):
             yield
 
     def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
-        """Raise before any process starts if the model cannot be cut or run (:func:`.pipelined.check_model`)."""
-        return check_model(self, model)
+        """Raise before any process starts if the model cannot be cut or run (:meth:`.check_model`)."""
+        return self._pipelined.check_model(model, self._stage_spec, self.layout.stages)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        partition_model(self)  # before the optimizers: they only ever see this stage's parameters
-        assert self.model is not None and self._groups is not None
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        state.broadcast_from_first_replica(
-            self._steps.stage, self.layout, self.global_rank, self._groups.data
-        )
-        if _compat.distributed_is_initialized():
-            self._pipelined.tie(self.layout, self.global_rank)  # the tied copies start equal
-        metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
+        """Put this rank's stage in the module, then set up its optimizer, the precision and the callbacks."""
+        self._place_stage(trainer)  # before the optimizers: they only ever see this stage's parameters
         if trainer.state.fn == TrainerFn.FITTING:
-            self._setup_optimizers(trainer)
-            self._sigterm = SigtermCheck(trainer, self.root_device, _compat.sigterm_exception(trainer))
-            _compat.set_sigterm_check(trainer, self._sigterm)
+            self.setup_optimizers(trainer)
+            self._sigterm = launcher.defer_sigterm_check(trainer, self.root_device)
         self.setup_precision_plugin()
         precision.install(self.precision_plugin, self._clip_grad_by_norm)
         if trainer.state.fn == TrainerFn.FITTING:
-            _compat.optimizers_to_device(self.optimizers, self.root_device)
+            _lightning.optimizers_to_device(self.optimizers, self.root_device)
+        self._attach_to_trainer(trainer)
+
+    def _place_stage(self, trainer: pl.Trainer) -> None:
+        """Set up the accelerator, then put this rank's stage in the Sequential's place, equal on replicas."""
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        layout, rank, lanes = self.layout, self.global_rank, getattr(self._groups, "lanes", None)
+        args = (self._stage_spec, layout, rank, self.root_device, lanes, self.broadcast, self.batch_to_device)
+        self._timeline = partition_model(self._pipelined, self._module, *args)
+        assert self.model is not None and self._groups is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._pipelined.start_equal(layout, rank, self._groups.data)
+        metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
+
+    def _attach_to_trainer(self, trainer: pl.Trainer) -> None:  # undone by _detach_from_trainer
         self._metric_sharing = metrics.install_metric_sharing(trainer, self.share_last_stage_metrics)
         piped, replicas, last = self._pipelined, self.layout.replicas, self.is_last_stage
-        adapt_callbacks(
-            trainer, self._module, self.namespace, piped.name or "", piped.cut_copy, replicas, last,
-            piped.whole_model,
-        )  # fmt: skip
+        callbacks.adapt_callbacks(trainer, self._module, self.namespace, piped, replicas, last)
 
-    def _setup_optimizers(self, trainer: pl.Trainer) -> None:
-        with self._pipelined.configuring(self.root_device):  # over this stage's parameters only
-            self.setup_optimizers(trainer)
-        if len(self.optimizers) > 1:
-            raise ValueError(
-                f"configure_optimizers returned {len(self.optimizers)} optimizers; the gpipe strategy runs one "
-                "forward and one backward per step and supports a single optimizer (use parameter groups)"
-            )
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """``configure_optimizers`` over this stage's parameters only; one optimizer."""
+        with self._pipelined.configuring(self.root_device):
+            super().setup_optimizers(trainer)
+        steps.check_single_optimizer(len(self.optimizers))
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
         assert self._groups is not None
-        group, tied_groups, norm_type = (
-            self._groups.pipeline,
-            self._pipelined.tied_groups,
-            self.gradient_clip_norm_type,
-        )
-        self.last_grad_norm = clip_optimizer_gradients(
-            optimizer, clip_val, norm_type, group, self.root_device, tied_groups, self.stage_index
-        )
+        group, tied, device = self._groups.pipeline, self._pipelined.tied_groups, self.root_device
+        norm, stage = self.gradient_clip_norm_type, self.stage_index
+        self.last_grad_norm = clip_optimizer_gradients(optimizer, clip_val, norm, group, device, tied, stage)
 
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # -- steps ------------------------------------------------------------------------------------
-
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        step, plugin, timeline = super().training_step, self.precision_plugin, self._timeline
-        return self._steps.training_step(
-            step, self._module, plugin, self.chunks_used, timeline, *args, **kwargs
-        )
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The user's step over the stage (the forward fill), then its outcome (:func:`.training_step`)."""
+        step, stage, module = super().training_step, self._pipelined.running, self._module
+        if self._timeline is not None:
+            self._timeline.begin_step(module.trainer.global_step)
+        run = functools.partial(stage.run_step, step, True)
+        if self._micro_steps is not None:  # one call per micro-batch (lightning_gpipe.strategy.microstep)
+            plugin, chunks = self.precision_plugin, self.chunks_used
+            run = functools.partial(self._micro_steps.training_step, step, stage, module, plugin, chunks)
+        return steps.training_step(self._pipelined, run, module, self.deferred_batch_norm, *args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.eval_step(super().validation_step, self._module, *args, **kwargs)
+        return steps.eval_step(self._pipelined, super().validation_step, self._module, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._steps.eval_step(super().test_step, self._module, *args, **kwargs)
+        return steps.eval_step(self._pipelined, super().test_step, self._module, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The last stage's predictions, on every stage of its pipeline (:meth:`.StepDriver.predict_step`)."""
+        """The last stage's predictions, on every stage of its pipeline (:func:`.steps.predict_step`)."""
         hook, module = super().predict_step, self._module
-        return self._steps.predict_step(hook, module, self._from_last_stage, *args, **kwargs)
+        return steps.predict_step(self._pipelined, hook, module, self._from_last_stage, *args, **kwargs)
 
     @override
-    def backward(
-        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> Tensor:
-        """The user's loss backward (last stage), then every stage's backward drain (:meth:`.StepDriver.drain`)."""
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kw: Any) -> Tensor:
+        """The user's loss backward (last stage), then every stage's backward drain (:func:`.steps.drain`)."""
         self.pre_backward(closure_loss)
-        module = self._module
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self.precision_plugin.backward(closure_loss, module, optimizer, *args, **kwargs)
-        data = self._groups.data if self._groups is not None else None
-        self._steps.drain(self.lightning_module, data, self.layout.replicas, self._timeline)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        module, plugin = self._module, self.precision_plugin
+        closure_loss = plugin.pre_backward(closure_loss, module)
+        plugin.backward(closure_loss, module, optimizer, *args, **kw)
+        data, replicas = getattr(self._groups, "data", None), self.layout.replicas
+        steps.drain(self._pipelined, self._micro_steps, self.lightning_module, data, replicas, self._timeline)
+        closure_loss = plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _forward_signal(self, signum: int) -> None:
-        """On SIGTERM/SIGINT, the launching rank passes the signal on to the ranks it started."""
-        kill = getattr(self._launcher, "kill", None)
-        if callable(kill):
-            kill(signum)
+    def _arrive(self, operation: str, ranks: list[int] | None = None) -> None:
+        """Wait at ``operation`` for every rank; after ``collective_timeout`` s, fail naming the missing."""
+        arrival.arrive(operation, self.collective_timeout, ranks)
 
-    # -- lifecycle ---------------------------------------------------------------------------------
+    @override
+    def barrier(self, name: str | None = None, *args: Any, **kwargs: Any) -> None:
+        groups.arrive_all(f"barrier {name!r}" if name else "barrier", self.collective_timeout)
+        groups.barrier(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        groups.arrive_all("broadcast", self.collective_timeout)
+        return groups.broadcast_object(obj, src)
+
+    @override
+    def reduce(self, tensor: Tensor, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        """Reduce over the last stage's data-parallel replicas (where losses and metrics live)."""
+        group = group if group is not None else getattr(self._groups, "last_stage_data", None)
+        return process_group.reduce(tensor, group, reduce_op)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's
+        groups.arrive_all("reduce_boolean_decision", self.collective_timeout)
+        return groups.all_agree(decision, self.root_device, everyone=all)
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """``obj`` of this pipeline's last stage, on every stage of the pipeline (tensors on CPU)."""
+        pipeline = self._groups.pipeline if self._groups is not None else None
+        return groups.from_last_stage(obj, self.layout, self.global_rank, pipeline)
+
+    def share_last_stage_metrics(self, trainer: pl.Trainer) -> None:
+        """Give every stage of each pipeline its last stage's ``trainer.callback_metrics``."""
+        if self._groups is not None:
+            group, layout, rank = self._groups.pipeline, self.layout, self.global_rank
+            metrics.share_over_pipeline(trainer, layout, rank, group, self.root_device, self._arrive)
+
+    def share_evaluation_results(self, results: Any, trainer: Any) -> Any:
+        """``trainer.validate``/``test``'s return value: the last stage's, on every stage of its pipeline."""
+        return metrics.evaluation_results(results, trainer, self._from_last_stage)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Write the checkpoint (``checkpoint_format``), the pipeline recorded in ``checkpoint["gpipe"]``."""
+        record = (self.balance_used, self.balance, self.chunks_used, self.layout.stages, self.virtual_stages)
+        checkpoint["gpipe"] = checkpoints.pipeline_record(*record)
+        sharded = self.checkpoint_format == "sharded"
+        if sharded and checkpoints.save_sharded(checkpoint, filepath, self._module, self.optimizers):
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """This rank's part of a checkpoint (:func:`.checkpoints.load`); ``weights_only=None``: ours."""
+        weights_only = self.weights_only if weights_only is None else weights_only
+        args = (self._pipelined, self.lightning_module, self.optimizers, super().load_checkpoint)
+        loaded, self._lazy = checkpoints.load(checkpoint_path, weights_only, *args)
+        return loaded
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The user's full ``state_dict`` (original parameter names) on rank 0, gathered from all stages."""
+        layout, rank, fmt = self.layout, self.global_rank, self.checkpoint_format
+        return checkpoints.model_state(fmt, self._pipelined, self._module, layout, rank, self._arrive)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """On rank 0: one optimizer ``state_dict`` over the whole model (:func:`.merged_optimizer_state`)."""
+        layout, rank, fmt = self.layout, self.global_rank, self.checkpoint_format
+        return checkpoints.optimizer_state(
+            fmt, self._pipelined, optimizer, self._module, layout, rank, self._arrive
+        )
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Give each stage's optimizer its part of the merged optimizer states (matched by parameter name)."""
+        args = (checkpoint, self._module, self.optimizers, self.root_device)
+        checkpoints.load_optimizer_states(self._pipelined, self._lazy, *args)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Load a full checkpoint into the full or the partitioned module (keeping this stage's keys)."""
+        checkpoints.load_model_state(self._pipelined, self._lazy, self._module, checkpoint, strict)
 
     @override
     def on_train_end(self) -> None:
-        """With ``timeline=True``: log ``pipeline/bubble`` and write the trace and the Gantt chart (rank 0)."""
-        if self._timeline is not None and _compat.distributed_is_initialized():
+        """With ``timeline=True``: log ``pipeline/bubble``, write the trace and the Gantt chart (rank 0)."""
+        if self._timeline is not None and _lightning.distributed_is_initialized():
             trainer = self._module.trainer
             loggers = trainer.loggers if self.is_global_zero else ()
             self.timeline_records = publish(self._timeline, self.timeline_dir or trainer.log_dir, loggers)
@@ -444,8 +401,8 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
     def on_exception(self, exception: BaseException) -> None:
         """End every rank promptly, the original error first (:mod:`lightning_gpipe.transport.failure`)."""
         self._failed = True
-        if _compat.distributed_is_initialized():
-            report_and_abort(exception, f"stage {self.stage_index} (rank {self.global_rank})")
+        if _lightning.distributed_is_initialized():
+            failure.report_and_abort(exception, f"stage {self.stage_index} (rank {self.global_rank})")
 
     def release_groups(self) -> None:
         """Drop every process-group handle this strategy and its module's metrics hold (at exit)."""
@@ -454,31 +411,32 @@ class _GPipeStrategyLogic(CheckpointHooks, Collectives, _Base):
 
     @override
     def teardown(self) -> None:
-        module = self.lightning_module
-        if module is not None and _compat.attached_trainer(module) is not None:
-            restore_callbacks(module.trainer)
-            _compat.set_sigterm_check(module.trainer, None)
-        if self._sigterm is not None and not self._failed:
-            self._sigterm.close(self.collective_timeout)
-        self._sigterm = None
-        metrics.remove_metric_sharing(self.lightning_module, self._metric_sharing)
-        self._metric_sharing = None
-        self._saved.lazy = None
-        if self._pipelined.stage_only:
-            # Lightning moves the module to the CPU: first the stage alone, not the other stages' meta layers
+        """Undo what setup attached to the trainer and put the user's whole Sequential back, trained."""
+        self._detach_from_trainer()
+        gather = not self._failed and _lightning.distributed_is_initialized()  # every stage's trained state
+        piped, layout, rank = self._pipelined, self.layout, self.global_rank
+        uninstall = functools.partial(piped.uninstall, layout, rank, self._arrive, gather=gather)
+        if piped.stage_only:  # Lightning moves the module to the CPU: the stage alone, not the meta layers
             super().teardown()
-            unpartition_model(self)
-            return
-        unpartition_model(self)
-        super().teardown()
+            uninstall()
+        else:
+            uninstall()
+            super().teardown()
+
+    def _detach_from_trainer(self) -> None:  # and forget the checkpoint file restored from
+        module = self.lightning_module
+        trainer = _lightning.attached_trainer(module) if module is not None else None
+        callbacks.restore_callbacks(trainer)
+        launcher.restore_sigterm_check(trainer, self._sigterm, self._failed, self.collective_timeout)
+        metrics.remove_metric_sharing(module, self._metric_sharing)
+        self._sigterm, self._metric_sharing, self._lazy = None, None, None
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _compat.StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
         if "gpipe" not in strategy_registry:
-            strategy_registry.register(
-                "gpipe", cls, description="GPipe pipeline parallelism (lightning_gpipe)"
-            )
+            description = "GPipe pipeline parallelism (lightning_gpipe)"
+            strategy_registry.register("gpipe", cls, description=description)
         if "gpipe_notebook" not in strategy_registry:
             description = "GPipe pipeline parallelism, ranks forked (Jupyter, python -i)"
             strategy_registry.register("gpipe_notebook", cls, description=description, start_method="fork")
@@ -489,4 +447,4 @@ class GPipeStrategy(_GPipeStrategyLogic, ParallelStrategy):
     namespace = PYTORCH_LIGHTNING
 
 
-__all__ = ["GPipeStrategy", "PartitionError", "UnsafeCheckpointError"]
+__all__ = ["GPipeStrategy"]

@@ -19,9 +19,7 @@ that formula: it plays each stage's column of any schedule of
 :func:`lightning_gpipe.schedule.sends` names and the recompute rule of
 :mod:`lightning_gpipe.engine.recompute` (the same data the stages execute), so unequal stages,
 communication delays, re-materialization and each schedule's order come out right. The memory
-estimate (:func:`peak_activation_memory`) plays the same columns: what a stage holds for
-backward grows with every forward and shrinks with every backward, so fill-drain's peak grows
-with M while 1F1B's is bounded by the micro-batches in flight (``K-j`` on stage ``j``).
+estimate (:func:`~lightning_gpipe.tools.memory.peak_activation_memory`) plays the same columns.
 
 Model, in seconds and bytes:
 
@@ -51,10 +49,18 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from lightning_gpipe import schedule as schedule_module
-from lightning_gpipe.engine.microbatch import sizes as microbatch_sizes
 from lightning_gpipe.engine.recompute import recomputed
-from lightning_gpipe.schedule import SCHEDULES, Action, Grid, Schedule
-from lightning_gpipe.transport.wire import FIRST_ROOM
+from lightning_gpipe.errors import check_count
+from lightning_gpipe.schedule import Action, Schedule
+from lightning_gpipe.schedule import sizes as microbatch_sizes
+from lightning_gpipe.tools.memory import (
+    check_value,
+    grid_of,
+    peak_activation_memory,
+    per_part,
+    per_stage,
+    split_backwards,
+)
 
 __all__ = ["Event", "Simulation", "peak_activation_memory", "simulate"]
 
@@ -96,230 +102,6 @@ class Simulation:
     timeline: list[list[Event]] | None = None
 
 
-def peak_activation_memory(
-    stages: int,
-    chunks: int,
-    batch_size: int,
-    activation_bytes: float | Sequence[float],
-    input_bytes: float | Sequence[float] = 0.0,
-    checkpoint: str = "except_last",
-    *,
-    schedule: str | Schedule = "gpipe",
-    virtual_stages: int = 1,
-    workspace_bytes: float | Sequence[float] = 0.0,
-    output_bytes: float = 0.0,
-    message_bytes: float | Sequence[float] = 0.0,
-    posted_receives: int = 0,
-) -> list[float]:
-    """Peak bytes of activations each stage holds for backward during one step.
-
-    A part holds, per sample, ``activation_bytes`` (``a``) for a micro-batch whose activations
-    are kept, or only its boundary input ``input_bytes`` (``b``) for a re-materialized one, which
-    then needs its ``a`` again while its backward runs. The holdings are played through the
-    schedule's column of each stage (every forward adds, every backward frees its micro-batch
-    on its part) and each stage's maximum over all its parts together is returned. Under
-    fill-drain, with ``M`` equal micro-batches of ``N/M`` on stage ``k``:
-
-    - ``"never"``: ``N·a_k`` — all activations of the mini-batch;
-    - ``"always"``: ``N·b_k + (N/M)·a_k`` — the boundary inputs of all micro-batches plus
-      one micro-batch's activations, GPipe's ``O(N + (L/K)·(N/M))``;
-    - ``"except_last"``: ``(N - N/M)·b_k + (N/M)·a_k``.
-
-    Under 1F1B stage ``k`` holds at most ``K-k`` micro-batches, whatever M: ``"never"`` gives
-    ``min(K-k, M)·(N/M)·a_k``.
-
-    ``a`` is treated as the part's inner activations; if it also counts the boundary input
-    (and output), as the benchmark's profile does, the estimate with re-materialization is high
-    by one micro-batch's ``b`` while the recompute's backward runs.
-
-    Two terms count what a backward needs beyond what was kept, so that the estimate is the peak
-    a memory meter sees during the step (both 0 by default: the kept bytes alone):
-
-    - ``workspace_bytes`` (``w``, bytes): one micro-batch's backward peak on a part above what
-      its forward kept, added while each backward runs: the gradient arriving from the next
-      part, the activation gradients passed between layers, and each weight's gradient before
-      it is added into ``.grad`` (a Linear(1024, 1024)'s is 4 MiB, whatever the micro-batch).
-      Measured on a micro-batch of the run's size (it depends on it);
-    - ``output_bytes`` (``o``, bytes per sample): the last part's output, which the loss
-      receives; while the last part's backwards run, the loss's side is alive, ``2·o`` per
-      sample (the output's gradient and a loss buffer as large as the output, e.g.
-      ``F.mse_loss``'s element-wise one; the output itself is the part's, in ``a``): one micro-batch's (``2·o·N/M``) under schedules that run the loss
-      per micro-batch, the whole mini-batch's (``2·o·N``) under ``"gpipe"``, whose
-      ``training_step`` sees the joined output of all micro-batches.
-
-    So 1F1B's ``"never"`` peak on the last stage is ``(N/M)·a + w + 2·o·N/M``, and GPipe's
-    ``N·a + w + 2·o·N``. Under the schedules that run the loss per micro-batch, the last call's
-    loss side stays alive (Lightning holds the loss, whose graph holds the output's gradient)
-    until the next call: a backward of another part of the last stage (interleaved) counts it.
-
-    A transport that posts receives ahead (on Gloo, :meth:`lightning_gpipe.transport.p2p.P2P.expect`)
-    holds, per source stage, the buffers of up to ``posted_receives`` messages announced and not
-    yet taken, each as large as the largest message from that source (``message_bytes`` per
-    sample, of the largest micro-batch, and at least the transport's first room,
-    :data:`lightning_gpipe.transport.wire.FIRST_ROOM`). The stage announces its receives stretch by stretch
-    (:func:`lightning_gpipe.schedule.announced_until`); the model plays the same stretches, with
-    the last stage's step outcome (:mod:`lightning_gpipe.engine.outcome`, one message per training
-    step) in the stretch that ends the column or, under ``"gpipe"``, the forwards'. Skip
-    connections' messages are not counted.
-
-    Args:
-        stages (int): number of stages ``K``.
-        chunks (int): number of micro-batches ``M`` (fewer if ``N < M``).
-        batch_size (int): mini-batch size ``N``.
-        activation_bytes: ``a``, bytes per sample that a stage keeps for backward without
-            re-materialization; a scalar or ``K`` values (each of a stage's ``v`` parts keeps
-            ``1/v`` of it), or ``K·v`` values, one per part.
-        input_bytes: ``b``, bytes per sample of a part's input; a scalar, ``K`` values (every
-            part of a stage) or ``K·v`` values (default: 0).
-        checkpoint (str): ``"always"``, ``"except_last"`` or ``"never"`` (default:
-            ``"except_last"``).
-        schedule: a name in :data:`~lightning_gpipe.schedule.SCHEDULES` or a schedule
-            function (default: ``"gpipe"``, fill-drain).
-        virtual_stages (int): virtual stages per stage ``v`` (default: 1).
-        workspace_bytes: ``w``, bytes one micro-batch's backward needs on a part beyond what
-            its forward kept; a scalar, ``K`` values (every part of a stage) or ``K·v`` values
-            (default: 0).
-        output_bytes (float): ``o``, bytes per sample of the last part's output, the loss's
-            input (default: 0).
-        message_bytes: bytes per sample of a message across each boundary between two parts
-            (an activation forward, its gradient backward); a scalar or ``K·v-1`` values
-            (default: 0).
-        posted_receives (int): receives the transport keeps posted per source stage ahead of
-            the one taken: ``comm.AHEAD + 1`` on Gloo (CPU), 0 on NCCL (default: 0).
-
-    Returns:
-        list[float]: peak bytes per stage, shape ``(K,)``.
-
-    Raises:
-        TypeError: a count or ``posted_receives`` is not an ``int``.
-        ValueError: a count below 1, a negative or non-finite size, a list of the wrong
-            length, an unknown ``checkpoint`` or ``schedule``, a ``virtual_stages`` the
-            schedule cannot run, or a negative ``posted_receives``.
-    """
-    _check_count("stages", stages)
-    _check_count("virtual_stages", virtual_stages)
-    sizes = microbatch_sizes(batch_size, chunks)
-    v = virtual_stages
-    a = _per_part("activation_bytes", activation_bytes, stages, v, split=True)
-    b = _per_part("input_bytes", input_bytes, stages, v, split=False)
-    w = _per_part("workspace_bytes", workspace_bytes, stages, v, split=False)
-    _check_value("output_bytes", output_bytes)
-    _check_posted(posted_receives)
-    message = _per_stage("message_bytes", message_bytes, stages * v - 1)
-    recompute = recomputed(checkpoint, len(sizes))
-    grid = _grid(schedule, stages, len(sizes), v)
-    whole_batch = schedule in ("gpipe", schedule_module.fill_drain)  # one training_step per mini-batch
-    last = stages * v - 1
-    peaks = []
-    for k in range(stages):
-        column = schedule_module.stage_actions(grid, k)
-        posted = _PostedReceives(column, k, stages, v, message, max(sizes), posted_receives, whole_batch)
-        held = peak = loss_alive = 0.0
-        split = _split(column, k, stages, recompute)
-        for p, action in enumerate(column):
-            c, i = schedule_module.part(k, action.virtual_stage, stages), action.i
-            kept = (b[c] if recompute[i] else a[c]) * sizes[i]
-            waiting = posted.take(p)  # bytes of the receives posted once action's are taken
-            if action.kind == "W":
-                held -= kept if (i, c) in split else 0.0  # a split backward's graph lives until its W
-            elif action.kind == "F":
-                held += kept
-                if c == last and not whole_batch:
-                    loss_alive = 0.0  # a new call: the last one's loss is let go
-            else:
-                loss_side = 2 * output_bytes * (sum(sizes) if whole_batch else sizes[i]) if c == last else 0.0
-                rematerialized = a[c] * sizes[i] if recompute[i] else 0.0
-                others = loss_side if c == last else loss_alive
-                peak = max(peak, held + rematerialized + w[c] + others + waiting)
-                held -= 0.0 if (i, c) in split else kept
-                loss_alive = loss_side if c == last else loss_alive
-            peak = max(peak, held + waiting + loss_alive)
-        peaks.append(peak)
-    return peaks
-
-
-def _split(
-    column: Sequence[Action], stage: int, stages: int, recompute: Sequence[bool]
-) -> set[tuple[int, int]]:
-    """``(micro-batch, part)`` of the backwards that ``column`` splits into ``B`` and ``W``: those with a
-    ``W`` of their own, unless recomputed (:mod:`lightning_gpipe.engine.backward_split`). (The first stage
-    runs its backwards whole, as its input needs no gradient; under ``"zb_h1"`` its ``W`` follows its
-    ``B`` at once, so the times are the same.)"""
-    return {
-        (a.i, schedule_module.part(stage, a.virtual_stage, stages))
-        for a in column
-        if a.kind == "W" and not recompute[a.i]
-    }
-
-
-def _check_posted(posted_receives: int) -> None:
-    if isinstance(posted_receives, bool) or not isinstance(posted_receives, int):
-        raise TypeError(
-            f"posted_receives must be an int (got {type(posted_receives).__name__}: {posted_receives!r})"
-        )
-    if posted_receives < 0:
-        raise ValueError(f"posted_receives must be 0 or more (got {posted_receives})")
-
-
-class _PostedReceives:
-    """Bytes of the receives a stage's transport holds posted, not yet taken, as its column runs
-    (:func:`peak_activation_memory`): per source stage, ``min(ahead, announced and not taken)``
-    buffers of the largest message from that source (at least :data:`~lightning_gpipe.transport.wire.FIRST_ROOM`);
-    on a stage before the last, the last stage's step outcome is announced with the stretch that
-    ends the column (under ``"gpipe"``: the forwards')."""
-
-    def __init__(
-        self,
-        column: list[Action],
-        stage: int,
-        stages: int,
-        virtual_stages: int,
-        message: list[float],
-        largest: int,
-        ahead: int,
-        whole_batch: bool,
-    ) -> None:
-        self.column, self.ahead, self.whole_batch = column, ahead, whole_batch
-        self.outcome_from = stages - 1 if stage < stages - 1 else None  # lightning_gpipe.engine.outcome
-        self.receives = {
-            a: [t.peer for t in schedule_module.receives(a, stage, stages, (), virtual_stages)]
-            for a in column
-        }
-        self.room: dict[int, float] = {} if self.outcome_from is None else {self.outcome_from: FIRST_ROOM}
-        for a in column:
-            c = schedule_module.part(stage, a.virtual_stage, stages)
-            boundary = c - 1 if a.kind == "F" else c  # the input's, or the output's gradient's
-            for peer in self.receives[a]:
-                self.room[peer] = max(self.room.get(peer, FIRST_ROOM), message[boundary] * largest)
-        self.first_backward = next((p for p, a in enumerate(column) if a.kind == "B"), len(column))
-        self.left: dict[int, int] = {}
-        self.announced = 0
-
-    def take(self, p: int) -> float:
-        """Action ``p`` takes its messages (announcing the stretch it starts); the bytes still posted."""
-        if not self.ahead:
-            return 0.0
-        if p >= self.announced:
-            start = p
-            self.announced = schedule_module.announced_until(
-                self.column,
-                start,
-                lambda a: bool(self.receives[a]),
-                lambda a: self.whole_batch and start < self.first_backward,  # the loss is still to come
-            )
-            for a in self.column[start : self.announced]:
-                for peer in self.receives[a]:
-                    self.left[peer] = self.left.get(peer, 0) + 1
-            ends_calls = (
-                self.announced == len(self.column) or self.whole_batch and start < self.first_backward
-            )
-            if self.outcome_from is not None and ends_calls:
-                self.left[self.outcome_from] = self.left.get(self.outcome_from, 0) + 1
-        for peer in self.receives[self.column[p]]:
-            self.left[peer] -= 1
-        return sum(min(self.ahead, n) * self.room[peer] for peer, n in self.left.items())
-
-
 def simulate(
     stages: int,
     chunks: int,
@@ -338,7 +120,6 @@ def simulate(
     input_bytes: float | Sequence[float] = 0.0,
     workspace_bytes: float | Sequence[float] = 0.0,
     output_bytes: float = 0.0,
-    posted_receives: int = 0,
     timeline: bool = False,
 ) -> Simulation:
     """Plays one training step of a schedule through the cost model of the module docstring.
@@ -384,20 +165,16 @@ def simulate(
             default: 0).
         output_bytes (float): per sample, bytes of the last part's output, the loss's input
             (default: 0).
-        posted_receives (int): receives the transport keeps posted per source stage, each the
-            size of that source's largest message, ``boundary_bytes`` (see
-            :func:`peak_activation_memory`; used for the memory estimate; default: 0).
         timeline (bool): also return every stage's events (default: False).
 
     Returns:
         Simulation: step time, bubble share, busy time, peak activation bytes, timeline.
 
     Raises:
-        TypeError: ``stages``, ``chunks``, ``virtual_stages``, ``batch_size`` or
-            ``posted_receives`` is not an ``int``.
+        TypeError: ``stages``, ``chunks``, ``virtual_stages`` or ``batch_size`` is not an ``int``.
         ValueError: a count below 1, a negative or non-finite time or size, a list of the
             wrong length, ``bandwidth <= 0``, an unknown ``checkpoint`` or ``schedule``, a
-            ``virtual_stages`` the schedule cannot run, a negative ``posted_receives``, or a
+            ``virtual_stages`` the schedule cannot run, or a
             ``weight_backward`` above ``backward``.
 
     Example:
@@ -408,32 +185,31 @@ def simulate(
         >>> sim.step_time, round(sim.bubble, 4)
         (28.5, 0.1579)
     """
-    _check_count("stages", stages)
-    _check_count("chunks", chunks)
-    _check_count("virtual_stages", virtual_stages)
-    _check_posted(posted_receives)
+    check_count("stages", stages)
+    check_count("chunks", chunks)
+    check_count("virtual_stages", virtual_stages)
     m = chunks if batch_size is None else len(microbatch_sizes(batch_size, chunks))
     v, parts = virtual_stages, stages * virtual_stages
-    f = _per_part("forward", forward, stages, v, split=True)
-    bw = _per_part("backward", backward, stages, v, split=True)
+    f = per_part("forward", forward, stages, v, split=True)
+    bw = per_part("backward", backward, stages, v, split=True)
     if weight_backward is None:
         wb = [x / 2 for x in bw]
     else:
-        wb = _per_part("weight_backward", weight_backward, stages, v, split=True)
+        wb = per_part("weight_backward", weight_backward, stages, v, split=True)
         if any(x > y for x, y in zip(wb, bw)):
             raise ValueError(
                 f"weight_backward must not exceed backward (weight_backward: {weight_backward!r})"
             )
-    size = _per_stage("boundary_bytes", boundary_bytes, parts - 1)
-    _check_value("latency", latency)
+    size = per_stage("boundary_bytes", boundary_bytes, parts - 1)
+    check_value("latency", latency)
     if not (bandwidth > 0):
         raise ValueError(f"bandwidth must be positive bytes per second (got {bandwidth})")
     recompute = recomputed(checkpoint, m)
     transfer = [s / bandwidth if s > 0 else 0.0 for s in size]
 
-    grid = _grid(schedule, stages, m, v)
+    grid = grid_of(schedule, stages, m, v)
     columns = [schedule_module.stage_actions(grid, j) for j in range(stages)]
-    split = set().union(*(_split(column, j, stages, recompute) for j, column in enumerate(columns)))
+    split = set().union(*(split_backwards(column, j, stages, recompute) for j, column in enumerate(columns)))
     events: list[list[Event]] = [[] for _ in range(stages)]
     free = [0.0] * stages  # when each stage finishes its current work
     link_free: dict[tuple[int, int], float] = {}  # (from stage, to stage): when the link is free
@@ -502,8 +278,6 @@ def simulate(
             virtual_stages=v,
             workspace_bytes=workspace_bytes,
             output_bytes=output_bytes,
-            message_bytes=[x / max(microbatch_sizes(batch_size, chunks)) for x in size],
-            posted_receives=posted_receives,
         )
     return Simulation(
         step_time=step_time,
@@ -512,63 +286,3 @@ def simulate(
         peak_activation_bytes=memory,
         timeline=events if timeline else None,
     )
-
-
-def _grid(schedule: str | Schedule, stages: int, chunks: int, virtual_stages: int) -> Grid:
-    """The grid of ``schedule`` (a name in :data:`~lightning_gpipe.schedule.SCHEDULES` or a function)."""
-    if isinstance(schedule, str):
-        if schedule not in SCHEDULES:
-            raise ValueError(
-                f"unknown schedule (schedule: {schedule!r}); choose one of {', '.join(map(repr, SCHEDULES))}"
-            )
-        schedule = SCHEDULES[schedule]
-    return schedule(stages, chunks, virtual_stages)
-
-
-def _check_count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (got {type(value).__name__}: {value!r})")
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1 (got {value})")
-
-
-def _check_value(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be finite and non-negative (got {value})")
-
-
-def _per_part(
-    name: str, value: float | Sequence[float], stages: int, virtual_stages: int, *, split: bool
-) -> list[float]:
-    """One value per part ``c`` (stage ``c mod K``'s virtual stage ``c // K``).
-
-    A scalar or ``K`` values (one per stage) give each of a stage's parts the stage's value,
-    divided by ``v`` when ``split`` (a time or a size the stage's parts share); ``K·v`` values
-    are the parts' own.
-    """
-    parts = stages * virtual_stages
-    if isinstance(value, (int, float)) or virtual_stages == 1 or len(value) != parts:
-        try:
-            per_stage = _per_stage(name, value, stages)
-        except ValueError:
-            if virtual_stages == 1:
-                raise
-            raise ValueError(
-                f"{name} needs {stages} values (one per stage) or {parts} (one per part) (got {len(value)})"  # type: ignore[arg-type]
-            ) from None
-        share = virtual_stages if split else 1
-        return [per_stage[c % stages] / share for c in range(parts)]
-    return _per_stage(name, value, parts)
-
-
-def _per_stage(name: str, value: float | Sequence[float], length: int) -> list[float]:
-    """A scalar broadcast to ``length`` values, or a sequence checked to be ``length`` long."""
-    if isinstance(value, (int, float)):
-        values = [float(value)] * length
-    else:
-        values = [float(v) for v in value]
-        if len(values) != length:
-            raise ValueError(f"{name} needs {length} values, one per stage or boundary (got {len(values)})")
-    for v in values:
-        _check_value(name, v)
-    return values

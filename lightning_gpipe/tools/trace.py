@@ -197,7 +197,8 @@ def plot_gantt(
     layout = f"K={k} stages" + (f" × v={v} virtual stages" if v > 1 else "")
     ax.set_title(
         title
-        or f"{stats.schedule} step: {layout}, M={m} micro-batches, bubble {stats.bubble:.1%} (ideal {ideal:.1%})"
+        or f"{stats.schedule} step: {layout}, M={m} micro-batches, "
+        f"bubble {stats.bubble:.1%} (ideal {ideal:.1%})"
     )
     ax.set_yticks(range(k))
     ax.set_yticklabels([f"stage {rec['stage']}" for rec in reversed(recs)])

@@ -22,15 +22,13 @@ from typing import Any
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_gpipe.errors import StageError
+from lightning_gpipe.transport.arrival import failure_note
 from lightning_gpipe.transport.p2p import close_lanes
 
 log = logging.getLogger(__name__)
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
-
-
-class StageError(RuntimeError):
-    """A layer of a stage raised; the message names the stage, its layers and the input's shapes."""
 
 
 @contextmanager
@@ -54,8 +52,8 @@ def naming_errors(
         source = "the batch" if stage == 0 else f"stage {stage - 1}"
         shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in x)
         raise StageError(
-            f"stage {stage} (layers {layers[0]}..{layers[-1]}) failed in {phase} of micro-batch {i} "
-            f"on input from {source} of shape [{shapes}]{_expected_input(first_layer)}: {type(err).__name__}: {err}"
+            f"stage {stage} (layers {layers[0]}..{layers[-1]}) failed in {phase} of micro-batch {i} on input "
+            f"from {source} of shape [{shapes}]{_expected_input(first_layer)}: {type(err).__name__}: {err}"
         ) from err
 
 
@@ -85,8 +83,6 @@ def report_and_abort(exception: BaseException, where: str) -> None:
         where: e.g. ``"stage 1 (rank 1)"``.
     """
     if is_peer_loss(exception):
-        from lightning_gpipe.transport.arrival import failure_note
-
         note = failure_note()
         _prefix_message(
             exception,

@@ -1,11 +1,11 @@
-"""Process groups: the default group's set-up and world-wide collectives, the pipeline and
+"""Process groups: world-wide collectives, the pipeline and
 data-parallel groups, and their destruction when the process exits.
 
 Each rank holds three group handles (:class:`Groups`): its pipeline, its stage's data-parallel
-replicas, and the last stage's replicas; on Gloo also its pipeline's :class:`~lightning_gpipe.transport.p2p.Lanes`
-(one group per direction for the stages' messages). They are made once per default group and layout
-(:func:`new_groups`) and destroyed, with the default group, by an exit hook
-(:func:`close_at_exit`) while Python still runs. The world-wide collectives
+replicas, and the last stage's replicas; on Gloo also its pipeline's
+:class:`~lightning_gpipe.transport.p2p.Lanes` (one group per direction for the stages' messages).
+They are made once per default group and layout (:func:`new_groups`) and destroyed, with the default
+group, by an exit hook (:func:`close_at_exit`) while Python still runs. The world-wide collectives
 (:func:`barrier`, :func:`broadcast_object`, :func:`all_agree`) do nothing before
 ``torch.distributed`` is initialized, as Lightning's strategies do.
 """
@@ -18,70 +18,56 @@ import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
-from lightning_gpipe._compat import (
-    default_process_group_backend,
-    distributed_is_initialized,
-    init_dist_connection,
-    sync_ddp,
-)
-from lightning_gpipe.transport import arrival
 from lightning_gpipe.transport.arrival import arrive
 from lightning_gpipe.transport.layout import Layout
 from lightning_gpipe.transport.p2p import Lanes, close_lanes, join_sends
 
 __all__ = [
+    "initialized",
     "EXIT_WAIT_S",
     "Groups",
     "all_agree",
     "barrier",
     "broadcast_object",
     "close_at_exit",
-    "connect",
     "new_groups",
-    "reduce",
 ]
 
 log = logging.getLogger(__name__)
 
 
-def connect(
-    cluster_environment: Any, backend: str | None, timeout: timedelta | None, device: torch.device, rank: int
-) -> str:
-    """Initialize the default process group (Lightning's rendezvous), then give every rank rank 0's
-    random state (:func:`lightning_gpipe.state.start_state.share_rng_state`; nothing is re-seeded), so that
-    a shuffling DataLoader hands every stage the batches the script draws on one device.
+def initialized() -> bool:
+    """Whether the default process group exists (``torch.distributed`` is available and initialized)."""
+    return dist.is_available() and dist.is_initialized()
 
-    Returns:
-        The backend: ``backend``, or by default the one Lightning picks for ``device``.
-    """
-    backend = backend or default_process_group_backend(device)
-    kwargs: dict[str, Any] = {"timeout": timeout}
-    if device.type != "cpu":
-        kwargs["device_id"] = device
-    arrival.reset()
-    init_dist_connection(cluster_environment, backend, **kwargs)
-    from lightning_gpipe.state.start_state import share_rng_state
 
-    share_rng_state(rank)
-    return backend
+def tensors_to_cpu(obj: Any) -> Any:
+    """Copy every tensor in a nested dict/list to CPU (for gathering with object collectives)."""
+    if isinstance(obj, Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: tensors_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tensors_to_cpu(v) for v in obj)
+    return obj
 
 
 def arrive_all(operation: str, timeout: float) -> None:
     """Every rank reaches ``operation`` within ``timeout`` seconds, or it fails naming those missing
     (:func:`lightning_gpipe.transport.arrival.arrive`); nothing to wait for outside ``torch.distributed``."""
-    if distributed_is_initialized():
+    if initialized():
         arrive(operation, timeout)
 
 
 def barrier(device: torch.device) -> None:
     """Wait for every rank (on NCCL, on ``device``)."""
-    if not distributed_is_initialized():
+    if not initialized():
         return
     if dist.get_backend() == "nccl":
         dist.barrier(device_ids=[device.index])
@@ -91,7 +77,7 @@ def barrier(device: torch.device) -> None:
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """``obj`` from global rank ``src`` on every rank of ``group`` (default: all; picklable objects)."""
-    if not distributed_is_initialized():
+    if not initialized():
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src, group=group)
@@ -99,28 +85,18 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 
 
 def from_last_stage(obj: Any, layout: Layout, rank: int, group: Any) -> Any:
-    """``obj`` of ``rank``'s pipeline's last stage, on every stage of the pipeline (``group``; tensors on CPU)."""
-    from lightning_gpipe.state.optimizer import tensors_to_cpu
-
-    if layout.stages == 1 or group is None or not distributed_is_initialized():
+    """``obj`` of ``rank``'s pipeline's last stage, on every stage of the pipeline (``group``;
+    tensors on CPU)."""
+    if layout.stages == 1 or group is None or not initialized():
         return obj
     src = layout.rank(layout.replica_of(rank), layout.stages - 1)
     shared = broadcast_object(tensors_to_cpu(obj) if rank == src else None, src, group)
     return obj if rank == src else shared
 
 
-def reduce(tensor: Any, group: Any, reduce_op: Any = "mean") -> Any:
-    """``tensor`` reduced over ``group`` (Lightning's ``_sync_ddp``); as it is without a group to reduce over."""
-    if not isinstance(tensor, torch.Tensor) or not distributed_is_initialized():
-        return tensor
-    if group is None or dist.get_rank(group) < 0 or dist.get_world_size(group) == 1:
-        return tensor  # not a member (a stage without losses or metrics: they reach it shared), or alone
-    return sync_ddp(tensor, group, reduce_op=reduce_op)
-
-
 def all_agree(decision: bool, device: torch.device, everyone: bool = True) -> bool:
     """Whether every rank (``everyone``) or any rank decided ``True``."""
-    if not distributed_is_initialized():
+    if not initialized():
         return decision
     t = torch.tensor(int(decision), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)

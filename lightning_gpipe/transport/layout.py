@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_gpipe.engine.skip import Route
+from lightning_gpipe.schedule import SkipRoute
+from lightning_gpipe.transport.topology import StageTopology
 
 __all__ = ["Layout", "StageTopology", "check_pipeline_parallel_size", "layer_parts", "layer_stages"]
 
@@ -76,7 +77,7 @@ class Layout:
         """Global ranks of ``replica``'s stages, in stage order."""
         return [self.rank(replica, s) for s in range(self.stages)]
 
-    def topology(self, rank: int, skips: tuple[Route, ...] = ()) -> StageTopology:
+    def topology(self, rank: int, skips: tuple[SkipRoute, ...] = ()) -> StageTopology:
         """Global rank ``rank``'s stage: its index, its neighbours' ranks and its pipeline's ranks."""
         stage, replica = self.stage_of(rank), self.replica_of(rank)
         ranks = tuple(self.pipeline_ranks(replica))
@@ -90,26 +91,6 @@ class Layout:
         )
 
 
-@dataclass
-class StageTopology:
-    """Where a stage sits: its index, the stage count and the global ranks of its neighbours."""
-
-    stage: int
-    stages: int
-    prev_rank: int | None
-    next_rank: int | None
-    ranks: tuple[int, ...] = ()  # global rank of every stage of this pipeline (for skips and the loss)
-    skips: tuple[Route, ...] = ()  # skip connections of the whole pipeline
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.stages - 1
-
-
 def layer_stages(balance: Sequence[int], stages: int | None = None) -> list[int]:
     """The stage of every layer: ``layer_stages([2, 1]) == [0, 0, 1]``.
 
@@ -121,5 +102,6 @@ def layer_stages(balance: Sequence[int], stages: int | None = None) -> list[int]
 
 
 def layer_parts(balance: Sequence[int]) -> list[int]:
-    """The part of every layer (the entry of ``balance`` it belongs to): ``layer_parts([2, 1]) == [0, 0, 1]``."""
+    """The part of every layer (the entry of ``balance`` it belongs to):
+    ``layer_parts([2, 1]) == [0, 0, 1]``."""
     return [c for c, n in enumerate(balance) for _ in range(n)]

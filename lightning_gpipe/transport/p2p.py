@@ -1,25 +1,21 @@
-"""Point-to-point transport between stages: :class:`P2P`, its receives posted ahead and its send waiter.
+"""Point-to-point messages between stages: :class:`P2P`, with deferred send waits.
 
-A message is what :mod:`lightning_gpipe.transport.wire` encodes: a header, then the tensors it describes
-(on CPU their bytes in one payload; a small payload travels in one frame with its header, a large
-one after it, :data:`FRAMED_ROOM`). Sends are posted by the stage's thread and asynchronous (``isend``);
-their waits are deferred to :meth:`P2P.flush` (on CPU a thread waits for the sends as they
-complete and frees their buffers), so a stage computes micro-batch ``i+1`` while micro-batch ``i``
-travels. Receives the stage knows are coming (:meth:`P2P.expect`: the rest of a phase's
-micro-batches) are posted ahead on CPU, :data:`AHEAD` beyond the one the stage takes, so that
-micro-batch ``i+1`` arrives while the stage computes micro-batch ``i``; the transport's own
-thread fills them. Transport is ``torch.distributed`` with global ranks: Gloo on CPU, NCCL on CUDA;
-on Gloo the messages between the ranks of a pipeline travel on :class:`Lanes`, one process group
-per direction.
+A message is what :mod:`lightning_gpipe.transport.wire` encodes: a fixed-size header, then the
+tensors it describes, each sent as a message of its own. Receives are posted when the stage asks
+for a message (on demand, as ``torch.distributed.pipelining`` does): the header first, then the
+tensors it announces. Sends are asynchronous (``isend``) and their waits are deferred to
+:meth:`P2P.flush`, so a stage computes micro-batch ``i+1`` while micro-batch ``i`` travels; on CPU
+a thread waits for the sends as they complete and frees their buffers. Transport is
+``torch.distributed`` with global ranks: Gloo on CPU, NCCL on CUDA; on Gloo the messages between
+the ranks of a pipeline travel on :class:`Lanes`, one process group per direction.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections import defaultdict, deque
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections import deque
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,30 +23,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gpipe._compat import unrecorded
-from lightning_gpipe.engine.microbatch import Structure
-from lightning_gpipe.transport.wire import (
-    FIRST_ROOM,
-    HEADER_SLOTS,
-    Meta,
-    decode_header,
-    decode_message,
-    encode_message,
-    pack,
-    payload_bytes,
-    unpack,
-)
+from lightning_gpipe.transport.structure import Structure
+from lightning_gpipe.transport.wire import HEADER_SLOTS, Meta, decode_header, decode_message, encode_message
 
 __all__ = ["LINGER_S", "Lanes", "P2P", "close_lanes", "join_sends"]
-
-
-AHEAD = 2
-"""Receives of announced messages posted beyond the one the stage takes next (:meth:`P2P.recv`)."""
-FRAMED_ROOM = FIRST_ROOM
-"""On CPU a message whose room is at most this many bytes travels as one frame (its header, then its
-payload, copied into one buffer); a larger room, as its header and then its payload (BENCHMARKS.md section 21)."""
-HEADER_BYTES = HEADER_SLOTS * 8
-HEADER_TAG, PAYLOAD_TAG, OVERFLOW_TAG = 0, 1, 2
-"""Tags of a message's header, of its payload (on CPU) and of the tensors of a payload larger than its room."""
 
 
 class Lanes:
@@ -62,7 +38,7 @@ class Lanes:
     thread while holding that lock, and meanwhile the process's Gloo event loop, woken by the bytes
     arriving the other way, finds the lock taken and polls again at once (``Pair::handleEvents``
     takes it with ``try_lock``): a busy loop on a core the layers need, for as long as the write
-    lasts (up to several milliseconds a message on a busy 2-core host, BENCHMARKS.md section 17).
+    lasts.
     On lanes each socket carries one direction's bytes, and a send never holds the lock that the
     reads of the other direction need.
 
@@ -107,25 +83,18 @@ _LANES: weakref.WeakSet[Lanes] = weakref.WeakSet()
 
 
 def close_lanes() -> None:
-    """Drop every :class:`Lanes`' groups (after the process groups are destroyed: at exit, after a failure)."""
+    """Drop every :class:`Lanes`' groups (after the process groups are destroyed: at exit, after a
+    failure)."""
     for lanes in list(_LANES):
         lanes.close()
 
 
 class P2P:
-    """Send and receive tuples of tensors between global ranks, with deferred send waits.
-
-    Receives are posted when :meth:`recv` asks, unless :meth:`expect` announced them: on CPU the
-    first :data:`AHEAD` + 1 announced messages' receives (a frame, or header and payload) are then posted at
-    once, and each message taken posts the next one's, its payload into a buffer of the room both
-    sides derive (:class:`_Rooms`), so the transport's thread fills them while the stage computes. (A thread of ours taking them instead
-    cost each message a second wake-up and its Python work, on the cores the layers need:
-    BENCHMARKS.md section 18.) The message *count* must be exact: a receive left posted would take
-    a message meant for a later phase. The stage derives it from its schedule's actions
-    (:func:`lightning_gpipe.schedule.messages`).
+    """Send and receive values between global ranks: each a header, then its tensors, with deferred
+    send waits.
 
     The send waiter's thread outlives a phase: it waits up to :data:`LINGER_S` seconds for the next
-    send before it ends, so a step starts none (a thread's start costs the stage's thread a
+    send before it ends, so a step starts no thread (a thread's start costs the stage's thread a
     scheduling round, on the critical path of a busy machine).
 
     Args:
@@ -145,170 +114,62 @@ class P2P:
         self._rank: int | None = None  # this process's global rank, once a message needs it
         self.background = device.type == "cpu" if background is None else background
         self._pending: list[tuple[dist.Work, object]] = []
-        self._ahead: dict[int, _Ahead] = {}  # per source: the announced receives and those posted
-        self.packed = self.device.type == "cpu"  # Gloo: header and payload (wire.pack) per message
-        self._rooms_to: dict[int, _Rooms] = defaultdict(_Rooms)  # packed: per destination
-        self._rooms_from: dict[int, _Rooms] = defaultdict(_Rooms)  # packed: per source
         self._waiter = _SendWaiter()  # background: waits for the sends posted, in order
 
     def send(
         self, tensors: Sequence[Tensor], dst: int, *, structure: Structure | None = None, chunks: int = 0
     ) -> None:
         """Send ``tensors`` (the value ``structure`` describes; ``None``: a tuple of tensors) to
-        ``dst`` (:func:`~lightning_gpipe.transport.wire.encode_message`) asynchronously; waits happen in :meth:`flush`.
+        ``dst`` (:func:`~lightning_gpipe.transport.wire.encode_message`) asynchronously; waits
+        happen in :meth:`flush`.
 
-        The message is encoded, packed (on CPU) and posted here, in the calling thread: the send
-        costs the stage's thread the posts (and the copy of a payload of several tensors; one
-        tensor travels as it is), and its first bytes leave at once (handing it to a thread of its
-        own cost each message a thread switch, about 0.14 ms of latency on a 2-vCPU machine: one-way
-        0.40 ms against 0.26 ms in a ping-pong). With background transport a thread then waits for
-        the message's sends to complete and drops what they hold. Like any asynchronous send,
-        ``tensors`` must not change until it completes.
+        The sends are posted here, in the calling thread, so their first bytes leave at once; with
+        background transport a thread then waits for them to complete and drops what they hold.
+        Like any asynchronous send, ``tensors`` must not change until it completes. The sends open
+        no profiler event (:func:`lightning_gpipe._compat.unrecorded`): a wait deferred past the
+        profiler's next step would close it in a freed event list.
 
         Raises:
             ValueError: a tensor that cannot travel (:func:`~lightning_gpipe.transport.wire.encode_message`).
             RuntimeError: (or the transport's own error) posting failed, e.g. the peer went away.
-
-        The sends open no profiler event (:func:`lightning_gpipe._compat.unrecorded`): a wait deferred
-        past the profiler's next step would close it in a freed event list."""
+        """
         message = encode_message(tensors, structure, chunks, self.device)
-        group = self.lanes.group(self._me(), dst) if self.lanes is not None else None
+        group = self._group(self._me(), dst)
         posted: list[tuple[dist.Work, Tensor]] = []
         try:
-            for t, tag in self.parts(message, dst):
-                posted.append((_post(t, dst, group, tag), t))
+            for t in message:
+                posted.append((_post(t, dst, group), t))
         finally:  # what was posted is waited for, even where a later post failed
             if posted and self.background:
                 self._waiter.put(posted)  # the waiter holds the tensors until the sends complete
             elif posted:
                 self._pending += posted
 
+    def recv(self, src: int) -> tuple[Meta, list[Tensor]]:
+        """Receive one message from ``src``: its header, then its tensors (allocated from the header).
+
+        Raises:
+            RuntimeError: (or the transport's own error) the receive failed, e.g. the peer went away.
+        """
+        group = self._group(src, self._me())
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        _wait(dist.irecv(header, src, group=group))
+        meta = decode_header(header)
+        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
+        if meta.blob:
+            tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))
+        works = [dist.irecv(t, src, group=group) for t in tensors]
+        for w in works:
+            _wait(w)
+        return decode_message(meta, tensors)
+
     def _me(self) -> int:
         if self._rank is None:
             self._rank = dist.get_rank()
         return self._rank
 
-    def parts(self, message: list[Tensor], dst: int) -> list[tuple[Tensor, int]]:
-        """What travels to ``dst`` for an encoded ``message``, each with its tag: on CPU (called in
-        send order) the header and the payload (:func:`~lightning_gpipe.transport.wire.pack`), in one frame
-        where the message's room is at most :data:`FRAMED_ROOM` bytes, else one after the other;
-        then the tensors of a payload larger than its room on :data:`OVERFLOW_TAG`."""
-        if not self.packed:
-            return [(t, HEADER_TAG) for t in message]
-        header, *tensors = message
-        rooms = self._rooms_to[dst]
-        room = rooms.room(rooms.count)
-        payload, overflow, total = pack(tensors, room)
-        rooms.record(total)
-        rest = [(t, OVERFLOW_TAG) for t in overflow]
-        if room <= FRAMED_ROOM:  # one frame: copying a small payload costs less than a second message
-            frame = torch.empty(HEADER_BYTES + payload.numel(), dtype=torch.uint8, device=header.device)
-            frame[:HEADER_BYTES] = header.view(torch.uint8)
-            frame[HEADER_BYTES:] = payload
-            return [(frame, PAYLOAD_TAG), *rest]
-        return [(header, HEADER_TAG), (payload, PAYLOAD_TAG), *rest]
-
-    def expect(self, src: int, messages: int) -> None:
-        """Announce that the next ``messages`` receives from ``src`` follow in this phase; post the
-        first :data:`AHEAD` + 1 of them now, so that they arrive while the stage computes.
-
-        Raises:
-            RuntimeError: messages announced earlier from ``src`` are not all taken yet; or (or the
-                transport's own error) posting failed, e.g. the peer went away: the announcement is dropped.
-        """
-        if messages <= 0 or not self.packed:  # NCCL: a message's size is known from its header
-            return
-        ahead = self._ahead.get(src)
-        if ahead is None:
-            ahead = self._ahead[src] = _Ahead()
-        if ahead.left:
-            raise RuntimeError(f"messages announced from rank {src} are still to be received")
-        ahead.left = messages
-        with ahead.dropped_on_error():
-            self._post_ahead(src, ahead)
-
-    def recv(self, src: int) -> tuple[Meta, list[Tensor]]:
-        """Receive one message from ``src``: its header, then its tensors (allocated from the header).
-
-        An announced message (:meth:`expect`) was posted ahead; taking it posts the next one announced.
-
-        Raises:
-            RuntimeError: (or the transport's own error) the receive failed, e.g. the peer went away;
-                the rest of an announcement is then dropped.
-        """
-        ahead = self._ahead.get(src)
-        if ahead is None or not ahead.left:
-            return self.receive_now(src)
-        with ahead.dropped_on_error():
-            if not ahead.posted:
-                self._post_ahead(src, ahead)
-            header, payload = ahead.posted.popleft()
-            ahead.left -= 1
-            message = self._take(src, header, payload)
-            self._post_ahead(src, ahead)
-        return message
-
-    def _post_ahead(self, src: int, ahead: _Ahead) -> None:
-        """Post the receives of ``src``'s announced messages until :data:`AHEAD` + 1 are posted (or
-        all announced are), each payload's into a buffer of its room (:class:`_Rooms`)."""
-        while len(ahead.posted) < min(AHEAD + 1, ahead.left):
-            ahead.posted.append(self._post_message(src, len(ahead.posted)))
-
-    def _group_from(self, src: int) -> Any:
-        return self.lanes.group(src, self._me()) if self.lanes is not None else None
-
-    def _post_message(self, src: int, later: int = 0) -> tuple[_Posted, _Posted]:
-        """Post the receives of the message from ``src`` that follows the next ``later`` ones: in a
-        room of at most :data:`FRAMED_ROOM` bytes one receive, of its frame (``(None, header)`` then
-        the frame's payload); in a larger room the header's, then the payload's into a buffer of the room."""
-        group, rooms = self._group_from(src), self._rooms_from[src]
-        room = rooms.room(rooms.count + later)
-        if room <= FRAMED_ROOM:
-            frame = torch.empty(HEADER_BYTES + room, dtype=torch.uint8, device=self.device)
-            work = _irecv(frame, src, group, PAYLOAD_TAG)
-            return (None, frame[:HEADER_BYTES].view(torch.int64)), (work, frame[HEADER_BYTES:])
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        payload = torch.empty(room, dtype=torch.uint8, device=self.device)
-        return (_irecv(header, src, group, HEADER_TAG), header), (
-            _irecv(payload, src, group, PAYLOAD_TAG),
-            payload,
-        )
-
-    def receive_now(self, src: int) -> tuple[Meta, list[Tensor]]:
-        """Post the receives of one message from ``src`` and wait for them (in the calling thread)."""
-        if self.packed:
-            return self._take(src, *self._post_message(src))
-        group = self._group_from(src)
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        _wait(dist.irecv(header, src, group=group))
-        return self._receive_tensors(decode_header(header), src, group)
-
-    def _take(self, src: int, header: _Posted, payload: _Posted) -> tuple[Meta, list[Tensor]]:
-        """The message from ``src`` whose header and payload receives were posted (its tensors
-        received now where its payload was over its room: on :data:`OVERFLOW_TAG`)."""
-        _wait(payload[0])  # a frame, or sent after the header on the same connection: both have arrived
-        if header[0] is not None:
-            _wait(header[0])
-        meta = decode_header(header[1])
-        total, buffer = payload_bytes(meta), payload[1]
-        self._rooms_from[src].record(total)
-        room = buffer.numel()
-        if total > room:
-            return self._receive_tensors(meta, src, self._group_from(src), OVERFLOW_TAG)
-        # a buffer sized for a larger earlier message is not held by a smaller one's tensors
-        return decode_message(meta, unpack(buffer, meta, copy=room - total > room // 8))
-
-    def _receive_tensors(
-        self, meta: Meta, src: int, group: Any, tag: int = HEADER_TAG
-    ) -> tuple[Meta, list[Tensor]]:
-        """The tensors ``meta`` announces, each received as a message of its own (on ``group``, ``tag``)."""
-        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
-        if meta.blob:
-            tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))
-        works = [dist.irecv(t, src, group=group, tag=tag) for t in tensors]
-        for w in works:
-            _wait(w)
-        return decode_message(meta, tensors)
+    def _group(self, src: int, dst: int) -> Any:
+        return self.lanes.group(src, dst) if self.lanes is not None else None
 
     def flush(self) -> None:
         """Wait for every posted send.
@@ -340,51 +201,6 @@ class P2P:
         """Sends posted whose tensors are still held (not yet known to have completed): with
         background transport, messages; otherwise the transport's sends."""
         return len(self._pending) + self._waiter.held
-
-
-class _Rooms:
-    """The room each payload between two ranks travels in, kept alike by both sides.
-
-    Message ``m``'s room is the largest payload before ``m - AHEAD`` (at least :data:`FIRST_ROOM`):
-    a receiver posts message ``m``'s buffer once it has taken message ``m - AHEAD - 1``
-    (:data:`AHEAD` messages ahead of the one it takes), before it knows the sizes of the messages after.
-    """
-
-    def __init__(self) -> None:
-        self.count = 0  # messages sent (taken) so far
-        # the room of messages count .. count + AHEAD
-        self._rooms: deque[int] = deque([FIRST_ROOM] * (AHEAD + 1), maxlen=AHEAD + 1)
-
-    def room(self, m: int) -> int:
-        """Message ``m``'s room in bytes (``count <= m <= count + AHEAD``)."""
-        return self._rooms[m - self.count]
-
-    def record(self, total: int) -> None:
-        """The next message's (``count``) payload was ``total`` bytes."""
-        self.count += 1
-        self._rooms.append(max(self._rooms[-1], total))
-
-
-_Posted = tuple[dist.Work | None, Tensor]  # a receive posted and its buffer (None: received in its frame)
-
-
-class _Ahead:
-    """The announced messages from one source: how many are still to be taken, and the receives
-    posted for the first of them (oldest first, each the header's and the payload's)."""
-
-    def __init__(self) -> None:
-        self.left = 0
-        self.posted: deque[tuple[_Posted, _Posted]] = deque()
-
-    @contextmanager
-    def dropped_on_error(self) -> Iterator[None]:
-        """An error drops the rest of the announcement (its receives are not taken)."""
-        try:
-            yield
-        except BaseException:
-            self.left = 0
-            self.posted.clear()
-            raise
 
 
 LINGER_S = 5.0
@@ -493,12 +309,6 @@ def _post(t: Tensor, dst: int, group: Any = None, tag: int = 0) -> dist.Work:
     (:func:`lightning_gpipe._compat.unrecorded`)."""
     with unrecorded():  # the send may complete after the profiler's next cycle began
         work = dist.isend(t, dst, group=group, tag=tag)
-    assert work is not None
-    return work
-
-
-def _irecv(t: Tensor, src: int, group: Any, tag: int) -> dist.Work:
-    work = dist.irecv(t, src, group=group, tag=tag)
     assert work is not None
     return work
 

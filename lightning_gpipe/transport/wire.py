@@ -1,4 +1,4 @@
-"""What travels between stages: the message header, the structure codec and the CPU payload.
+"""What travels between stages: the message header and the structure codec.
 
 Every message is a fixed-size int64 *header* (:func:`encode_header`) followed by the tensors it
 describes, so shapes and dtypes travel with the data on every step (nothing is cached from the
@@ -6,23 +6,12 @@ first step). A value that is not a tensor or a tuple of tensors (a dict, nested 
 numbers, strings: :mod:`lightning_gpipe.engine.microbatch`) sends its structure and non-tensor leaves as
 a last uint8 tensor of compact JSON (:func:`encode_structure`: a restricted codec, never pickle).
 
-On CPU (Gloo) a message travels as its header and its *payload* (:func:`pack`): the
-tensors' bytes, a single tensor as it is (no copy), several in one uint8 buffer. The receiver
-takes the payload into a buffer of the room it keeps for its source (:func:`unpack`), so it posts
-its receives before it knows the message. In a room of at most 64 KiB the header and the payload
-travel copied into one frame (one send and one receive); in a larger room, one after the other
-(two of each, the payload not copied: :data:`lightning_gpipe.transport.p2p.FRAMED_ROOM`). Gloo takes a send shorter than the receive's buffer; a payload
-larger than the room travels as a 16-byte placeholder, its tensors after it, and grows the room on
-both sides alike (each side follows the same sequence of messages), so steady shapes travel in
-one payload from their second message on. NCCL receives need the exact size: on CUDA the header
-and each tensor travel as messages of their own. The transport that sends and
-receives these is :mod:`lightning_gpipe.transport.p2p`.
+The transport that sends and receives these is :mod:`lightning_gpipe.transport.p2p`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,10 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gpipe.engine.microbatch import CONSTANTS, SLOT, TREE, TUPLE, MicroBatchError, Structure
+from lightning_gpipe.errors import MicroBatchError
+from lightning_gpipe.transport.structure import CONSTANTS, SLOT, TREE, TUPLE, Structure
 
 __all__ = [
-    "FIRST_ROOM",
     "HEADER_SLOTS",
     "Meta",
     "decode_header",
@@ -44,9 +33,6 @@ __all__ = [
     "encode_header",
     "encode_message",
     "encode_structure",
-    "pack",
-    "payload_bytes",
-    "unpack",
 ]
 
 HEADER_SLOTS = 64
@@ -110,8 +96,8 @@ def _build_header(
         fields += [_CODE[torch.uint8], 0, 1, blob]
     if len(fields) > HEADER_SLOTS:
         raise ValueError(
-            f"a stage boundary carries {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dims in all, "
-            f"more than a {HEADER_SLOTS}-slot header can describe; pass fewer tensors between stages"
+            f"a stage boundary carries {len(tensors)} tensors with {sum(t.dim() for t in tensors)} dims in "
+            f"all, more than a {HEADER_SLOTS}-slot header can describe; pass fewer tensors between stages"
         )
     header = torch.tensor(fields + [0] * (HEADER_SLOTS - len(fields)), dtype=torch.int64)
     return header if device.type == "cpu" else header.to(device)
@@ -196,95 +182,9 @@ def decode_message(meta: Meta, received: list[Tensor]) -> tuple[Meta, list[Tenso
     return replace(meta, structure=structure), received
 
 
-FIRST_ROOM = 64 * 1024
-"""Bytes a receiver takes a source's first payload into (its room grows with larger payloads)."""
-_ALIGN = 16  # every tensor starts at a multiple of 16 bytes: aligned for every dtype that travels
-_PLACEHOLDER = torch.zeros(_ALIGN, dtype=torch.uint8)  # the payload of a message over its room (or empty)
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def payload_bytes(meta: Meta) -> int:
-    """The bytes of the payload :func:`pack` makes of the tensors ``meta`` describes (each padded
-    to 16 bytes), kept per meta."""
-    key = (meta.specs, meta.blob)
-    total = _PAYLOADS.get(key)
-    if total is None:
-        total = sum(_padded(math.prod(shape) * dtype.itemsize) for shape, dtype in _specs(meta))
-        if len(_PAYLOADS) >= _KEPT:
-            _PAYLOADS.clear()
-        _PAYLOADS[key] = total
-    return total
-
-
-_PAYLOADS: dict[tuple[Any, ...], int] = {}
-
-
-def pack(tensors: Sequence[Tensor], room: int) -> tuple[Tensor, list[Tensor], int]:
-    """The tensors of a message (:func:`encode_message`, after its header) as what travels to a peer
-    that keeps ``room`` bytes for its payload: ``(payload, overflow, total)``.
-
-    ``total`` is the payload's size in bytes, each tensor padded to 16 (:func:`payload_bytes`).
-    Within ``room``, ``payload`` holds every tensor's bytes and ``overflow`` is empty: a single
-    tensor travels as it is (its own memory, no copy), several are copied into one uint8 buffer.
-    Larger, ``payload`` is a 16-byte placeholder that takes the receive posted for it, and the
-    tensors travel as ``overflow``, each a message of its own; both sides then keep ``max(room,
-    total)`` for the next payload. Empty (``total`` 0), the placeholder travels alone.
-    """
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    total = sum(_padded(n) for n in sizes)
-    if total > room:
-        return _PLACEHOLDER, list(tensors), total
-    if total == 0:  # nothing to send: the placeholder takes the receive posted for the payload
-        return _PLACEHOLDER, [], 0
-    if len(tensors) == 1:
-        return tensors[0].reshape(-1).view(torch.uint8), [], total
-    buffer = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
-    offset = 0
-    for t, n in zip(tensors, sizes):
-        buffer[offset : offset + n] = t.reshape(-1).view(torch.uint8)
-        offset += _padded(n)
-    return buffer, [], total
-
-
-def unpack(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
-    """The tensors of a payload (:func:`pack`, within its room) received into ``buffer``.
-
-    Each one is a tensor on ``buffer``'s memory, not a view of it: its own autograd version
-    counter, so an in-place change of one tensor of a message leaves the others' saved versions
-    alone. Copies instead with ``copy`` (a buffer much larger than its message is then not held)
-    and where the tensors' dtypes differ (``torch.save`` refuses one storage as several types).
-    """
-    specs = _specs(meta)
-    copy = copy or len({dtype for _, dtype in specs}) > 1
-    storage = buffer.untyped_storage()
-    tensors, offset = [], 0
-    start = buffer.storage_offset() * buffer.element_size()  # a frame's payload follows its header
-    for shape, dtype in specs:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if copy:
-            t = buffer[offset : offset + nbytes].view(dtype).view(shape).clone()
-        else:  # offsets are multiples of 16 bytes: whole elements of every dtype
-            strides = [math.prod(shape[k + 1 :]) for k in range(len(shape))]  # contiguous
-            t = torch.empty(0, dtype=dtype, device=buffer.device)
-            t.set_(storage, (start + offset) // dtype.itemsize, shape, strides)
-        tensors.append(t)
-        offset += _padded(nbytes)
-    return tensors
-
-
-def _specs(meta: Meta) -> list[tuple[tuple[int, ...], torch.dtype]]:
-    """(shape, dtype) of each tensor that travels for ``meta``, the structure's blob last."""
-    specs = [(shape, dtype) for shape, dtype, _ in meta.specs]
-    if meta.blob:
-        specs.append(((meta.blob,), torch.uint8))
-    return specs
-
-
 def encode_structure(structure: Structure) -> bytes:
-    """A :data:`~lightning_gpipe.engine.microbatch.TREE` structure as compact JSON: a restricted codec, no pickle.
+    """A :data:`~lightning_gpipe.engine.microbatch.TREE` structure as compact JSON: a restricted
+    codec, no pickle.
 
     Nodes are ``["t", ...]`` (tuple), ``["l", ...]`` (list), ``["d", [key, value], ...]`` (dict)
     and ``["o", ...]`` (OrderedDict); ``["T"]`` is a tensor's place; leaves and dict keys are
@@ -316,8 +216,9 @@ def _encode(node: Any, path: str) -> Any:
         for key in node:
             if type(key) not in CONSTANTS:
                 raise MicroBatchError(
-                    f"a value between stages has a dict key of type {type(key).__name__} at {path or 'its top'} "
-                    f"({key!r}); keys that travel between stages are str, int, float, bool or None"
+                    f"a value between stages has a dict key of type {type(key).__name__} at "
+                    f"{path or 'its top'} ({key!r}); keys that travel between stages are str, int, float, "
+                    "bool or None"
                 )
         items = ([k, _encode(v, f"{path}[{k!r}]")] for k, v in node.items())
         return ["d" if type(node) is dict else "o", *items]

@@ -174,7 +174,8 @@ class ByteTextDataModule(pl.LightningDataModule):
         for name, part in (("train", train), ("val", val)):
             if len(part) < self.seq_len + 1:
                 raise ValueError(
-                    f"{name} split shorter than one window ({name} bytes: {len(part)}, seq_len + 1: {self.seq_len + 1})"
+                    f"{name} split shorter than one window "
+                    f"({name} bytes: {len(part)}, seq_len + 1: {self.seq_len + 1})"
                 )
         self.train_data, self.val_data = train, val
 

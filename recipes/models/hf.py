@@ -1,9 +1,10 @@
 """Hugging Face ``transformers`` models built from a config (never downloaded), and back from a checkpoint.
 
 The recipes' ``HFLanguageModel`` and ``HFImageClassifier`` (:mod:`recipes.modules`) build the
-model with :func:`build_hf` and train the ``nn.Sequential`` that :mod:`lightning_gpipe.integrations.transformers`
-makes of it; :func:`hf_from_checkpoint` turns a checkpoint of such a job back into the
-``transformers`` model, ready for ``save_pretrained``. Needs the ``[models]`` extra.
+model with :func:`build_hf` and train the ``nn.Sequential`` that
+:mod:`lightning_gpipe.integrations.transformers` makes of it; :func:`hf_from_checkpoint` turns a
+checkpoint of such a job back into the ``transformers`` model, ready for ``save_pretrained``.
+Needs the ``[models]`` extra.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Every private Lightning/torch internal in ``lightning_gpipe._compat`` still exists and behaves as used.
+"""Every private torch and Lightning internal (``_compat``, ``_lightning``) exists and behaves as used.
 
 One test per entry: an upgrade that removes or changes one fails here, naming it.
 """
@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
-from lightning_gpipe import _compat
+from lightning_gpipe import _compat, _lightning
 
 
 def test_every_entry_has_a_test():
@@ -19,10 +19,11 @@ def test_every_entry_has_a_test():
         name.removeprefix("test_")
         for name, _ in inspect.getmembers(sys.modules[__name__], inspect.isfunction)
     }
-    assert set(_compat.__all__) <= tested, sorted(set(_compat.__all__) - tested)
+    entries = set(_compat.__all__) | set(_lightning.__all__)
+    assert entries <= tested, sorted(entries - tested)
 
 
-@pytest.mark.parametrize(("owner", "name"), _compat.OVERRIDDEN, ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize(("owner", "name"), _lightning.OVERRIDDEN, ids=lambda x: getattr(x, "__name__", x))
 def test_OVERRIDDEN(owner, name):
     if name == "_launcher":  # an instance attribute, set in Strategy.__init__
         owner = pl.strategies.DDPStrategy()
@@ -36,11 +37,11 @@ class _Tiny(pl.LightningModule):
         self.seen = {}
 
     def setup(self, stage):
-        self.seen["dataloader"] = _compat.train_dataloader(self.trainer)
-        self.seen["trainer"] = _compat.attached_trainer(self)
+        self.seen["dataloader"] = _lightning.train_dataloader(self.trainer)
+        self.seen["trainer"] = _lightning.attached_trainer(self)
 
     def training_step(self, batch, batch_idx):
-        self.seen.setdefault("accumulate", []).append(_compat.should_accumulate(self.trainer))
+        self.seen.setdefault("accumulate", []).append(_lightning.should_accumulate(self.trainer))
         return self.layers(batch).sum()
 
     def train_dataloader(self):
@@ -77,10 +78,10 @@ def test_set_sigterm_check(fitted):
     loop = trainer.fit_loop.epoch_loop
     assert callable(type(loop)._broadcast_sigterm_tensor)  # what the check stands in for
     calls = []
-    _compat.set_sigterm_check(trainer, lambda: calls.append(1))
+    _lightning.set_sigterm_check(trainer, lambda: calls.append(1))
     loop._broadcast_sigterm_tensor()
     assert calls == [1]
-    _compat.set_sigterm_check(trainer, None)
+    _lightning.set_sigterm_check(trainer, None)
     assert "_broadcast_sigterm_tensor" not in vars(loop)
 
 
@@ -88,51 +89,51 @@ def test_sigterm_exception(fitted):
     _, trainer = fitted
     from pytorch_lightning.utilities.exceptions import SIGTERMException
 
-    assert _compat.sigterm_exception(trainer) is SIGTERMException
+    assert _lightning.sigterm_exception(trainer) is SIGTERMException
 
 
 def test_attached_trainer(fitted):
     model, trainer = fitted
     assert model.seen["trainer"] is trainer
-    assert _compat.attached_trainer(_Tiny()) is None
+    assert _lightning.attached_trainer(_Tiny()) is None
 
 
 def test_layer_sync():
-    assert _compat.layer_sync(pl.strategies.DDPStrategy()) is None
+    assert _lightning.layer_sync(pl.strategies.DDPStrategy()) is None
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", sync_batchnorm=True, logger=False)
-    assert _compat.layer_sync(trainer.strategy) is not None
+    assert _lightning.layer_sync(trainer.strategy) is not None
 
 
 def test_unwrap_optimizer():
     optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
-    assert _compat.unwrap_optimizer(pl.core.optimizer.LightningOptimizer(optimizer)) is optimizer
-    assert _compat.unwrap_optimizer(optimizer) is optimizer
+    assert _lightning.unwrap_optimizer(pl.core.optimizer.LightningOptimizer(optimizer)) is optimizer
+    assert _lightning.unwrap_optimizer(optimizer) is optimizer
 
 
 def test_StrategyRegistry():
-    assert isinstance(pl.strategies.StrategyRegistry, _compat.StrategyRegistry)
+    assert isinstance(pl.strategies.StrategyRegistry, _lightning.StrategyRegistry)
 
 
 def test_SubprocessScriptLauncher():
-    assert {"launch", "procs"} <= set(dir(_compat.SubprocessScriptLauncher)) | {"procs"}
-    assert "cluster_environment" in inspect.signature(_compat.SubprocessScriptLauncher).parameters
+    assert {"launch", "procs"} <= set(dir(_lightning.SubprocessScriptLauncher)) | {"procs"}
+    assert "cluster_environment" in inspect.signature(_lightning.SubprocessScriptLauncher).parameters
 
 
 def test_distributed_is_initialized():
-    assert _compat.distributed_is_initialized() is False
+    assert _lightning.distributed_is_initialized() is False
 
 
 def test_default_process_group_backend():
-    assert _compat.default_process_group_backend(torch.device("cpu")) == "gloo"
+    assert _lightning.default_process_group_backend(torch.device("cpu")) == "gloo"
 
 
 def test_init_dist_connection():
-    parameters = inspect.signature(_compat.init_dist_connection).parameters
+    parameters = inspect.signature(_lightning.init_dist_connection).parameters
     assert list(parameters)[:2] == ["cluster_environment", "torch_distributed_backend"]
 
 
 def test_sync_ddp():
-    assert {"result", "group", "reduce_op"} <= set(inspect.signature(_compat.sync_ddp).parameters)
+    assert {"result", "group", "reduce_op"} <= set(inspect.signature(_lightning.sync_ddp).parameters)
 
 
 def test_optimizer_to_device():
@@ -140,13 +141,13 @@ def test_optimizer_to_device():
     optimizer = torch.optim.Adam(layer.parameters())
     layer(torch.ones(1, 1)).sum().backward()
     optimizer.step()
-    _compat.optimizer_to_device(optimizer, torch.device("cpu"))
+    _lightning.optimizer_to_device(optimizer, torch.device("cpu"))
     assert all(v.device.type == "cpu" for s in optimizer.state.values() for v in s.values())
 
 
 def test_optimizers_to_device():
     optimizer = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
-    _compat.optimizers_to_device([optimizer], torch.device("cpu"))
+    _lightning.optimizers_to_device([optimizer], torch.device("cpu"))
 
 
 def test_BatchNormBase():
@@ -214,18 +215,18 @@ def test_scaler_optimizer_state():
 
 def test_running_loop_data(fitted):
     model, trainer = fitted
-    step, loader = _compat.running_loop_data(trainer)  # the last loop the trainer ran: fit
+    step, loader = _lightning.running_loop_data(trainer)  # the last loop the trainer ran: fit
     assert step == "training_step" and isinstance(loader, torch.utils.data.DataLoader)
 
 
 def test_IS_INTERACTIVE():
-    assert _compat.IS_INTERACTIVE is False  # pytest is not an interactive session
+    assert _lightning.IS_INTERACTIVE is False  # pytest is not an interactive session
 
 
 def test_MultiProcessingLauncher():
-    params = inspect.signature(_compat.MultiProcessingLauncher).parameters
+    params = inspect.signature(_lightning.MultiProcessingLauncher).parameters
     assert {"strategy", "start_method"} <= set(params)
-    assert hasattr(_compat.MultiProcessingLauncher, "is_interactive_compatible")
+    assert hasattr(_lightning.MultiProcessingLauncher, "is_interactive_compatible")
 
 
 def test_OptimizedModule():
@@ -246,13 +247,13 @@ def test_compile_like():
 def test_example_input_slot():
     model = _Tiny()
     model.example_input_array = torch.ones(1, 2)
-    assert torch.equal(_compat.example_input_slot(model), torch.ones(1, 2))
+    assert torch.equal(_lightning.example_input_slot(model), torch.ones(1, 2))
 
 
 def test_set_example_input_slot():
     model = _Tiny()
     model.example_input_array = torch.ones(1, 2)
-    _compat.set_example_input_slot(model, None)
+    _lightning.set_example_input_slot(model, None)
     assert model.example_input_array is None
 
 
@@ -260,7 +261,7 @@ def test_throughputs():
     from pytorch_lightning.callbacks import ThroughputMonitor
 
     monitor = ThroughputMonitor(batch_size_fn=len)
-    assert _compat.throughputs(monitor) == []  # filled in setup, one per running stage
+    assert _lightning.throughputs(monitor) == []  # filled in setup, one per running stage
 
 
 def test_checkpoint_offset(tmp_path):
@@ -282,13 +283,13 @@ class _Hparams(pl.LightningModule):
 def test_load_module_state():
     saved = _Hparams(width=3)
     checkpoint = {"state_dict": saved.state_dict(), "hyper_parameters": {"width": 3}}
-    model = _compat.load_module_state(_Hparams, checkpoint, strict=True)
+    model = _lightning.load_module_state(_Hparams, checkpoint, strict=True)
     assert model.layer.in_features == 3 and torch.equal(model.layer.weight, saved.layer.weight)
 
 
 def test_migrate_checkpoint():
     checkpoint = {"state_dict": {}, "pytorch-lightning_version": pl.__version__}
-    assert _compat.migrate_checkpoint(checkpoint, None)["state_dict"] == {}
+    assert _lightning.migrate_checkpoint(checkpoint, None)["state_dict"] == {}
 
 
 def test_tree_flatten():
@@ -324,3 +325,20 @@ def test_unrecorded():
         torch.ones(3).mul(2)
     names = {e.name for e in prof.events()}
     assert "aten::mul" in names and "aten::add" not in names
+
+
+def test_TorchDispatchMode():
+    seen = []
+
+    class Ops(_compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        torch.ones(2) + 1
+    assert any("add" in name for name in seen)
+
+
+def test_tree_leaves():
+    assert _compat.tree_leaves({"a": [1, torch.ones(1)], "b": (None,)})[:1] == [1]

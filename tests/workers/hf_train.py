@@ -1,8 +1,10 @@
-"""Worker: train a tests.hf_models module (causal LM or image classifier) under GPipeStrategy for each run in a JSON spec.
+"""Worker: train a tests.hf_models module (causal LM or image classifier) under GPipeStrategy for
+each run in a JSON spec.
 
 Usage: python tests/workers/hf_train.py SPEC.json. Spec keys: devices, out, runs (``family``,
-``steps`` (default 5) and GPipeStrategy kwargs). Every rank writes ``run{k}_rank{r}.pt`` (losses, parameters after every
-step); rank 0 also writes the trained ``state_dict`` and the saved checkpoint ``run{k}.ckpt``.
+``steps`` (default 5) and GPipeStrategy kwargs). Every rank writes ``run{k}_rank{r}.pt`` (losses,
+parameters after every step); rank 0 also writes the trained ``state_dict`` and the saved checkpoint
+``run{k}.ckpt``.
 """
 
 import json

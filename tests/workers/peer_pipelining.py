@@ -1,7 +1,8 @@
 """Worker: one training step of tests.models.Net("mlp") under torch.distributed.pipelining's
 ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or ScheduleInterleavedZeroBubble.
 
-Usage (one process per stage, RANK/WORLD_SIZE set): python tests/workers/peer_pipelining.py OUT CHUNKS BATCH [SCHEDULE ...]
+Usage (one process per stage, RANK/WORLD_SIZE set):
+python tests/workers/peer_pipelining.py OUT CHUNKS BATCH [SCHEDULE ...]
 SCHEDULE: ``gpipe`` (ScheduleGPipe, the default), ``1f1b`` (Schedule1F1B) or ``interleaved_1f1b``
 (ScheduleInterleaved1F1B with two virtual stages: rank p holds the peer's stages p and p+K of K·2)
 or ``zb_h1`` (ScheduleInterleavedZeroBubble with one stage per rank: ZB-H1);

@@ -6,7 +6,8 @@ each M under fill-drain (one call per step, as under ``schedule="gpipe"``), unde
 ZB-H1 with ``checkpoint="never"`` (one call per micro-batch, each micro-batch's loss backpropagated
 right after its call, as under ``schedule="1f1b"``), with a recorder in place of the timeline, and
 writes ``OUT/rank<r>.json``: for each ``"<schedule>:<M>"``, the stage index and the ``F``/``B``/``W``
-actions the stage executed, in order (``W i``: a weight-gradient pass, :mod:`lightning_gpipe.engine.backward_split`).
+actions the stage executed, in order (``W i``: a weight-gradient pass,
+:mod:`lightning_gpipe.engine.backward_split`).
 """
 
 import itertools
@@ -22,7 +23,7 @@ from torch import nn
 
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.microbatch import sizes
-from lightning_gpipe.engine.stage import build_stage
+from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import one_f_one_b, zb_h1
 from lightning_gpipe.transport.layout import Layout
 

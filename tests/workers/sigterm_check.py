@@ -1,4 +1,4 @@
-"""Worker: :class:`lightning_gpipe.transport.arrival.SigtermCheck` on two Gloo ranks (torchrun-style env).
+"""Worker: :class:`lightning_gpipe.strategy.signals.SigtermCheck` on two Gloo ranks (torchrun-style env).
 
 Usage: python tests/workers/sigterm_check.py OUT
 Each rank calls the check once per 100 ms "step" (as the training epoch loop would) until it
@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from lightning_gpipe.transport.arrival import SigtermCheck
+from lightning_gpipe.strategy.signals import SigtermCheck
 
 
 class Stop(SystemExit):

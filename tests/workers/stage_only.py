@@ -2,8 +2,8 @@
 
 Usage: python tests/workers/stage_only.py SPEC.json
 
-Spec keys: out, kind, size (transformer sizes), seed, batch, steps, lr, optimizer ("adam" or "sgd"), record ("tensors" or
-"stats": what each rank records of its stage's trained state).
+Spec keys: out, kind, size (transformer sizes), seed, batch, steps, lr, optimizer ("adam" or "sgd"),
+record ("tensors" or "stats": what each rank records of its stage's trained state).
 
 - ``reference`` (one process, plain one-device Trainer): builds the whole model eagerly and
   records how much that raised the peak RSS (``whole_mb``); then either initializes it as the
@@ -19,9 +19,9 @@ Spec keys: out, kind, size (transformer sizes), seed, batch, steps, lr, optimize
 
 Each process writes ``{name}_rank{r}.pt``: its stage's state at ``on_fit_start`` (``init``), at the
 end of training (``final``), its losses, which of the whole Sequential's layers hold real tensors
-after setup (``real_layers``, of those with parameters), and peak RSS growth in MB since just before the model was built:
-after setup (``setup_mb``, at ``on_fit_start``) and after the weights were loaded
-(``load_mb``, at the callbacks' ``on_load_checkpoint``). Peak RSS is the kernel's ``VmHWM``,
+after setup (``real_layers``, of those with parameters), and peak RSS growth in MB since just before
+the model was built: after setup (``setup_mb``, at ``on_fit_start``) and after the weights were
+loaded (``load_mb``, at the callbacks' ``on_load_checkpoint``). Peak RSS is the kernel's ``VmHWM``,
 reset (``/proc/self/clear_refs``) just before the build; ``psutil`` gives the current RSS.
 """
 
@@ -65,7 +65,8 @@ def peak() -> float:
 
 
 def stage_state(module, how):
-    """This stage's tensors (copies), or ``"stats"``: their sum and norm (one tensor at a time, no copy kept)."""
+    """This stage's tensors (copies), or ``"stats"``: their sum and norm (one tensor at a time, no
+    copy kept)."""
     state = {k: v for k, v in module.state_dict().items() if not v.is_meta}
     if how == "stats":
         return {k: (v.double().sum().item(), v.double().norm().item()) for k, v in state.items()}

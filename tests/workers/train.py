@@ -8,24 +8,26 @@ norms, sample indices, callback metrics, best checkpoint path, stop epoch); rank
 stage) also writes the full trained state.
 
 A run may carry, for that run only: "net" (Net kwargs), "trainer" (Trainer kwargs), "features"
-(tests.models.feature_callbacks names; a "stop_probe"'s records come back as "stop_probe"), "record_logs" (a Recorder logger), "example_input"
-(example_input_array set), "predict_only" (no fit: predict on ``predict_samples`` samples),
-"validate" (trainer.validate after fit), "fit" (false: no fit), "profiler" ("simple",
-"advanced" or "pytorch": reports in ``out/profiles``).
-Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs (GPipeStrategy kwargs per run; "{k}" in save/resume paths is the run index), steps, batch, seed, lr, samples,
-net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples,
-callbacks ({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}),
-save (checkpoint file to write after fit; "{k}" is the run's index), save_at_train_end (written inside fit, "{k}" as in save, while the
-model is partitioned), atomic_check (then a failing save to the same path), fit (false: skip
-the first fit), exit_check (write exit_rank{r}.json: process group and threads left
-at exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict after fit),
-shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" | "barrier" | "broadcast" | "agree", "sigterm_after": seconds, "signal":
-"SIGTERM" (default) | "SIGINT"}: only global rank 0 calls it, after writing the file "blocked" (and arranging that
-signal to itself)), record_start_state (rank 0 records the full state as training starts; every rank
-also records, just before fit, its module's state as "init_state" and its torch CPU generator state as
-"init_rng"). seed: the seed_everything seed (default 0); None: an unseeded script, no seed_everything
-(PL_GLOBAL_SEED removed): each process draws its torch, random and numpy generators from OS entropy,
-so every process initializes different weights and holds a different random state.
+(tests.models.feature_callbacks names; a "stop_probe"'s records come back as "stop_probe"),
+"record_logs" (a Recorder logger), "example_input" (example_input_array set), "predict_only" (no
+fit: predict on ``predict_samples`` samples), "validate" (trainer.validate after fit), "fit" (false:
+no fit), "profiler" ("simple", "advanced" or "pytorch": reports in ``out/profiles``).
+Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs
+(GPipeStrategy kwargs per run; "{k}" in save/resume paths is the run index), steps, batch, seed, lr,
+samples, net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples, callbacks
+({"checkpoint": ModelCheckpoint kwargs, "early_stopping": EarlyStopping kwargs}), save (checkpoint
+file to write after fit; "{k}" is the run's index), save_at_train_end (written inside fit, "{k}" as
+in save, while the model is partitioned), atomic_check (then a failing save to the same path), fit
+(false: skip the first fit), exit_check (write exit_rank{r}.json: process group and threads left at
+exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), predict (trainer.predict
+after fit), shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" |
+"barrier" | "broadcast" | "agree", "sigterm_after": seconds, "signal": "SIGTERM" (default) |
+"SIGINT"}: only global rank 0 calls it, after writing the file "blocked" (and arranging that signal
+to itself)), record_start_state (rank 0 records the full state as training starts; every rank also
+records, just before fit, its module's state as "init_state" and its torch CPU generator state as
+"init_rng"). seed: the seed_everything seed (default 0); None: an unseeded script, no
+seed_everything (PL_GLOBAL_SEED removed): each process draws its torch, random and numpy generators
+from OS entropy, so every process initializes different weights and holds a different random state.
 """
 
 import atexit

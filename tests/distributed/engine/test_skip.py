@@ -23,7 +23,8 @@ def test_skip_from_stage_0_to_stage_2_bypasses_stage_1(gpipe_job):
 
 @pytest.mark.timeout(300)
 def test_skip_to_the_next_stage_arrives_as_the_skip_not_as_the_activation(gpipe_job):
-    """2 stages, [3, 3]: stage 0 sends stage 1 both its output and the skip, same shape (n, 8); not swapped."""
+    """2 stages, [3, 3]: stage 0 sends stage 1 both its output and the skip, same shape (n, 8); not
+    swapped."""
     reference = train_single_device("unet", 0, steps=2, record_grads=True)
     results, grads = gpipe_job("unet", 2, [{"chunks": 3, "balance": [3, 3]}], steps=2, record_grads=True)
     for rank_grads in grads[0]:

@@ -1,5 +1,6 @@
-"""transformers models through lightning_gpipe.integrations.transformers: same outputs, shared parameters, checkpoints map back,
-and pipelined training equal to one device (tied GPT-2 embedding and head included).
+"""transformers models through lightning_gpipe.integrations.transformers: same outputs, shared
+parameters, checkpoints map back, and pipelined training equal to one device (tied GPT-2 embedding
+and head included).
 
 Needs the ``[models]`` extra (transformers). Multi-process jobs run under hard timeouts (tests/_harness.py).
 """
@@ -66,7 +67,8 @@ def _check_pipelined(tmp_path, stages):
 
 @pytest.mark.timeout(900)
 def test_gpt2_and_llama_over_two_stages_train_like_one_device(tmp_path):
-    """Tiny GPT-2 (tied) and Llama × chunks {1, 4} × checkpoint {except_last, always}: 5 SGD steps within 1e-5."""
+    """Tiny GPT-2 (tied) and Llama × chunks {1, 4} × checkpoint {except_last, always}: 5 SGD steps
+    within 1e-5."""
     _check_pipelined(tmp_path, 2)
 
 
@@ -99,11 +101,12 @@ def test_resnet_and_vit_over_two_stages_train_like_one_device(tmp_path):
     and every BatchNorm's running statistics, the same step written out on one device without the library
     (``tests.hf_models.micro_batch_reference``): micro-batches as ``torch.tensor_split`` makes them (the
     pipeline's own split, ``lightning_gpipe.engine.microbatch.sizes``), losses weighted by n_i / N, gradients
-    accumulated, one SGD step, and each BatchNorm's running statistics updated once from the inputs it received
-    over all micro-batches (what a deferred BatchNorm accumulates and commits). Only for the first BatchNorm are
-    those inputs the full batch's (the embedder's convolution runs per sample), so its running statistics also
-    equal those of one device on the full batch; later BatchNorms see activations normalised per micro-batch
-    upstream, and their running statistics differ from the full-batch ones (by about 5e-3 here).
+    accumulated, one SGD step, and each BatchNorm's running statistics updated once from the inputs
+    it received over all micro-batches (what a deferred BatchNorm accumulates and commits). Only for
+    the first BatchNorm are those inputs the full batch's (the embedder's convolution runs per
+    sample), so its running statistics also equal those of one device on the full batch; later
+    BatchNorms see activations normalised per micro-batch upstream, and their running statistics
+    differ from the full-batch ones (by about 5e-3 here).
     """
     results = _run(tmp_path, 2, IMAGE_RUNS)
     for run, ranks in zip(IMAGE_RUNS[:2], results[:2]):

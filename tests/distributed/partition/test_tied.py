@@ -19,7 +19,8 @@ CLIP = {
     "stages", [pytest.param(2, marks=pytest.mark.slow), 3]
 )  # 3 stages: a stage between the ties
 def test_tied_embedding_and_head_train_like_one_device(gpipe_job, tmp_path, stages):
-    """Losses and parameters within 1e-5 of one device, with norm clipping; the copies bitwise equal every step."""
+    """Losses and parameters within 1e-5 of one device, with norm clipping; the copies bitwise equal
+    every step."""
     reference = train_single_device("tied", seed=0, steps=5, batch=10, trainer_extra=CLIP)
     runs = [{"chunks": 4, "checkpoint": "except_last"}, {"chunks": 1, "checkpoint": "always"}]
     results, _ = gpipe_job(
@@ -43,9 +44,10 @@ def test_tied_embedding_and_head_train_like_one_device(gpipe_job, tmp_path, stag
 
 @pytest.mark.timeout(400)
 def test_tied_checkpoint_holds_one_optimizer_state_and_resumes_like_one_device(gpipe_job, tmp_path):
-    """Save after 2 steps over 3 stages (inside fit and after): the optimizer state lists the tied weight once,
-    where one device does;
-    resuming to step 5 (its copy on the last stage takes the owner's state) equals the same resume on one device."""
+    """Save after 2 steps over 3 stages (inside fit and after): the optimizer state lists the tied
+    weight once, where one device does;
+    resuming to step 5 (its copy on the last stage takes the owner's state) equals the same resume on
+    one device."""
     results, _ = gpipe_job(
         "tied", 3, [{"chunks": 3}], steps=2, save="two.ckpt", save_at_train_end="inside.ckpt",
         resume={"ckpt": str(tmp_path / "two.ckpt"), "steps": 5}, trainer={"max_epochs": 3},

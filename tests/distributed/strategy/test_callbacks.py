@@ -1,4 +1,5 @@
-"""Lightning callbacks and hooks that see the model: the same values as one device under the gpipe strategy."""
+"""Lightning callbacks and hooks that see the model: the same values as one device under the gpipe
+strategy."""
 
 import pytest
 import torch
@@ -135,8 +136,9 @@ def test_simple_advanced_and_pytorch_profilers_report_every_rank(gpipe_job, tmp_
 @pytest.mark.timeout(400)
 def test_pruning_lr_monitor_and_accumulation_scheduler_two_stages(gpipe_job, tmp_path):
     """2 stages, one job:
-    - ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=False), 2 epochs, made permanent: the pruned weights equal
-      one device's (the callback listed every stage's layers in setup, before the cut);
+    - ModelPruning("l1_unstructured", amount=0.3, use_global_unstructured=False), 2 epochs, made
+      permanent: the pruned weights equal one device's (the callback listed every stage's layers in
+      setup, before the cut);
       a checkpoint saved at the last epoch's end holds them under their plain names;
     - the same not made permanent, with the lottery ticket: weight_orig and weight_mask equal one device's;
     - LearningRateMonitor with ReduceLROnPlateau stepping on the last stage's loss: every rank logs

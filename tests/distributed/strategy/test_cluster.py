@@ -108,7 +108,8 @@ def test_torchrun_one_node_writes_one_directory_and_says_when_no_validation_ran(
     ]
 
 
-@pytest.mark.slow  # about 15 s; the one-node torchrun and Slurm tests cover the cluster path in the default suite
+# about 15 s; the one-node torchrun and Slurm tests cover the cluster path in the default suite
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_torchrun_two_nodes_on_localhost_write_one_directory(tmp_path):
     """Two torchrun agents (--nnodes=2, c10d rendezvous), one rank each, trainer.num_nodes=2."""

@@ -1,4 +1,5 @@
-"""torch.compile of the pipelined Sequential: each stage is compiled, losses equal the compiled model on one device."""
+"""torch.compile of the pipelined Sequential: each stage is compiled, losses equal the compiled
+model on one device."""
 
 import json
 

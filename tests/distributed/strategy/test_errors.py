@@ -26,7 +26,8 @@ def test_calling_pipeline_twice_in_a_step_fails_fast(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("how", ["-c", pytest.param("stdin", marks=pytest.mark.slow)])  # one check, 8 s each
 def test_python_c_and_stdin_scripts_get_a_clear_error(how):
-    """``python -c "..."`` and ``python - < script.py`` cannot be re-run for the other ranks: clear error, fast."""
+    """``python -c "..."`` and ``python - < script.py`` cannot be re-run for the other ranks: clear
+    error, fast."""
     import subprocess
     import sys
 
@@ -35,7 +36,8 @@ def test_python_c_and_stdin_scripts_get_a_clear_error(how):
     code = (
         "import pytorch_lightning as pl, lightning_gpipe\n"
         "from tests.models import Net, make_data, trainer_kwargs\n"
-        "pl.Trainer(strategy='gpipe', devices=2, **trainer_kwargs(1)).fit(Net('mlp'), make_data('mlp', 10, 1))\n"
+        "pl.Trainer(strategy='gpipe', devices=2, **trainer_kwargs(1))"
+        ".fit(Net('mlp'), make_data('mlp', 10, 1))\n"
     )
     args = [sys.executable, "-c", code] if how == "-c" else [sys.executable, "-"]
     proc = subprocess.run(

@@ -103,7 +103,8 @@ def test_checkpoint_and_early_stopping_agree_on_every_rank(gpipe_job, tmp_path, 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("norm_type", [2.0, pytest.param(math.inf, marks=pytest.mark.slow)])  # inf: slow set
 def test_gradient_clipping_uses_the_global_norm(gpipe_job, norm_type):
-    """Clip 0.1 by the 2- or inf-norm over all three stages: same clipped gradients and total norm as one device."""
+    """Clip 0.1 by the 2- or inf-norm over all three stages: same clipped gradients and total norm
+    as one device."""
     reference = train_single_device(
         "mlp", 0, steps=3, trainer_extra={"gradient_clip_val": 0.1}, ref_clip_norm_type=norm_type
     )
@@ -224,7 +225,8 @@ def test_bf16_mixed_on_cpu_trains_close_to_one_device(gpipe_job):
         assert len(logged) == 5 and max(abs(a - b) for a, b in zip(logged, reference.losses)) <= 2e-2
 
 
-@pytest.mark.slow  # about 20 s; test_callbacks.py checks predictions on every rank against one device in the default suite
+# about 20 s; test_callbacks.py checks predictions on every rank against one device in the default suite
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_predict_returns_last_stage_outputs_in_order(gpipe_job):
     reference, trainer = train_single_device("mlp", 0, steps=3, return_trainer=True)
@@ -240,10 +242,13 @@ def test_predict_returns_last_stage_outputs_in_order(gpipe_job):
         assert torch.allclose(ours, ref, atol=1e-5)
 
 
-@pytest.mark.slow  # about 35 s: three processes then two; tests/unit/state/test_sharded.py covers the sharded format in the default suite
+# about 35 s: three processes then two; tests/unit/state/test_sharded.py covers the sharded
+# format in the default suite
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sharded_checkpoint_saved_by_3_stages_resumes_on_2(gpipe_job, tmp_path):
-    """checkpoint_format="sharded": each of 3 stages writes its shard; 2 stages resume and match one device."""
+    """checkpoint_format="sharded": each of 3 stages writes its shard; 2 stages resume and match one
+    device."""
     path = tmp_path / "sharded"
     saved, _ = gpipe_job(
         "mlp",
@@ -326,7 +331,9 @@ def test_several_optimizers_fail_with_a_clear_error(tmp_path):
     assert "multiple optimizers" in out or "supports a single optimizer" in out
 
 
-@pytest.mark.slow  # about 20 s; clipping by value is elementwise within a stage, and the clipping hook runs in the default suite's global-norm test
+# about 20 s; clipping by value is elementwise within a stage, and the clipping hook runs in the
+# default suite's global-norm test
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gradient_clipping_by_value_matches_one_device(gpipe_job):
     extra = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"}
@@ -342,7 +349,8 @@ def test_gradient_clipping_by_value_matches_one_device(gpipe_job):
 @pytest.mark.slow  # about 20 s; the plain-module resume test covers resuming in the default suite
 @pytest.mark.timeout(300)
 def test_resume_at_epoch_boundary_equals_uninterrupted_run(gpipe_job, tmp_path):
-    """Save after epoch 1 (5 steps, 3 stages), resume for epoch 2: the same as 2 uninterrupted epochs on one device."""
+    """Save after epoch 1 (5 steps, 3 stages), resume for epoch 2: the same as 2 uninterrupted
+    epochs on one device."""
     results, _ = gpipe_job(
         "mlp",
         3,

@@ -1,4 +1,5 @@
-"""strategy="gpipe_notebook" in a real Jupyter kernel (nbclient): forked ranks, trained weights back in the notebook."""
+"""strategy="gpipe_notebook" in a real Jupyter kernel (nbclient): forked ranks, trained weights back
+in the notebook."""
 
 import nbformat
 import pytest

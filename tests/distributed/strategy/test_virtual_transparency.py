@@ -1,4 +1,8 @@
-"""Interleaved 1F1B with virtual stages trains exactly like the plain module on one device.
+"""Interleaved 1F1B with virtual stages trains exactly like the plain module on one device, under the
+strategy.
+
+The mathematics (K = 2 and 3, every M of the grid and checkpoint mode) is checked in one process:
+tests/test_transparency_grid.py and tests/test_virtual_stage.py.
 
 Every multi-process job runs under a hard timeout (tests/_harness.py kills the whole process group).
 """
@@ -53,7 +57,7 @@ def test_interleaved_1f1b_with_two_virtual_stages_matches_single_device(gpipe_jo
         assert param_diff <= 1e-5, f"{where}: parameters differ by {param_diff}"
 
 
-@pytest.mark.slow  # about 30 s: three jobs; tests/unit/partition/test_virtual_cut.py checks every layout in one process
+@pytest.mark.slow  # about 30 s: three jobs; tests/test_virtual_partition.py checks every layout in-process
 @pytest.mark.timeout(400)
 def test_checkpoint_saved_with_virtual_stages_loads_into_the_plain_module_and_another_layout(
     gpipe_job, tmp_path
@@ -99,27 +103,3 @@ def test_checkpoint_saved_with_virtual_stages_loads_into_the_plain_module_and_an
         "mlp", 0, steps=5, ckpt_path=str(tmp_path / "virtual.ckpt"), trainer_extra={"max_epochs": 3}
     )
     assert max_diff(cross.state_dict(), resumed.state_dict()) <= 1e-5
-
-
-@pytest.mark.slow  # about 40 s: three processes; the K = 2 test above keeps interleaving in the default suite
-@pytest.mark.timeout(400)
-def test_interleaved_1f1b_over_three_stages_matches_single_device(gpipe_job):
-    """K=3, v=2: the 6-layer LayerNorm MLP in 6 parts of one layer (rank p holds layers p and p+3),
-    M=4 over batch 10 (parts 3, 3, 2, 2), 5 SGD+momentum steps: the losses of the calls combined by
-    size and the final parameters equal one device's within 1e-5, under two checkpoint modes."""
-    runs = [(4, "except_last"), (4, "always")]
-    specs = [
-        {"chunks": m, "checkpoint": c, "schedule": "interleaved_1f1b", "virtual_stages": 2} for m, c in runs
-    ]
-    results, _ = gpipe_job("ln", 3, specs, steps=5, batch=10)
-    reference = train_single_device("ln", seed=0, steps=5, batch=10)
-    assert "gpipe: 3 stages × 2 virtual stages over 6 layers" in results[0]["output"]
-    for (m, c), result in zip(runs, results):
-        where = f"K=3 v=2 M={m} checkpoint={c}"
-        parts = sizes(10, m)
-        calls = result["losses"]
-        assert len(calls) == 5 * len(parts), where
-        combined = [sum(n * calls[s * len(parts) + i] for i, n in enumerate(parts)) / 10 for s in range(5)]
-        assert max(abs(a - b) for a, b in zip(combined, reference.losses)) <= 1e-5, where
-        param_diff = max_diff(result["state"], reference.state_dict())
-        assert param_diff <= 1e-5, f"{where}: parameters differ by {param_diff}"

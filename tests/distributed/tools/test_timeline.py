@@ -14,7 +14,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.mark.timeout(120)
 def test_strategy_logs_bubble_and_writes_trace_and_gantt(tmp_path):
-    """GPipeStrategy(timeline=True), 2 stages, 4 steps: pipeline/bubble per step in the CSV log, trace, PNG."""
+    """GPipeStrategy(timeline=True), 2 stages, 4 steps: pipeline/bubble per step in the CSV log, trace,
+    PNG."""
     check(run_script("tests/workers/timeline_fit.py", str(tmp_path), "4", timeout=100))
     (metrics,) = tmp_path.glob("csv/**/metrics.csv")
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("pipeline/bubble")]

@@ -1,5 +1,6 @@
 """A collective reached by only some ranks fails within collective_timeout on every rank, naming the
-operation and the missing ranks; SIGTERM and SIGINT end every rank within seconds even while one is blocked."""
+operation and the missing ranks; SIGTERM and SIGINT end every rank within seconds even while one is
+blocked."""
 
 import json
 import time

@@ -59,7 +59,8 @@ def test_rank_failure_exits_all_ranks(tmp_path, where, layer, stage, rank):
         assert out.index(f"injected failure in {where}") < out.index("stopped because another rank")
 
 
-@pytest.mark.slow  # about 50 s; a rank's failure ending every rank is checked by test_rank_failure_exits_all_ranks
+# about 50 s; a rank's failure ending every rank is checked by test_rank_failure_exits_all_ranks
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_failure_while_the_next_messages_are_still_being_received_exits_without_abort(tmp_path):
     """Stage 1 raises on micro-batch 0 of step 2 while the slow stage 0 still has 3 micro-batches to
@@ -75,15 +76,17 @@ def test_failure_while_the_next_messages_are_still_being_received_exits_without_
     assert "terminate called" not in out and "Fatal Python error" not in out, out[-3000:]
 
 
-@pytest.mark.slow  # about 25 s; the message is checked in process (test_executor.py) and a rank's failure ending every rank by the launcher-rank case
+# about 25 s; the message is checked in process (test_executor.py) and a rank's failure ending every
+# rank by the launcher-rank case
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_wrong_shape_between_stages_is_named(tmp_path):
     rc, out, seconds = _run_failing_job(tmp_path, wrong_shape=True)
     assert rc != 0 and seconds < BOUND_S
     first = _first_error_line(out)
     assert (
-        "stage 2 (layers 4..4) failed in forward of micro-batch 0 on input from stage 1 of shape [(3, 17) float32]"
-        in first
+        "stage 2 (layers 4..4) failed in forward of micro-batch 0 on input from stage 1 "
+        "of shape [(3, 17) float32]" in first
     )
     assert "its first layer (Linear) expects (*, 16)" in first
 

@@ -104,7 +104,7 @@ def test_solve_is_fast_for_hundreds_of_layers():
 
 @pytest.mark.parametrize("partitions", [0, -1])
 def test_solve_rejects_fewer_than_one_partition(partitions):
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
         solve([1.0, 2.0], partitions)
 
 
@@ -133,7 +133,7 @@ def test_uniform_balance_puts_larger_stages_first():
     assert uniform_balance(3, 3) == [1, 1, 1]
     with pytest.raises(ValueError, match="stages: 4, layers: 3"):
         uniform_balance(3, 4)
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="must be an integer >= 1"):
         uniform_balance(3, 0)
 
 

@@ -10,7 +10,8 @@ from torch import nn
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine import backward_split as input_first
 from lightning_gpipe.schedule import fill_drain, stage_actions
-from tests.fakes import Recorder, _step
+from tests.fakes import Recorder
+from tests.test_executor import _step
 
 
 class _Net(nn.Module):
@@ -91,7 +92,7 @@ class _Spans(Recorder):
 
 @pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
 def test_only_the_drains_last_backward_sends_before_its_weights_and_the_step_equals_one_device(checkpoint):
-    """Fill-drain over 3 stages, M = 3 (1F1B and interleaved: tests/distributed/strategy/test_transparency.py and the peer
+    """Fill-drain over 3 stages, M = 3 (1F1B and interleaved: tests/test_transparency.py and the peer
     check): on stages 1 and 2 the column's last backward records its backward, its send, then its
     weights (unless its forward is recomputed: B0 under except_last); no other backward does, nor
     stage 0 (it sends no gradient). The gradients equal the unpartitioned model's."""

@@ -1,4 +1,5 @@
-"""DeferredBatchNorm: micro-batches normalised on their own, running statistics as for the whole mini-batch."""
+"""DeferredBatchNorm: micro-batches normalised on their own, running statistics as for the whole
+mini-batch."""
 
 import copy
 from contextlib import nullcontext

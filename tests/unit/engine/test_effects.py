@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.engine.effects import ForwardState, recomputing
+from lightning_gpipe.engine.recompute import ForwardState, recomputing
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.transport.layout import StageTopology
 from lightning_gpipe.transport.p2p import P2P
@@ -22,7 +22,8 @@ from tests.models import Counter, EmaCenter, build_layers
 
 
 def _train_one_stage(layers: nn.Sequential, checkpoint: str, steps: int = 3, chunks: int = 3):
-    """``steps`` training steps of one stage over ``chunks`` micro-batches; returns the layers and gradients."""
+    """``steps`` training steps of one stage over ``chunks`` micro-batches; returns the layers and
+    gradients."""
     torch.manual_seed(0)
     stage = PipelineStage(
         list(layers._modules.items()),
@@ -212,7 +213,8 @@ def test_a_list_of_graph_tensors_and_an_uncopyable_alias_change_once(mode):
 
 
 def test_recomputing_tells_hooks_with_outside_effects():
-    """A hook that records into a list it closes over asks ``recomputing()``; it sees each micro-batch once."""
+    """A hook that records into a list it closes over asks ``recomputing()``; it sees each
+    micro-batch once."""
     seen: list[int] = []
     flags: list[bool] = []
 
@@ -240,7 +242,8 @@ def test_forward_state_prunes_unchanged_tensors():
 
 
 def test_batch_norm_updates_running_statistics_once_per_micro_batch():
-    """BatchNorm's in-place update leaves ``Tensor._version`` unchanged: the recompute must still not repeat it."""
+    """BatchNorm's in-place update leaves ``Tensor._version`` unchanged: the recompute must still
+    not repeat it."""
     torch.manual_seed(0)
     layers = build_layers("bn")
     never, _ = _train_one_stage(copy.deepcopy(layers), "never")

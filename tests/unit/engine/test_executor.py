@@ -5,6 +5,7 @@ every stage's forward phase in stage order, the loss, every stage's backward pha
 stage order. Sends never block, so this order completes any fill-drain step.
 """
 
+import threading
 from collections import Counter
 
 import pytest
@@ -13,24 +14,67 @@ from torch import nn
 
 from lightning_gpipe import StageError
 from lightning_gpipe.balance import uniform_balance
+from lightning_gpipe.engine.microbatch import sizes
 from lightning_gpipe.engine.skip import Pop, Stash
-from lightning_gpipe.engine.stage import PipelineUsageError, build_stage
+from lightning_gpipe.engine.stage import PipelineUsageError, StageDone
+from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import (
     fill_drain,
     format_grid,
-    messages,
     one_f_one_b,
+    receives,
     stage_actions,
     zb_h1,
 )
 from lightning_gpipe.transport.layout import Layout
-from tests.fakes import FakeNetwork, FakeP2P, Recorder, _by_rank, _micro_step, _reference_grads, _step
+from tests.fakes import BlockingNetwork, FakeNetwork, FakeP2P, Recorder, ThreadP2P
 from tests.models import build_layers, pytree_input
+
+# -- the executor over a fake transport ----------------------------------------------------------
+
+
+def _received(actions, stage, stages, skips=(), virtual_stages=1):
+    """The messages ``actions`` on ``stage`` receive, per peer stage, as :func:`receives` names them."""
+    return Counter(t.peer for a in actions for t in receives(a, stage, stages, skips, virtual_stages))
+
+
+def _step(
+    seq, balance, chunks, x, y, checkpoint="except_last", loss_fn=nn.functional.mse_loss, recorder=None
+):
+    """One training step of ``seq`` cut by ``balance`` into stages over a fake network.
+
+    Returns the stages in stage order, the loss, and per stage the messages received per source
+    rank in its forward phase and in its backward phase.
+    """
+    k, network = len(balance), FakeNetwork()
+    stages = []
+    for stage_index in range(k):
+        rank = Layout(k, k).rank(0, stage_index)
+        stage = build_stage(seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"))
+        stage.p2p, stage.timeline = FakeP2P(network, rank), (recorder or Recorder)()
+        stages.append(stage)
+    forward, backward = {}, {}
+    out = None
+    for stage in stages:
+        result = stage.run_step(stage, True, x)
+        assert (result is StageDone) == (not stage.topology.is_last)
+        out = result if stage.topology.is_last else out
+        forward[stage.topology.stage] = stage.p2p.phase()
+    loss = loss_fn(out, y)
+    for stage in reversed(stages):  # the last stage sends the loss message before the others take it
+        assert stage.share_outcome(loss if stage.topology.is_last else None, None, training=True) is not None
+        if not stage.topology.is_last:
+            assert stage.p2p.phase() == Counter({stage.topology.ranks[-1]: 1})  # the outcome only
+    loss.backward()
+    for stage in reversed(stages):
+        stage.backward()
+        backward[stage.topology.stage] = stage.p2p.phase()
+    return stages, loss, forward, backward
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("m", [1, 3, 4])
-def test_executor_runs_exactly_the_fill_drain_column_and_announces_every_message(k, m):
+def test_executor_runs_exactly_the_fill_drain_column_and_receives_its_messages(k, m):
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(8, 4), torch.randn(8, 4)
@@ -43,9 +87,12 @@ def test_executor_runs_exactly_the_fill_drain_column_and_announces_every_message
         )
         previous = Counter({top.prev_rank: m}) if top.prev_rank is not None else Counter()
         following = Counter({top.next_rank: m}) if top.next_rank is not None else Counter()
-        first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
-        assert forward[j] == (previous - first, previous)  # the first message comes before M is known
-        assert backward[j] == (following, following)
+        assert forward[j] == previous
+        assert backward[j] == following
+
+
+def _by_rank(topology, counts):
+    return Counter({topology.ranks[stage]: n for stage, n in counts.items()})
 
 
 def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
@@ -80,44 +127,94 @@ def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
         column = stage_actions(fill_drain(3, 3), j)
         assert stage.timeline.actions == [str(a) for a in column]
         f, b = column[:3], column[3:]
-        assert forward[j][1] == _by_rank(top, messages(f, j, 3, skips))
-        assert (
-            backward[j] == (_by_rank(top, messages(b, j, 3, skips)),) * 2
-        )  # every skip's gradient flows here
+        assert forward[j] == _by_rank(top, _received(f, j, 3, skips))
+        assert backward[j] == _by_rank(top, _received(b, j, 3, skips))  # every skip's gradient flows here
     assert stages[2].received_skips == [("b", 1)] * 3 and stages[1].received_skips == [("a", 0)] * 3
+
+
+def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", outcome=False):
+    """One training step of ``seq`` with one call per micro-batch, each stage in its own thread.
+
+    The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
+    the batch, right after its call, as :mod:`lightning_gpipe.strategy.microstep` does; with ``outcome``,
+    the stages then share the step outcome as the strategy has them do. Returns the stages
+    and, per stage, the messages received per source rank over the step.
+    """
+    k, network = len(balance), BlockingNetwork()
+    parts = sizes(x.shape[0], chunks)
+    xs, ys = x.split(parts), y.split(parts)
+    stages = []
+    for j in range(k):
+        rank = Layout(k, k).rank(0, j)
+        stage = build_stage(
+            seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"), schedule=schedule
+        )
+        stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder(stage)
+        stages.append(stage)
+    counts, errors = {}, []
+
+    def run(stage):
+        try:
+            stage.start_micro_steps(len(parts))
+            loss = None
+            for i, (xi, yi) in enumerate(zip(xs, ys)):
+                out = stage.run_step(stage, True, xi)
+                if stage.topology.is_last:
+                    loss = nn.functional.mse_loss(out, yi) * len(yi) / len(y)
+                    loss.backward()
+                    stage.loss_backpropagated(i)
+            stage.end_micro_steps()
+            if outcome:
+                assert stage.share_outcome(loss, None, training=True) is not None
+            counts[stage.topology.stage] = stage.p2p.phase()
+        except BaseException as err:  # noqa: BLE001 - reported by the test
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(stage,)) for stage in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(counts) == k, "a stage never finished its column"
+    return stages, counts
+
+
+def _reference_grads(seq, x, y):
+    seq.zero_grad()
+    nn.functional.mse_loss(seq(x), y).backward()
+    grads = [p.grad.clone() for p in seq.parameters()]
+    seq.zero_grad()
+    return grads
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("m", [1, 3, 4, 8])
 def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, m):
     """Batch 10 (not divisible by 3, 4 or 8): the recorded actions are one_f_one_b's columns, every
-    announced message is received, and the gradients equal the unpartitioned model's."""
+    message received is one the column names, and the gradients equal the unpartitioned model's."""
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(10, 4), torch.randn(10, 4)
     expected = _reference_grads(seq, x, y)
     checkpoint = ["always", "except_last", "never"][m % 3]
-    stages, counts, _ = _micro_step(seq, uniform_balance(3, k), m, x, y, one_f_one_b, checkpoint)
+    stages, counts = _micro_step(seq, uniform_balance(3, k), m, x, y, one_f_one_b, checkpoint)
     grid = one_f_one_b(k, min(m, 10))
     for stage in stages:
         top, j = stage.topology, stage.topology.stage
         column = stage_actions(grid, j)
         assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
-        assert counts[j][1] == _by_rank(top, messages(column, j, k, top.skips))
+        assert counts[j] == _by_rank(top, _received(column, j, k, top.skips))
         assert stage.timeline.peak_held == min(k - j, m), f"stage {j} held too many micro-batches"
-        assert counts[j][0] == counts[j][1] - (
-            Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
-        )
     for p, g in zip(seq.parameters(), expected):
         assert torch.allclose(p.grad, g, atol=1e-6)
 
 
 @pytest.mark.parametrize("k", [2, 3])
-def test_the_step_outcome_is_announced_with_the_stretch_that_ends_the_calls_one_call_per_step(k):
-    """Fill-drain, one call per step: a non-last stage announces the last stage's step outcome
-    (:mod:`lightning_gpipe.engine.outcome`) with its forward stretch, so that the transport takes it in
-    the background while the last stage still computes; it is the one message taken before the
-    backward stretch, and nothing is announced that is not received."""
+def test_the_step_outcome_is_the_one_message_taken_between_the_phases_one_call_per_step(k):
+    """Fill-drain, one call per step: a non-last stage's forward phase takes only the previous stage's
+    activations; sharing the outcome takes exactly one message, from the last stage; its backward
+    phase takes only the next stage's gradients."""
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(8, 4), torch.randn(8, 4)
@@ -125,55 +222,40 @@ def test_the_step_outcome_is_announced_with_the_stretch_that_ends_the_calls_one_
     for j in range(k):
         rank = Layout(k, k).rank(0, j)
         stage = build_stage(seq, uniform_balance(3, k), Layout(k, k), rank, 4, "never", torch.device("cpu"))
-        stage.p2p, stage.timeline, stage.outcome_follows = FakeP2P(network, rank), Recorder(), True
+        stage.p2p, stage.timeline = FakeP2P(network, rank), Recorder()
         stages.append(stage)
     out = [stage.run_step(stage, True, x) for stage in stages][-1]
+    for stage in stages:
+        top = stage.topology
+        assert stage.p2p.phase() == (Counter({top.prev_rank: 4}) if top.prev_rank is not None else Counter())
     last = stages[-1].topology.ranks[-1]
-    for stage in stages[:-1]:
-        assert +stage.p2p.left == Counter({last: 1}), "the outcome is announced with the forward stretch"
     loss = nn.functional.mse_loss(out, y)
     for stage in reversed(stages):
         assert stage.share_outcome(loss if stage.topology.is_last else None, None, training=True) is not None
-    for stage in stages[:-1]:
-        assert not +stage.p2p.left and stage.p2p.received[last] == 1
+    for stage in stages:
+        assert stage.p2p.phase() == (Counter() if stage.topology.is_last else Counter({last: 1}))
     loss.backward()
     for stage in reversed(stages):
         stage.backward()
-        stage.p2p.phase()  # every announced message was received
+        top = stage.topology
+        assert stage.p2p.phase() == (Counter({top.next_rank: 4}) if top.next_rank is not None else Counter())
 
 
 @pytest.mark.parametrize("schedule", [one_f_one_b, fill_drain])
 @pytest.mark.parametrize("k", [2, 3])
-def test_the_step_outcome_is_announced_with_the_last_stretch_one_call_per_micro_batch(schedule, k):
-    """One call per micro-batch: the outcome follows the whole column (the last call's backwards),
-    so a non-last stage announces it with its last stretch, after the last stage's gradients."""
+def test_the_step_outcome_is_received_after_the_column_one_call_per_micro_batch(schedule, k):
+    """One call per micro-batch: the outcome follows the whole column (the last call's backwards):
+    a non-last stage receives its column's messages and one more, from the last stage."""
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(10, 4), torch.randn(10, 4)
-    stages, counts, _ = _micro_step(seq, uniform_balance(3, k), 4, x, y, schedule, "never", outcome=True)
+    stages, counts = _micro_step(seq, uniform_balance(3, k), 4, x, y, schedule, "never", outcome=True)
     for stage in stages:
         top, j = stage.topology, stage.topology.stage
-        expected = _by_rank(top, messages(stage_actions(schedule(k, 4), j), j, k, top.skips))
+        expected = _by_rank(top, _received(stage_actions(schedule(k, 4), j), j, k, top.skips))
         if not top.is_last:
             expected[top.ranks[-1]] += 1
-        first = Counter({top.prev_rank: 1}) if top.prev_rank is not None else Counter()
-        assert counts[j] == (expected - first, expected)
-
-
-@pytest.mark.parametrize("k", [2, 3])
-def test_under_1f1b_the_last_stage_announces_every_forward_input_at_once(k):
-    """A backward that receives nothing (the last stage's: its gradient is the loss) does not end an
-    announced stretch, so the last stage announces micro-batches 1..M-1's inputs at its first call
-    (micro-batch 0's comes unannounced with M) and each is received while it computes the ones
-    before; a backward that receives a gradient still ends its stretch on the other stages."""
-    torch.manual_seed(0)
-    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
-    x, y = torch.randn(10, 4), torch.randn(10, 4)
-    stages, _, _ = _micro_step(seq, uniform_balance(3, k), 4, x, y, one_f_one_b, "never")
-    last = stages[-1]
-    assert last.p2p.expects == [(last.topology.prev_rank, 3)]
-    for stage in stages[:-1]:
-        assert len([e for e in stage.p2p.expects if e[0] == stage.topology.next_rank]) > 1
+        assert counts[j] == expected
 
 
 @pytest.mark.parametrize(
@@ -182,7 +264,8 @@ def test_under_1f1b_the_last_stage_announces_every_forward_input_at_once(k):
 def test_one_call_per_micro_batch_with_skips_across_stages(schedule, checkpoint):
     """Skip connections across stages: any valid schedule runs with one call per micro-batch, ZB-H1's
     split backwards (nothing recomputed) too: a B sends the gradients of its input and of the skip it
-    popped, its W computes the weights' (the weights' order: test_every_rank_of_a_run_executes_exactly_its_column)."""
+    popped, its W computes the weights' (the weights' order:
+    test_every_rank_of_a_run_executes_exactly_its_column)."""
     torch.manual_seed(0)
     seq = nn.Sequential(
         Stash("a", nn.Linear(4, 6)),
@@ -196,7 +279,7 @@ def test_one_call_per_micro_batch_with_skips_across_stages(schedule, checkpoint)
     )
     x, y = torch.randn(7, 4), torch.randn(7, 2)
     expected = _reference_grads(seq, x, y)
-    stages, counts, _ = _micro_step(seq, [2, 3, 3], 4, x, y, schedule, checkpoint=checkpoint)
+    stages, counts = _micro_step(seq, [2, 3, 3], 4, x, y, schedule, checkpoint=checkpoint)
     for p, g in zip(seq.parameters(), expected):
         assert torch.allclose(p.grad, g, atol=1e-6)
     skips = stages[0].topology.skips
@@ -204,7 +287,7 @@ def test_one_call_per_micro_batch_with_skips_across_stages(schedule, checkpoint)
         top, j = stage.topology, stage.topology.stage
         column = stage_actions(schedule(3, 4), j)
         assert stage.timeline.actions == [str(a) for a in column if a.kind != "W"]
-        assert counts[j][1] == _by_rank(top, messages(column, j, 3, skips))
+        assert counts[j] == _by_rank(top, _received(column, j, 3, skips))
     assert stages[2].received_skips == [("b", 1)] * 4 and stages[1].received_skips == [("a", 0)] * 4
 
 

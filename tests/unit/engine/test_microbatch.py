@@ -49,7 +49,7 @@ def test_bad_batches_raise_clear_errors():
         split((torch.tensor(1.0),), 2)
     with pytest.raises(MicroBatchError, match="batch size is 0"):
         split((torch.zeros(0, 3),), 2)
-    with pytest.raises(ValueError, match="chunks must be >= 1"):
+    with pytest.raises(ValueError, match=r"chunks must be an integer >= 1 \(chunks: 0\)"):
         split((torch.zeros(4),), 0)
 
 
@@ -61,9 +61,9 @@ def test_split_sizes_follow_the_one_rule(n, chunks):
 
 
 def test_sizes_reject_bad_counts():
-    with pytest.raises(TypeError, match="chunks must be an int"):
+    with pytest.raises(TypeError, match="chunks must be an integer >= 1"):
         sizes(4, 2.0)
-    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+    with pytest.raises(ValueError, match=r"batch_size must be an integer >= 1 \(batch_size: 0\)"):
         sizes(0, 2)
 
 

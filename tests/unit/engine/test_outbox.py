@@ -1,6 +1,7 @@
-"""The outbox (:mod:`lightning_gpipe.engine.outbox`): which sends wait, and that they leave in the taker's order."""
+"""The outbox (:func:`lightning_gpipe.engine.plan.release`): which sends wait, and that they leave
+in the taker's order."""
 
-from lightning_gpipe.engine.outbox import release, taking_order
+from lightning_gpipe.engine.plan import release, taking_order
 from lightning_gpipe.schedule import fill_drain, interleaved_1f1b, sends, stage_actions
 from lightning_gpipe.transport.layout import Layout
 

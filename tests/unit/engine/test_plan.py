@@ -5,14 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_gpipe.engine.outbox import taking_order
-from lightning_gpipe.engine.plan import ColumnPlan
+from lightning_gpipe.engine.plan import ColumnPlan, taking_order
 from lightning_gpipe.engine.skip import Route
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.schedule import (
     fill_drain,
     interleaved_1f1b,
-    messages,
     needs_loss,
     one_f_one_b,
     receives,
@@ -49,9 +47,6 @@ def test_the_plan_names_what_the_schedule_functions_name(grid, v, skips):
             assert list(plan.receives[a]) == receives(a, stage, stages, skips, v)
             assert list(plan.sends[a]) == sends(a, stage, stages, skips, v)
             assert (a in plan.needs_loss) == needs_loss(a, stage, stages, v)
-        assert plan.messages(column[1:], lambda a, t: a.kind == "F") == messages(
-            column[1:], stage, stages, skips, lambda a, t: a.kind == "F", v
-        )
         expected = taking_order(grid, top, v) if v > 1 else {}
         assert {p: list(keys) for p, keys in plan.order.items()} == expected
 
@@ -75,10 +70,13 @@ def test_a_stage_plans_once_per_step_shape_and_each_run_consumes_its_own_order()
         virtual_layers=[["a"], ["b"]],
     )
     stage._micro = 5
-    first, second = stage._new_run(True, 5), stage._new_run(True, 5)
+    first, second = (
+        stage.executor._new_run(True, 5, whole=False),
+        stage.executor._new_run(True, 5, whole=False),
+    )
     assert first.plan is second.plan  # planned once
     assert first.order == second.order and first.order and first.order is not second.order
     first.order[0].pop(0)  # the outbox consumes a run's order: the next run's is whole
-    assert stage._new_run(True, 5).order == second.order
-    assert stage._new_run(True, 4).plan is not first.plan  # another M: another plan
-    assert stage._new_run(False, 5).plan is not first.plan  # evaluation: forwards only
+    assert stage.executor._new_run(True, 5, whole=False).order == second.order
+    assert stage.executor._new_run(True, 4, whole=False).plan is not first.plan  # another M: another plan
+    assert stage.executor._new_run(False, 5, whole=False).plan is not first.plan  # evaluation: forwards only

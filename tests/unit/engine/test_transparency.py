@@ -1,12 +1,15 @@
-"""The pipelined model trains exactly like the unpartitioned model on one device, in one process.
+"""The pipeline computes what the plain module computes on one device, checked in one process.
 
-K stages run over the in-process fakes (:mod:`tests.fakes`): with one call per step (``"gpipe"``,
-fill-drain, the stages one after the other) or one call per micro-batch (every schedule, each stage
-in its own thread). For K ∈ {1, 2, 3}, M ∈ {1, 3, 4, 8}, every checkpoint mode and every schedule,
-three SGD-with-momentum steps on batch 10 (not divisible by 3, 4 or 8): each step's loss and every
-gradient equal the same model's on one device (full batch), and so do the weights after the steps.
-The Lightning glue around this (logging, the strategy's steps) is run in processes by
-tests/distributed/test_transparency.py.
+K stages built with :func:`~lightning_gpipe.partition.build.build_stage` (one per rank of
+``Layout(K, K)``) run in threads over an in-process transport (:mod:`tests.fakes`), driven as the
+strategy drives them: one call per step under ``"gpipe"`` (``run_step``, ``share_outcome``,
+``backward``), one call per micro-batch under the other schedules (``start_micro_steps``, each call,
+the last stage backpropagating ``(n_i / N) · loss_i`` and calling ``loss_backpropagated``,
+``end_micro_steps``, as :mod:`lightning_gpipe.strategy.microstep` does). Each step's loss (on every
+stage: the last stage's outcome) and every parameter's gradient equal those of a deep copy of the
+model run on the whole batch on one device; two SGD steps apply the same update to both. The
+Lightning glue around this (the strategy, logging, checkpoints, the processes) stays in
+tests/test_transparency.py and tests/test_virtual_transparency.py.
 """
 
 from __future__ import annotations
@@ -16,268 +19,388 @@ import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.nn import functional as F
 
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.batchnorm import commit_deferred_batch_norm, convert_deferred_batch_norm
-from lightning_gpipe.schedule import SCHEDULES, check_virtual_stages, interleaved_1f1b
-from tests.fakes import _micro_step, _step, micro_step_virtual
-from tests.models import build_layers, make_data, pytree_input
+from lightning_gpipe.engine.microbatch import sizes
+from lightning_gpipe.engine.stage import StageDone
+from lightning_gpipe.partition.build import build_stage
+from lightning_gpipe.schedule import SCHEDULES, check_virtual_stages, stage_actions
+from lightning_gpipe.strategy.microstep import split_batch
+from lightning_gpipe.transport.layout import Layout
+from tests.fakes import Recorder, TurnNetwork, TurnP2P, in_threads
+from tests.models import build_layers, pytree_input
 
-MODES = ["always", "except_last", "never"]
-CHUNKS = [1, 3, 4, 8]
-# "gpipe": the user's step once per mini-batch (fill-drain); "gpipe/micro": fill-drain with one
-# call per micro-batch; the others run one call per micro-batch as the strategy has them do.
-RUNS = ["gpipe", "gpipe/micro", "1f1b", "interleaved_1f1b", "zb_h1"]
-VIRTUAL = 2  # virtual stages per stage under interleaved_1f1b
+TIGHT = {"atol": 1e-6, "rtol": 1e-5}
+CPU = torch.device("cpu")
 
 
 def _mlp() -> nn.Sequential:
-    """Six layers, so that 3 stages × 2 virtual stages each hold one."""
-    torch.manual_seed(0)
+    """Six layers: cut into up to K·v = 6 parts (interleaved 1F1B, K = 3, v = 2)."""
     return nn.Sequential(
         nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 3)
     )
 
 
-def _batches(steps: int = 3, batch: int = 10, kind: str = "mlp"):
-    return [tuple(b) for b in itertools.islice(make_data(kind, batch, max(steps, 5)), steps)]
+def _stages(seq, k, chunks, checkpoint, schedule, v=1, balance=None):
+    """The K stages of ``seq`` (cut into K·v parts), one per rank of ``Layout(K, K)``, over one
+    :class:`~tests.fakes.TurnNetwork`: the stages' threads take turns, so each stage's layers draw from
+    its own stream and the process's generators end as they were."""
+    balance = balance or uniform_balance(len(seq), k * v)
+    network = TurnNetwork()
+    stages = []
+    for j in range(k):
+        rank = Layout(k, k).rank(0, j)
+        stage = build_stage(seq, balance, Layout(k, k), rank, chunks, checkpoint, CPU, SCHEDULES[schedule])
+        stage.p2p, stage.timeline = TurnP2P(network, rank), Recorder(stage)
+        stages.append(stage)
+    return stages
 
 
-def _pipelined_step(seq, run, k, m, checkpoint, x, y, loss_fn, balance=None):
-    """One pipelined training step; the gradients land on ``seq``'s parameters. Returns the loss."""
-    if run == "interleaved_1f1b":
-        return micro_step_virtual(seq, k, VIRTUAL, m, x, y, checkpoint, loss_fn)[2]
-    balance = balance or uniform_balance(len(seq), k)
-    if run == "gpipe":
-        return _step(seq, balance, m, x, y, checkpoint, loss_fn=loss_fn)[1].detach()
-    schedule = SCHEDULES["gpipe" if run == "gpipe/micro" else run]
-    return _micro_step(seq, balance, m, x, y, schedule, checkpoint, loss_fn=loss_fn)[2]
+def _train_step(stages, batch, y, loss_fn, schedule, chunks):
+    """One training step of ``stages`` (each in a thread) on ``(batch, y)``, as the strategy drives it.
+
+    Returns the step's loss as each stage ends it with (the last stage's own; the others' from the
+    outcome), per stage.
+    """
+    losses = {}
+
+    def body(stage):
+        top = stage.topology
+        if schedule == "gpipe":
+            out = stage.run_step(stage, True, batch)
+            assert (out is StageDone) == (not top.is_last)
+            loss = loss_fn(out, y) if top.is_last else None
+            shared = stage.share_outcome(loss, None, training=True)
+            if top.is_last:
+                loss.backward()
+            stage.backward()
+        else:
+            micro, parts = split_batch((batch, y), chunks)
+            stage.start_micro_steps(len(parts))
+            calls = []
+            for i, (xi, yi) in enumerate(micro):
+                out = stage.run_step(stage, True, xi)
+                if top.is_last:
+                    loss_i = loss_fn(out, yi) * (parts[i] / sum(parts))
+                    loss_i.backward()
+                    stage.loss_backpropagated(i)
+                    calls.append(loss_i.detach())
+            stage.end_micro_steps()
+            shared = stage.share_outcome(sum(calls) if top.is_last else None, None, training=True)
+        losses[top.stage] = shared.detach()
+
+    in_threads(stages, body, turn=stages[0].p2p.network.turn)
+    return [losses[j] for j in range(len(stages))]
 
 
-def train_like_one_device(
-    build, batches, k, m, checkpoint, run, loss_fn=F.mse_loss, balance=None, inputs=lambda x: x, exact=False
-):
-    """Train ``build()`` pipelined and a copy of it on one device, step by step; assert that every
-    step's loss and gradients and the final weights are equal (within float32 tolerances, or
-    bit for bit with ``exact``). Returns the pipelined model."""
-    seq = build()
+def _reference_step(ref, batch, y, loss_fn):
+    """The plain model's loss on the whole batch; its gradients are left in ``ref``."""
+    ref.zero_grad()
+    loss = loss_fn(ref(batch), y)
+    loss.backward()
+    return loss.detach()
+
+
+def _assert_same_gradients(seq, ref):
+    ours, theirs = dict(seq.named_parameters()), dict(ref.named_parameters())
+    assert ours.keys() == theirs.keys()
+    for name, p in theirs.items():
+        if p.grad is None:
+            assert ours[name].grad is None, name
+        else:
+            torch.testing.assert_close(ours[name].grad, p.grad, **TIGHT, msg=name)
+
+
+def _sgd(*models):
+    with torch.no_grad():
+        for model in models:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+                    p.grad = None
+
+
+def _check_steps(seq, stages, batches, loss_fn, schedule, chunks):
+    """Each of ``batches`` one step on the pipeline and on a deep copy of ``seq`` on one device (taken
+    now): the loss on every stage and every gradient equal the copy's; then an SGD step on both."""
     ref = copy.deepcopy(seq)
-    opt = torch.optim.SGD(seq.parameters(), lr=0.1, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    where = f"{run} K={k} M={m} checkpoint={checkpoint}"
-    check = (lambda a, b, msg: torch.testing.assert_close(a, b, atol=0, rtol=0, msg=msg)) if exact else None
-    check = check or (lambda a, b, msg: torch.testing.assert_close(a, b, msg=msg))
-    for s, (*xs, y) in enumerate(batches):
-        x = xs[0] if len(xs) == 1 else tuple(xs)
-        loss = _pipelined_step(seq, run, k, m, checkpoint, inputs(x), y, loss_fn, balance)
-        ref_loss = loss_fn(ref(inputs(x)), y)
-        ref_loss.backward()
-        check(loss, ref_loss.detach(), f"{where} step {s}: loss")
-        for (name, p), q in zip(seq.named_parameters(), ref.parameters()):
-            check(p.grad, q.grad, f"{where} step {s}: gradient of {name}")
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    ref_state = ref.state_dict()
-    for name, value in seq.state_dict().items():
-        check(value, ref_state[name], f"{where}: {name} after {len(batches)} steps")
-    return seq
+    for batch, y in batches:
+        expected = _reference_step(ref, batch, y, loss_fn)
+        seq.zero_grad()
+        losses = _train_step(stages, batch, y, loss_fn, schedule, chunks)
+        for loss in losses:
+            torch.testing.assert_close(loss.to(expected.dtype), expected, **TIGHT)
+        _assert_same_gradients(seq, ref)
+        _sgd(seq, ref)
+    for (name, p), q in zip(seq.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TIGHT, msg=name)
 
 
-GRID = [
-    (k, m, c, run)
-    for k, m, c, run in itertools.product([1, 2, 3], CHUNKS, MODES, RUNS)
-    if not (run == "interleaved_1f1b" and k == 1)
-]
+# -- the grid: K × M × checkpoint × schedule ------------------------------------------------------
+
+GRID = list(
+    itertools.product(
+        [1, 2, 3],
+        [1, 3, 4, 8],
+        ["always", "except_last", "never"],
+        ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"],
+    )
+)
 
 
-@pytest.mark.parametrize(("k", "m", "checkpoint", "run"), GRID)
-def test_every_schedule_trains_like_one_device(k, m, checkpoint, run):
-    """Batch 10, 3 SGD+momentum steps: losses, every gradient and the weights equal one device's."""
-    train_like_one_device(_mlp, _batches(), k, m, checkpoint, run)
+@pytest.mark.parametrize(("k", "m", "checkpoint", "schedule"), GRID)
+def test_grid_matches_one_device(k, m, checkpoint, schedule):
+    """Batch 10 (not divisible by 3, 4 or 8), two steps: the recorded actions are the schedule's
+    columns, every stage's loss and every gradient equal one device's, and so do the parameters
+    after two SGD steps; the process's generator ends as it was. Interleaved 1F1B runs 2 virtual
+    stages and refuses one stage."""
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    if schedule == "interleaved_1f1b" and k == 1:
+        with pytest.raises(ValueError, match="virtual stages need two or more pipeline stages"):
+            SCHEDULES[schedule](k, m, v)
+        with pytest.raises(ValueError, match="virtual stages need two or more pipeline stages"):
+            check_virtual_stages(schedule, v, stages=k)  # GPipeStrategy's check, before any process starts
+        return
+    torch.manual_seed(0)
+    seq = _mlp()
+    batches = [(torch.randn(10, 6), torch.randn(10, 3)) for _ in range(2)]
+    stages = _stages(seq, k, m, checkpoint, schedule, v)
+    before = torch.get_rng_state()
+    _check_steps(seq, stages, batches, F.mse_loss, schedule, m)
+    assert torch.equal(torch.get_rng_state(), before), "the stages' streams left the process's generator"
+    grid = SCHEDULES[schedule](k, min(m, 10), v)
+    for stage in stages:
+        j = stage.topology.stage
+        column = [str(a) for a in stage_actions(grid, j) if a.kind != "W"]
+        assert stage.timeline.actions == column * 2, f"stage {j}"
 
 
-@pytest.mark.parametrize("m", CHUNKS)
-def test_interleaving_refuses_one_stage(m):
-    """Where the grid has no interleaved case (K = 1): the schedule refuses virtual stages on one stage."""
-    with pytest.raises(ValueError, match="virtual stages need two or more pipeline stages"):
-        interleaved_1f1b(1, m, VIRTUAL)
-    with pytest.raises(ValueError, match="virtual stages need two or more pipeline stages"):
-        check_virtual_stages("interleaved_1f1b", None, stages=1)
+def test_more_micro_batches_than_samples_runs_one_per_sample():
+    """N = 3, M = 4: three micro-batches of one sample, under every schedule (interleaved on K = 2)."""
+    for k, schedule in [(3, "gpipe"), (3, "1f1b"), (2, "interleaved_1f1b"), (3, "zb_h1")]:
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        torch.manual_seed(1)
+        seq = _mlp()
+        stages = _stages(seq, k, 4, "except_last", schedule, v)
+        _check_steps(seq, stages, [(torch.randn(3, 6), torch.randn(3, 3))], F.mse_loss, schedule, 4)
+        grid = SCHEDULES[schedule](k, 3, v)
+        for stage in stages:
+            j = stage.topology.stage
+            assert stage.timeline.actions == [str(a) for a in stage_actions(grid, j) if a.kind != "W"]
 
 
-# -- stage boundaries other than one tensor ------------------------------------------------------
+# -- what crosses a boundary -----------------------------------------------------------------------
+
+CASES = [(2, "gpipe"), (2, "1f1b"), (3, "gpipe"), (3, "zb_h1")]
 
 
-def _tuple_loss(out, y):
-    return F.mse_loss(out, y)
+def _tuple_batch(g):
+    x = torch.randn(10, 7, 4, generator=g)
+    ids = torch.randint(0, 5, (10, 7), generator=g)
+    mask = torch.rand(10, 7, generator=g) > 0.3
+    return (x, ids, mask), torch.randn(10, 7, 3, generator=g)
 
 
-@pytest.mark.parametrize("run", RUNS)
 @pytest.mark.parametrize("checkpoint", ["always", "never"])
-def test_tuple_boundaries_with_long_ids_and_bool_mask(run, checkpoint):
-    """Stages pass (float activations, long ids, bool mask); 3 stages (2 under interleaving: its
-    4 layers make 4 parts), batch 10, chunks 4."""
-    k = 2 if run == "interleaved_1f1b" else 3
-
-    def build():
-        torch.manual_seed(0)
-        return build_layers("tuple")
-
-    balance = None if run == "interleaved_1f1b" else [1, 2, 1]
-    train_like_one_device(build, _batches(2, 10, "tuple"), k, 4, checkpoint, run, balance=balance)
+@pytest.mark.parametrize(("k", "schedule"), CASES)
+def test_tuple_boundaries_with_long_ids_and_bool_mask(k, schedule, checkpoint):
+    """Stages pass (float activations, long ids, bool mask); batch 10, chunks 4, two steps."""
+    torch.manual_seed(0)
+    seq = build_layers("tuple")
+    g = torch.Generator().manual_seed(1)
+    batches = [_tuple_batch(g) for _ in range(2)]
+    embedding = seq[2].emb.weight.detach().clone()  # on the last stage: reached through the long ids
+    stages = _stages(seq, k, 4, checkpoint, schedule)
+    _check_steps(seq, stages, batches, F.mse_loss, schedule, 4)
+    assert not torch.equal(seq[2].emb.weight, embedding)
 
 
 def _pytree_loss(out, y):
-    """tests.models.Net's loss: the per-sample output and the replicated tables handed back."""
-    assert out["scale"] == 0.5 and out["note"] is None
-    assert out["y"].shape == y.shape and out["y"].shape[1:] == (7, 3)
+    """Uses the per-sample output and the replicated tables handed back; checks the constants."""
+    assert out["scale"] == 0.5 and out["note"] is None and out["y"].shape == y.shape
     return F.mse_loss(out["y"], y) + 0.1 * out["rope"][0].square().mean()
 
 
-@pytest.mark.parametrize("checkpoint", MODES)
-def test_pytree_boundaries_with_split_replicated_and_constant_leaves(checkpoint):
-    """{"h", "mask", "causal", "rope": (cos, sin), "scale": 0.5, "note": None} across 3 stages, batch
-    10, chunks 4, one call per step: the rotary tables are replicated and require grad (a learned
-    gain on stage 0), the loss uses them; 2 steps equal one device's (losses, gradients, weights)."""
-
-    def build():
-        torch.manual_seed(0)
-        return build_layers("pytree")
-
-    train_like_one_device(
-        build,
-        _batches(2, 10, "pytree"),
-        3,
-        4,
-        checkpoint,
-        "gpipe",
-        loss_fn=_pytree_loss,
-        balance=[2, 2, 2],
-        inputs=lambda x: pytree_input(*x),
-    )
+@pytest.mark.parametrize(("k", "schedule"), CASES)
+def test_pytree_boundaries_with_split_replicated_and_constant_leaves(k, schedule):
+    """Stages pass {"h": (N, T, d), "mask": bool (N, T), "causal": bool (T, T), "rope": (cos, sin),
+    "scale": 0.5, "note": None}; the rotary tables are replicated and require grad (a learned gain on
+    stage 0) and reach the loss: every gradient equals one device's, the gain's too (the sum over
+    micro-batches), and it is not zero."""
+    torch.manual_seed(0)
+    seq = build_layers("pytree")
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(2):
+        x, mask = torch.randn(10, 7, 8, generator=g), torch.rand(10, 7, generator=g) > 0.3
+        batches.append((pytree_input(x, mask), torch.randn(10, 7, 3, generator=g)))
+    gain = seq[0].gain.detach().clone()
+    stages = _stages(seq, k, 4, "except_last", schedule)
+    _check_steps(seq, stages, batches, _pytree_loss, schedule, 4)
+    assert not torch.equal(seq[0].gain, gain)  # the replicated tables' gradient reached the gain
 
 
-@pytest.mark.parametrize("run", RUNS)
-def test_sequence_lengths_change_between_steps(run):
-    """Batches with sequence lengths 7, 13, 5 through 3 stages (2 under interleaving), chunks 4:
-    each step's loss, gradients and the weights equal one device's."""
-    k = 2 if run == "interleaved_1f1b" else 3
-
-    def build():
-        torch.manual_seed(0)
-        return build_layers("seq")
-
-    batches = _batches(3, 6, "seq")
-    assert [x.shape for x, _ in batches] == [(6, 7, 4), (6, 13, 4), (6, 5, 4)]
+@pytest.mark.parametrize(
+    ("k", "schedule"), [(3, "gpipe"), (3, "1f1b"), (2, "interleaved_1f1b"), (2, "zb_h1")]
+)
+def test_sequence_lengths_change_between_steps(k, schedule):
+    """Batches of 6 with sequence lengths 7, 13, 5 through the same stages, chunks 4: shapes right,
+    each step's loss and gradients equal one device's."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*build_layers("seq"), nn.Identity())  # six layers: K·v parts up to 4
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, t, 4, generator=g), torch.randn(6, t, 2, generator=g)) for t in (7, 13, 5)]
     shapes = []
 
     def loss_fn(out, y):
         shapes.append(tuple(out.shape))
         return F.mse_loss(out, y)
 
-    train_like_one_device(build, batches, k, 4, "except_last", run, loss_fn=loss_fn)
-    # the last stage's outputs (per call) and the one-device model's, step by step: (N, T, 2)
-    assert {s[1:] for s in shapes} == {(7, 2), (13, 2), (5, 2)}
-    assert {s for s in shapes if s[0] == 6} == {(6, 7, 2), (6, 13, 2), (6, 5, 2)}
+    stages = _stages(seq, k, 4, "except_last", schedule, v)
+    _check_steps(seq, stages, batches, loss_fn, schedule, 4)
+    if schedule == "gpipe":
+        assert shapes[1::2] == [(6, 7, 2), (6, 13, 2), (6, 5, 2)]  # the reference's calls, then ours
+    else:
+        parts = sizes(6, 4)
+        ours = [s for n, s in enumerate(shapes) if n % (len(parts) + 1)]
+        assert ours == [(p, t, 2) for t in (7, 13, 5) for p in parts]
 
 
-# -- random layers and batch normalisation -------------------------------------------------------
+# -- random layers: each stage draws from its own stream --------------------------------------------
+
+DROPOUT_BALANCE = [3, 3]  # [Linear, Dropout(0.5), Tanh] | [Linear, Dropout(0.3), Linear]
 
 
-def _dropout_run(run, checkpoint, k=2, m=3):
+def _per_stage_streams(seq, balance, batches, chunks, steps_state):
+    """One device, no pipeline: stage k's layers run on each micro-batch in order from stage k's
+    stream (``torch.Generator().manual_seed(base + k)``, ``base`` drawn and put back from the global
+    generator as it stands now), each stream kept from step to step (in ``steps_state``), an SGD step
+    after each. Returns the losses."""
+    if not steps_state:
+        with torch.random.fork_rng():
+            base = int(torch.randint(2**62, (1,)))
+        steps_state.extend(torch.Generator().manual_seed(base + k).get_state() for k in range(len(balance)))
+    losses = []
+    for x, y in batches:
+        seq.zero_grad()
+        parts = sizes(len(x), chunks)
+        hs, ys = list(x.split(parts)), y.split(parts)
+        start = 0
+        with torch.random.fork_rng():
+            for k, count in enumerate(balance):
+                layers = seq[start : start + count]
+                start += count
+                torch.set_rng_state(steps_state[k])
+                hs = [layers(h) for h in hs]
+                steps_state[k] = torch.get_rng_state()
+        loss = sum(len(h) / len(x) * F.mse_loss(h, yi) for h, yi in zip(hs, ys))
+        loss.backward()
+        losses.append(loss.detach())
+        _sgd(seq)
+    return losses
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+@pytest.mark.parametrize(("chunks", "schedule"), [(2, "gpipe"), (3, "gpipe"), (3, "1f1b"), (4, "zb_h1")])
+def test_dropout_masks_equal_one_device_running_each_stage_on_the_micro_batches(chunks, schedule, checkpoint):
+    """Dropout on both of 2 stages, 3 steps of batch 10: the losses and weights equal one device keeping
+    one generator per stage (seeded from the global generator at the first step) and drawing each
+    stage's masks micro-batch by micro-batch; recompute replays the masks bit for bit (every checkpoint
+    mode gives the same weights exactly); one generator over the whole batch gives other weights."""
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(10, 6, generator=g), torch.randn(10, 3, generator=g)) for _ in range(3)]
     torch.manual_seed(0)
     seq = build_layers("dropout")
-    torch.manual_seed(1)
-    opt = torch.optim.SGD(seq.parameters(), lr=0.1, momentum=0.9)
-    losses, grads = [], []
-    for x, y in _batches(2, 10, "dropout"):
-        losses.append(_pipelined_step(seq, run, k, m, checkpoint, x, y, F.mse_loss))
-        grads.append({n: p.grad.clone() for n, p in seq.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, seq.state_dict()
+    ref, plain = copy.deepcopy(seq), copy.deepcopy(seq)
+    torch.manual_seed(5)  # the global generator the stages (and the emulation) draw their base from
+    expected = _per_stage_streams(ref, DROPOUT_BALANCE, batches, chunks, [])
+    never = copy.deepcopy(seq)
+    for mode, model in ((checkpoint, seq), ("never", never)):
+        torch.manual_seed(5)
+        stages = _stages(model, 2, chunks, mode, schedule, balance=DROPOUT_BALANCE)
+        losses = []
+        for x, y in batches:
+            model.zero_grad()
+            losses.append(_train_step(stages, x, y, F.mse_loss, schedule, chunks)[-1])
+            _sgd(model)
+        if model is seq:
+            torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **TIGHT)
+            recomputed = losses
+    assert torch.equal(torch.stack(recomputed), torch.stack(losses)), "recompute changed a loss"
+    for (name, p), q in zip(seq.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TIGHT, msg=name)
+        assert torch.equal(p, dict(never.named_parameters())[name]), f"{name}: recompute changed the masks"
+    torch.manual_seed(5)
+    _per_stage_streams(plain, [6], batches, 1, [])  # one generator, whole batch, whole model
+    assert max((p - q).abs().max().item() for p, q in zip(seq.parameters(), plain.parameters())) > 1e-3
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-@pytest.mark.parametrize("m", [1, 3, 4])
-def test_dropout_recompute_is_bit_identical(k, m):
-    """Same seed, checkpoint "always" vs "never": recompute replays the forward's dropout masks, so
-    losses, gradients and weights are equal bit for bit; the masks are drawn (the loss differs from
-    the model without dropout).
-
-    One call per step only: stages in threads of one process share the process's generators (a
-    stage's stream is swapped in around its forwards), so concurrent forwards would draw from each
-    other's streams; the schedules with one call per micro-batch are checked in processes
-    (tests/distributed/test_random_layers.py)."""
-    always, never = _dropout_run("gpipe", "always", k, m), _dropout_run("gpipe", "never", k, m)
-    assert [loss.item() for loss in always[0]] == [loss.item() for loss in never[0]]
-    for g_always, g_never in zip(always[1], never[1]):
-        assert g_always.keys() == g_never.keys()
-        assert all(torch.equal(g_always[k], g_never[k]) for k in g_always)
-    assert all(torch.equal(always[2][k], never[2][k]) for k in always[2])
-    torch.manual_seed(0)
-    plain = build_layers("dropout").eval()
-    x, y = _batches(1, 10, "dropout")[0]
-    assert always[0][0].item() != F.mse_loss(plain(x), y).item()
+# -- BatchNorm ---------------------------------------------------------------------------------------
 
 
-def _bn_run(run, checkpoint, steps=2, m=3):
+def _micro_batch_reference(ref, batches, chunks):
+    """One device running each micro-batch through the whole model in turn (each BatchNorm normalises
+    it on its own and updates its running statistics once per micro-batch), the loss weighted by size."""
+    losses = []
+    for x, y in batches:
+        ref.zero_grad()
+        parts = sizes(len(x), chunks)
+        loss = sum(
+            n / len(x) * F.mse_loss(ref(xi), yi) for n, xi, yi in zip(parts, x.split(parts), y.split(parts))
+        )
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "never"])
+@pytest.mark.parametrize(("k", "schedule"), [(2, "gpipe"), (2, "1f1b"), (3, "zb_h1")])
+def test_batchnorm_running_stats_updated_once_per_micro_batch(k, schedule, checkpoint):
+    """Two BatchNorms, batch 10, chunks 3, one step: the loss, the gradients and the running statistics
+    equal one device running the micro-batches one after another; recompute does not update them a
+    second time (num_batches_tracked = 3)."""
     torch.manual_seed(0)
     seq = build_layers("bn")
-    opt = torch.optim.SGD(seq.parameters(), lr=0.1)
-    for x, y in _batches(steps, 10, "bn"):
-        _pipelined_step(seq, run, 2, m, checkpoint, x, y, F.mse_loss, balance=[3, 3])
-        opt.step()
-        opt.zero_grad()
-    return seq.state_dict()
-
-
-@pytest.mark.parametrize("run", ["gpipe", "1f1b", "zb_h1"])
-def test_batchnorm_running_stats_updated_once_per_micro_batch(run):
-    """Recompute must not update BatchNorm running statistics a second time: 2 steps × 3 micro-batches."""
-    always, never = _bn_run(run, "always"), _bn_run(run, "never")
-    for name in ("1", "4"):
-        assert always[f"{name}.num_batches_tracked"].item() == 2 * 3  # steps × micro-batches
-        assert torch.equal(always[f"{name}.running_mean"], never[f"{name}.running_mean"])
-        assert torch.equal(always[f"{name}.running_var"], never[f"{name}.running_var"])
-
-
-BN_KEYS = ("running_mean", "running_var", "num_batches_tracked")
+    ref = copy.deepcopy(seq)
+    x, y = torch.randn(10, 6), torch.randn(10, 3)
+    (expected,) = _micro_batch_reference(ref, [(x, y)], 3)
+    stages = _stages(seq, k, 3, checkpoint, schedule)
+    losses = _train_step(stages, x, y, F.mse_loss, schedule, 3)
+    for loss in losses:
+        torch.testing.assert_close(loss.to(expected.dtype), expected, **TIGHT)
+    _assert_same_gradients(seq, ref)
+    for name, buffer in ref.named_buffers():
+        torch.testing.assert_close(dict(seq.named_buffers())[name], buffer, **TIGHT, msg=name)
+    assert seq[1].num_batches_tracked.item() == seq[4].num_batches_tracked.item() == 3
 
 
 @pytest.mark.parametrize(
-    ("run", "checkpoint"),
-    [
-        ("gpipe", "always"),
-        ("gpipe", "never"),
-        ("1f1b", "always"),
-        ("zb_h1", "never"),
-        ("gpipe/micro", "except_last"),
-    ],
+    ("schedule", "checkpoint"),
+    [("gpipe", "always"), ("1f1b", "always"), ("zb_h1", "never"), ("gpipe", "never")],
 )
-@pytest.mark.parametrize("m", [1, 4])
-def test_deferred_batch_norm_running_stats_equal_full_batch(run, checkpoint, m):
-    """Conv-BN-ReLU over 3 stages, batch 16: with deferred batch norm, committed once after the step's
-    last micro-batch, the running statistics equal the one-device full-batch values; without it
-    they are those of M micro-batch updates (num_batches_tracked counts micro-batches)."""
-    x, y = _batches(1, 16, "cbr")[0]
+def test_deferred_batch_norm_running_stats_equal_full_batch(schedule, checkpoint):
+    """Conv-BN-ReLU over 3 stages, batch 16, chunks 4, BatchNorm deferred: after the step (the
+    statistics committed once, as the strategy does after the step's calls) the running statistics
+    equal one device's full-batch values; without deferring they are those of 4 micro-batch updates."""
     torch.manual_seed(0)
-    reference = build_layers("cbr")
-    pipelined, plain = copy.deepcopy(reference), copy.deepcopy(reference)
-    F.mse_loss(reference(x), y).backward()
-    expected = {k: reference[1].state_dict()[k] for k in BN_KEYS}
-    convert_deferred_batch_norm(pipelined)
-    _pipelined_step(pipelined, run, 3, m, checkpoint, x, y, F.mse_loss, balance=[1, 1, 1])
-    commit_deferred_batch_norm(pipelined)
-    deferred = pipelined[1].state_dict()
-    for key in BN_KEYS:
-        torch.testing.assert_close(deferred[key], expected[key], msg=key)
-    assert deferred["num_batches_tracked"].item() == 1
-    _pipelined_step(plain, run, 3, m, checkpoint, x, y, F.mse_loss, balance=[1, 1, 1])
-    assert plain[1].num_batches_tracked.item() == m
-    if m > 1:
-        assert (plain[1].running_mean - expected["running_mean"]).abs().max() > 1e-3
+    seq = build_layers("cbr")
+    full, plain = copy.deepcopy(seq), copy.deepcopy(seq)
+    x, y = torch.randn(16, 3, 5, 5), torch.randn(16, 4, 5, 5)
+    F.mse_loss(full(x), y).backward()
+    for model, deferred in ((convert_deferred_batch_norm(seq), True), (plain, False)):
+        stages = _stages(model, 3, 4, checkpoint, schedule, balance=[1, 1, 1])
+        _train_step(stages, x, y, F.mse_loss, schedule, 4)
+        for stage in stages:
+            commit_deferred_batch_norm(stage)
+        bn, expected = model[1], full[1]
+        if deferred:
+            torch.testing.assert_close(bn.running_mean, expected.running_mean, **TIGHT)
+            torch.testing.assert_close(bn.running_var, expected.running_var, **TIGHT)
+            assert bn.num_batches_tracked.item() == 1
+        else:
+            assert bn.num_batches_tracked.item() == 4
+            assert (bn.running_mean - expected.running_mean).abs().max() > 1e-3

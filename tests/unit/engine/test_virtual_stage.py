@@ -11,12 +11,14 @@ from torch import nn
 
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.microbatch import sizes
-from lightning_gpipe.engine.stage import StageDone, build_stage
-from lightning_gpipe.schedule import format_grid, in_send_order, interleaved_1f1b, messages, stage_actions
+from lightning_gpipe.engine.stage import StageDone
+from lightning_gpipe.partition.build import build_stage
+from lightning_gpipe.schedule import format_grid, in_send_order, interleaved_1f1b, stage_actions
 from lightning_gpipe.tools.timeline import Timeline, step_stats
 from lightning_gpipe.tools.trace import chrome_trace
 from lightning_gpipe.transport.layout import Layout
-from tests.fakes import BlockingNetwork, Recorder, ThreadP2P, _by_rank, _reference_grads
+from tests.fakes import BlockingNetwork, Recorder, ThreadP2P
+from tests.test_executor import _by_rank, _received, _reference_grads
 
 
 def _net(blocks: int) -> nn.Sequential:
@@ -29,10 +31,8 @@ def _stages(seq, k, v, chunks, checkpoint, network):
     stages = []
     for j in range(k):
         rank = Layout(k, k).rank(0, j)
-        stage = build_stage(
-            seq, uniform_balance(len(seq), k * v), Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"),
-            schedule=interleaved_1f1b,
-        )  # fmt: skip
+        balance, cpu = uniform_balance(len(seq), k * v), torch.device("cpu")
+        stage = build_stage(seq, balance, Layout(k, k), rank, chunks, checkpoint, cpu, interleaved_1f1b)
         stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder()
         stages.append(stage)
     return stages
@@ -57,8 +57,8 @@ def _in_threads(stages, body):
 
 
 def _micro_step(seq, k, v, chunks, x, y, checkpoint):
-    """One training step with one call per micro-batch, as lightning_gpipe.strategy.microstep runs it: the last
-    stage backpropagates each micro-batch's mean squared error weighted by its share of the batch."""
+    """One training step with one call per micro-batch, as lightning_gpipe.strategy.microstep runs it: the
+    last stage backpropagates each micro-batch's mean squared error weighted by its share of the batch."""
     stages = _stages(seq, k, v, chunks, checkpoint, BlockingNetwork())
     parts = sizes(x.shape[0], chunks)
     xs, ys = x.split(parts), y.split(parts)
@@ -97,7 +97,7 @@ def test_interleaved_columns_run_as_printed_and_give_the_plain_gradients(k, v, m
         assert stage.virtual_stages == v
         column = stage_actions(grid, j)
         assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
-        assert counts[j][1] == _by_rank(top, messages(column, j, k, top.skips, virtual_stages=v))
+        assert counts[j] == _by_rank(top, _received(column, j, k, top.skips, virtual_stages=v))
     for p, g in zip(seq.parameters(), expected):
         torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=0)
 

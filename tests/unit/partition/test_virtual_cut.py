@@ -13,7 +13,8 @@ from lightning_gpipe.balance import (
     balance_by_time,
     uniform_balance,
 )
-from lightning_gpipe.engine.stage import PipelineStage, build_stage
+from lightning_gpipe.engine.stage import PipelineStage
+from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.partition.cut import (
     PartitionError,
     check_model,
@@ -50,7 +51,7 @@ def _run_parts(stages: list[PipelineStage], x: torch.Tensor) -> torch.Tensor:
     k, v = len(stages), len(stages[0].virtual_layers)
     for c in range(k * v):
         j, u = holder(c, k)
-        x = stages[j].local_forward(x, virtual_stage=u)
+        x = stages[j].executor.local_forward(x, virtual_stage=u)
     return x
 
 

@@ -1,4 +1,5 @@
-"""Interleaved 1F1B (virtual stages) as data: literal grids, Megatron-LM's order, parts, validation (messages: test_schedule_messages.py)."""
+"""Interleaved 1F1B (virtual stages) as data: literal grids, Megatron-LM's order, parts, validation
+(messages: test_schedule_messages.py)."""
 
 import pytest
 

@@ -8,13 +8,10 @@ from lightning_gpipe.schedule import (
     SCHEDULES,
     Action,
     Transfer,
-    announced_until,
     fill_drain,
     in_send_order,
     interleaved_1f1b,
-    messages,
     needs_loss,
-    one_f_one_b,
     receives,
     send_order,
     sends,
@@ -47,6 +44,16 @@ def test_messages_each_action_receives_and_sends_mirror_each_other():
         for j in range(3):
             for t in sends(action, j, 3, skips):
                 assert Transfer(j, t.skip) in receives(action, t.peer, 3, skips)
+
+
+def messages(actions, stage, stages, skips=(), flows=lambda action, t: True, virtual_stages=1):
+    """How many messages ``actions`` receive from each peer stage."""
+    return Counter(
+        t.peer
+        for a in actions
+        for t in receives(a, stage, stages, list(skips), virtual_stages)
+        if flows(a, t)
+    )
 
 
 def test_message_counts_follow_the_actions():
@@ -143,22 +150,3 @@ def test_messages_are_counted_per_peer_stage_across_virtual_stages():
     grid = interleaved_1f1b(2, 4, 2)
     assert messages(stage_actions(grid, 1), 1, 2, virtual_stages=2) == Counter({0: 4 + 4 + 4})
     assert messages(stage_actions(grid, 0), 0, 2, virtual_stages=2) == Counter({1: 4 + 4 + 4})
-
-
-def test_announcements_end_at_a_receiving_backward_whose_forward_comes_after_the_start():
-    """1F1B, K = 2, M = 4. Stage 0's column F0 F1 B0 F2 B1 F3 B2 B3: from 0 the stretch ends at B0
-    (it receives, F0 has not run), from 2 at B2 (F2 runs after 2), from 6 at the end. Stage 1's
-    backwards receive nothing (the loss gives their gradients): one stretch. Under "gpipe", the
-    first backward waits for the loss."""
-    grid = one_f_one_b(2, 4)
-    col0, col1 = stage_actions(grid, 0), stage_actions(grid, 1)
-    assert [str(a) for a in col0] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]
-
-    def receiving(stage):
-        return lambda a: bool(receives(a, stage, 2))
-
-    assert [announced_until(col0, p, receiving(0)) for p in (0, 2, 6)] == [2, 6, 8]
-    assert announced_until(col1, 0, receiving(1)) == 8
-    gpipe = stage_actions(fill_drain(2, 4), 1)
-    assert announced_until(gpipe, 0, receiving(1), lambda a: True) == 4
-    assert announced_until(gpipe, 4, receiving(1)) == 8

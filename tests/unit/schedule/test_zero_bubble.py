@@ -1,4 +1,5 @@
-"""ZB-H1 (lightning_gpipe.schedule.zero_bubble): the grid, the paper's rules, torch's columns, the cost model."""
+"""ZB-H1 (lightning_gpipe.schedule.zero_bubble): the grid, the paper's rules, torch's columns, the
+cost model."""
 
 import pytest
 from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble

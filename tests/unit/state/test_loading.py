@@ -68,7 +68,8 @@ def test_strategy_weights_only_must_be_a_bool_or_none():
 
 
 def test_lazy_checkpoint_reads_only_the_tensors_asked_for(tmp_path):
-    """Structure first (meta tensors, nothing read), then each tensor from its offset: views and dtypes kept."""
+    """Structure first (meta tensors, nothing read), then each tensor from its offset: views and
+    dtypes kept."""
     base = torch.arange(24, dtype=torch.float32).view(4, 6)
     saved = {
         "state_dict": {"a": base, "view": base[1:, 2:5], "half": torch.randn(3, dtype=torch.bfloat16)},

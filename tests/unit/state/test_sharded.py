@@ -1,4 +1,5 @@
-"""Saved state: per-stage optimizer states merged into the plain model's, and split back for any stage count."""
+"""Saved state: per-stage optimizer states merged into the plain model's, and split back for any
+stage count."""
 
 from collections import OrderedDict
 
@@ -31,7 +32,8 @@ def _groups(module):
 
 
 def _trained(model):
-    """One Adam step on the whole model, and one per stage (balance [2, 3]) on a copy with the same gradients."""
+    """One Adam step on the whole model, and one per stage (balance [2, 3]) on a copy with the same
+    gradients."""
     x = torch.randn(5, 3)
     model(x).sum().backward()
     whole = torch.optim.Adam(_groups(model))

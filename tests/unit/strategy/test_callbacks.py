@@ -1,4 +1,4 @@
-"""Lightning callbacks and hooks that see the model: the same values as one device under the gpipe strategy."""
+"""Lightning callbacks and hooks that see the model: the same values as one device under gpipe."""
 
 import pytest
 

@@ -42,7 +42,6 @@ def test_registered_strategy_name():
     "kwargs, message",
     [
         ({"chunks": 0}, r"chunks must be an integer >= 1 \(chunks: 0\)"),
-        ({"chunks": 2.5}, r"chunks: 2.5"),
         (
             {"checkpoint": "sometimes"},
             r"checkpoint must be one of 'always', 'except_last', 'never' \(checkpoint: 'sometimes'\)",
@@ -60,6 +59,11 @@ def test_registered_strategy_name():
 def test_bad_strategy_arguments_raise_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GPipeStrategy(**kwargs)
+
+
+def test_a_count_that_is_not_an_integer_is_a_type_error_with_the_count_message():
+    with pytest.raises(TypeError, match=r"chunks must be an integer >= 1 \(chunks: 2.5\)"):
+        GPipeStrategy(chunks=2.5)
 
 
 def test_world_not_multiple_of_pipeline_size_raises_at_trainer():
@@ -125,7 +129,8 @@ def test_manual_optimization_under_1f1b_is_refused_before_spawn():
 
 
 def test_a_buffer_shared_across_stages_is_refused_before_spawn():
-    """Tied parameters train across stages (tests/distributed/partition/test_tied.py); a shared buffer cannot stay exact."""
+    """Tied parameters train across stages (tests/distributed/partition/test_tied.py); a shared buffer
+    cannot stay exact."""
 
     class Tied(pl.LightningModule):
         def __init__(self):
@@ -155,3 +160,33 @@ def test_iterating_the_pipelined_sequential_in_a_step_raises_the_one_call_error(
         for _layer in stage:
             pass
     stage.end_step()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["-c", pytest.param("stdin", marks=pytest.mark.slow)])  # one check, 8 s each
+def test_python_c_and_stdin_scripts_get_a_clear_error(how):
+    """``python -c "..."`` and ``python - < script.py`` cannot be re-run for the other ranks: clear
+    error, fast."""
+    import subprocess
+    import sys
+
+    from tests._harness import ROOT, _env
+
+    code = (
+        "import pytorch_lightning as pl, lightning_gpipe\n"
+        "from tests.models import Net, make_data, trainer_kwargs\n"
+        "pl.Trainer(strategy='gpipe', devices=2, **trainer_kwargs(1))"
+        ".fit(Net('mlp'), make_data('mlp', 10, 1))\n"
+    )
+    args = [sys.executable, "-c", code] if how == "-c" else [sys.executable, "-"]
+    proc = subprocess.run(
+        args,
+        input=None if how == "-c" else code,
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode != 0
+    assert "cannot be re-run; save it to a file and run `python file.py`" in proc.stderr, proc.stderr[-3000:]

@@ -1,4 +1,5 @@
-"""One training_step per micro-batch (lightning_gpipe.strategy.microstep): the batch split and the combined logs."""
+"""One training_step per micro-batch (lightning_gpipe.strategy.microstep): the batch split and the
+combined logs."""
 
 import pytest
 import torch
@@ -102,9 +103,9 @@ def live_bytes_after_each_micro_batch(chunks, returns, rows=32, width=64):
     from lightning_gpipe.engine.stage import PipelineStage
     from lightning_gpipe.schedule import one_f_one_b
     from lightning_gpipe.strategy.microstep import MicroSteps
+    from lightning_gpipe.tools.meter import TensorMemoryMeter
     from lightning_gpipe.transport.layout import StageTopology
     from lightning_gpipe.transport.p2p import P2P
-    from tests.memory import TensorMemoryMeter
 
     torch.manual_seed(0)
     layers = [(str(k), torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())) for k in range(2)]
