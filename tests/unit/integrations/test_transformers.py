@@ -1,5 +1,6 @@
 """transformers models through lightning_gpipe.integrations.transformers: same outputs, shared
-parameters, checkpoints map back, and pipelined training equal to one device (tied GPT-2 embedding and head included).
+parameters, checkpoints map back, and pipelined training equal to one device (tied GPT-2 embedding
+and head included).
 
 Needs the ``[models]`` extra (transformers). Multi-process jobs run under hard timeouts (tests/_harness.py).
 """

@@ -160,33 +160,3 @@ def test_iterating_the_pipelined_sequential_in_a_step_raises_the_one_call_error(
         for _layer in stage:
             pass
     stage.end_step()
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["-c", pytest.param("stdin", marks=pytest.mark.slow)])  # one check, 8 s each
-def test_python_c_and_stdin_scripts_get_a_clear_error(how):
-    """``python -c "..."`` and ``python - < script.py`` cannot be re-run for the other ranks: clear
-    error, fast."""
-    import subprocess
-    import sys
-
-    from tests._harness import ROOT, _env
-
-    code = (
-        "import pytorch_lightning as pl, lightning_gpipe\n"
-        "from tests.models import Net, make_data, trainer_kwargs\n"
-        "pl.Trainer(strategy='gpipe', devices=2, **trainer_kwargs(1))"
-        ".fit(Net('mlp'), make_data('mlp', 10, 1))\n"
-    )
-    args = [sys.executable, "-c", code] if how == "-c" else [sys.executable, "-"]
-    proc = subprocess.run(
-        args,
-        input=None if how == "-c" else code,
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert proc.returncode != 0
-    assert "cannot be re-run; save it to a file and run `python file.py`" in proc.stderr, proc.stderr[-3000:]
