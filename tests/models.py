@@ -428,9 +428,8 @@ class Net(pl.LightningModule):
         self.step_lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
     def on_train_start(self):
-        self.stage_compiled = (
-            self.layers.__dict__.get("_compiled") is not None
-        )  # a PipelineStage's compiled layers
+        executor = getattr(self.layers, "executor", None)  # a PipelineStage's: its compiled layers
+        self.stage_compiled = executor is not None and executor.compiled is not None
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.record_params:

@@ -11,7 +11,7 @@ from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine import backward_split as input_first
 from lightning_gpipe.schedule import fill_drain, stage_actions
 from tests.fakes import Recorder
-from tests.test_executor import _step
+from tests.unit.engine.test_executor import _step
 
 
 class _Net(nn.Module):

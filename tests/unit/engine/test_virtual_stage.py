@@ -18,7 +18,7 @@ from lightning_gpipe.tools.timeline import Timeline, step_stats
 from lightning_gpipe.tools.trace import chrome_trace
 from lightning_gpipe.transport.layout import Layout
 from tests.fakes import BlockingNetwork, Recorder, ThreadP2P
-from tests.test_executor import _by_rank, _received, _reference_grads
+from tests.unit.engine.test_executor import _by_rank, _received, _reference_grads
 
 
 def _net(blocks: int) -> nn.Sequential:
