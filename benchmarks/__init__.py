@@ -1,2 +1,2 @@
-"""Everything that measures the pipeline: the benchmark driver, its worker and workloads, the tensor-memory
-meter, and the process-launch harness the tests share (``benchmarks.launch``)."""
+"""The benchmark driver, its worker and workloads; the meters and the job launcher they use live in
+lightning_gpipe.tools (meter, launch)."""

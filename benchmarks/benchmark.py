@@ -168,7 +168,7 @@ def _wait_for_quiet(max_wait: float, busy: float = 15.0) -> None:
 
 
 def _launch(spec: dict[str, Any], timeout: float) -> None:
-    """Run one worker job (:func:`benchmarks.launch.run_job`), killed after ``timeout`` seconds.
+    """Run one worker job (:func:`lightning_gpipe.tools.launch.run_job`), killed after ``timeout`` seconds.
 
     ``ours``: one process, Lightning's launcher starts the other stages; ``bare``/``peer``: one
     process per rank, started as ``torchrun`` starts them.
