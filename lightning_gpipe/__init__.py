@@ -16,8 +16,7 @@ from lightning_gpipe.errors import (
 )
 from lightning_gpipe.schedule import Action, fill_drain, format_grid
 from lightning_gpipe.state import load_from_checkpoint
-from lightning_gpipe.strategy import _namespace
-from lightning_gpipe.strategy.strategy import GPipeStrategy
+from lightning_gpipe.strategy import GPipeStrategy, _namespace
 
 
 def strategy_class(namespace: str = "pytorch_lightning") -> type[GPipeStrategy]:
