@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_gpipe.tools import launch
 from lightning_gpipe.tools.launch import JobTimeout, group_alive, job_env, run_processes
 
 __all__ = ["JobTimeout", "Zygote", "job_env", "run_job", "run_processes"]
@@ -35,34 +36,13 @@ def run_job(
     cwd: str | Path | None = None,
     timeout: float = 240.0,
 ) -> list[tuple[int, str]]:
-    """Run ``command`` as one job and wait for all of it.
-
-    Args:
-        command: ``argv`` of every process.
-        ranks: ``None``: one process (it may start the other ranks itself, as Lightning's
-            launcher does); ``n``: ``n`` processes with ``RANK = LOCAL_RANK = r`` and
-            ``WORLD_SIZE = n``, as ``torchrun`` starts them.
-        env: the environment (default: :func:`job_env`).
-        cwd: the working directory (default: this one).
-        timeout: seconds for the whole job, every process and every process it started.
-
-    Returns:
-        list[tuple[int, str]]: per started process, its exit code and its output (stdout and
-        stderr together).
-
-    Raises:
-        JobTimeout: the job did not end within ``timeout`` seconds; every process group of the
-            job is killed (SIGKILL) first.
-    """
+    """:func:`lightning_gpipe.tools.launch.run_job`, its torchrun-style ranks (``ranks=n``) forked
+    from the :class:`Zygote` where the command is ``python script.py ...``."""
+    if ranks is None or not Zygote.usable(command):
+        return launch.run_job(command, ranks=ranks, env=env, cwd=cwd, timeout=timeout)
     env = job_env() if env is None else env
-    per_rank = (
-        [env]
-        if ranks is None
-        else [dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks)) for r in range(ranks)]
-    )
-    if ranks is not None and Zygote.usable(command):
-        return Zygote.get().run([(command, rank_env) for rank_env in per_rank], cwd=cwd, timeout=timeout)
-    return run_processes([(command, rank_env) for rank_env in per_rank], cwd=cwd, timeout=timeout)
+    per_rank = [dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks)) for r in range(ranks)]
+    return Zygote.get().run([(command, rank_env) for rank_env in per_rank], cwd=cwd, timeout=timeout)
 
 
 class Zygote:
