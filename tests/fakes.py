@@ -148,6 +148,16 @@ class Recorder:
             self.peak_held = max(self.peak_held, sum(1 for out in run.outputs.values() if out))
 
 
+def recorded(column, stage: int) -> list[str]:
+    """The forwards and backwards a :class:`Recorder` sees for ``stage``'s ``column`` (a list of
+    :class:`~lightning_gpipe.schedule.Action`): the column without its ``W``s; but where the first
+    stage's column has ``W``s, its ``B``s send nothing and each runs its whole backward at its
+    ``W`` instead (as ``torch.distributed.pipelining`` runs it)."""
+    if stage == 0 and any(a.kind == "W" for a in column):
+        return [str(a) if a.kind == "F" else f"B{str(a)[1:]}" for a in column if a.kind != "B"]
+    return [str(a) for a in column if a.kind != "W"]
+
+
 def in_threads(stages, body, timeout: float = 60, turn: threading.Lock | None = None) -> None:
     """``body(stage)`` for every stage, each in its own thread (as processes would); errors re-raised
     (the first one), and a stage that never finishes is an error. With ``turn`` (a

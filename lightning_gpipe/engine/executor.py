@@ -328,7 +328,9 @@ class ColumnExecutor:
             recomputed = recompute.recomputes(self.checkpoint_mode, i, run.chunks)
             wanted = input_first.splits(layers, recomputed, compiled=self.compiled is not None)
         split = None
-        if y_grad:
+        if y_grad and deferred and not any(sources):  # nothing to send: the whole backward at W i
+            run.weights[key] = ("backward", partial(torch.autograd.backward, y_grad, dy))
+        elif y_grad:
             with self._span("backward", i, u), errors():
                 if wanted:  # the input gradients leave before the weight gradients are computed
                     params = [p for layer in layers for p in layer.parameters()]
@@ -345,24 +347,28 @@ class ColumnExecutor:
             dx = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, gs)]
             self._send(run, action, t, dx)
         if split is not None and deferred:
-            run.weights[key] = split
+            run.weights[key] = ("weights", split.weights)
         elif split is not None:
-            self._weights(split, i, u, errors)
+            self._weights("weights", split.weights, i, u, errors)
         run.inputs[key] = run.outputs[key] = ()  # free this micro-batch
         run.skips_in[key] = run.skips_out[key] = {}
 
     def _weights_one(self, action: Action, run: StepRun) -> None:
         """``W i`` (``schedule="zb_h1"``): the weight gradients of micro-batch ``i``, whose ``B i``
-        computed the input gradient only; nothing where ``B i`` ran the whole backward (not split:
-        :mod:`lightning_gpipe.engine.backward_split`)."""
-        split = run.weights.pop((action.i, action.virtual_stage), None)
-        if split is not None:
+        computed the input gradient only; the whole backward where ``B i`` sent nothing (the first
+        stage, whose input needs no gradient, as ``torch.distributed.pipelining`` runs it; a
+        "backward" span on the timeline); nothing
+        where ``B i`` ran the whole backward (not split: :mod:`lightning_gpipe.engine.backward_split`)."""
+        deferred = run.weights.pop((action.i, action.virtual_stage), None)
+        if deferred is not None:
             errors = partial(self._naming_errors, "backward", action.i, ())
-            self._weights(split, action.i, action.virtual_stage, errors)
+            self._weights(*deferred, action.i, action.virtual_stage, errors)
 
-    def _weights(self, split: input_first.Split, i: int, u: int, errors: Callable[[], Any]) -> None:
-        with self._span("weights", i, u), errors():
-            split.weights()
+    def _weights(self, span: str, run: Callable[[], Any], i: int, u: int, errors: Callable[[], Any]) -> None:
+        """``run`` the weight gradients (``span`` "weights") or a whole backward (``span`` "backward")
+        of micro-batch ``i`` on virtual stage ``u``."""
+        with self._span(span, i, u), errors():
+            run()
 
     def _leaf_grads(self, run: StepRun, i: int) -> tuple[Tensor, ...]:
         """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's

@@ -19,13 +19,13 @@ until those its peer takes before it have gone (:func:`~lightning_gpipe.schedule
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor
 
 from lightning_gpipe import schedule
-from lightning_gpipe.engine import backward_split as input_first
 from lightning_gpipe.engine.microbatch import Structure
 from lightning_gpipe.engine.recompute import ForwardState
 from lightning_gpipe.schedule import Action, Grid, Step, Transfer
@@ -175,8 +175,9 @@ class StepRun:
     step_loss: bool = False  # one call per step: Lightning's backward has come
     pos: int = 0  # the cursor: index of the next action in column
     states: list[ForwardState] = field(default_factory=list)  # recomputed micro-batches' module states
-    # (micro-batch, virtual stage) -> its backward's second pass, due at its W (schedule="zb_h1")
-    weights: dict[tuple[int, int], input_first.Split] = field(default_factory=dict)
+    # (micro-batch, virtual stage) -> ("weights", its backward's second pass) or, where its B sent
+    # nothing, ("backward", the whole backward), due at its W (schedule="zb_h1")
+    weights: dict[tuple[int, int], tuple[str, Callable[[], Any]]] = field(default_factory=dict)
     # last stage, per call: the micro-batches it covered, each leaf's part sizes, the leaves given to
     # the user and which of them are replicated (micro-batch 0's)
     calls: list[Call] = field(default_factory=list)
