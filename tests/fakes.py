@@ -46,22 +46,33 @@ class FakeNetwork:
 class FakeP2P:
     """The :class:`~lightning_gpipe.transport.p2p.P2P` interface over a :class:`FakeNetwork`.
 
-    ``received`` counts the messages taken per source rank (:meth:`phase` hands them over).
+    ``received`` counts the messages taken per source rank (:meth:`phase` hands them over);
+    ``posted`` the receives posted (:meth:`post`) and not yet taken, which :meth:`flush` requires
+    to be none: as on Gloo, a receive left posted would take a later phase's message.
     """
 
     def __init__(self, network, rank: int) -> None:
         self.network, self.rank, self.device = network, rank, torch.device("cpu")
         self.received: Counter[int] = Counter()
+        self.posted: Counter[int] = Counter()
 
     def send(self, tensors, dst, *, structure=None, chunks=0):
         self.network.queues[(self.rank, dst)].append(_round_trip(tensors, structure, chunks, self.device))
 
+    def post(self, src):
+        self.posted[src] += 1
+
     def recv(self, src):
         self.received[src] += 1
+        if self.posted[src]:
+            self.posted[src] -= 1
+        return self._get(src)
+
+    def _get(self, src):
         return self.network.queues[(src, self.rank)].popleft()
 
     def flush(self):
-        pass
+        assert not +self.posted, f"rank {self.rank}: receives posted and not taken: {dict(+self.posted)}"
 
     def settle(self):
         pass
@@ -95,8 +106,7 @@ class ThreadP2P(FakeP2P):
     def send(self, tensors, dst, *, structure=None, chunks=0):
         self.network.queue(self.rank, dst).put(_round_trip(tensors, structure, chunks, self.device))
 
-    def recv(self, src):
-        self.received[src] += 1
+    def _get(self, src):
         return self.network.queue(src, self.rank).get(timeout=20)
 
 
@@ -105,8 +115,7 @@ class TurnP2P(ThreadP2P):
     while it runs and lets go of it only while a receive waits, so no two stages compute at once
     (what a stage's layers draw from the process's generators stays the stage's)."""
 
-    def recv(self, src):
-        self.received[src] += 1
+    def _get(self, src):
         self.network.turn.release()
         try:
             return self.network.queue(src, self.rank).get(timeout=20)

@@ -34,7 +34,7 @@ from lightning_gpipe.engine.plan import ColumnPlan, StepRun, release
 from lightning_gpipe.engine.rng import StageGenerator
 from lightning_gpipe.engine.skip import MicroBatchStore, use_store
 from lightning_gpipe.errors import PipelineUsageError
-from lightning_gpipe.schedule import Action, Grid, Transfer
+from lightning_gpipe.schedule import Action, Grid, Post, Step, Transfer
 from lightning_gpipe.transport.failure import naming_errors
 from lightning_gpipe.transport.layout import StageTopology
 from lightning_gpipe.transport.p2p import P2P
@@ -117,7 +117,7 @@ class ColumnExecutor:
             run.micro_batches = dict(enumerate(parts))
             run.in_structures = dict.fromkeys(range(len(parts)), structure)
             return run
-        with self._span("recv", 0):  # M comes with the first message
+        with self._span("recv", 0):  # M comes with the first message, which every column posts first
             first = self.p2p.recv(self._rank(top.stage - 1))
         if micro is not None and first[0].chunks != micro:
             raise RuntimeError(
@@ -126,11 +126,15 @@ class ColumnExecutor:
             )
         run = self._new_run(train, first[0].chunks, micro is None)
         run.first = first
+        expected = Post(Action("F", 0), Transfer(top.stage - 1))
+        if run.column[0] != expected:  # with_posts posts the first message taken first
+            raise AssertionError(f"stage {top.stage}'s column starts with {run.column[0]}, not {expected}")
+        run.pos = 1  # that post was taken here
         return run
 
     def _new_run(self, train: bool, chunks: int, whole: bool) -> StepRun:
         top = self.topology
-        plan = self._plan(chunks, train)
+        plan = self._plan(chunks, train, whole)
         if whole and train and top.is_last and any(a.kind == "B" for a in plan.column[: plan.fill_end]):
             raise PipelineUsageError(
                 "this schedule runs a backward on the last stage before its last forward "
@@ -143,20 +147,22 @@ class ColumnExecutor:
         run.outbox = {peer: {} for peer in run.order}
         return run
 
-    def _plan(self, chunks: int, train: bool) -> ColumnPlan:
+    def _plan(self, chunks: int, train: bool, whole: bool) -> ColumnPlan:
         """This stage's :class:`~lightning_gpipe.engine.plan.ColumnPlan` for M = ``chunks``, made
         once per shape."""
         top, v = self.topology, self.virtual_stages
-        key = (self.schedule, top.stage, top.stages, top.skips, v, chunks, train)
+        key = (self.schedule, top.stage, top.stages, top.skips, v, chunks, train, whole)
         plan = self._plans.get(key)
         if plan is None:
             grid = self.schedule(top.stages, chunks) if v == 1 else self.schedule(top.stages, chunks, v)  # type: ignore[call-arg]
-            plan = self._plans[key] = ColumnPlan.of(grid, top, v, train)
+            plan = self._plans[key] = ColumnPlan.of(grid, top, v, train, whole)
         return plan
 
-    def _ready(self, action: Action, run: StepRun) -> bool:
+    def _ready(self, action: Step, run: StepRun) -> bool:
         """Whether ``action`` can run now: what it needs from the user's code has come."""
         top, v = self.topology, self.virtual_stages
+        if isinstance(action, Post):  # one call per step: a backward's message only once it has a loss
+            return action.action.kind == "F" or not run.whole or run.step_loss
         if action.kind == "F":
             # a call gives micro-batch i: its input (virtual stage 0) or, on the last stage, its output
             # (the last virtual stage); the last stage's other forwards run ahead of the calls
@@ -182,9 +188,12 @@ class ColumnExecutor:
         if run.done or run.whole:
             self.p2p.flush()
 
-    def _execute(self, action: Action, run: StepRun) -> None:
-        """Run one action of this stage's column: ``F i``, ``B i`` or ``W i``."""
-        if action.kind == "F":
+    def _execute(self, action: Step, run: StepRun) -> None:
+        """Run one action of this stage's column: a :class:`~lightning_gpipe.schedule.Post`, ``F i``,
+        ``B i`` or ``W i``."""
+        if isinstance(action, Post):
+            self.p2p.post(self._rank(action.transfer.peer))
+        elif action.kind == "F":
             self._forward_one(action, run)
         elif action.kind == "B":
             self._backward_one(action, run)
@@ -224,7 +233,7 @@ class ColumnExecutor:
             run.out_structures[key] = y_structure
         for t in sent:  # the output first, then the skips: the order in which they are received
             payload = y_tensors if t.skip is None else (store[t.skip],)
-            self._post(run, action, t, payload, structure=y_structure if t.skip is None else None)
+            self._send(run, action, t, payload, structure=y_structure if t.skip is None else None)
 
     def _receive(self, t: Transfer, i: int, u: int, run: StepRun) -> tuple[Meta, list[Tensor]]:
         if t.skip is None and run.first is not None:
@@ -261,22 +270,18 @@ class ColumnExecutor:
         """Virtual stage ``u``'s layers (all of the stage's without virtual stages)."""
         return [self.layers[name] for name in self.virtual_layers[u]]
 
-    def _post(self, run: StepRun, action: Action, t: Transfer, payload: Any, **options: Any) -> None:
-        """Send what ``action`` sends over ``t`` (``payload`` ``None``: nothing flows), in the order the
-        peer takes its messages: where a grid's stages take them in another order than sent
+    def _send(self, run: StepRun, action: Action, t: Transfer, payload: Any, **options: Any) -> None:
+        """Send what ``action`` sends over ``t`` (a backward's ``payload`` is empty where no gradient
+        flows: every message the schedule names travels), in the order the peer takes its
+        messages: where a grid's stages take them in another order than sent
         (:func:`~lightning_gpipe.schedule.send_order`), a message waits here for its turn."""
         order = run.order.get(t.peer)
-        if order is None:
-            if payload is not None:
-                with self._span("send", action.i, action.virtual_stage):
-                    self.p2p.send(payload, self._rank(t.peer), chunks=run.chunks, **options)
-            return
         key = (action.kind, action.i, action.virtual_stage, t.skip)
         item = (payload, options, action.i, action.virtual_stage)
-        for ready, ready_options, ready_i, ready_u in release(order, run.outbox[t.peer], key, item):
-            if ready is not None:
-                with self._span("send", ready_i, ready_u):
-                    self.p2p.send(ready, self._rank(t.peer), chunks=run.chunks, **ready_options)
+        ready = [item] if order is None else release(order, run.outbox[t.peer], key, item)
+        for ready_payload, ready_options, ready_i, ready_u in ready:
+            with self._span("send", ready_i, ready_u):
+                self.p2p.send(ready_payload, self._rank(t.peer), chunks=run.chunks, **ready_options)
 
     def _naming_errors(self, phase: str, i: int, x: Sequence[Tensor]) -> Any:
         """Errors of this stage's layers re-raised as a
@@ -299,14 +304,12 @@ class ColumnExecutor:
         key = (i, u)
         y_grad = [t for t in run.outputs[key] if t.requires_grad]
         dy = list(self._leaf_grads(run, i)) if action in run.plan.needs_loss else []
-        for t in run.plan.receives[action]:
-            if not _flows(run, action, t):
-                continue
+        for t in run.plan.receives[action]:  # every one a message, empty where no gradient flows
             with self._span("recv", i, u):
                 _, grads = self.p2p.recv(self._rank(t.peer))
             if t.skip is None:
                 dy = grads
-            else:  # the gradient of a skip this stage sent on comes straight back
+            elif grads:  # the gradient of a skip this stage sent on comes straight back
                 y_grad, dy = [*y_grad, run.skips_out[key][t.skip]], [*dy, *grads]
         sends = run.plan.sends[action]
         sources = [  # per send, the tensors whose gradients it carries
@@ -340,7 +343,7 @@ class ColumnExecutor:
             found = [[x.grad for x in xs] for xs in sources]
         for t, xs, gs in zip(sends, sources, found):
             dx = [g if g is not None else torch.zeros_like(x) for x, g in zip(xs, gs)]
-            self._post(run, action, t, dx or None)
+            self._send(run, action, t, dx)
         if split is not None and deferred:
             run.weights[key] = split
         elif split is not None:
@@ -382,17 +385,6 @@ class ColumnExecutor:
                     per[k].append(part)
             run.leaf_grads.update({k: tuple(v) for k, v in per.items()})
         return run.leaf_grads.pop(i)
-
-
-def _flows(run: StepRun, action: Action, t: Transfer) -> bool:
-    """Whether ``t``, received by ``action``, carries a message in this run: a backward receives a
-    gradient only for tensors it sent that require one."""
-    if action.kind == "F":
-        return True
-    key = (action.i, action.virtual_stage)
-    if t.skip is None:
-        return any(y.requires_grad for y in run.outputs[key])
-    return run.skips_out[key][t.skip].requires_grad
 
 
 def _as_inputs(meta: Meta, received: list[Tensor], train: bool) -> tuple[Tensor, ...]:

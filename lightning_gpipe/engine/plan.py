@@ -28,7 +28,7 @@ from lightning_gpipe import schedule
 from lightning_gpipe.engine import backward_split as input_first
 from lightning_gpipe.engine.microbatch import Structure
 from lightning_gpipe.engine.recompute import ForwardState
-from lightning_gpipe.schedule import Action, Grid, Transfer
+from lightning_gpipe.schedule import Action, Grid, Step, Transfer
 from lightning_gpipe.transport.layout import StageTopology
 from lightning_gpipe.transport.wire import Meta
 
@@ -75,7 +75,9 @@ class ColumnPlan:
     """What a stage's schedule column implies, computed once per step shape (K, M, v, training).
 
     Attributes:
-        column: the stage's actions in order (only the forwards when not training).
+        column: the stage's actions in order (only the forwards when not training), with the
+            receives of their messages posted ahead (:class:`~lightning_gpipe.schedule.Post`,
+            :func:`~lightning_gpipe.schedule.with_posts`).
         fill_end: index after the column's last forward.
         receives: per action, the messages it takes, in order (:func:`~lightning_gpipe.schedule.receives`).
         sends: per action, the messages it sends, in order (:func:`~lightning_gpipe.schedule.sends`).
@@ -91,7 +93,7 @@ class ColumnPlan:
             its ``B`` computes the input gradient only, its ``W`` the weight gradients.
     """
 
-    column: tuple[Action, ...]
+    column: tuple[Step, ...]
     fill_end: int
     receives: dict[Action, tuple[Transfer, ...]]
     sends: dict[Action, tuple[Transfer, ...]]
@@ -101,24 +103,35 @@ class ColumnPlan:
     deferred: frozenset[tuple[int, int]] = frozenset()
 
     @classmethod
-    def of(cls, grid: Grid, topology: StageTopology, virtual_stages: int, train: bool) -> ColumnPlan:
-        """The plan of ``topology.stage``'s column of ``grid``."""
+    def of(
+        cls, grid: Grid, topology: StageTopology, virtual_stages: int, train: bool, whole: bool = False
+    ) -> ColumnPlan:
+        """The plan of ``topology.stage``'s column of ``grid``; ``whole``: one call of the user's
+        step covers every micro-batch (``schedule="gpipe"``), so the backwards' messages are posted
+        from its first backward on (:func:`~lightning_gpipe.schedule.with_posts`).
+
+        Raises:
+            ValueError: the grid or the column with its posts does not validate
+                (:func:`~lightning_gpipe.schedule.validate`).
+        """
         top, v = topology, virtual_stages
-        column = [a for a in schedule.stage_actions(grid, top.stage) if train or a.kind == "F"]
+        actions = [a for a in schedule.stage_actions(grid, top.stage) if train or a.kind == "F"]
+        column = schedule.with_posts(actions, top.stage, top.stages, top.skips, v, hold_backwards=whole)
+        schedule.validate(grid, {top.stage: column}, top.skips)
         order = taking_order(grid, top, v) if train and v > 1 else {}
-        sends = {a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in column}
-        deferred = frozenset((a.i, a.virtual_stage) for a in column if a.kind == "W")
+        sends = {a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in actions}
+        deferred = frozenset((a.i, a.virtual_stage) for a in actions if a.kind == "W")
         return cls(
             column=tuple(column),
             fill_end=1 + max(k for k, a in enumerate(column) if a.kind == "F"),
-            receives={a: tuple(schedule.receives(a, top.stage, top.stages, top.skips, v)) for a in column},
+            receives={a: tuple(schedule.receives(a, top.stage, top.stages, top.skips, v)) for a in actions},
             sends=sends,
-            needs_loss=frozenset(a for a in column if schedule.needs_loss(a, top.stage, top.stages, v)),
+            needs_loss=frozenset(a for a in actions if schedule.needs_loss(a, top.stage, top.stages, v)),
             order={peer: tuple(keys) for peer, keys in order.items()},
             input_first=next(
                 (
                     a
-                    for a in reversed(column)
+                    for a in reversed(actions)
                     if a.kind == "B" and sends[a] and (a.i, a.virtual_stage) not in deferred
                 ),
                 None,
@@ -175,8 +188,8 @@ class StepRun:
     outbox: dict[int, dict[tuple[str, int, int, str | None], Any]] = field(default_factory=dict)
 
     @property
-    def column(self) -> tuple[Action, ...]:
-        """This stage's actions (only the forwards when not training)."""
+    def column(self) -> tuple[Step, ...]:
+        """This stage's actions (only the forwards when not training), with their posts."""
         return self.plan.column
 
     @property

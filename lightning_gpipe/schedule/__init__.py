@@ -33,7 +33,7 @@ by name in :data:`SCHEDULES`); the clock only matters for printing, validation a
 The package, one idea per module:
 
 - :mod:`~lightning_gpipe.schedule.grid`: :class:`Action`, the grid, model parts on stages
-  (:func:`part`, :func:`holder`), columns placed on the clock (:func:`place`), :func:`validate`,
+  (:func:`part`, :func:`holder`), columns placed on the clock (:func:`place`), the grid's checks,
   :func:`format_grid`, the bubble (:func:`bubble_share`, :func:`ideal_bubble`);
 - :mod:`~lightning_gpipe.schedule.fill_drain`: GPipe's :func:`fill_drain`;
 - :mod:`~lightning_gpipe.schedule.one_f_one_b`: :func:`one_f_one_b` (PipeDream-Flush) and
@@ -42,6 +42,9 @@ The package, one idea per module:
   into ``B``, the input gradient, and ``W``, the weight gradients);
 - :mod:`~lightning_gpipe.schedule.messages`: the messages each action receives and sends
   (:func:`receives`, :func:`sends`, :func:`send_order`);
+- :mod:`~lightning_gpipe.schedule.posts`: receives posted ahead as actions of a column
+  (:class:`Post`, :func:`with_posts`) and :func:`validate`, which checks a grid and its columns'
+  posts;
 - here: :data:`SCHEDULES` by name and the checks of the strategy's ``schedule=`` and
   ``virtual_stages=`` arguments.
 
@@ -74,7 +77,6 @@ from lightning_gpipe.schedule.grid import (
     sizes,
     split_phases,
     stage_actions,
-    validate,
     virtual_stages_of,
 )
 from lightning_gpipe.schedule.messages import (
@@ -86,9 +88,11 @@ from lightning_gpipe.schedule.messages import (
     sends,
 )
 from lightning_gpipe.schedule.one_f_one_b import interleaved_1f1b, one_f_one_b
+from lightning_gpipe.schedule.posts import POSTED_AHEAD, Post, Step, validate, with_posts
 from lightning_gpipe.schedule.zero_bubble import zb_h1
 
 __all__ = [
+    "POSTED_AHEAD",
     "SCHEDULES",
     "Action",
     "Grid",
@@ -108,14 +112,17 @@ __all__ = [
     "one_f_one_b",
     "part",
     "place",
+    "Post",
     "receives",
     "send_order",
     "sends",
     "sizes",
     "split_phases",
     "stage_actions",
+    "Step",
     "validate",
     "virtual_stages_of",
+    "with_posts",
     "zb_h1",
 ]
 

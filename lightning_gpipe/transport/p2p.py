@@ -1,20 +1,22 @@
-"""Point-to-point messages between stages: :class:`P2P`, with deferred send waits.
+"""Point-to-point messages between stages: :class:`P2P`, with receives posted ahead and deferred send waits.
 
 A message is what :mod:`lightning_gpipe.transport.wire` encodes: a fixed-size header, then the
-tensors it describes, each sent as a message of its own. Receives are posted when the stage asks
-for a message (on demand, as ``torch.distributed.pipelining`` does): the header first, then the
-tensors it announces. Sends are asynchronous (``isend``) and their waits are deferred to
-:meth:`P2P.flush`, so a stage computes micro-batch ``i+1`` while micro-batch ``i`` travels; on CPU
-a thread waits for the sends as they complete and frees their buffers. Transport is
-``torch.distributed`` with global ranks: Gloo on CPU, NCCL on CUDA; on Gloo the messages between
-the ranks of a pipeline travel on :class:`Lanes`, one process group per direction.
+tensors it describes. On CPU (Gloo) it travels as :mod:`lightning_gpipe.transport.prefetch` lays
+it out (a frame, or a header and one payload), so that its receive can be posted before the stage
+takes it (:meth:`P2P.post`, run by the schedule's :class:`~lightning_gpipe.schedule.Post` actions);
+on CUDA (NCCL) as the header, then each tensor, received when the stage takes it. Sends are
+asynchronous (``isend``) and their waits are deferred to :meth:`P2P.flush`, so a stage computes
+micro-batch ``i+1`` while micro-batch ``i`` travels; on CPU a thread waits for the sends as they
+complete and frees their buffers. Transport is ``torch.distributed`` with global ranks: Gloo on
+CPU, NCCL on CUDA; on Gloo the messages between the ranks of a pipeline travel on :class:`Lanes`,
+one process group per direction.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
-from collections import deque
+from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -23,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gpipe._compat import unrecorded
+from lightning_gpipe.transport import prefetch
 from lightning_gpipe.transport.structure import Structure
 from lightning_gpipe.transport.wire import HEADER_SLOTS, Meta, decode_header, decode_message, encode_message
 
@@ -90,8 +93,15 @@ def close_lanes() -> None:
 
 
 class P2P:
-    """Send and receive values between global ranks: each a header, then its tensors, with deferred
-    send waits.
+    """Send and receive values between global ranks, with receives posted ahead and deferred send
+    waits.
+
+    :meth:`post` posts the receives of a source's next message not yet posted; :meth:`recv` takes
+    the source's oldest posted message, or posts and takes one now. A message posted is taken in
+    order (the transport matches receives to a source's messages in the order both were posted),
+    so every receive posted must be taken: the schedule's actions post exactly the messages their
+    columns take (:func:`~lightning_gpipe.schedule.with_posts`, checked by
+    :func:`~lightning_gpipe.schedule.validate`). On CUDA :meth:`post` does nothing.
 
     The send waiter's thread outlives a phase: it waits up to :data:`LINGER_S` seconds for the next
     send before it ends, so a step starts no thread (a thread's start costs the stage's thread a
@@ -115,6 +125,10 @@ class P2P:
         self.background = device.type == "cpu" if background is None else background
         self._pending: list[tuple[dist.Work, object]] = []
         self._waiter = _SendWaiter()  # background: waits for the sends posted, in order
+        self.packed = device.type == "cpu"  # Gloo: transport.prefetch's layout, receives posted ahead
+        self._rooms_to: dict[int, prefetch.Rooms] = defaultdict(prefetch.Rooms)  # per destination
+        self._rooms_from: dict[int, prefetch.Rooms] = defaultdict(prefetch.Rooms)  # per source
+        self._posted: dict[int, deque[prefetch.Posted]] = defaultdict(deque)  # per source, oldest first
 
     def send(
         self, tensors: Sequence[Tensor], dst: int, *, structure: Structure | None = None, chunks: int = 0
@@ -135,33 +149,62 @@ class P2P:
         """
         message = encode_message(tensors, structure, chunks, self.device)
         group = self._group(self._me(), dst)
+        laid = prefetch.parts(message, self._rooms_to[dst]) if self.packed else [(t, 0) for t in message]
         posted: list[tuple[dist.Work, Tensor]] = []
         try:
-            for t in message:
-                posted.append((_post(t, dst, group), t))
+            for t, tag in laid:
+                posted.append((_post(t, dst, group, tag), t))
         finally:  # what was posted is waited for, even where a later post failed
             if posted and self.background:
                 self._waiter.put(posted)  # the waiter holds the tensors until the sends complete
             elif posted:
                 self._pending += posted
 
-    def recv(self, src: int) -> tuple[Meta, list[Tensor]]:
-        """Receive one message from ``src``: its header, then its tensors (allocated from the header).
+    def post(self, src: int) -> None:
+        """Post the receives of the next message from ``src`` not yet posted (on CPU; on CUDA
+        nothing: the receive is posted when :meth:`recv` takes it).
 
         Raises:
-            RuntimeError: (or the transport's own error) the receive failed, e.g. the peer went away.
+            RuntimeError: more than :data:`~lightning_gpipe.schedule.POSTED_AHEAD` + 1 messages
+                from ``src`` posted and not taken; or (or the transport's own error) posting
+                failed, e.g. the peer went away.
+        """
+        if self.packed:
+            queue, rooms = self._posted[src], self._rooms_from[src]
+            room = rooms.room(rooms.count + len(queue))
+            queue.append(prefetch.post(src, self._group(src, self._me()), room, self.device))
+
+    def recv(self, src: int) -> tuple[Meta, list[Tensor]]:
+        """Receive one message from ``src``: the oldest posted (:meth:`post`), or one posted now.
+
+        Raises:
+            RuntimeError: (or the transport's own error) the receive failed, e.g. the peer went away;
+                the receives still posted from ``src`` are then dropped.
         """
         group = self._group(src, self._me())
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        _wait(dist.irecv(header, src, group=group))
-        meta = decode_header(header)
-        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
-        if meta.blob:
-            tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))
-        works = [dist.irecv(t, src, group=group) for t in tensors]
-        for w in works:
-            _wait(w)
-        return decode_message(meta, tensors)
+        if not self.packed:
+            header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+            _wait(dist.irecv(header, src, group=group))
+            meta = decode_header(header)
+            tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
+            if meta.blob:
+                tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))
+            works = [dist.irecv(t, src, group=group) for t in tensors]
+            for w in works:
+                _wait(w)
+            return decode_message(meta, tensors)
+        queue = self._posted[src]
+        try:
+            if not queue:
+                self.post(src)
+            return prefetch.take(queue.popleft(), self._rooms_from[src], src, group)
+        except BaseException:
+            queue.clear()
+            raise
+
+    def posted(self, src: int) -> int:
+        """Messages from ``src`` whose receives are posted and not yet taken."""
+        return len(self._posted[src]) if src in self._posted else 0
 
     def _me(self) -> int:
         if self._rank is None:

@@ -48,11 +48,11 @@ def test_each_direction_of_a_pipeline_travels_on_its_own_lane_and_other_pairs_on
     used = [json.loads((tmp_path / f"lanes{r}.json").read_text()) for r in range(4)]
     assert all(u["equal"] for u in used)
     for lower, higher in ((0, 1), (2, 3)):  # each pipeline: up from its lower rank, down from its higher
-        # 3 messages each way, each its header and its tensor
-        assert used[lower]["posts"][:6] == ["upward"] * 6 and used[lower]["receives"][:6] == ["downward"] * 6
-        assert used[higher]["posts"] == ["downward"] * 6 and used[higher]["receives"] == ["upward"] * 6
-    assert used[0]["posts"][6:] == ["default"] * 2  # rank 2 is in another pipeline
-    assert used[2]["receives"][6:] == ["default"] * 2
+        # 3 messages each way, each one frame (small: its header and its payload together)
+        assert used[lower]["posts"][:3] == ["upward"] * 3 and used[lower]["receives"][:3] == ["downward"] * 3
+        assert used[higher]["posts"] == ["downward"] * 3 and used[higher]["receives"] == ["upward"] * 3
+    assert used[0]["posts"][3:] == ["default"]  # rank 2 is in another pipeline
+    assert used[2]["receives"][3:] == ["default"]
 
 
 @pytest.mark.timeout(120)

@@ -9,6 +9,7 @@ from lightning_gpipe.engine.plan import ColumnPlan, taking_order
 from lightning_gpipe.engine.skip import Route
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.schedule import (
+    Action,
     fill_drain,
     interleaved_1f1b,
     needs_loss,
@@ -16,6 +17,7 @@ from lightning_gpipe.schedule import (
     receives,
     sends,
     stage_actions,
+    with_posts,
 )
 from lightning_gpipe.transport.layout import Layout, StageTopology
 from lightning_gpipe.transport.p2p import P2P
@@ -41,8 +43,9 @@ def test_the_plan_names_what_the_schedule_functions_name(grid, v, skips):
         top = _topology(stage, stages, skips)
         plan = ColumnPlan.of(grid, top, v, train=True)
         column = stage_actions(grid, stage)
-        assert list(plan.column) == column
-        assert plan.fill_end == 1 + max(k for k, a in enumerate(column) if a.kind == "F")
+        assert list(plan.column) == with_posts(column, stage, stages, skips, v)
+        assert [a for a in plan.column if isinstance(a, Action)] == column
+        assert plan.fill_end == 1 + max(k for k, a in enumerate(plan.column) if a.kind == "F")
         for a in column:
             assert list(plan.receives[a]) == receives(a, stage, stages, skips, v)
             assert list(plan.sends[a]) == sends(a, stage, stages, skips, v)
@@ -54,7 +57,9 @@ def test_the_plan_names_what_the_schedule_functions_name(grid, v, skips):
 def test_an_evaluation_plan_runs_the_forwards_only_and_holds_no_sends():
     grid = interleaved_1f1b(2, 5, 2)
     plan = ColumnPlan.of(grid, _topology(1, 2), 2, train=False)
-    assert list(plan.column) == [a for a in stage_actions(grid, 1) if a.kind == "F"]
+    forwards = [a for a in stage_actions(grid, 1) if a.kind == "F"]
+    assert [a for a in plan.column if isinstance(a, Action)] == forwards
+    assert all(a.kind in "FR" for a in plan.column)  # and the posts of the messages they take
     assert plan.fill_end == len(plan.column) and not plan.needs_loss and plan.order == {}
 
 

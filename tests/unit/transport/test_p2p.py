@@ -1,5 +1,6 @@
-"""Point-to-point transport: messages received on demand and in order, lanes, the send waiter,
-errors handed on."""
+"""Point-to-point transport: messages received in order (on CUDA, as a header then each tensor; on
+CPU as :mod:`lightning_gpipe.transport.prefetch` lays them out, tested there), lanes, the send
+waiter, errors handed on."""
 
 import threading
 import time
@@ -43,14 +44,25 @@ class _Wire:
         return _done()
 
 
-def test_a_message_is_its_header_then_each_tensor_received_on_demand(monkeypatch):
+def _unpacked(**options) -> P2P:
+    """A transport laid out as on CUDA (NCCL): no payload packing, nothing posted ahead."""
+    p2p = P2P(torch.device("cpu"), **options)
+    p2p.packed = False
+    return p2p
+
+
+def test_a_message_is_its_header_then_each_tensor_received_on_demand_on_cuda(monkeypatch):
     """Each value travels as its header and then its tensors (a pytree's structure last), received
-    when the stage asks, in order, whatever their sizes, dtypes and shapes."""
+    when the stage asks, in order, whatever their sizes, dtypes and shapes; posting ahead does
+    nothing."""
     wire = _Wire()
     monkeypatch.setattr(comm, "_post", lambda t, dst, group=None, tag=0: wire.isend(t, dst))
     monkeypatch.setattr(comm.dist, "irecv", wire.irecv)
     monkeypatch.setattr(comm.dist, "get_rank", lambda: 0)
-    p2p = P2P(torch.device("cpu"), background=False)
+    p2p = _unpacked(background=False)
+    p2p.post(1)
+    assert p2p.posted(1) == 0 and not wire.received
+    assert P2P(torch.device("cuda")).packed is False
     values = [
         [torch.randn(4, 3)],
         [torch.randn(400, 500), torch.arange(7)],
@@ -135,7 +147,7 @@ def test_a_thread_that_cannot_start_leaves_nothing_held_and_nothing_to_wait_for(
 def test_a_failed_post_is_raised_by_the_send_and_flush_still_waits_for_the_earlier_sends(monkeypatch, fails):
     """A post that fails is raised by the send; what was posted before it (the earlier messages, and
     the message's header where its tensor's post failed) is still waited for by the flush."""
-    p2p = P2P(torch.device("cpu"))
+    p2p = _unpacked()
     monkeypatch.setattr(comm.dist, "get_rank", lambda: 0)
     earlier, header = _Send(), _Send()
     p2p._waiter.put([(earlier, torch.zeros(1))])
@@ -162,7 +174,7 @@ def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch)
     """Encoded and posted in the stage's thread: under a per-micro-batch schedule the stage may not
     flush before its peer waits for the message, so an error held until then would leave the peer
     waiting for the process group's timeout."""
-    p2p, posted = P2P(torch.device("cpu")), []
+    p2p, posted = _unpacked(), []
     monkeypatch.setattr(comm.dist, "get_rank", lambda: 0)
     monkeypatch.setattr(comm, "_post", lambda t, dst, group, tag=0: posted.append(t.clone()) or _done())
     with pytest.raises(ValueError, match="cannot send a tensor of dtype torch.uint16"):
