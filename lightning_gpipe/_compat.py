@@ -17,7 +17,11 @@ from torch._C._autograd import _enable_record_function
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
 from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
+from torch._weights_only_unpickler import _get_allowed_globals, _get_user_allowed_globals
 from torch.amp import GradScaler
+from torch.distributed.checkpoint._traverse import set_element as _set_element
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as MemoryFormatEncoding
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
 from torch.optim import Optimizer
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -29,7 +33,9 @@ from torch.utils._pytree import tree_unflatten as _tree_unflatten
 
 __all__ = [
     "BatchNormBase",
+    "MemoryFormatEncoding",
     "OptimizedModule",
+    "StorageInfo",
     "TorchDispatchMode",
     "TreeSpec",
     "checkpoint_offset",
@@ -43,12 +49,14 @@ __all__ = [
     "scaler_device",
     "scaler_optimizer_state",
     "scaler_scale",
+    "set_element",
     "tree_flatten",
     "tree_leaf_paths",
     "tree_leaves",
     "tree_unflatten",
     "unflatten_dense_tensors",
     "unrecorded",
+    "weights_only_globals",
 ]
 
 
@@ -103,6 +111,18 @@ def checkpoint_offset(storage: Any) -> int | None:
     unknown)."""
     offset = getattr(storage, "_checkpoint_offset", None)
     return None if offset is None else int(offset)
+
+
+def weights_only_globals() -> dict[str, Any]:
+    """What torch's safe unpickler (``weights_only=True``) lets a file name, by ``"module.name"``: its own
+    allow-list (tensors, storages, dtypes, ``torch.Size``, ``OrderedDict``, ...) and what the user added with
+    ``torch.serialization.add_safe_globals`` / ``safe_globals``."""
+    return {**_get_allowed_globals(), **_get_user_allowed_globals()}
+
+
+def set_element(root: Any, path: Any, value: Any) -> None:
+    """Put ``value`` at ``path`` (a ``torch.distributed.checkpoint`` object path) in the nested ``root``."""
+    _set_element(root, path, value)
 
 
 def tree_flatten(value: Any) -> tuple[list[Any], TreeSpec]:

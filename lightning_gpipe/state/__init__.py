@@ -10,6 +10,7 @@ number of stages (:mod:`lightning_gpipe.state.sharded`). Both are written atomic
 torchgpipe's ``checkpoint.py`` is recompute, which lives in :mod:`lightning_gpipe.engine.recompute` here.
 """
 
+from lightning_gpipe.errors import UnsafeCheckpointError
 from lightning_gpipe.state.full import (
     FORMATS,
     broadcast_from_first_replica,
@@ -20,7 +21,7 @@ from lightning_gpipe.state.full import (
     module_state_dict,
     user_state_dict,
 )
-from lightning_gpipe.state.loading import UnsafeCheckpointError, load_from_checkpoint
+from lightning_gpipe.state.loading import load_from_checkpoint
 
 __all__ = [
     "FORMATS",

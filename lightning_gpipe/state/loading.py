@@ -21,7 +21,7 @@ import sys
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import pytorch_lightning as pl
 import torch
@@ -30,10 +30,11 @@ from torch import Tensor
 
 from lightning_gpipe._compat import checkpoint_offset
 from lightning_gpipe._lightning import load_module_state, migrate_checkpoint
-from lightning_gpipe.errors import UnsafeCheckpointError
-from lightning_gpipe.state.optimizer import NAMES_KEY, CheckpointError
+from lightning_gpipe.errors import CheckpointError
+from lightning_gpipe.state.optimizer import NAMES_KEY
+from lightning_gpipe.state.unpickler import refusal
 
-OPT_IN = "weights_only=False"
+LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"  # torch < 1.6's file head
 
 
 def safe(weights_only: bool | None) -> bool:
@@ -41,39 +42,81 @@ def safe(weights_only: bool | None) -> bool:
     return weights_only is not False
 
 
+def check_torch_file(path: str | os.PathLike) -> None:
+    """Return if ``path`` is a complete ``torch.save`` file (zip format, this machine's byte order).
+
+    Raises:
+        CheckpointError: it is empty, truncated (a zip archive without its end: an interrupted
+            save or copy), written by torch < 1.6, written on a machine of the other byte order,
+            or not a torch file at all; the message names the file.
+    """
+    name = os.fspath(path)
+    with open(path, "rb") as handle:
+        head = handle.read(len(LEGACY_MAGIC))
+    if not head:
+        raise CheckpointError(f"{name} is empty (0 bytes): the save that wrote it did not finish")
+    if zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as archive:
+            order = [n for n in archive.namelist() if n.endswith("/byteorder")]
+            if order and archive.read(order[0]).decode() != sys.byteorder:
+                raise CheckpointError(
+                    f"{name} was written on a {archive.read(order[0]).decode()}-endian machine "
+                    f"(this one: {sys.byteorder}); load it whole with torch.load and re-save it"
+                )
+        return
+    if head.startswith(b"PK\x03\x04"):
+        raise CheckpointError(
+            f"{name} is truncated: a zip archive ({os.path.getsize(path)} bytes) without its end, as an "
+            "interrupted save or copy leaves it"
+        )
+    if head == LEGACY_MAGIC:
+        raise CheckpointError(
+            f"{name} is not in torch's zip format (written by torch < 1.6 or with "
+            "_use_new_zipfile_serialization=False); re-save it with torch.save"
+        )
+    raise CheckpointError(
+        f"{name} is not a checkpoint: neither a file written by torch.save nor a sharded checkpoint directory"
+    )
+
+
 def load_structure(
-    path: str | os.PathLike, weights_only: bool | None = None, map_location: Any = "meta"
+    path: str | os.PathLike | IO[bytes],
+    weights_only: bool | None = None,
+    map_location: Any = "meta",
+    name: str | os.PathLike | None = None,
 ) -> Any:
     """``torch.load`` a file with the safe unpickler unless ``weights_only=False``; tensors on
-    ``map_location``.
+    ``map_location``. Every ``torch.save`` file the package reads is read here.
 
     Args:
-        path: the file.
+        path: the file, or an open binary file (an entry of a sharded checkpoint).
         weights_only: ``None`` or ``True``: torch's safe unpickler (tensors, containers,
             primitive types and ``torch.serialization.get_safe_globals()``); ``False``: full
             pickle, which runs whatever the file names (only for files you trust).
         map_location: ``"meta"`` (default): tensors are meta tensors and no tensor data is
             read (:class:`LazyCheckpoint` reads them); anything ``torch.load`` takes otherwise.
+        name: the file in error messages (default: ``path``).
 
     Raises:
         UnsafeCheckpointError: the safe unpickler refuses the file; the message names the file,
             what it refused and the opt-in.
+        CheckpointError: the file is not a complete ``torch.save`` file
+            (:func:`check_torch_file`) or cannot be read; the message names it.
     """
+    name = name if name is not None else cast(Any, path)
+    if isinstance(path, (str, os.PathLike)):
+        check_torch_file(path)
     try:
         return torch.load(path, map_location=map_location, weights_only=safe(weights_only))
     except pickle.UnpicklingError as err:
         if not safe(weights_only):
-            raise
+            raise CheckpointError(f"{os.fspath(name)} cannot be unpickled ({err})") from err
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         reason = next((line for line in lines if "GLOBAL" in line), lines[0] if lines else "")
         reason = reason.removeprefix("WeightsUnpickler error: ").split(". ")[0].rstrip(".")
-        raise UnsafeCheckpointError(
-            f"refused to load {os.fspath(path)}: torch's safe unpickler (weights_only=True) does not allow "
-            f"what it holds ({reason}); if you trust this file, load it with {OPT_IN} "
-            f"(GPipeStrategy({OPT_IN}) for trainer.fit/validate/test(ckpt_path=...), "
-            f"lightning_gpipe.load_from_checkpoint(..., {OPT_IN})), or allow its classes with "
-            "torch.serialization.add_safe_globals"
-        ) from None
+        raise refusal(name, reason) from None
+    except (RuntimeError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as err:
+        raise CheckpointError(f"{os.fspath(name)} is damaged: torch.load failed ({err})") from err
 
 
 class LazyCheckpoint:
@@ -89,25 +132,16 @@ class LazyCheckpoint:
 
     Raises:
         UnsafeCheckpointError: see :func:`load_structure`.
-        CheckpointError: the file is not in torch's zip format, or was written on a machine
-            of the other byte order.
+        CheckpointError: the file is not a complete ``torch.save`` file (:func:`check_torch_file`),
+            or holds no Lightning checkpoint (a dict with a ``state_dict``).
     """
 
     def __init__(self, path: str | os.PathLike, weights_only: bool | None = None) -> None:
         self.path = Path(path)
-        if not zipfile.is_zipfile(self.path):
-            raise CheckpointError(
-                f"{self.path} is not in torch's zip format (written by torch < 1.6 or with "
-                "_use_new_zipfile_serialization=False); re-save it with torch.save"
-            )
-        with zipfile.ZipFile(self.path) as archive:
-            order = [n for n in archive.namelist() if n.endswith("/byteorder")]
-            if order and archive.read(order[0]).decode() != sys.byteorder:
-                raise CheckpointError(
-                    f"{self.path} was written on a {archive.read(order[0]).decode()}-endian machine "
-                    f"(this one: {sys.byteorder}); load it whole with torch.load and re-save it"
-                )
         self.data = load_structure(self.path, weights_only)
+        if not isinstance(self.data, dict) or "state_dict" not in self.data:
+            what = "a dict without 'state_dict'" if isinstance(self.data, dict) else type(self.data).__name__
+            raise CheckpointError(f"{self.path} is not a Lightning checkpoint: it holds {what}")
 
     def read(self, meta: Tensor) -> Tensor:
         """The CPU tensor that ``meta`` (a tensor of :attr:`data`) stands for, read from the file."""

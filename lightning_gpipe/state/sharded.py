@@ -8,7 +8,6 @@ stages. Lightning's other checkpoint entries (loops, callbacks, hyperparameters)
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -24,11 +25,17 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
+from lightning_gpipe.errors import CheckpointError
+from lightning_gpipe.state import atomic
+from lightning_gpipe.state.check import Shapes, check_state_fits, shapes
 from lightning_gpipe.state.loading import load_structure
+from lightning_gpipe.state.safe_planner import SafeLoadPlanner
+from lightning_gpipe.state.safe_reader import METADATA_FILE, SafeReader
 
 __all__ = [
     "META_FILE",
     "SHARDED_KEY",
+    "is_complete",
     "is_sharded",
     "load_sharded",
     "save_sharded",
@@ -55,38 +62,37 @@ def save_sharded(
     Model and optimizer tensors go through ``torch.distributed.checkpoint`` (keys are the
     user's parameter names, so any number of stages can load them); the rest of Lightning's
     checkpoint (loops, callbacks, hyperparameters) goes to ``lightning_meta.pt``, written by
-    rank 0. All ranks must call this. The directory appears atomically: everything is written
-    to ``<path>.tmp`` and renamed when complete, so a crash during the save leaves a previous
-    checkpoint at ``path`` intact.
+    rank 0 last. All ranks must call this (one process may, without process groups). The
+    directory appears atomically: everything is written to ``<path>.tmp-<id>`` beside it and
+    committed by renames (:func:`lightning_gpipe.state.atomic.commit`), so a crash at any point
+    leaves the previous checkpoint loadable; copies an interrupted save left are removed.
+
+    Raises:
+        RuntimeError: rank 0 failed to write or commit (its own error on rank 0).
     """
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    rank = dist.get_rank()
-    if rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    dist.barrier()
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    staged = [atomic.staging(path)]  # one name on every rank
+    if distributed:
+        dist.broadcast_object_list(staged, src=0)
     state = {
         "model": {k: v for k, v in module.state_dict().items()},
         "optimizers": [get_optimizer_state_dict(module, opt, options=_FLAT) for opt in optimizers],
     }
-    dcp.save(state, checkpoint_id=str(tmp))
+    dcp.save(state, checkpoint_id=str(staged[0]))
     error: BaseException | None = None
     if rank == 0:
         try:
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             meta[SHARDED_KEY] = True
-            torch.save(meta, tmp / META_FILE)
-            old = path.with_name(path.name + ".old")
-            if path.exists():
-                path.rename(old)
-            tmp.rename(path)
-            if old.exists():
-                shutil.rmtree(old)
+            atomic.write_file(staged[0] / META_FILE, lambda target: torch.save(meta, target))
+            atomic.commit(staged[0], path)
         except Exception as err:  # every rank must learn of it, or they would wait forever
             error = err
-            shutil.rmtree(tmp, ignore_errors=True)
     ok = [error is None]
-    dist.broadcast_object_list(ok, src=0)
+    if distributed:
+        dist.broadcast_object_list(ok, src=0)
     if error is not None:
         raise error
     if not ok[0]:
@@ -96,7 +102,13 @@ def save_sharded(
 
 
 def is_sharded(path: str | os.PathLike) -> bool:
-    return Path(path).is_dir() and (Path(path) / META_FILE).exists()
+    """``path`` is a directory (a sharded checkpoint, complete or not)."""
+    return Path(path).is_dir()
+
+
+def is_complete(path: str | os.PathLike) -> bool:
+    """``path`` is a complete sharded checkpoint (its metadata and ``lightning_meta.pt``, written last)."""
+    return (Path(path) / META_FILE).is_file() and (Path(path) / METADATA_FILE).is_file()
 
 
 def load_sharded(
@@ -104,27 +116,60 @@ def load_sharded(
     module: nn.Module,
     optimizers: Sequence[Optimizer],
     weights_only: bool | None = None,
+    expected: Shapes | None = None,
+    strict: bool = True,
 ) -> dict[str, Any]:
     """Read a checkpoint directory into this rank's stage (any stage count): a Lightning checkpoint dict.
 
     ``state_dict`` holds this stage's tensors; ``optimizer_states`` holds each optimizer's state
-    keyed by parameter name (``torch.distributed.checkpoint.state_dict`` format). The metadata
-    file (``lightning_meta.pt``) is read with torch's safe unpickler unless ``weights_only=False``.
+    keyed by parameter name (``torch.distributed.checkpoint.state_dict`` format). Every file is
+    read with an allow-list unless ``weights_only=False`` (:class:`.safe_reader.SafeReader`), and
+    the model's keys and shapes are checked against the checkpoint's before any tensor is read.
+
+    Args:
+        expected: the whole model's keys and shapes (default: ``module``'s).
+        strict: the keys must be equal (:func:`.check.check_state_fits`).
 
     Raises:
-        lightning_gpipe.state.loading.UnsafeCheckpointError: the metadata holds objects the safe
-            unpickler refuses (the message names the file and the opt-in).
+        UnsafeCheckpointError: a file holds objects the safe unpickler refuses (the message names
+            the file and the opt-in).
+        CheckpointError: the directory is no complete checkpoint, a file is truncated or damaged,
+            or the checkpoint does not fit the model (the message names the file).
     """
-
     path = Path(path)
+    if not (path / META_FILE).is_file():
+        what = "an interrupted save" if (path / METADATA_FILE).is_file() else "not a checkpoint directory"
+        raise CheckpointError(f"{path} has no {META_FILE}: {what} (a sharded checkpoint's files are missing)")
     checkpoint = load_structure(path / META_FILE, weights_only, map_location="cpu")
+    reader = SafeReader(path, weights_only)
+    metadata = reader.read_metadata()
+    saved = {
+        key.removeprefix("model."): tuple(entry.size) if isinstance(entry, TensorStorageMetadata) else None
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.")
+    }
+    model = expected if expected is not None else shapes(module.state_dict())
+    check_state_fits(saved, model, strict, path, type(module).__name__)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizers:
         state["optimizers"] = [get_optimizer_state_dict(module, opt, options=_FLAT) for opt in optimizers]
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader, allow_partial_load=not strict))
+    except CheckpointException as err:
+        raise _failure(err, path) from None
     checkpoint["state_dict"] = state["model"]
     checkpoint["optimizer_states"] = state.get("optimizers", [])
     return checkpoint
+
+
+def _failure(err: CheckpointException, path: Path) -> Exception:
+    """The error to raise for a failed ``dcp.load``: this rank's (else the lowest rank's), named."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    failed = rank if rank in err.failures else min(err.failures)
+    cause = err.failures[failed][0]
+    if isinstance(cause, CheckpointError):
+        return cause
+    return CheckpointError(f"{path} cannot be loaded (rank {failed}): {type(cause).__name__}: {cause}")
 
 
 def set_sharded_optimizer_states(

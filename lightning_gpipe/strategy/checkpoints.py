@@ -14,16 +14,19 @@ every stage writes and reads its own shard (:mod:`lightning_gpipe.state.sharded`
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 from torch import nn
 from torch.optim import Optimizer
 
 from lightning_gpipe import state
 from lightning_gpipe._lightning import distributed_is_initialized, unwrap_optimizer
-from lightning_gpipe.state import loading, sharded
+from lightning_gpipe.state import atomic, check, loading, sharded
 from lightning_gpipe.strategy.pipelined import Pipelined
 from lightning_gpipe.transport.layout import Layout
 
@@ -34,7 +37,8 @@ __all__ = [
     "model_state",
     "optimizer_state",
     "pipeline_record",
-    "save_sharded",
+    "save",
+    "whole_model_shapes",
 ]
 
 
@@ -46,14 +50,55 @@ def pipeline_record(
     return {**record, "stages": stages, "virtual_stages": virtual_stages}
 
 
-def save_sharded(
-    checkpoint: dict[str, Any], filepath: Any, module: nn.Module, optimizers: Sequence[Any]
+def save(
+    checkpoint_format: str,
+    checkpoint: dict[str, Any],
+    filepath: Any,
+    module: nn.Module,
+    optimizers: Sequence[Any],
+    checkpoint_io: Any,
+    rank: int,
+    storage_options: Any = None,
 ) -> bool:
-    """Write this stage's shard of a sharded checkpoint; ``False`` (no shard) without process groups."""
-    if not distributed_is_initialized():
+    """Write a checkpoint atomically, beside its path (:mod:`lightning_gpipe.state.atomic`); ``False``: the
+    strategy's ``CheckpointIO`` writes it instead.
+
+    ``"sharded"``: every stage writes its shard (:func:`.sharded.save_sharded`), when process groups
+    exist. ``"full"``: rank 0 writes the file with ``torch.save`` to ``<path>.tmp-<id>`` and replaces
+    ``path`` with it, when the ``CheckpointIO`` is Lightning's default (``TorchCheckpointIO``, whose own
+    atomic save stages in ``$TMPDIR`` and so truncates ``path`` first when that is another filesystem),
+    the path local and no ``storage_options`` given; a custom ``CheckpointIO`` or a remote path is
+    left to the ``CheckpointIO``.
+    """
+    if checkpoint_format == "sharded":
+        if not distributed_is_initialized():
+            return False
+        sharded.save_sharded(checkpoint, filepath, module, _unwrapped(optimizers))
+        return True
+    if type(checkpoint_io) is not TorchCheckpointIO or storage_options is not None or "://" in str(filepath):
         return False
-    sharded.save_sharded(checkpoint, filepath, module, _unwrapped(optimizers))
+    if rank == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(filepath)), exist_ok=True)
+        atomic.write_file(filepath, lambda staged: torch.save(checkpoint, staged))
     return True
+
+
+def whole_model_shapes(pipelined: Pipelined, module: nn.Module) -> dict[str, tuple[int, ...] | None]:
+    """The keys and shapes of the whole model's ``state_dict`` (every stage's, under the user's names), as one
+    device holds it; ``module``'s own when it is not partitioned."""
+    own = check.shapes(module.state_dict())
+    installed = pipelined.installed
+    if installed is None or pipelined.stage is None:
+        return own
+    prefix = installed.name + "."
+    whole = {k: v for k, v in own.items() if not k.startswith(prefix)}
+    whole.update({prefix + k: v for k, v in check.shapes(installed.sequential.state_dict()).items()})
+    return whole
+
+
+def _complete(copy: Path) -> bool:
+    """``copy`` is a complete checkpoint of either format (a leftover of an interrupted save)."""
+    return sharded.is_complete(copy) if copy.is_dir() else zipfile.is_zipfile(copy)
 
 
 def load(
@@ -66,25 +111,41 @@ def load(
 ) -> tuple[dict[str, Any], loading.LazyCheckpoint | None]:
     """Read this rank's part of a checkpoint, with torch's safe unpickler unless ``weights_only=False``.
 
-    ``weights_only`` decides how every file is unpickled, the sharded checkpoint's metadata
+    ``weights_only`` decides how every file is unpickled, the sharded checkpoint's metadata and entries
     included. A full checkpoint file is read stage by stage
     (:func:`lightning_gpipe.state.loading.stage_part`): the other stages' tensors are never read,
-    this stage's are read when loaded. A path that is not a local file is read by
+    this stage's are read when loaded. Before that, on every rank, the checkpoint's keys and shapes
+    are checked against the whole model's (strictly when ``module.strict_loading``), and its optimizer
+    states' parameter counts (:mod:`lightning_gpipe.state.check`). When ``path`` is missing because a
+    save was interrupted between its renames, the complete copy beside it is read, with a warning
+    (:func:`lightning_gpipe.state.atomic.resolve`). A remote path (``scheme://``) is read by
     ``read(path, weights_only=...)`` (the strategy's ``CheckpointIO``), safely unless opted out.
 
     Returns:
         The checkpoint, and the full file it reads from lazily (``None`` for any other path).
 
     Raises:
-        UnsafeCheckpointError: the safe unpickler refuses the file (the message names it
-            and the opt-in).
+        UnsafeCheckpointError: the safe unpickler refuses a file (the message names it and the opt-in).
+        CheckpointError: the checkpoint is incomplete, truncated, damaged or no checkpoint, or does not
+            fit the model (the message names the file and what is wrong).
+        FileNotFoundError: nothing is at ``path``.
     """
+    if "://" in str(path):
+        return read(path, weights_only=loading.safe(weights_only)), None
+    path = atomic.resolve(path, _complete)
+    strict = bool(getattr(module, "strict_loading", True))
+    expected = whole_model_shapes(pipelined, module) if module is not None else None
     if sharded.is_sharded(path):
         assert module is not None
-        return sharded.load_sharded(path, module, _unwrapped(optimizers), weights_only), None
-    if not os.path.isfile(path):
-        return read(path, weights_only=loading.safe(weights_only)), None
+        opts = _unwrapped(optimizers)
+        return sharded.load_sharded(path, module, opts, weights_only, expected, strict), None
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist")
     lazy = loading.LazyCheckpoint(path, weights_only)
+    if module is not None and expected is not None:
+        saved = check.shapes(lazy.data["state_dict"])
+        check.check_state_fits(saved, expected, strict, path, type(module).__name__)
+        check.check_optimizer_counts(lazy.data.get("optimizer_states", []), pipelined.plain_names, path)
     owners = pipelined.owners()  # tied copies' states
     return loading.stage_part(lazy, module, pipelined.plain_names, owners), lazy
 

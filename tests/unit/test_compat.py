@@ -342,3 +342,30 @@ def test_TorchDispatchMode():
 
 def test_tree_leaves():
     assert _compat.tree_leaves({"a": [1, torch.ones(1)], "b": (None,)})[:1] == [1]
+
+
+class _Allowed:
+    pass
+
+
+def test_weights_only_globals():
+    found = _compat.weights_only_globals()
+    assert found["torch.Size"] is torch.Size and found["collections.OrderedDict"].__name__ == "OrderedDict"
+    assert f"{__name__}._Allowed" not in found
+    with torch.serialization.safe_globals([_Allowed]):
+        assert _compat.weights_only_globals()[f"{__name__}._Allowed"] is _Allowed
+
+
+def test_set_element():
+    root = {"a": {"b": [0, 1]}}
+    _compat.set_element(root, ("a", "b", 1), "x")
+    assert root == {"a": {"b": [0, "x"]}}
+
+
+def test_StorageInfo():
+    info = _compat.StorageInfo(relative_path="__0_0.distcp", offset=3, length=5)
+    assert (info.relative_path, info.offset, info.length) == ("__0_0.distcp", 3, 5)
+
+
+def test_MemoryFormatEncoding():
+    assert {e.name for e in _compat.MemoryFormatEncoding} >= {"TORCH_CONTIGUOUS_FORMAT"}

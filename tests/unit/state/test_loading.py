@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lightning_gpipe import GPipeStrategy
-from lightning_gpipe.state.loading import LazyCheckpoint, UnsafeCheckpointError, copy_into, meta_tensors
+from lightning_gpipe.errors import UnsafeCheckpointError
+from lightning_gpipe.state.loading import LazyCheckpoint, copy_into, meta_tensors
 from lightning_gpipe.state.optimizer import CheckpointError
 from lightning_gpipe.state.sharded import META_FILE, load_sharded
 from tests.models import Net
