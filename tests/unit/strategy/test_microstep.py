@@ -89,6 +89,9 @@ class StageModule(FakeModule):
     def parameters(self):
         return self.stage.parameters()
 
+    def modules(self):
+        return self.stage.modules()
+
 
 class Backward:
     """A precision plugin's backward: the loss's own."""
