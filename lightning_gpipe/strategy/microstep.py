@@ -31,7 +31,8 @@ strategy therefore runs the user's ``training_step`` once per micro-batch, as
   by ``w_i`` (``reduce_fx="mean"``, the default), the sum (``"sum"``), the maximum (``"max"``) or
   the minimum (``"min"``); a torchmetrics ``Metric`` is logged with its value over the whole
   batch (:mod:`lightning_gpipe.strategy.step_metrics`; its state has seen every micro-batch);
-  ``batch_size=``, when given, is summed over the calls. The progress bar, the loggers and
+  ``batch_size=``, when given, is summed over the calls; a NaN from a one-sample micro-batch (a
+  ``std`` of one sample) is left out, with a warning once. The progress bar, the loggers and
   ``trainer.callback_metrics`` see the full batch's value.
 
 Losses that qualify: means over samples whose every sample counts the same (``F.mse_loss``,
@@ -233,7 +234,7 @@ class MicroSteps:
             log.replay(parts)
             return StageDone
         weights = loss_weights(parts, items)
-        log.replay(weights)
+        log.replay(weights, parts)
         if not self._checked:  # once: a count-normalised loss returned without its count
             self._checked = True
             _warn_ignored_targets(batch, items)
@@ -324,6 +325,8 @@ class _LogRecorder:
         "min": lambda v, w: v.min(),
     }
 
+    _warned: set[str] = set()  # names warned about (NaN from a one-sample micro-batch)
+
     def __init__(self, module: Any) -> None:
         self.module = module
         self.signature = inspect.signature(type(module).log)
@@ -347,9 +350,11 @@ class _LogRecorder:
         options = {k: v for k, v in options.items() if k not in ("self", "name", "value")}
         self.records.setdefault(name, []).append((self.micro_batch, _kept(value), options))
 
-    def replay(self, weights: Sequence[float]) -> None:
+    def replay(self, weights: Sequence[float], sizes: Sequence[int] | None = None) -> None:
         """Log every recorded name once through the module's ``log``, its values combined (module
-        docstring); ``weights``: each call's weight in a mean (its ``n_i``, or its loss weight ``w_i``)."""
+        docstring); ``weights``: each call's weight in a mean (its ``n_i``, or its loss weight ``w_i``);
+        ``sizes``: each call's micro-batch size ``n_i``, where a NaN from a one-sample micro-batch (a
+        statistic such as ``std`` over one sample) is left out, with a warning once per name."""
         for name, entries in self.records.items():
             options = dict(entries[-1][2])
             values = [v for _, v, _ in entries]
@@ -363,10 +368,34 @@ class _LogRecorder:
             reduce = options.get("reduce_fx", "mean")
             key = reduce if isinstance(reduce, str) else getattr(reduce, "__name__", "mean")
             tensors = [torch.as_tensor(v).detach() for v in values]
+            calls = [i for i, _, _ in entries]
+            if sizes is not None and 1 in sizes:
+                calls, tensors = self._without_single_sample_nans(name, calls, tensors, sizes)
             device = tensors[0].device
             stacked = torch.stack([t.to(device, torch.float64) for t in tensors])
-            w = torch.tensor([float(weights[i]) for i, _, _ in entries], dtype=torch.float64, device=device)
+            w = torch.tensor([float(weights[i]) for i in calls], dtype=torch.float64, device=device)
             w = w.reshape(-1, *[1] * (stacked.dim() - 1))
             combined = self._REDUCE.get(key, self._REDUCE["mean"])(stacked, w)
             dtype = tensors[0].dtype if tensors[0].is_floating_point() else torch.get_default_dtype()
             self.module.log(name, combined.to(dtype), **options)
+
+    def _without_single_sample_nans(
+        self, name: str, calls: list[int], tensors: list[Tensor], sizes: Sequence[int]
+    ) -> tuple[list[int], list[Tensor]]:
+        """``calls`` and their ``tensors`` less the NaN values of one-sample micro-batches (all of them
+        where every value is such a NaN: one device's value is NaN too)."""
+        single = [
+            sizes[i] == 1 and t.is_floating_point() and bool(t.isnan().any()) for i, t in zip(calls, tensors)
+        ]
+        if not any(single) or all(single):
+            return calls, tensors
+        if name not in _LogRecorder._warned:
+            _LogRecorder._warned.add(name)
+            rank_zero_warn(
+                f"{name!r} logged NaN for a micro-batch of one sample (a statistic such as std over one "
+                "sample): the step's value leaves it out and combines the other micro-batches'. A statistic "
+                "of the batch is not a combination of its micro-batches': compute it per sample, or use "
+                "more samples per micro-batch (a smaller chunks)"
+            )
+        kept = [(i, t) for i, t, s in zip(calls, tensors, single) if not s]
+        return [i for i, _ in kept], [t for _, t in kept]
