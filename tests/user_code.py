@@ -5,8 +5,9 @@ or under ``GPipeStrategy`` (tests/workers/user_code.py, every rank), and returns
 
 - ``"outputs"``: an MLP whose ``training_step`` returns ``{"loss", "preds", "n", "stats": {"mean",
   "rows"}}``, read in ``on_train_batch_end``; a torchmetrics ``MeanAbsoluteError`` logged with
-  ``on_step`` and ``on_epoch``; ``validation_step`` / ``test_step`` return ``{"preds", "target"}``,
-  gathered by a callback in ``on_validation_batch_end`` / ``on_test_batch_end``; fit, validate, test.
+  ``on_step`` and ``on_epoch``, and the value an ``R2Score``'s forward returns; ``validation_step`` /
+  ``test_step`` return ``{"preds", "target"}``, gathered by a callback in ``on_validation_batch_end``
+  / ``on_test_batch_end``; fit, validate, test.
 - ``"tokens"``: an embedding LM with padded labels (``ignore_index=-100``, 1 to 10 valid tokens per
   sequence) whose ``training_step`` returns ``{"loss": token mean, "num_items": valid tokens}`` and
   logs ``train_loss``.
@@ -33,8 +34,10 @@ class Outputs(pl.LightningModule):
             nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
         )
         self.mae = torchmetrics.MeanAbsoluteError()
+        self.r2 = torchmetrics.R2Score()  # logged as the value its forward returns: not a mean over samples
         self.seen: list[dict] = []
         self.mae_steps: list[float | None] = []
+        self.r2_steps: list[float] = []
         self.mae_epoch: float | None = None
 
     def training_step(self, batch, batch_idx):
@@ -42,6 +45,7 @@ class Outputs(pl.LightningModule):
         out = self.layers(x)
         self.mae(out, y)
         self.log("train_mae", self.mae, on_step=True, on_epoch=True)
+        self.log("train_r2", self.r2(out.flatten(), y.flatten()))
         rows = out.detach().flatten().tolist()
         stats = {"mean": float(out.detach().mean()), "rows": rows, "count": torch.tensor(x.shape[0])}
         return {"loss": F.mse_loss(out, y), "preds": out.detach(), "n": x.shape[0], "stats": stats}
@@ -61,6 +65,7 @@ class Outputs(pl.LightningModule):
         )
         value = self.trainer.callback_metrics.get("train_mae_step")
         self.mae_steps.append(None if value is None else float(value))
+        self.r2_steps.append(float(self.trainer.callback_metrics["train_r2"]))
 
     def on_train_epoch_end(self):
         value = self.trainer.callback_metrics.get("train_mae_epoch")
@@ -164,6 +169,7 @@ def train(case: str, strategy=None, devices: int = 1, trainer: dict | None = Non
         validated = t.validate(model, val, verbose=False)
         t.test(model, val, verbose=False)
         record = {"seen": model.seen, "mae_steps": model.mae_steps, "mae_epoch": model.mae_epoch}
+        record["r2_steps"] = model.r2_steps
         record.update(val=gather.val, test=gather.test, validated=validated)
     else:
         model = TokenLM()

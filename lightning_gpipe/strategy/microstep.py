@@ -29,8 +29,9 @@ strategy therefore runs the user's ``training_step`` once per micro-batch, as
 - ``self.log`` (and ``log_dict``) inside the calls is recorded, and after the last call each name
   is logged once with the same options and the values combined over the calls: a mean weighted
   by ``w_i`` (``reduce_fx="mean"``, the default), the sum (``"sum"``), the maximum (``"max"``) or
-  the minimum (``"min"``); a torchmetrics ``Metric`` is logged with its value over the whole
-  batch (:mod:`lightning_gpipe.strategy.step_metrics`; its state has seen every micro-batch);
+  the minimum (``"min"``); a torchmetrics ``Metric``, or a value its ``forward`` returned, is logged
+  with its value over the whole batch (:mod:`lightning_gpipe.strategy.step_metrics`; its state has
+  seen every micro-batch);
   ``batch_size=``, when given, is summed over the calls; a NaN from a one-sample micro-batch (a
   ``std`` of one sample) is left out, with a warning once. The progress bar, the loggers and
   ``trainer.callback_metrics`` see the full batch's value.
@@ -74,6 +75,7 @@ from lightning_gpipe.strategy.step_outputs import (
 __all__ = ["MicroSteps", "check_model", "split_batch", "warn_unsplit_backwards"]
 
 _MISSING = object()
+_FORWARD = object()  # marks a logged value that a metric's forward returned
 
 
 def check_model(model: Any, schedule: str) -> None:
@@ -181,13 +183,13 @@ class MicroSteps:
         aside = [(p, p.grad) for p in params]  # gradients of earlier steps (accumulation)
         for p in params:
             p.grad = None
-        log = _LogRecorder(module)
         kept: list[dict[str, Any] | None] = []  # each call's dict output less its loss (step_outputs)
         items: list[float | None] = []  # each call's num_items
         losses: list[Tensor] = []
         uncalled = None
         stage.start_micro_steps(len(micro))
         metrics = step_metrics.isolate(module, stage)
+        log = _LogRecorder(module, [h.metric for h in metrics])
         try:
             with log:
                 for i, part in enumerate(micro):
@@ -327,8 +329,9 @@ class _LogRecorder:
 
     _warned: set[str] = set()  # names warned about (NaN from a one-sample micro-batch)
 
-    def __init__(self, module: Any) -> None:
+    def __init__(self, module: Any, metrics: Sequence[Any] = ()) -> None:
         self.module = module
+        self.metrics = list(metrics)  # a value one of their forwards returned is logged as their batch value
         self.signature = inspect.signature(type(module).log)
         self.records: dict[str, list[tuple[int, Any, dict[str, Any]]]] = {}
         self.micro_batch = 0
@@ -348,7 +351,9 @@ class _LogRecorder:
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         options = self.signature.bind(self.module, name, value, *args, **kwargs).arguments
         options = {k: v for k, v in options.items() if k not in ("self", "name", "value")}
-        self.records.setdefault(name, []).append((self.micro_batch, _kept(value), options))
+        source = next((m for m in self.metrics if value is m._forward_cache), None) if self.metrics else None
+        kept = (_FORWARD, source) if source is not None and isinstance(value, Tensor) else _kept(value)
+        self.records.setdefault(name, []).append((self.micro_batch, kept, options))
 
     def replay(self, weights: Sequence[float], sizes: Sequence[int] | None = None) -> None:
         """Log every recorded name once through the module's ``log``, its values combined (module
@@ -362,6 +367,11 @@ class _LogRecorder:
                 options["batch_size"] = sum(
                     int(o["batch_size"]) for _, _, o in entries if o.get("batch_size")
                 )
+            marked = [type(v) is tuple and v[0] is _FORWARD for v in values]
+            if all(marked) and len({id(v[1]) for v in values}) == 1:  # a metric's: the batch's (step_metrics)
+                self.module.log(name, values[-1][1]._forward_cache, **options)
+                continue
+            values = [v[1]._forward_cache if m else v for v, m in zip(values, marked)]
             if not all(isinstance(v, (Tensor, int, float)) for v in values):
                 self.module.log(name, values[-1], **options)  # a Metric: the batch's step value
                 continue

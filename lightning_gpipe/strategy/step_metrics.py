@@ -12,9 +12,12 @@ as ``forward`` computes its batch value, and the state set aside is merged back 
 value (``compute()``) then sees every update, as on one device.
 
 A metric whose state cannot be merged that way (a tensor state with ``dist_reduce_fx=None``) is
-left alone: its step value stays the last micro-batch's, with a warning once. So are the members of
-a ``MetricCollection`` (whose compute groups share states): log the values its ``forward`` returns
-(``self.log_dict(self.metrics(preds, y))``), which are combined over the calls as numbers.
+left alone: its step value stays the last micro-batch's, with a warning once.
+
+A value a metric's ``forward`` returned and the step logs (``self.log("acc", self.acc(logits, y))``,
+``self.log_dict(self.metrics(logits, y))`` with a ``MetricCollection``) is logged as that metric's
+batch value too (:class:`lightning_gpipe.strategy.microstep.MicroSteps` recognises it), not as a
+combination of the micro-batches' values (exact for a micro-averaged accuracy, not for an F1 score).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor, nn
-from torchmetrics import Metric, MetricCollection
+from torchmetrics import Metric
 
 __all__ = ["Isolated", "isolate", "rejoin"]
 
@@ -52,9 +55,6 @@ def isolate(module: nn.Module, pipelined: nn.Module | None) -> list[Isolated]:
     """Set aside the accumulated state of each of ``module``'s metrics outside ``pipelined`` (the
     stage: its layers' metrics update in the forwards), each starting afresh from its defaults."""
     inside = {id(m) for m in pipelined.modules()} if pipelined is not None else set()
-    for c in module.modules():  # a collection's compute groups share states: left as they are
-        if isinstance(c, MetricCollection):
-            inside |= {id(m) for m in c.modules()}
     held = []
     for m in module.modules():
         if not isinstance(m, Metric) or id(m) in inside:

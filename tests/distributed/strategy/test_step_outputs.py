@@ -47,7 +47,8 @@ def test_step_outputs_and_metric_step_values_reach_every_rank_as_on_one_device(t
     "n", "stats": {"mean", "rows", "count"}}; under "gpipe" (chunks 2) and "1f1b" (chunks 3: micro-batches
     3, 3, 2) every rank's on_train_batch_end gets one device's outputs: preds of 8 rows, n = 8, the
     batch's mean, the 8 per-sample rows, the count summed. A MeanAbsoluteError logged on_step and
-    on_epoch reports the batch's and the epoch's values on every rank. on_validation_batch_end and
+    on_epoch reports the batch's and the epoch's values on every rank, and so does an R2Score whose forward
+    value is logged. on_validation_batch_end and
     on_test_batch_end get the last stage's {"preds", "target"} on every rank. Weights as one device's."""
     reference = train("outputs")
     runs = [
@@ -59,6 +60,7 @@ def test_step_outputs_and_metric_step_values_reach_every_rank_as_on_one_device(t
             assert [s["keys"] for s in record["seen"]] == [["loss", "n", "preds", "stats"]] * 4
             _close(record["seen"], reference["seen"])
             _close(record["mae_steps"], reference["mae_steps"])
+            _close(record["r2_steps"], reference["r2_steps"])
             _close(record["mae_epoch"], reference["mae_epoch"])
             _close(record["val"], reference["val"])
             _close(record["test"], reference["test"])

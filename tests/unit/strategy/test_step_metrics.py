@@ -7,7 +7,9 @@ import torchmetrics
 from torch import nn
 from torchmetrics import Metric
 
+from lightning_gpipe.strategy.microstep import _LogRecorder
 from lightning_gpipe.strategy.step_metrics import isolate, rejoin
+from tests.unit.strategy.test_microstep import FakeModule
 
 SIZES = [3, 3, 2, 2]
 
@@ -81,14 +83,55 @@ def test_a_metric_the_step_does_not_update_keeps_its_state_and_step_value():
     )
 
 
-def test_metrics_inside_the_pipelined_sequential_or_a_collection_are_left_alone():
+def test_metrics_inside_the_pipelined_sequential_are_left_alone():
     holder = nn.Module()
     holder.layers = nn.Sequential(nn.Linear(2, 2))
     holder.layers.tap = torchmetrics.MeanMetric()
-    holder.collection = torchmetrics.MetricCollection({"m": torchmetrics.MeanMetric()})
     holder.layers.tap.update(torch.tensor(1.0))
     assert isolate(holder, holder.layers) == []
     assert holder.layers.tap._update_count == 1
+
+
+@pytest.mark.parametrize("use", ["forward", "update"])
+def test_values_a_metric_collection_returns_are_logged_as_the_batch_values(use):
+    """``self.log_dict(self.metrics(logits, y))``: a macro F1 score is not a weighted mean of the
+    micro-batches' scores; logged, it is the batch's, and the collection's epoch values every update's
+    (``update``: its compute groups share states)."""
+
+    def collection():
+        return torchmetrics.MetricCollection(
+            {
+                "f1": torchmetrics.classification.MulticlassF1Score(3, average="macro"),
+                "acc": torchmetrics.classification.MulticlassAccuracy(3, average="micro"),
+            }
+        )
+
+    one, holder, module = collection(), nn.Module(), FakeModule()
+    holder.metrics = collection()
+    for step, (x, y) in enumerate(_batches()):
+        if use == "forward":
+            expected = one(x, y)
+        else:
+            one.update(x, y)
+        module.logged.clear()
+        held = isolate(holder, None)
+        with _LogRecorder(module, [h.metric for h in held]) as log:
+            for i, (xi, yi) in enumerate(zip(x.split(SIZES), y.split(SIZES))):
+                log.micro_batch = i
+                if use == "forward":
+                    for name, value in holder.metrics(xi, yi).items():
+                        module.log(name, value)
+                else:
+                    holder.metrics.update(xi, yi)
+        rejoin(held)
+        log.replay(SIZES, SIZES)
+        if use == "forward":
+            logged = {name: value for name, value, _ in module.logged}
+            assert set(logged) == {"f1", "acc"}
+            for name in logged:
+                torch.testing.assert_close(logged[name], expected[name], msg=f"{name} at step {step}")
+    for name, value in one.compute().items():
+        torch.testing.assert_close(holder.metrics.compute()[name], value, msg=name)
 
 
 def test_a_metric_whose_state_cannot_merge_is_left_alone_with_a_warning():
