@@ -4,6 +4,7 @@ process equals one device."""
 
 import copy
 import math
+import warnings
 from collections import OrderedDict
 
 import pytest
@@ -13,10 +14,10 @@ import torchmetrics
 from torch import nn
 
 from lightning_gpipe.balance import uniform_balance
-from lightning_gpipe.engine.stage import StageDone
+from lightning_gpipe.engine.stage import PipelineStage, StageDone
 from lightning_gpipe.errors import PipelineUsageError
 from lightning_gpipe.partition.build import build_stage
-from lightning_gpipe.schedule import SCHEDULES
+from lightning_gpipe.schedule import SCHEDULES, one_f_one_b
 from lightning_gpipe.strategy.microstep import MicroSteps
 from lightning_gpipe.strategy.step_outputs import (
     combine,
@@ -25,7 +26,8 @@ from lightning_gpipe.strategy.step_outputs import (
     loss_weights,
     num_items_of,
 )
-from lightning_gpipe.transport.layout import Layout
+from lightning_gpipe.transport.layout import Layout, StageTopology
+from lightning_gpipe.transport.p2p import P2P
 from tests.fakes import TurnNetwork, TurnP2P, in_threads
 from tests.unit.strategy.test_microstep import Backward, FakeModule
 
@@ -225,3 +227,27 @@ def test_token_count_loss_and_step_outputs_equal_one_device_on_every_stage(sched
     assert name == "train_loss" and logged.item() == pytest.approx(loss.item(), rel=1e-5)
     assert last.acc._forward_cache.item() == pytest.approx(acc.item())  # the step value: the batch's
     assert last.acc.compute().item() == pytest.approx(acc.item())  # the epoch value: every call's updates
+
+
+def test_ignore_index_targets_without_num_items_are_warned_about_once():
+    torch.manual_seed(0)
+    stage = PipelineStage(
+        [("0", nn.Linear(4, 3))], StageTopology(0, 1, None, None), 2, "never", P2P(torch.device("cpu")),
+        schedule=one_f_one_b,
+    )  # fmt: skip
+    module, steps = Module(stage), MicroSteps()
+    labels = torch.tensor([0, -100, 2, 1])
+    batch = (torch.randn(4, 4), labels)
+
+    def training_step(batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(stage(x), y, ignore_index=-100)
+
+    with pytest.warns(
+        UserWarning, match=r"targets equal to -100 \(ignore_index\) and training_step returns no"
+    ):
+        steps.training_step(training_step, stage, module, Backward(), 2, batch, 0)
+    steps.deposit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per fit, not every step
+        steps.training_step(training_step, stage, module, Backward(), 2, batch, 1)
