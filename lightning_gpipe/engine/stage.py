@@ -145,6 +145,8 @@ class PipelineStage(nn.Sequential):
         self.after_call = StageGenerator(p2p.device, topology.stages)
         self._run: StepRun | None = None  # the step in progress
         self._micro: int | None = None  # one call per micro-batch: their number in this step
+        # the factor the step's gradients take (lightning_gpipe.strategy.step_outputs), shared in the outcome
+        self.step_gradient_scale = 1.0
 
     @property
     def p2p(self) -> P2P:
@@ -323,18 +325,20 @@ class PipelineStage(nn.Sequential):
 
         Call after a step whose forward ran, before Lightning runs any hook. On the last stage
         ``out`` is the user's step output and is returned; it sends whether the step has a loss
-        (and its value), ``trainer.should_stop`` and ``trainer.callback_metrics`` to every other
-        stage of its pipeline. After a training step the others return the loss value as a scalar
-        that requires grad (so that Lightning calls ``backward`` on every stage), or ``None`` when
-        the step has no loss (a ``training_step`` returning ``None``; Lightning itself refuses that
-        when several processes run), and then drop what the forward kept.
+        (and its value), ``trainer.should_stop``, ``trainer.callback_metrics``, the step's
+        :attr:`step_gradient_scale` and what the step returned besides its loss to every other stage
+        of its pipeline. After a training step the others return the loss value as a scalar that
+        requires grad (so that Lightning calls ``backward`` on every stage), in a dict with the last
+        stage's other entries where it returned a dict, or ``None`` when the step has no loss (a
+        ``training_step`` returning ``None``; Lightning itself refuses that when several processes
+        run), and then drop what the forward kept; after an evaluation step, the last stage's output.
         """
         top = self.topology
         if top.stages == 1:
             return out
         self.outcomes.p2p = self.p2p  # the stage's transport, whichever it holds now
         if top.is_last:
-            outcome = outcome_of(trainer, out if training else None)
+            outcome = outcome_of(trainer, out, training, self.step_gradient_scale)
             for rank in top.ranks[:-1]:
                 self.outcomes.send(outcome, rank)
             if not (training and outcome.has_loss):
@@ -344,12 +348,14 @@ class PipelineStage(nn.Sequential):
             return out
         outcome = self.outcomes.receive(top.ranks[-1])
         apply_outcome(trainer, outcome)
+        self.step_gradient_scale = outcome.gradient_scale
         if not training:
-            return out
+            return outcome.outputs
         if not outcome.has_loss:
             self.backward_skipped()
             return None
-        return torch.tensor(outcome.loss, device=self.p2p.device, requires_grad=True)
+        loss = torch.tensor(outcome.loss, device=self.p2p.device, requires_grad=True)
+        return {**outcome.outputs, "loss": loss} if isinstance(outcome.outputs, dict) else loss
 
     # -- the backward phase -----------------------------------------------------------------
 
@@ -376,7 +382,7 @@ class PipelineStage(nn.Sequential):
         Between them the strategy backpropagates each micro-batch's loss (last stage) and calls
         :meth:`loss_backpropagated`; :meth:`end_micro_steps` closes the step.
         """
-        self._micro, self._run = chunks, None
+        self._micro, self._run, self.step_gradient_scale = chunks, None, 1.0
 
     def loss_backpropagated(self, i: int) -> None:
         """Last stage: micro-batch ``i``'s loss has reached its output leaves; run ``B i`` and what

@@ -11,27 +11,36 @@ strategy therefore runs the user's ``training_step`` once per micro-batch, as
   :func:`lightning_gpipe.engine.microbatch.sizes` ``(N, M)``; other tensors (0-d, another dim 0, marked
   with ``no_chunk``) and other values reach every call whole;
 - the loss call ``i`` returns (a tensor, or a dict's ``"loss"``) is weighted by its share of the
-  batch, ``n_i / N``, divided by ``accumulate_grad_batches`` as Lightning divides a loss, scaled
-  by the precision plugin's ``GradScaler`` if it has one, and backpropagated by the strategy
-  right after the call (on the last stage, into the call's output; the stage's backward carries
-  it on): for a loss that is a mean over samples the accumulated gradient equals the full batch's;
+  batch, ``n_i / N`` (with ``"num_items"`` returned, by its share of the batch's items:
+  :mod:`lightning_gpipe.strategy.step_outputs`), divided by ``accumulate_grad_batches`` as
+  Lightning divides a loss, scaled by the precision plugin's ``GradScaler`` if it has one, and
+  backpropagated by the strategy right after the call (on the last stage, into the call's output;
+  the stage's backward carries it on): for a loss that is a mean over samples (or over its
+  ``num_items``) the accumulated gradient equals the full batch's;
 - the gradients made during the calls are set aside and added to the parameters' gradients in
   Lightning's ``backward`` (which comes after Lightning's ``zero_grad``), so hooks, clipping,
   the optimizer step and gradient accumulation see them where they see a one-device backward's;
-- ``training_step`` returns ``sum_i (n_i / N) · loss_i``, the full batch's loss for a mean loss
-  (a dict: the last call's, with that ``"loss"``), as a tensor with no graph, so that Lightning's
-  own ``backward`` adds nothing;
+- ``training_step`` returns ``sum_i w_i · loss_i`` (``w_i``: the weights above, summing to 1), the
+  full batch's loss for a mean loss, as a tensor with no graph, so that Lightning's own
+  ``backward`` adds nothing; a dict output's other entries are the calls' combined
+  (:func:`lightning_gpipe.strategy.step_outputs.combine`: tensors concatenated along dim 0, floats
+  averaged with the weights ``w_i``, integers summed), so ``on_train_batch_end(outputs, ...)`` gets
+  what one call on the whole batch returns;
 - ``self.log`` (and ``log_dict``) inside the calls is recorded, and after the last call each name
   is logged once with the same options and the values combined over the calls: a mean weighted
-  by ``n_i`` (``reduce_fx="mean"``, the default), the sum (``"sum"``), the maximum (``"max"``) or
-  the minimum (``"min"``); a torchmetrics ``Metric`` is logged as it stands after the calls (its
-  state has seen every micro-batch); ``batch_size=``, when given, is summed over the calls. The
-  progress bar, the loggers and ``trainer.callback_metrics`` see the full batch's value.
+  by ``w_i`` (``reduce_fx="mean"``, the default), the sum (``"sum"``), the maximum (``"max"``) or
+  the minimum (``"min"``); a torchmetrics ``Metric``, or a value its ``forward`` returned, is logged
+  with its value over the whole batch (:mod:`lightning_gpipe.strategy.step_metrics`; its state has
+  seen every micro-batch);
+  ``batch_size=``, when given, is summed over the calls; a NaN from a one-sample micro-batch (a
+  ``std`` of one sample) is left out, with a warning once. The progress bar, the loggers and
+  ``trainer.callback_metrics`` see the full batch's value.
 
 Losses that qualify: means over samples whose every sample counts the same (``F.mse_loss``,
-``F.cross_entropy`` with ``reduction="mean"`` over equally many targets per sample). Losses
-that do not: batch-wide ones (contrastive losses over the batch's pairs, anything normalised by
-a count that differs between micro-batches, e.g. ``ignore_index`` targets): use
+``F.cross_entropy`` with ``reduction="mean"`` over equally many targets per sample), and means
+over a count that differs between micro-batches (``ignore_index`` targets) returned with that
+count as ``{"loss": loss, "num_items": k}``. Losses that do not: batch-wide ones (contrastive
+losses over the batch's pairs) and means over such a count returned without it: use
 ``schedule="gpipe"``, which runs ``training_step`` once on the whole batch.
 
 Refused before any process starts (:func:`check_model`): manual optimization. Refused during the
@@ -42,7 +51,7 @@ call that does not call the pipelined Sequential while others do.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,10 +62,20 @@ from torch import Tensor
 from lightning_gpipe import _lightning
 from lightning_gpipe.engine.microbatch import batch_dim, is_split, sizes
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError, StageDone
+from lightning_gpipe.strategy import step_metrics
+from lightning_gpipe.strategy.step_outputs import (
+    combine_outputs,
+    gradient_scale,
+    ignores_targets,
+    loss_weights,
+    num_items_of,
+    without_loss,
+)
 
 __all__ = ["MicroSteps", "check_model", "split_batch", "warn_unsplit_backwards"]
 
 _MISSING = object()
+_FORWARD = object()  # marks a logged value that a metric's forward returned
 
 
 def check_model(model: Any, schedule: str) -> None:
@@ -127,6 +146,7 @@ class MicroSteps:
 
     def __init__(self) -> None:
         self._made: list[tuple[Tensor, Tensor | None]] = []  # (parameter, gradient made in the step)
+        self._checked = False  # whether a step was checked for ignore_index targets without num_items
 
     def training_step(
         self,
@@ -157,21 +177,19 @@ class MicroSteps:
         """
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
         micro, parts = split_batch(batch, chunks)
-        total = sum(parts)
         trainer = _lightning.attached_trainer(module)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        scaler = getattr(precision_plugin, "scaler", None)
         params = list(module.parameters())
         aside = [(p, p.grad) for p in params]  # gradients of earlier steps (accumulation)
         for p in params:
             p.grad = None
-        log = _LogRecorder(module)
-        last: dict[str, Any] | None = (
-            None  # the last call's dict output, less its loss (returned with the combined one)
-        )
+        kept: list[dict[str, Any] | None] = []  # each call's dict output less its loss (step_outputs)
+        items: list[float | None] = []  # each call's num_items
         losses: list[Tensor] = []
         uncalled = None
         stage.start_micro_steps(len(micro))
+        metrics = step_metrics.isolate(module, stage)
+        log = _LogRecorder(module, [h.metric for h in metrics])
         try:
             with log:
                 for i, part in enumerate(micro):
@@ -198,42 +216,93 @@ class MicroSteps:
                             "every call, or use schedule='gpipe' to skip steps by returning None"
                         )
                     losses.append(_kept(loss))
-                    last = (
-                        {k: None if k == "loss" else v for k, v in out.items()}
-                        if isinstance(out, Mapping)
-                        else None
-                    )
-                    scaled = loss * (parts[i] / total / accumulate)
-                    if isinstance(scaler, torch.amp.GradScaler):
-                        scaled = scaler.scale(scaled)
-                    precision_plugin.backward(scaled, module, None)
+                    kept.append(without_loss(out))
+                    items.append(num_items_of(out, i))
+                    weight = _weight(parts, items, len(micro)) / accumulate
+                    if weight:  # 0: a call with num_items 0, whose mean loss is NaN, adds nothing
+                        _backward(loss * weight, precision_plugin, module)
                     stage.loss_backpropagated(i)
-                    del out, loss, scaled  # nothing of a call outlives its backward but its loss value
+                    del out, loss  # nothing of a call outlives its backward but its loss value
             stage.end_micro_steps()
         finally:
             self._made = [(p, p.grad) for p in params]
             for p, g in aside:
                 p.grad = g
-        log.replay(parts)
+        step_metrics.rejoin(metrics)  # the metrics' step values: the batch's
         if uncalled is not None:
+            log.replay(parts)
             return uncalled[0]
         if not stage.topology.is_last:
+            log.replay(parts)
             return StageDone
-        combined = torch.stack([loss.double() * (n / total) for n, loss in zip(parts, losses)]).sum()
-        loss_out = combined.to(losses[0].dtype).requires_grad_(losses[0].is_floating_point())
-        return {**last, "loss": loss_out} if last is not None else loss_out
+        weights = loss_weights(parts, items)
+        log.replay(weights, parts)
+        if not self._checked:  # once: a count-normalised loss returned without its count
+            self._checked = True
+            _warn_ignored_targets(batch, items)
+        stage.step_gradient_scale = gradient_scale(items, len(micro))[1]
+        kept_loss = [(w, loss) for w, loss in zip(weights, losses) if w > 0]
+        combined = torch.stack([loss.double() * w for w, loss in kept_loss]).sum() if kept_loss else None
+        dtype = losses[0].dtype
+        nan = torch.tensor(float("nan"), device=losses[0].device)
+        loss_out = (combined if combined is not None else nan).to(dtype)
+        loss_out = loss_out.requires_grad_(losses[0].is_floating_point())
+        if kept[-1] is None:
+            return loss_out
+        extras = combine_outputs(kept, weights, parts)
+        return {**extras, "loss": loss_out}
 
-    def deposit(self) -> None:
-        """Add the gradients made during the step's calls to the parameters' (in Lightning's ``backward``)."""
+    def deposit(self, scale: float = 1.0) -> None:
+        """Add the gradients made during the step's calls, times ``scale`` (the step outcome's
+        :func:`.step_outputs.gradient_scale`), to the parameters' (in Lightning's ``backward``)."""
         made, self._made = self._made, []
         with torch.no_grad():
             for p, g in made:
                 if g is None:
                     continue
+                if scale != 1.0:
+                    g.mul_(scale)
                 if p.grad is None:
                     p.grad = g
                 else:
                     p.grad += g
+
+
+def _weight(parts: list[int], items: list[float | None], calls: int) -> float:
+    """The weight of the last call's loss in its backward (:mod:`.step_outputs`): ``n_i / N``, or with
+    ``num_items`` ``k_i / (M · k_ref)`` (0 for ``k_i = 0``).
+
+    Raises:
+        PipelineUsageError: this call returned ``num_items`` and the first did not, or the reverse.
+    """
+    i, k = len(items) - 1, items[-1]
+    if (k is None) != (items[0] is None):
+        loss_weights(parts[: i + 1], items)  # raises: num_items from some calls only
+    if k is None:
+        return parts[i] / sum(parts)
+    ref = gradient_scale(items, calls)[0]
+    return k / (calls * ref) if ref else 0.0
+
+
+def _warn_ignored_targets(batch: Any, items: list[float | None]) -> None:
+    """Warn (rank 0) that a batch with ``ignore_index`` targets trained without ``num_items``: its
+    micro-batch means are weighted by samples, not by the targets they count."""
+    if items[0] is None and ignores_targets(batch):
+        rank_zero_warn(
+            "the batch holds integer targets equal to -100 (ignore_index) and training_step returns no "
+            "num_items: a loss that is a mean over the targets left (F.cross_entropy(..., "
+            "ignore_index=-100)) is weighted per micro-batch by samples, not by targets, and trains "
+            'differently from one device; return {"loss": loss, "num_items": (labels != -100).sum()} '
+            "(docs/lightning.md, token-count losses)"
+        )
+
+
+def _backward(loss: Tensor, precision_plugin: Any, module: Any) -> None:
+    """``loss``'s backward through the precision plugin, scaled by its ``GradScaler`` if it has one."""
+    scaler = getattr(precision_plugin, "scaler", None)
+    if isinstance(scaler, torch.amp.GradScaler):
+        loss = scaler.scale(loss)
+    precision_plugin.backward(loss, module, None)
 
 
 def _kept(value: Any) -> Any:
@@ -252,14 +321,17 @@ class _LogRecorder:
     then logs each name once with its combined value."""
 
     _REDUCE: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-        "mean": lambda v, w: (v * w).sum() / w.sum(),
+        "mean": lambda v, w: torch.where(w > 0, v * w, torch.zeros_like(v)).sum() / w.sum(),
         "sum": lambda v, w: v.sum(),
         "max": lambda v, w: v.max(),
         "min": lambda v, w: v.min(),
     }
 
-    def __init__(self, module: Any) -> None:
+    _warned: set[str] = set()  # names warned about (NaN from a one-sample micro-batch)
+
+    def __init__(self, module: Any, metrics: Sequence[Any] = ()) -> None:
         self.module = module
+        self.metrics = list(metrics)  # a value one of their forwards returned is logged as their batch value
         self.signature = inspect.signature(type(module).log)
         self.records: dict[str, list[tuple[int, Any, dict[str, Any]]]] = {}
         self.micro_batch = 0
@@ -279,11 +351,15 @@ class _LogRecorder:
     def _record(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         options = self.signature.bind(self.module, name, value, *args, **kwargs).arguments
         options = {k: v for k, v in options.items() if k not in ("self", "name", "value")}
-        self.records.setdefault(name, []).append((self.micro_batch, _kept(value), options))
+        source = next((m for m in self.metrics if value is m._forward_cache), None) if self.metrics else None
+        kept = (_FORWARD, source) if source is not None and isinstance(value, Tensor) else _kept(value)
+        self.records.setdefault(name, []).append((self.micro_batch, kept, options))
 
-    def replay(self, parts: list[int]) -> None:
+    def replay(self, weights: Sequence[float], sizes: Sequence[int] | None = None) -> None:
         """Log every recorded name once through the module's ``log``, its values combined (module
-        docstring)."""
+        docstring); ``weights``: each call's weight in a mean (its ``n_i``, or its loss weight ``w_i``);
+        ``sizes``: each call's micro-batch size ``n_i``, where a NaN from a one-sample micro-batch (a
+        statistic such as ``std`` over one sample) is left out, with a warning once per name."""
         for name, entries in self.records.items():
             options = dict(entries[-1][2])
             values = [v for _, v, _ in entries]
@@ -291,18 +367,45 @@ class _LogRecorder:
                 options["batch_size"] = sum(
                     int(o["batch_size"]) for _, _, o in entries if o.get("batch_size")
                 )
+            marked = [type(v) is tuple and v[0] is _FORWARD for v in values]
+            if all(marked) and len({id(v[1]) for v in values}) == 1:  # a metric's: the batch's (step_metrics)
+                self.module.log(name, values[-1][1]._forward_cache, **options)
+                continue
+            values = [v[1]._forward_cache if m else v for v, m in zip(values, marked)]
             if not all(isinstance(v, (Tensor, int, float)) for v in values):
-                self.module.log(name, values[-1], **options)  # a Metric: its state saw every call
+                self.module.log(name, values[-1], **options)  # a Metric: the batch's step value
                 continue
             reduce = options.get("reduce_fx", "mean")
             key = reduce if isinstance(reduce, str) else getattr(reduce, "__name__", "mean")
             tensors = [torch.as_tensor(v).detach() for v in values]
+            calls = [i for i, _, _ in entries]
+            if sizes is not None and 1 in sizes:
+                calls, tensors = self._without_single_sample_nans(name, calls, tensors, sizes)
             device = tensors[0].device
             stacked = torch.stack([t.to(device, torch.float64) for t in tensors])
-            weights = torch.tensor(
-                [float(parts[i]) for i, _, _ in entries], dtype=torch.float64, device=device
-            )
-            weights = weights.reshape(-1, *[1] * (stacked.dim() - 1))
-            combined = self._REDUCE.get(key, self._REDUCE["mean"])(stacked, weights)
+            w = torch.tensor([float(weights[i]) for i in calls], dtype=torch.float64, device=device)
+            w = w.reshape(-1, *[1] * (stacked.dim() - 1))
+            combined = self._REDUCE.get(key, self._REDUCE["mean"])(stacked, w)
             dtype = tensors[0].dtype if tensors[0].is_floating_point() else torch.get_default_dtype()
             self.module.log(name, combined.to(dtype), **options)
+
+    def _without_single_sample_nans(
+        self, name: str, calls: list[int], tensors: list[Tensor], sizes: Sequence[int]
+    ) -> tuple[list[int], list[Tensor]]:
+        """``calls`` and their ``tensors`` less the NaN values of one-sample micro-batches (all of them
+        where every value is such a NaN: one device's value is NaN too)."""
+        single = [
+            sizes[i] == 1 and t.is_floating_point() and bool(t.isnan().any()) for i, t in zip(calls, tensors)
+        ]
+        if not any(single) or all(single):
+            return calls, tensors
+        if name not in _LogRecorder._warned:
+            _LogRecorder._warned.add(name)
+            rank_zero_warn(
+                f"{name!r} logged NaN for a micro-batch of one sample (a statistic such as std over one "
+                "sample): the step's value leaves it out and combines the other micro-batches'. A statistic "
+                "of the batch is not a combination of its micro-batches': compute it per sample, or use "
+                "more samples per micro-batch (a smaller chunks)"
+            )
+        kept = [(i, t) for i, t, s in zip(calls, tensors, single) if not s]
+        return [i for i, _ in kept], [t for _, t in kept]

@@ -101,7 +101,7 @@ def drain(
     stage = pipelined.running
     stage.backward()
     if micro_steps is not None:
-        micro_steps.deposit()  # the gradients the step's micro-batch calls made
+        micro_steps.deposit(stage.step_gradient_scale)  # the gradients the step's micro-batch calls made
     if not accumulating(module):  # once per optimizer step, before clipping and the step
         synchronize_gradients(stage.parameters(), pipelined.tied_groups, data, replicas)
     if timeline is not None:

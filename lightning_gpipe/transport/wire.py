@@ -27,12 +27,14 @@ from lightning_gpipe.transport.structure import CONSTANTS, SLOT, TREE, TUPLE, St
 __all__ = [
     "HEADER_SLOTS",
     "Meta",
+    "can_travel",
     "decode_header",
     "decode_message",
     "decode_structure",
     "encode_header",
     "encode_message",
     "encode_structure",
+    "header_slots",
 ]
 
 HEADER_SLOTS = 64
@@ -51,6 +53,16 @@ _DTYPES: list[torch.dtype] = [
     torch.complex128,
 ]
 _CODE = {dt: k for k, dt in enumerate(_DTYPES)}
+
+
+def can_travel(t: Tensor) -> bool:
+    """Whether tensor ``t`` can travel between stages: a dense tensor of a dtype the header knows."""
+    return t.dtype in _CODE and t.layout == torch.strided
+
+
+def header_slots(t: Tensor) -> int:
+    """The header slots tensor ``t`` takes in a message (:func:`encode_header`)."""
+    return 3 + t.dim()
 
 
 def encode_header(

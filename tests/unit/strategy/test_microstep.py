@@ -89,6 +89,9 @@ class StageModule(FakeModule):
     def parameters(self):
         return self.stage.parameters()
 
+    def modules(self):
+        return self.stage.modules()
+
 
 class Backward:
     """A precision plugin's backward: the loss's own."""
@@ -153,3 +156,17 @@ def test_one_f_one_b_keeps_no_micro_batch_sized_tensor_to_the_end_of_the_step(re
     assert max(lives8) - lives8[0] < micro // 4, lives8  # after micro-batch i: no growth with i
     assert max(lives8) - max(lives4) < micro // 4 and peak8 - peak4 < micro // 4, (peak4, peak8)
     assert loss4.untyped_storage().nbytes() == loss8.untyped_storage().nbytes() == 4
+
+
+def test_a_nan_from_a_one_sample_micro_batch_is_left_out_of_the_logged_value_with_a_warning():
+    # torch.std of one sample is NaN: a 10-sample batch in 4 calls of 3, 3, 3, 1 must not log NaN
+    module, sizes = FakeModule(), [3, 3, 3, 1]
+    with _LogRecorder(module) as log:
+        for i, n in enumerate(sizes):
+            log.micro_batch = i
+            module.log("spread", torch.arange(float(n)).std() if n > 1 else torch.tensor([5.0]).std())
+            module.log("nan", torch.tensor(float("nan")))  # NaN in every call: NaN, as on one device
+    with pytest.warns(UserWarning, match="'spread' logged NaN for a micro-batch of one sample"):
+        log.replay(sizes, sizes)
+    logged = {name: value for name, value, _ in module.logged}
+    assert logged["spread"].item() == pytest.approx(1.0) and torch.isnan(logged["nan"])

@@ -1,0 +1,181 @@
+"""Everyday user code whose step outputs, logged metrics and token-count losses must look as on one device.
+
+Each module records what its hooks see; :func:`train` runs one case on one device (``strategy=None``)
+or under ``GPipeStrategy`` (tests/workers/user_code.py, every rank), and returns the record.
+
+- ``"outputs"``: an MLP whose ``training_step`` returns ``{"loss", "preds", "n", "stats": {"mean",
+  "rows"}}``, read in ``on_train_batch_end``; a torchmetrics ``MeanAbsoluteError`` logged with
+  ``on_step`` and ``on_epoch``, and the value an ``R2Score``'s forward returns; ``validation_step`` /
+  ``test_step`` return ``{"preds", "target"}``, gathered by a callback in ``on_validation_batch_end``
+  / ``on_test_batch_end``; fit, validate, test.
+- ``"tokens"``: an embedding LM with padded labels (``ignore_index=-100``, 1 to 10 valid tokens per
+  sequence) whose ``training_step`` returns ``{"loss": token mean, "num_items": valid tokens}`` and
+  logs ``train_loss``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import torchmetrics
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+from tests.models import pl
+
+VOCAB = 30
+
+
+class Outputs(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+        )
+        self.mae = torchmetrics.MeanAbsoluteError()
+        self.r2 = torchmetrics.R2Score()  # logged as the value its forward returns: not a mean over samples
+        self.seen: list[dict] = []
+        self.mae_steps: list[float | None] = []
+        self.r2_steps: list[float] = []
+        self.mae_epoch: float | None = None
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.layers(x)
+        self.mae(out, y)
+        self.log("train_mae", self.mae, on_step=True, on_epoch=True)
+        self.log("train_r2", self.r2(out.flatten(), y.flatten()))
+        rows = out.detach().flatten().tolist()
+        stats = {"mean": float(out.detach().mean()), "rows": rows, "count": torch.tensor(x.shape[0])}
+        return {"loss": F.mse_loss(out, y), "preds": out.detach(), "n": x.shape[0], "stats": stats}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        stats = outputs["stats"]
+        self.seen.append(
+            {
+                "keys": sorted(outputs),
+                "loss": float(outputs["loss"]),
+                "preds": outputs["preds"].flatten().tolist(),
+                "n": outputs["n"],
+                "mean": stats["mean"],
+                "rows": stats["rows"],
+                "count": int(stats["count"]),
+            }
+        )
+        value = self.trainer.callback_metrics.get("train_mae_step")
+        self.mae_steps.append(None if value is None else float(value))
+        self.r2_steps.append(float(self.trainer.callback_metrics["train_r2"]))
+
+    def on_train_epoch_end(self):
+        value = self.trainer.callback_metrics.get("train_mae_epoch")
+        self.mae_epoch = None if value is None else float(value)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.layers(x)
+        self.log("val_loss", F.mse_loss(out, y))
+        return {"preds": out, "target": y}
+
+    def test_step(self, batch, batch_idx):
+        return self.validation_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class Gather(pl.Callback):
+    """Collects ``outputs["preds"]`` in the evaluation hooks, as a confusion-matrix callback would."""
+
+    def __init__(self) -> None:
+        self.val: list[list[float]] = []
+        self.test: list[list[float]] = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.val.append(outputs["preds"].flatten().tolist() + outputs["target"].flatten().tolist())
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self.test.append(outputs["preds"].flatten().tolist())
+
+
+class Tokens(Dataset):
+    def __init__(self, rows: int = 32, length: int = 10) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(1, VOCAB, (rows, length), generator=g)
+        self.labels = torch.randint(0, VOCAB, (rows, length), generator=g)
+        for r in range(rows):
+            self.labels[r, 1 + (r * 7) % length :] = -100  # 1..10 valid tokens per row
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.labels[i]}
+
+
+class TokenLM(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, VOCAB)
+        )
+        self.losses: list[float] = []
+        self.logged: list[float] = []
+        self.items: list[int] = []
+
+    def training_step(self, batch, batch_idx):
+        logits = self.layers(batch["input_ids"])
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch["labels"].reshape(-1), ignore_index=-100)
+        self.log("train_loss", loss)
+        return {"loss": loss, "num_items": (batch["labels"] != -100).sum()}
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        self.items.append(int(outputs["num_items"]))
+        self.logged.append(float(self.trainer.callback_metrics["train_loss"]))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def _trainer(strategy, devices: int, **extra):
+    kwargs = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        max_epochs=1,
+    )
+    kwargs.update(extra)
+    if strategy is None:
+        return pl.Trainer(devices=1, **kwargs)
+    return pl.Trainer(devices=devices, strategy=strategy, **kwargs)
+
+
+def train(case: str, strategy=None, devices: int = 1, trainer: dict | None = None) -> dict:
+    """Train ``case`` (``"outputs"`` or ``"tokens"``) on one device (``strategy=None``) or under
+    ``strategy``; what its hooks saw, and the trained state."""
+    if case == "outputs":
+        model, gather = Outputs(), Gather()
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g))
+        t = _trainer(strategy, devices, callbacks=[gather], max_steps=4, **(trainer or {}))
+        t.fit(model, DataLoader(data, batch_size=8))
+        g = torch.Generator().manual_seed(4)
+        val = DataLoader(TensorDataset(torch.randn(12, 16, generator=g), torch.randn(12, 1, generator=g)), 6)
+        validated = t.validate(model, val, verbose=False)
+        t.test(model, val, verbose=False)
+        record = {"seen": model.seen, "mae_steps": model.mae_steps, "mae_epoch": model.mae_epoch}
+        record["r2_steps"] = model.r2_steps
+        record.update(val=gather.val, test=gather.test, validated=validated)
+    else:
+        model = TokenLM()
+        t = _trainer(strategy, devices, max_steps=4, **(trainer or {}))
+        t.fit(model, DataLoader(Tokens(), batch_size=8))
+        record = {"losses": model.losses, "logged": model.logged, "items": model.items}
+    record["rank"] = t.global_rank
+    record["state"] = {k: v.detach().clone() for k, v in model.layers.state_dict().items()}
+    return record
