@@ -210,10 +210,10 @@ class MicroSteps:
                     if not isinstance(loss, Tensor):
                         raise PipelineUsageError(
                             f"training_step returned no loss for micro-batch {i} "
-                            f"(got {type(out).__name__}); a "
-                            "per-micro-batch schedule backpropagates every micro-batch's loss: "
-                            "return one from "
-                            "every call, or use schedule='gpipe' to skip steps by returning None"
+                            f"(got {type(out).__name__}); every process must backpropagate a "
+                            "loss in every step (Lightning refuses None on more than one process, "
+                            "under any strategy): to skip a batch, return a zero loss that keeps "
+                            "the graph, e.g. `loss * 0` or `out.sum() * 0`, as under DDP"
                         )
                     losses.append(_kept(loss))
                     kept.append(without_loss(out))

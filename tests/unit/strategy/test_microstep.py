@@ -170,3 +170,32 @@ def test_a_nan_from_a_one_sample_micro_batch_is_left_out_of_the_logged_value_wit
         log.replay(sizes, sizes)
     logged = {name: value for name, value, _ in module.logged}
     assert logged["spread"].item() == pytest.approx(1.0) and torch.isnan(logged["nan"])
+
+
+def test_a_call_that_returns_none_is_refused_with_advice_that_works_on_several_processes():
+    # Lightning refuses None from training_step on more than one process under any strategy
+    # (pytorch-lightning PR 19918), so the advice is DDP's: a zero loss that keeps the graph
+    from lightning_gpipe.engine.stage import PipelineStage
+    from lightning_gpipe.errors import PipelineUsageError
+    from lightning_gpipe.schedule import one_f_one_b
+    from lightning_gpipe.strategy.microstep import MicroSteps
+    from lightning_gpipe.transport.layout import StageTopology
+    from lightning_gpipe.transport.p2p import P2P
+
+    stage = PipelineStage(
+        [("0", torch.nn.Linear(4, 4))],
+        StageTopology(0, 1, None, None),
+        2,
+        "never",
+        P2P(torch.device("cpu")),
+        schedule=one_f_one_b,
+    )
+
+    def training_step(batch, batch_idx):
+        stage(batch[0])
+        return None
+
+    batch = (torch.randn(4, 4), torch.randn(4, 4))
+    with pytest.raises(PipelineUsageError, match=r"returned no loss for micro-batch 0 .*`loss \* 0`") as err:
+        MicroSteps().training_step(training_step, stage, StageModule(stage), Backward(), 2, batch, 0)
+    assert "schedule='gpipe'" not in str(err.value)
