@@ -8,6 +8,7 @@ timestamped directories.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -29,7 +30,6 @@ from typing_extensions import override
 
 from lightning_gpipe import _lightning
 from lightning_gpipe._lightning import MultiProcessingLauncher, SubprocessScriptLauncher
-from lightning_gpipe.strategy import signals
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, lightning_class, specialize
 from lightning_gpipe.strategy.observer import ChildObserver
 
@@ -115,12 +115,13 @@ class _GPipeLauncherLogic(_Base):
             self.check(model)  # type: ignore[arg-type]
         try:
             results = self._start_and_run(function, *args, **kwargs)
-        except BaseException as err:
-            # This process failed: ranks it started may be waiting for it (even in the rendezvous,
-            # before any connection exists to break), so they end now, not at the timeout. Not after a
-            # signal: every rank then runs Lightning's on_exception callbacks (a checkpoint's gather
-            # needs them all), which come after this, and ends by itself (Ctrl-C: see kill).
-            if not (signals.stopping() and isinstance(err, (SystemExit, KeyboardInterrupt))):
+        except BaseException:
+            # This process failed. Before the rendezvous the ranks it started wait for it with no
+            # connection to break: they end now, not at the timeout. After it, they end through the
+            # failure protocol, saying why (which runs after this, in Lightning's on_exception), or by
+            # themselves after a signal, once their on_exception callbacks (a checkpoint's gather needs
+            # every rank) have run; an exit hook gives those left the grace, then kills them.
+            if not dist.is_initialized():
                 self._end_children(0.0)
             raise
         return self.share(results, trainer) if self.share is not None else results
@@ -133,6 +134,7 @@ class _GPipeLauncherLogic(_Base):
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
             ChildObserver(self.procs, self.grace).start()
+            atexit.register(self._end_children, self.grace)
         _lightning.set_num_threads_if_needed(self.num_processes)
         return function(*args, **kwargs)
 

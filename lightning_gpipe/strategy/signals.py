@@ -45,7 +45,6 @@ __all__ = [
     "record",
     "requested",
     "restore_sigterm_check",
-    "stopping",
     "watch",
     "watch_signals",
 ]
@@ -55,7 +54,7 @@ SIGNAL_GRACE_S = 30.0
 default ``KillWait`` between its SIGTERM and its SIGKILL is 30 s)."""
 
 _watch: dict[str, Any] = {}  # the watching thread's pipe, grace and forwarding (one per process)
-_stop: dict[str, Any] = {"requested": 0, "stopped_by": 0, "armed": False}  # signals recorded and agreed
+_stop: dict[str, Any] = {"requested": 0, "armed": False}  # the signal recorded; training under way
 
 
 def check_grace(grace: float) -> float:
@@ -72,11 +71,6 @@ def check_grace(grace: float) -> float:
 def requested() -> int:
     """The signal recorded on this rank during training (``SIGTERM``, ``SIGINT``), or 0."""
     return int(_stop["requested"])
-
-
-def stopping() -> bool:
-    """Whether this rank got a signal during training, or stops on another's (:class:`SigtermCheck`)."""
-    return bool(_stop["requested"] or _stop["stopped_by"])
 
 
 def record(signum: int, frame: Any = None) -> None:
@@ -229,7 +223,7 @@ class SigtermCheck:
             work.wait()
             signum = int(flag.item())
             if signum:
-                self.stopped_by = _stop["stopped_by"] = signum
+                self.stopped_by = signum
                 with suppress(Exception):
                     dist.barrier()  # as Lightning: every rank is here, none is left in a collective
                 raise self.exception(128 + signum)
@@ -253,7 +247,7 @@ def defer_sigterm_check(trainer: Any, device: torch.device) -> SigtermCheck:
     _lightning.set_sigterm_notifier(trainer, record)
     if getattr(trainer.state.fn, "value", None) == "fit":
         _lightning.set_sigterm_check(trainer, check)
-        _stop.update(requested=0, stopped_by=0, armed=True)
+        _stop.update(requested=0, armed=True)
     return check
 
 

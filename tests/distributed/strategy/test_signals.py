@@ -130,13 +130,13 @@ _KILLS = [  # (launch, devices, the kill's spec, the dead rank as named, the sur
         [0],
         id="in-checkpoint-gather",
     ),
-    pytest.param(  # the same under Lightning's launcher: the launched rank dies
-        "lightning",
-        2,
+    pytest.param(  # the same under Lightning's launcher: a launched rank of three dies, the launching
+        "lightning",  # rank and the other launched one wait in the gather
+        3,
         {"rank": 1, "at": 2, "during": "save"},
-        "rank 1 (stage 0)",
-        [0],
-        id="launched-rank-in-checkpoint-gather",
+        "rank 1 (stage 1)",
+        [0, 2],
+        id="launched-rank-of-3-in-checkpoint-gather",
     ),
 ]
 
