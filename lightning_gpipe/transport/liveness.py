@@ -10,6 +10,9 @@ ranks stopped beating without leaving: they died or lost their connection. When 
 cannot be reached, the rank whose process holds it is gone (rank 0 under Lightning's launcher,
 ``torchrun`` without its agent, ``srun``).
 
+The rank whose process holds the store waits at exit, up to :data:`LINGER_S` seconds, for the others to
+leave, so that their last reads of it (who is gone, a failure's note) still find it.
+
 Cost: one store write per rank every :data:`BEAT_S` seconds, in a thread.
 """
 
