@@ -19,6 +19,7 @@ from lightning_fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device as default_process_group_backend,
 )
 from lightning_fabric.utilities.distributed import _init_dist_connection as init_dist_connection
+from lightning_fabric.utilities.distributed import _set_num_threads_if_needed as set_num_threads_if_needed
 from lightning_fabric.utilities.distributed import _sync_ddp as sync_ddp
 from lightning_fabric.utilities.imports import _IS_INTERACTIVE as IS_INTERACTIVE
 from lightning_fabric.utilities.optimizer import _optimizer_to_device as optimizer_to_device
@@ -48,6 +49,8 @@ __all__ = [
     "running_loop_data",
     "set_example_input_slot",
     "set_sigterm_check",
+    "set_num_threads_if_needed",
+    "set_sigterm_notifier",
     "should_accumulate",
     "sigterm_exception",
     "sync_ddp",
@@ -97,6 +100,19 @@ def set_sigterm_check(trainer: Any, check: Callable[[], None] | None) -> None:
         loop.__dict__.pop("_broadcast_sigterm_tensor", None)
     else:
         loop._broadcast_sigterm_tensor = check
+
+
+def set_sigterm_notifier(trainer: Any, notifier: Callable[[int, Any], None] | None) -> None:
+    """Put ``notifier(signum, frame)`` in place of the Trainer's SIGTERM notifier
+    (``_SignalConnector._sigterm_notifier_fn``, which passes the signal on to the launched ranks,
+    broadcasts from the signal handler and sets ``received_sigterm``), or Lightning's own back
+    (``None``). Takes effect where the Trainer registers its signal handlers, after the strategy's
+    ``setup``."""
+    connector = trainer._signal_connector
+    if notifier is None:
+        connector.__dict__.pop("_sigterm_notifier_fn", None)
+    else:
+        connector._sigterm_notifier_fn = notifier
 
 
 def sigterm_exception(trainer: Any) -> type[BaseException]:

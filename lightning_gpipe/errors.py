@@ -16,6 +16,7 @@ __all__ = [
     "MicroBatchError",
     "PartitionError",
     "PipelineUsageError",
+    "RankLost",
     "SkipError",
     "StageError",
     "UnsafeCheckpointError",
@@ -52,6 +53,11 @@ class UnsafeCheckpointError(CheckpointError):
 
 class CollectiveTimeout(RuntimeError):
     """An operation that needs every rank was not reached by some of them in time."""
+
+
+class RankLost(RuntimeError):
+    """A rank of the job died or lost its connection (killed with SIGKILL, out of memory, a lost node)
+    while this one waited for it; the message names it."""
 
 
 class LayerProfilingError(RuntimeError):

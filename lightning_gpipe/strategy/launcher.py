@@ -8,8 +8,11 @@ timestamped directories.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +20,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
-import torch
 import torch.distributed as dist
 from lightning_fabric.plugins import ClusterEnvironment
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
@@ -29,7 +31,7 @@ from typing_extensions import override
 from lightning_gpipe import _lightning
 from lightning_gpipe._lightning import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, lightning_class, specialize
-from lightning_gpipe.strategy.signals import SigtermCheck
+from lightning_gpipe.strategy.observer import ChildObserver
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning launcher it becomes
     _Base = SubprocessScriptLauncher
@@ -79,6 +81,8 @@ class _GPipeLauncherLogic(_Base):
         check: called with the LightningModule before any child starts; raises on a bad model.
         share: ``share(results, trainer)``, called on every rank with what the Trainer's entry point
             returned; its return value is returned instead (the last stage's results everywhere).
+        grace: seconds the ranks it started get to end by themselves after a stop (a signal, Ctrl-C)
+            before they are killed (``GPipeStrategy(signal_grace=...)``).
     """
 
     namespace: str  # "pytorch_lightning" or "lightning" (lightning_gpipe.strategy._namespace)
@@ -90,10 +94,12 @@ class _GPipeLauncherLogic(_Base):
         num_nodes: int,
         check: Callable[[pl.LightningModule], Any] | None = None,
         share: Callable[[Any, Any], Any] | None = None,
+        grace: float = 30.0,
     ) -> None:
         super().__init__(cluster_environment, num_processes, num_nodes)
         self.check = check
         self.share = share
+        self.grace = grace
         self._env_before: dict[str, str | None] | None = None
 
     @override
@@ -108,15 +114,47 @@ class _GPipeLauncherLogic(_Base):
         ):
             self.check(model)  # type: ignore[arg-type]
         try:
-            results = super().launch(function, *args, trainer=trainer, **kwargs)
+            results = self._start_and_run(function, *args, **kwargs)
         except BaseException:
-            # This process failed: ranks it started may be waiting for it (even in the rendezvous,
-            # before any connection exists to break), so they end now, not at the timeout.
-            for proc in self.procs:
-                if proc.poll() is None:
-                    proc.kill()
+            # This process failed. Before the rendezvous the ranks it started wait for it with no
+            # connection to break: they end now, not at the timeout. After it, they end through the
+            # failure protocol, saying why (which runs after this, in Lightning's on_exception), or by
+            # themselves after a signal, once their on_exception callbacks (a checkpoint's gather needs
+            # every rank) have run; an exit hook gives those left the grace, then kills them.
+            if not dist.is_initialized():
+                self._end_children(0.0)
             raise
         return self.share(results, trainer) if self.share is not None else results
+
+    def _start_and_run(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's launch: start the other ranks, then run ``function`` here; the ranks started are
+        watched by a :class:`~lightning_gpipe.strategy.observer.ChildObserver` (the job's grace) in place of
+        Lightning's observer, which kills the whole job 5 s after a rank's failure."""
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if not self.cluster_environment.creates_processes_externally:
+            self._call_children_scripts()
+            ChildObserver(self.procs, self.grace).start()
+            atexit.register(self._end_children, self.grace)
+        _lightning.set_num_threads_if_needed(self.num_processes)
+        return function(*args, **kwargs)
+
+    @override
+    def kill(self, signum: Any) -> None:
+        """Pass ``signum`` on to the ranks this one started; a ``SIGKILL`` (Lightning's, after Ctrl-C)
+        first gives them ``grace`` seconds to end by themselves."""
+        if signum == signal.SIGKILL:
+            self._end_children(self.grace)
+        else:
+            super().kill(signum)
+
+    def _end_children(self, wait: float) -> None:
+        """Wait up to ``wait`` seconds for the ranks this one started to exit, then kill those left."""
+        deadline = time.monotonic() + wait
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            if proc.poll() is None:
+                proc.kill()
 
     @override
     def _call_children_scripts(self) -> None:
@@ -271,6 +309,7 @@ def new_launcher(strategy: Any) -> GPipeLauncher | GPipeForkLauncher:
         strategy.num_nodes,
         check=strategy.check_model,
         share=strategy.share_evaluation_results,
+        grace=strategy.signal_grace,
     )
 
 
@@ -284,32 +323,6 @@ def set_world_ranks(
         env.set_world_size(nodes * processes)
     rank = env.global_rank() if env is not None else 0
     rank_zero_only.rank = utils_rank_zero_only.rank = rank  # type: ignore[attr-defined]
-
-
-def forward_signal(launcher: Any, signum: int) -> None:
-    """On SIGTERM/SIGINT, the launching rank passes the signal on to the ranks its ``launcher`` started."""
-    kill = getattr(launcher, "kill", None)
-    if callable(kill):
-        kill(signum)
-
-
-def defer_sigterm_check(trainer: pl.Trainer, device: torch.device) -> SigtermCheck:
-    """Put a :class:`~lightning_gpipe.strategy.signals.SigtermCheck` in place of the trainer's per-step
-    SIGTERM broadcast, and return it."""
-    check = SigtermCheck(trainer, device, _lightning.sigterm_exception(trainer))
-    _lightning.set_sigterm_check(trainer, check)
-    return check
-
-
-def restore_sigterm_check(
-    trainer: pl.Trainer | None, check: SigtermCheck | None, failed: bool, timeout: float
-) -> None:
-    """Give ``trainer`` (if any) Lightning's own SIGTERM broadcast back and, unless the run ``failed``, close
-    ``check`` (if any) within ``timeout`` seconds."""
-    if trainer is not None:
-        _lightning.set_sigterm_check(trainer, None)
-    if check is not None and not failed:
-        check.close(timeout)
 
 
 def check_rerunnable_command() -> None:

@@ -14,15 +14,21 @@ from lightning_gpipe._lightning import (
     init_dist_connection,
     sync_ddp,
 )
-from lightning_gpipe.transport import arrival
+from lightning_gpipe.transport import arrival, liveness
+from lightning_gpipe.transport.layout import Layout
 
 __all__ = ["connect", "reduce"]
 
 
 def connect(
-    cluster_environment: Any, backend: str | None, timeout: timedelta | None, device: torch.device
+    cluster_environment: Any,
+    backend: str | None,
+    timeout: timedelta | None,
+    device: torch.device,
+    layout: Layout | None = None,
 ) -> str:
-    """Initialize the default process group (Lightning's rendezvous).
+    """Initialize the default process group (Lightning's rendezvous) and start this rank's heartbeat
+    (:mod:`lightning_gpipe.transport.liveness`; ``layout`` names the ranks' stages in its messages).
 
     Returns:
         The backend: ``backend``, or by default the one Lightning picks for ``device``.
@@ -33,6 +39,7 @@ def connect(
         kwargs["device_id"] = device
     arrival.reset()
     init_dist_connection(cluster_environment, backend, **kwargs)
+    liveness.start(dist.get_rank(), layout)
     return backend
 
 

@@ -32,7 +32,7 @@ from lightning_gpipe.strategy.gradients import clip_optimizer_gradients
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, check_arguments, partition_model
 from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.tools.trace import publish
-from lightning_gpipe.transport import arrival, failure, groups
+from lightning_gpipe.transport import arrival, groups
 from lightning_gpipe.transport.layout import Layout, check_pipeline_parallel_size
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning strategy it becomes
@@ -65,6 +65,7 @@ class _GPipeStrategyLogic(_Base):
         compile: ``torch.compile`` every stage after the cut: ``True`` or a dict of its arguments.
         start_method: ``"popen"`` (the other ranks re-run the script) or ``"fork"`` (``"gpipe_notebook"``).
         weights_only: how ``ckpt_path=`` files are unpickled: ``None``/``True`` safely, ``False`` full pickle.
+        signal_grace: seconds a rank may run on after SIGTERM/SIGINT (to the step boundary, on_exception).
 
     Raises:
         ValueError: a bad argument; at ``Trainer`` construction, a world size not a multiple of K.
@@ -88,7 +89,7 @@ class _GPipeStrategyLogic(_Base):
         checkpoint_format: str = "full", optimizer_state_factor: float = 2.0,
         deferred_batch_norm: bool = False, collective_timeout: float = 30.0,
         compile: bool | dict[str, Any] = False, start_method: str = "popen", weights_only: bool | None = None,
-        schedule: str = "gpipe", virtual_stages: int | None = None,
+        schedule: str = "gpipe", virtual_stages: int | None = None, signal_grace: float = 30.0,
     ) -> None:  # fmt: skip
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, pipeline_parallel_size)
@@ -99,6 +100,7 @@ class _GPipeStrategyLogic(_Base):
         self.optimizer_state_factor = float(optimizer_state_factor)
         self.deferred_batch_norm = bool(deferred_batch_norm)
         self.collective_timeout = arrival.check_collective_timeout(collective_timeout)
+        self.signal_grace = signals.check_grace(signal_grace)
         self.weights_only = loading.check_weights_only(weights_only)
         self.timeline, self.timeline_dir = timeline, timeline_dir
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
@@ -198,13 +200,12 @@ class _GPipeStrategyLogic(_Base):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
-        env, backend, device = self.cluster_environment, self.process_group_backend, self.root_device
-        self.process_group_backend = process_group.connect(env, backend, self._timeout, device)
+        args = (self.cluster_environment, self.process_group_backend, self._timeout, self.root_device)
+        self.process_group_backend = process_group.connect(*args, self.layout)  # and the heartbeat
         share_rng_state(self.global_rank)  # a shuffling DataLoader draws alike on every rank
         self._groups = self._groups or groups.new_groups(self.layout, self.global_rank)
         groups.close_at_exit(self)
-        forward = functools.partial(launcher.forward_signal, self._launcher)  # to the ranks this one started
-        signals.watch_signals(signals.SIGNAL_GRACE_S, on_signal=forward)
+        signals.watch(self._launcher, self.signal_grace)  # the signal passed on to the ranks this one started
 
     @contextlib.contextmanager
     @override
@@ -221,9 +222,9 @@ class _GPipeStrategyLogic(_Base):
     def setup(self, trainer: pl.Trainer) -> None:
         """Put this rank's stage in the module, then set up its optimizer, the precision and the callbacks."""
         self._place_stage(trainer)  # before the optimizers: they only ever see this stage's parameters
+        self._sigterm = signals.defer_sigterm_check(trainer, self.root_device)  # signals stop at a step
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            self._sigterm = launcher.defer_sigterm_check(trainer, self.root_device)
         self.setup_precision_plugin()
         precision.install(self.precision_plugin, self._clip_grad_by_norm)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -399,10 +400,9 @@ class _GPipeStrategyLogic(_Base):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """End every rank promptly, the original error first (:mod:`lightning_gpipe.transport.failure`)."""
+        """A stop on a signal ends quietly; a failure ends every rank promptly, the original error first."""
         self._failed = True
-        if _lightning.distributed_is_initialized():
-            failure.report_and_abort(exception, f"stage {self.stage_index} (rank {self.global_rank})")
+        signals.end_rank(exception, self._sigterm, self.layout, self.global_rank)
 
     def release_groups(self) -> None:
         """Drop every process-group handle this strategy and its module's metrics hold (at exit)."""
@@ -427,7 +427,7 @@ class _GPipeStrategyLogic(_Base):
         module = self.lightning_module
         trainer = _lightning.attached_trainer(module) if module is not None else None
         callbacks.restore_callbacks(trainer)
-        launcher.restore_sigterm_check(trainer, self._sigterm, self._failed, self.collective_timeout)
+        signals.restore_sigterm_check(trainer, self._sigterm, self._failed, self.collective_timeout)
         metrics.remove_metric_sharing(module, self._metric_sharing)
         self._sigterm, self._metric_sharing, self._lazy = None, None, None
 

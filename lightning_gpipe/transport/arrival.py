@@ -8,19 +8,22 @@ marks its arrival in the job's key-value store (the one ``torch.distributed`` wa
 with) and waits for the others for at most ``timeout`` seconds; if some never come, it raises
 :class:`CollectiveTimeout` naming the operation and the ranks missing, and leaves the same note in
 the store, where the other ranks' failure reports (:mod:`lightning_gpipe.transport.failure`) find it. The
-failure protocol then ends every rank. Cost: one store write and one wait per operation.
+failure protocol then ends every rank. A missing rank that is gone (killed, its connection lost:
+:mod:`lightning_gpipe.transport.liveness`) is named within seconds instead, with :class:`RankLost`.
+Cost: one store write and one wait per operation (and a heartbeat check every few seconds of waiting).
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from lightning_gpipe.errors import CollectiveTimeout
+from lightning_gpipe.errors import CollectiveTimeout, RankLost
+from lightning_gpipe.transport import liveness
 
 NOTE_KEY = "gpipe/failure"
 _counts: Counter[str] = Counter()
@@ -42,37 +45,72 @@ def _store() -> Any:
 def arrive(operation: str, timeout: float, ranks: list[int] | None = None) -> None:
     """Wait (at most ``timeout`` seconds) until every rank of ``ranks`` (default: all) reaches ``operation``.
 
-    Every rank of ``ranks`` must call it for the same operations in the same order.
+    Every rank of ``ranks`` must call it for the same operations in the same order. Every
+    :data:`~lightning_gpipe.transport.liveness.SILENCE_S` seconds of waiting, a rank still missing
+    that has stopped beating (:mod:`lightning_gpipe.transport.liveness`) is named at
+    once, rather than the user's code blamed at the timeout.
 
     Raises:
+        RankLost: a rank still missing died or lost its connection; the message names it.
         CollectiveTimeout: some ranks did not arrive in time; the message names them.
     """
     if not dist.is_available() or not dist.is_initialized():
         return
-    world = dist.get_world_size()
+    world, me = dist.get_world_size(), dist.get_rank()
     ranks = list(range(world)) if ranks is None else ranks
     if len(ranks) < 2:
         return
     _counts[operation] += 1
     key = f"gpipe/arrive/{operation}/{_counts[operation]}"
     store = _store()
-    store.set(f"{key}/{dist.get_rank()}", "1")
-    try:
-        store.wait([f"{key}/{r}" for r in ranks], timedelta(seconds=timeout))
-    except Exception as err:  # a timeout (DistStoreError) or a store that went away
-        missing = [r for r in ranks if not _has(store, f"{key}/{r}")]
-        if not missing:
-            raise
-        note = (
-            f"{operation} needs every rank, but rank(s) {missing} did not reach it within {timeout:g} s "
-            f"(rank {dist.get_rank()} did); call it on every rank (e.g. not only where "
-            "trainer.is_global_zero), or raise GPipeStrategy(collective_timeout=...) if they are only slow"
-        )
+    others = [r for r in ranks if r != me]
+    known = liveness.known_lost(others)  # a rank found gone before: no wait
+    if known is not None:
+        _fail(RankLost(f"{operation} needs every rank, but {known} (rank {me} waited for it)"), None)
+    store.set(f"{key}/{me}", "1")
+    keys, deadline = [f"{key}/{r}" for r in ranks], time.monotonic() + timeout
+    before, since, delay = _beats(others), time.monotonic(), 0.0005
+    while True:  # polled (store.wait logs a warning at each timeout): every 50 ms at most
+        error: Exception | None = None
         try:
-            store.set(NOTE_KEY, note)
-        except Exception:  # noqa: BLE001, S110 - the note is a courtesy to the other ranks
-            pass
-        raise CollectiveTimeout(note) from err
+            if store.check(keys):
+                return
+        except Exception as err:  # noqa: BLE001 - the store went away: said below
+            error = err
+        now = time.monotonic()
+        if before is not None and (error is not None or now - since >= liveness.SILENCE_S):
+            missing = [r for r in others if not _has(store, f"{key}/{r}")]
+            cause = liveness.lost(missing, before) if missing else None
+            if cause is not None:
+                _fail(RankLost(f"{operation} needs every rank, but {cause} (rank {me} waited for it)"), error)
+            before, since = _beats(others), time.monotonic()
+        if now >= deadline or (error is not None and before is None):
+            missing = [r for r in ranks if not _has(store, f"{key}/{r}")]
+            note = (
+                f"{operation} needs every rank, but rank(s) {missing} did not reach it within "
+                f"{timeout:g} s (rank {me} did); call it on every rank (e.g. not only where "
+                "trainer.is_global_zero), or raise GPipeStrategy(collective_timeout=...) if they are "
+                "only slow"
+            )
+            _fail(CollectiveTimeout(note), error)
+        time.sleep(delay)
+        delay = min(2 * delay, 0.05)
+
+
+def _beats(ranks: list[int]) -> dict[int, int] | None:
+    try:
+        return liveness.beats(ranks)
+    except liveness.StoreLost:
+        return {}  # compared after the next slice: the store's loss is named then
+
+
+def _fail(error: Exception, cause: BaseException | None) -> NoReturn:
+    """Leave ``error``'s message where the other ranks' failure reports find it, and raise it."""
+    try:
+        _store().set(NOTE_KEY, str(error))
+    except Exception:  # noqa: BLE001, S110 - the note is a courtesy to the other ranks
+        pass
+    raise error from cause
 
 
 def _has(store: Any, key: str) -> bool:

@@ -7,7 +7,8 @@ Pipeline jobs hang when one rank dies while another waits in a receive. The rank
 prints its error, tagged with its stage, before anything else happens; then it tears down its
 process group, which breaks the connections its peers wait on, so they fail within moments
 (and so on down the pipeline) instead of waiting for the ``torch.distributed`` timeout. A peer
-that fails only because a connection broke says so in its message.
+that fails only because a connection broke says so in its message, naming the rank that is gone
+when one died or lost its connection (:mod:`lightning_gpipe.transport.liveness`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_gpipe.errors import StageError
+from lightning_gpipe.transport import liveness
 from lightning_gpipe.transport.arrival import failure_note
 from lightning_gpipe.transport.p2p import close_lanes
 
@@ -76,21 +78,21 @@ def is_peer_loss(exception: BaseException) -> bool:
 
 
 def report_and_abort(exception: BaseException, where: str) -> None:
-    """Print (first failure) or annotate (a peer's consequence) ``exception``, then abort this rank's group.
+    """Print (a failure of this rank's own) or annotate (a peer's consequence) ``exception``, then abort
+    this rank's group.
+
+    A rank that fails for a reason of its own prints its error first, tells the other ranks that it
+    leaves on purpose (:func:`~lightning_gpipe.transport.liveness.leave`), then tears its group down.
+    A rank that stops because a connection broke tears its group down first (its own peers learn at
+    once), then finds out which rank is gone (:func:`~lightning_gpipe.transport.liveness.lost`, a few
+    seconds: a rank killed with SIGKILL prints nothing) and names it; where none is gone, another rank
+    failed with an error of its own, printed in that rank's output.
 
     Args:
         exception: what this rank raised.
         where: e.g. ``"stage 1 (rank 1)"``.
     """
-    if is_peer_loss(exception):
-        note = failure_note()
-        _prefix_message(
-            exception,
-            f"[lightning_gpipe] {where} stopped because another rank of the job failed"
-            + (f" ({note})" if note else "")
-            + "; that rank's error is printed above, tagged [lightning_gpipe]. Connection error: ",
-        )
-    else:
+    if not is_peer_loss(exception):
         # the tag first, then the traceback: the other ranks may end this process before it exits
         trace = "".join(traceback.format_exception(exception))
         print(
@@ -98,7 +100,48 @@ def report_and_abort(exception: BaseException, where: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+        liveness.leave(f"{where} failed: {type(exception).__name__}")
+        abort_process_group()
+        return
+    note, others = failure_note(), _other_ranks()
     abort_process_group()
+    cause = liveness.lost(others) if others else None  # this rank beats on meanwhile: not counted gone
+    liveness.leave(f"{where} stopped after a connection broke")
+    if cause:
+        reason = cause
+    elif note:
+        reason = f"another rank of the job failed ({note})"
+    else:
+        reason = (
+            "another rank of the job failed; its error is printed, tagged [lightning_gpipe], "
+            "in that rank's output"
+        )
+    peer = _waited_on(exception)
+    if peer is not None:
+        reason += f"; this rank was waiting for a message from {liveness.describe(peer)}"
+    _prefix_message(exception, f"[lightning_gpipe] {where} stopped because {reason}. Connection error: ")
+
+
+def _waited_on(exception: BaseException) -> int | None:
+    """The rank whose message ``exception`` (or an exception it came from) broke off
+    (:func:`lightning_gpipe.transport.p2p.waited_on`)."""
+    seen: BaseException | None = exception
+    for _ in range(8):
+        if seen is None:
+            return None
+        peer = getattr(seen, "gpipe_peer", None)
+        if isinstance(peer, int):
+            return peer
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _other_ranks() -> list[int]:
+    """Every rank of the job but this one (none outside ``torch.distributed``)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return []
+    me = dist.get_rank()
+    return [r for r in range(dist.get_world_size()) if r != me]
 
 
 def _prefix_message(exception: BaseException, prefix: str) -> None:

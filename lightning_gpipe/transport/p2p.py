@@ -14,6 +14,7 @@ one process group per direction.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import defaultdict, deque
@@ -29,7 +30,7 @@ from lightning_gpipe.transport import prefetch
 from lightning_gpipe.transport.structure import Structure
 from lightning_gpipe.transport.wire import HEADER_SLOTS, Meta, decode_header, decode_message, encode_message
 
-__all__ = ["LINGER_S", "Lanes", "P2P", "close_lanes", "join_sends"]
+__all__ = ["LINGER_S", "Lanes", "P2P", "close_lanes", "join_sends", "waited_on"]
 
 
 class Lanes:
@@ -182,25 +183,32 @@ class P2P:
                 the receives still posted from ``src`` are then dropped.
         """
         group = self._group(src, self._me())
-        if not self.packed:
-            header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-            _wait(dist.irecv(header, src, group=group))
-            meta = decode_header(header)
-            tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
-            if meta.blob:
-                tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))
-            works = [dist.irecv(t, src, group=group) for t in tensors]
-            for w in works:
-                _wait(w)
-            return decode_message(meta, tensors)
-        queue = self._posted[src]
         try:
-            if not queue:
-                self.post(src)
-            return prefetch.take(queue.popleft(), self._rooms_from[src], src, group)
-        except BaseException:
-            queue.clear()
+            if not self.packed:
+                return self._recv_now(src, group)
+            queue = self._posted[src]
+            try:
+                if not queue:
+                    self.post(src)
+                return prefetch.take(queue.popleft(), self._rooms_from[src], src, group)
+            except BaseException:
+                queue.clear()
+                raise
+        except BaseException as err:
+            waited_on(err, src)
             raise
+
+    def _recv_now(self, src: int, group: Any) -> tuple[Meta, list[Tensor]]:
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
+        _wait(dist.irecv(header, src, group=group))
+        meta = decode_header(header)
+        tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
+        if meta.blob:
+            tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))
+        works = [dist.irecv(t, src, group=group) for t in tensors]
+        for w in works:
+            _wait(w)
+        return decode_message(meta, tensors)
 
     def posted(self, src: int) -> int:
         """Messages from ``src`` whose receives are posted and not yet taken."""
@@ -382,3 +390,10 @@ def join_sends(timeout: float) -> bool:
     """
     with _BUSY_CHANGED:
         return _BUSY_CHANGED.wait_for(lambda: not _BUSY, timeout=timeout)
+
+
+def waited_on(err: BaseException, peer: int) -> None:
+    """Remember on ``err`` the global rank whose message this rank was waiting for (``err.gpipe_peer``),
+    which the failure report names (:func:`lightning_gpipe.transport.failure.report_and_abort`)."""
+    with contextlib.suppress(AttributeError, TypeError):
+        err.gpipe_peer = peer  # type: ignore[attr-defined]

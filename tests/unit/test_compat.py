@@ -4,6 +4,7 @@ One test per entry: an upgrade that removes or changes one fails here, naming it
 """
 
 import inspect
+import os
 import sys
 
 import pytest
@@ -83,6 +84,28 @@ def test_set_sigterm_check(fitted):
     assert calls == [1]
     _lightning.set_sigterm_check(trainer, None)
     assert "_broadcast_sigterm_tensor" not in vars(loop)
+
+
+def test_set_sigterm_notifier(fitted):
+    """The notifier is looked up where the Trainer registers its SIGTERM handler: ours is called in its
+    place, and Lightning's own comes back."""
+    import signal
+
+    _, trainer = fitted
+    connector = trainer._signal_connector
+    assert callable(type(connector)._sigterm_notifier_fn)  # what the notifier stands in for
+    calls = []
+    before = signal.getsignal(signal.SIGTERM)
+    _lightning.set_sigterm_notifier(trainer, lambda signum, frame: calls.append(signum))
+    try:
+        connector.register_signal_handlers()
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert calls == [signal.SIGTERM] and not trainer.received_sigterm
+    finally:
+        connector.teardown()
+        _lightning.set_sigterm_notifier(trainer, None)
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert "_sigterm_notifier_fn" not in vars(connector)
 
 
 def test_sigterm_exception(fitted):
@@ -369,3 +392,14 @@ def test_StorageInfo():
 
 def test_MemoryFormatEncoding():
     assert {e.name for e in _compat.MemoryFormatEncoding} >= {"TORCH_CONTIGUOUS_FORMAT"}
+
+
+def test_set_num_threads_if_needed(monkeypatch):
+    """Sets OMP_NUM_THREADS and torch's threads when unset (as Lightning's launch does before the run)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    try:
+        _lightning.set_num_threads_if_needed(2)
+        assert int(os.environ["OMP_NUM_THREADS"]) >= 1
+    finally:
+        torch.set_num_threads(threads)

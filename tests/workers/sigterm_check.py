@@ -3,17 +3,17 @@
 Usage: python tests/workers/sigterm_check.py OUT
 Each rank calls the check once per 100 ms "step" (as the training epoch loop would) until it
 raises, rank 1 50 ms after rank 0.
-Rank 0 sets its ``received_sigterm`` after call 2; rank 1 sets its own after call 0 (which
-Lightning's check ignores: only rank 0's flag counts). Each rank writes to OUT/rank{r}.json the
-call that raised and the seconds the calls before it waited in all.
+Only rank 1 records a signal (SIGTERM), after call 2: a signal to any one rank stops every rank
+(Lightning's own check counts rank 0's only). Each rank writes to OUT/rank{r}.json the call that
+raised, the exit code it raised with and the seconds the calls before it waited in all.
 """
 
 import json
+import signal
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -28,9 +28,9 @@ class Stop(SystemExit):
 out = Path(sys.argv[1])
 dist.init_process_group("gloo", timeout=timedelta(seconds=60))
 rank = dist.get_rank()
-trainer = SimpleNamespace(received_sigterm=False)
-check = SigtermCheck(trainer, torch.device("cpu"), Stop)
-raised, waited = None, 0.0
+recorded = [0]
+check = SigtermCheck(torch.device("cpu"), Stop, flag=lambda: recorded[0])
+raised, code, waited = None, None, 0.0
 if rank == 1:
     time.sleep(0.05)  # rank 1 comes 50 ms after rank 0 to every call: rank 0 must not wait for it
 for call in range(8):
@@ -38,13 +38,14 @@ for call in range(8):
     start = time.perf_counter()
     try:
         check()
-    except Stop:
-        raised = call
+    except Stop as stop:
+        raised, code = call, stop.code
         break
     finally:
         waited += time.perf_counter() - start if rank == 0 else 0.0
-    if (rank, call) in ((0, 2), (1, 0)):
-        trainer.received_sigterm = True
+    if (rank, call) == (1, 2):
+        recorded[0] = int(signal.SIGTERM)
 check.close(10)
-(out / f"rank{rank}.json").write_text(json.dumps({"raised": raised, "rank0_waited_s": waited}))
+result = {"raised": raised, "code": code, "stopped_by": check.stopped_by, "rank0_waited_s": waited}
+(out / f"rank{rank}.json").write_text(json.dumps(result))
 dist.destroy_process_group()

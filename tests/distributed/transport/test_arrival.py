@@ -66,9 +66,11 @@ def test_collective_reached_only_on_global_zero_fails_fast_on_every_rank(tmp_pat
 )
 def test_signal_ends_every_rank_while_one_is_blocked_in_a_collective(tmp_path, signal):
     """Rank 0 alone enters a barrier (collective_timeout 600 s, so it stays blocked) and gets SIGTERM, or
-    SIGINT as from Ctrl-C, 2 s later: both ranks end within seconds, non-zero."""
+    SIGINT as from Ctrl-C, 2 s later: the step boundary never comes, so both ranks end within seconds of
+    signal_grace (3 s), non-zero."""
     what = {"at": 1, "call": "barrier", "sigterm_after": 2, "signal": signal}
-    path = _spec(tmp_path, runs=[{"chunks": 2, "collective_timeout": 600}], rank0_only=what)
+    run = {"chunks": 2, "collective_timeout": 600, "signal_grace": 3}
+    path = _spec(tmp_path, runs=[run], rank0_only=what)
     rc, out = run_script("tests/workers/train.py", path, timeout=100)
     seconds = time.time() - (tmp_path / "blocked").stat().st_mtime
     assert rc != 0
@@ -79,14 +81,14 @@ def test_signal_ends_every_rank_while_one_is_blocked_in_a_collective(tmp_path, s
 
 @pytest.mark.timeout(120)
 def test_the_sigterm_check_stops_every_rank_at_the_same_step_without_waiting(tmp_path):
-    """The deferred per-step SIGTERM check (in place of Lightning's blocking broadcast): rank 0's flag,
-    set after step 2, stops both ranks at step 4 (Lightning's own check: step 3), rank 1's own flag
-    counts for nothing, and rank 0 does not wait for rank 1, which comes 50 ms after it to every step."""
+    """The deferred per-step stop check (in place of Lightning's blocking broadcast): rank 1's signal,
+    recorded after step 2, stops both ranks at step 4 with exit code 143 (Lightning's own check: only
+    rank 0's signal counts), and rank 0 does not wait for rank 1, which comes 50 ms after it to every step."""
     from tests._harness import check
 
     for result in run_ranks("tests/workers/sigterm_check.py", 2, str(tmp_path), timeout=100):
         check(result)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["raised"] for r in ranks] == [4, 4]
+    assert [(r["raised"], r["code"], r["stopped_by"]) for r in ranks] == [(4, 143, 15)] * 2
     # the barrier before the raise waits 50 ms for rank 1; Lightning's blocking broadcast adds 4 × 50 ms
     assert ranks[0]["rank0_waited_s"] < 0.15, ranks[0]

@@ -54,6 +54,8 @@ def test_registered_strategy_name():
             {"balance": [2, 3], "pipeline_parallel_size": 3},
             r"balance has 2 stages but pipeline_parallel_size is 3",
         ),
+        ({"signal_grace": 0}, r"signal_grace must be a number of seconds > 0 \(signal_grace: 0\)"),
+        ({"signal_grace": "30"}, r"signal_grace must be a number of seconds > 0 \(signal_grace: '30'\)"),
     ],
 )
 def test_bad_strategy_arguments_raise_at_construction(kwargs, message):

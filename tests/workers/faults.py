@@ -1,0 +1,127 @@
+"""Worker: a pipelined fit that a signal or a SIGKILL interrupts, as a scheduler or the OOM killer would.
+
+Usage: python tests/workers/faults.py SPEC.json
+Started once (Lightning's launcher re-runs this command for the other ranks) or once per rank
+with RANK/WORLD_SIZE set (torchrun-style). tests.models.Net ("mlp", lr 0.1, seed 0) trains on one
+batch of 10 samples per epoch (so every step boundary is an epoch's start) for ``steps`` steps,
+with Lightning's ``OnExceptionCheckpoint`` writing ``OUT/on_exception.ckpt``.
+
+Spec keys: out, devices, steps, strategy (GPipeStrategy kwargs), val (a validation loader of 2
+batches), every_step_checkpoint (ModelCheckpoint after every step, in OUT/ckpts), and one fault:
+
+- ``signal``: ``{"rank": r, "at": step, "name": "SIGTERM" | "SIGINT", "to": "self" | "group",
+  "during": "step" | "validation" | "save"}``: global rank ``r`` (``"all"``: every rank) sends the
+  signal to itself, or to
+  its whole process group (``os.killpg``, as SLURM or Kubernetes signal a job), once
+  ``global_step == at``: at the end of that training batch, in the validation after it, or while
+  the checkpoint of that step is saved.
+- ``kill``: ``{"layer": i, "call": n}``: the rank holding layer ``i`` kills itself with SIGKILL in
+  that layer's ``n``-th forward call (during the forward), writing OUT/died (its rank and the time)
+  first; or ``{"rank": r, "at": step, "during": "save"}``: rank ``r`` kills itself at the end of
+  batch ``at`` while every other rank saves a checkpoint there (they wait for it in the gather).
+
+Every rank writes OUT/rank{r}.json: how ``fit`` ended (the exception's type, exit code and message),
+the global step and the time.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+
+import lightning_gpipe
+from tests.models import Net, make_data, trainer_kwargs
+
+spec = json.loads(Path(sys.argv[1]).read_text())
+out = Path(spec["out"])
+torch.set_num_threads(1)
+if spec.get("signal", {}).get("name") == "SIGINT":  # as in a terminal (a background job ignores SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _send(name: str, to: str) -> None:
+    signum = getattr(signal, name)
+    if to == "group":
+        os.killpg(os.getpgid(0), signum)
+    else:
+        os.kill(os.getpid(), signum)
+
+
+def _die(rank: int) -> None:
+    (out / "died").write_text(json.dumps({"rank": rank, "time": time.time()}))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Fault(pl.Callback):
+    def __init__(self) -> None:
+        self.sent = False
+
+    def _signal(self, trainer, during: str) -> None:
+        what = spec.get("signal")
+        if (
+            what
+            and not self.sent
+            and what.get("during", "step") == during
+            and what["rank"] in ("all", trainer.global_rank)
+            and trainer.global_step == what["at"]
+        ):
+            self.sent = True
+            _send(what["name"], what.get("to", "self"))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._signal(trainer, "step")
+        kill = spec.get("kill", {})
+        if kill.get("during") == "save" and trainer.global_step == kill["at"]:
+            if trainer.global_rank == kill["rank"]:
+                _die(trainer.global_rank)
+            trainer.save_checkpoint(out / "gathered.ckpt")
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        self._signal(trainer, "validation")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        self._signal(trainer, "save")
+
+
+def kill_in_forward(model: Net, trainer: pl.Trainer, layer: int, call: int) -> None:
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] == call:
+            _die(trainer.global_rank)
+
+    model.layers[layer].register_forward_pre_hook(hook)
+
+
+pl.seed_everything(0, verbose=False)
+model = Net("mlp", lr=0.1)
+callbacks = [pl.callbacks.OnExceptionCheckpoint(dirpath=out, filename="on_exception"), Fault()]
+if spec.get("every_step_checkpoint"):
+    callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=out / "ckpts", every_n_train_steps=1))
+kwargs = {**trainer_kwargs(spec["steps"]), "max_epochs": -1, "enable_checkpointing": True}
+trainer = pl.Trainer(
+    strategy=lightning_gpipe.GPipeStrategy(**spec.get("strategy", {})),
+    devices=spec["devices"],
+    callbacks=callbacks,
+    **kwargs,
+)
+if "layer" in spec.get("kill", {}):
+    kill_in_forward(model, trainer, spec["kill"]["layer"], spec["kill"]["call"])
+train = make_data("mlp", 10, max(spec["steps"], 5), samples=10)
+val = make_data("mlp", 10, 2, seed=2) if spec.get("val") else None
+ended = {"type": None, "code": 0, "message": ""}
+try:
+    trainer.fit(model, train, val)
+except BaseException as err:
+    ended = {"type": type(err).__name__, "code": getattr(err, "code", None), "message": str(err)}
+    raise
+finally:
+    ended.update(global_step=trainer.global_step, time=time.time())
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(ended))
+print(f"worker rank {trainer.global_rank} done")
