@@ -71,7 +71,13 @@ if spec.get("exit_check"):  # registered first, so it runs after the strategy's 
 
     def _record_exit_state(path=_exit_path):
         import threading
+        import time
 
+        # a native thread that is ending (a store connection the heartbeat closed) may take a moment;
+        # one that is still there after 2 s is what the test looks for
+        deadline = time.monotonic() + 2.0
+        while len(os.listdir("/proc/self/task")) != threading.active_count() and time.monotonic() < deadline:
+            time.sleep(0.05)
         state = {
             "initialized": torch.distributed.is_initialized(),
             "os_threads": len(os.listdir("/proc/self/task")),
