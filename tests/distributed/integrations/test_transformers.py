@@ -29,7 +29,7 @@ RUNS = [  # the full grid, 8 runs in one multi-process job per stage count
 ]
 
 
-TIED = ("layers.0.wte.weight", "layers.4.weight")
+TIED = ("layers.0.wte.weight", "layers.4.lm_head.weight")
 
 
 def _run(tmp_path, stages, runs):

@@ -53,7 +53,7 @@ def test_causal_lm_shares_parameters_and_computes_the_model_logits(family):
             lm_loss_reference(seq(ids), ids).item(), abs=1e-6
         )
     if family == "gpt2":
-        assert seq[-1].weight is seq[0].wte.weight  # the head stays tied
+        assert seq[-1].lm_head.weight is seq[0].wte.weight  # the head stays tied
 
 
 @pytest.mark.parametrize("index", [0, 1], ids=["resnet", "vit"])
@@ -78,7 +78,7 @@ def test_original_state_dict_loads_strictly_into_a_fresh_model():
     assert fresh.lm_head.weight is fresh.transformer.wte.weight
     with pytest.raises(KeyError, match="missing from the state_dict"):
         original_state_dict(fresh, causal_lm(fresh), {}, prefix="layers.")
-    with pytest.raises(TypeError, match="causal_lm supports GPT-2"):
+    with pytest.raises(TypeError, match="causal_lm takes a transformers causal LM"):
         causal_lm(torch.nn.Linear(2, 2))
 
 
