@@ -202,7 +202,8 @@ class HFLanguageModel(NextTokenSteps):
 
     Args:
         hf_class (str): dotted path of a causal LM class that the adapter supports,
-            ``"transformers.GPT2LMHeadModel"`` (default) or ``"transformers.LlamaForCausalLM"``.
+            ``"transformers.GPT2LMHeadModel"`` (default), ``"transformers.LlamaForCausalLM"``, or
+            another family that docs/models.md lists as exact.
         config (dict[str, Any] | None): the config's keyword arguments; its vocabulary must
             cover the data's token ids and its positions the data's ``seq_len`` (the recipe's
             configs read ``${data.vocab_size}`` and ``${data.seq_len}``) (default: None, the
@@ -217,7 +218,8 @@ class HFLanguageModel(NextTokenSteps):
 
     Raises:
         ImportError: without ``transformers`` (the ``[models]`` extra).
-        TypeError: if the adapter does not support ``hf_class``'s layout.
+        TypeError: the adapter refuses ``hf_class``'s family
+            (:class:`~lightning_gpipe.integrations.transformers.UnsupportedModelError`).
     """
 
     def __init__(
@@ -370,7 +372,8 @@ class HFImageClassifier(ClassifierSteps):
 
     Raises:
         ImportError: without ``transformers`` (the ``[models]`` extra).
-        TypeError: if the adapter does not support ``hf_class``'s layout.
+        TypeError: the adapter refuses ``hf_class``'s family
+            (:class:`~lightning_gpipe.integrations.transformers.UnsupportedModelError`).
     """
 
     def __init__(

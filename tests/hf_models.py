@@ -15,10 +15,26 @@ VOCAB, LENGTH = 50, 8
 
 
 def build_hf(family: str):
-    """A tiny GPT-2 (tied embedding and head, dropout 0) or Llama, seeded."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    """A tiny GPT-2 (tied embedding and head, dropout 0), Llama or Mistral (a sliding window of 3
+    over the 8 tokens), seeded; ``"<family>-sft"`` is the same model."""
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+    )
 
+    family = family.removesuffix("-sft")
     torch.manual_seed(0)
+    if family == "mistral":
+        config = MistralConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, max_position_embeddings=16, sliding_window=3,
+            bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        return MistralForCausalLM(config)
     if family == "gpt2":
         config = GPT2Config(
             n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=16, bos_token_id=0, eos_token_id=0,
@@ -34,7 +50,12 @@ def build_hf(family: str):
 
 
 class HFCausalLM(pl.LightningModule):
-    """``self.layers = causal_lm(model)``; the loss is the model's own LM loss (next-token cross-entropy)."""
+    """``self.layers = causal_lm(model)``; the loss is the model's own LM loss (next-token cross-entropy).
+
+    A batch ``(ids,)`` trains on every token; ``(ids, attention_mask)`` (``"<family>-sft"``, padded
+    SFT data) feeds the mask to the pipeline as ``{"input_ids", "attention_mask"}``, ignores padded
+    targets, and returns the count of valid targets as ``num_items`` (a token mean, docs/lightning.md).
+    """
 
     def __init__(self, family: str, lr: float = 0.1) -> None:
         super().__init__()
@@ -46,6 +67,13 @@ class HFCausalLM(pl.LightningModule):
         self.params: list[dict[str, torch.Tensor]] = []
 
     def training_step(self, batch, batch_idx):
+        if len(batch) == 2:
+            ids, mask = batch
+            labels = ids.masked_fill(mask == 0, -100)
+            logits = self.layers({"input_ids": ids, "attention_mask": mask})
+            loss = self.hf.loss_function(logits=logits, labels=labels, vocab_size=VOCAB)
+            self.losses.append(loss.item())
+            return {"loss": loss, "num_items": (labels[:, 1:] != -100).sum()}
         (ids,) = batch
         logits = self.layers(ids)
         loss = self.hf.loss_function(logits=logits, labels=ids, vocab_size=VOCAB)
@@ -64,6 +92,22 @@ def lm_data(batch: int = 10, steps: int = 5) -> DataLoader:
     return DataLoader(
         TensorDataset(torch.randint(0, VOCAB, (batch * steps, LENGTH), generator=g)), batch_size=batch
     )
+
+
+def sft_data(batch: int = 10, steps: int = 5) -> DataLoader:
+    """Padded batches: ids ``(N, 8)`` and a mask with 3 to 8 real tokens per row, left-padded on
+    even rows and right-padded on odd rows."""
+    g = torch.Generator().manual_seed(2)
+    n = batch * steps
+    ids = torch.randint(1, VOCAB, (n, LENGTH), generator=g)
+    lengths = torch.randint(3, LENGTH + 1, (n,), generator=g)
+    mask = torch.zeros(n, LENGTH, dtype=torch.long)
+    for row, length in enumerate(lengths.tolist()):
+        if row % 2:
+            mask[row, :length] = 1
+        else:
+            mask[row, LENGTH - length :] = 1
+    return DataLoader(TensorDataset(ids.masked_fill(mask == 0, 0), mask), batch_size=batch)
 
 
 def reference_lm(family: str, steps: int = 5) -> HFCausalLM:
@@ -131,7 +175,9 @@ def image_data(family: str, batch: int = 10, steps: int = 5) -> DataLoader:
 
 
 def module_and_data(family: str, steps: int = 5):
-    if family in ("gpt2", "llama"):
+    if family.endswith("-sft"):
+        return HFCausalLM(family), sft_data(steps=steps)
+    if family in ("gpt2", "llama", "mistral"):
         return HFCausalLM(family), lm_data(steps=steps)
     return HFImageClassifier(family), image_data(family, steps=steps)
 
