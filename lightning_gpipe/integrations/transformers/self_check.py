@@ -209,7 +209,7 @@ def _tiny(model: nn.Module, config: Any) -> nn.Module:
     """A tiny random model of ``model``'s class from ``config`` (its shrunken config), fp32, eval."""
     implementation = getattr(model.config, "_attn_implementation", None)
     config._attn_implementation = implementation if implementation in ("eager", "sdpa") else "sdpa"
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):  # also under a meta-device context
         torch.manual_seed(0)
         tiny = type(model)(config)
     return tiny.float().eval()

@@ -59,12 +59,14 @@ def test_a_family_whose_forward_does_more_is_refused_naming_what_differs(cls, wh
 
 
 def test_a_large_model_is_checked_on_a_tiny_one_of_its_family():
-    """A 6-layer, width-64 Llama is checked on a 2-layer, width-32 one; its own parameters are held."""
+    """A 6-layer, width-64 Llama, built on the meta device, is checked on a 2-layer, width-32 one on
+    the CPU; its own parameters are held."""
     config = LlamaConfig(
         hidden_size=64, num_hidden_layers=6, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=300,
     )  # fmt: skip
-    model = LlamaForCausalLM(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
     seq = causal_lm(model)
     assert len(seq) == 6 + 3
     assert {id(p) for p in seq.parameters()} == {id(p) for p in model.parameters()}
