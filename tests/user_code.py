@@ -181,10 +181,11 @@ class BatchNormNet(pl.LightningModule):
     def __init__(self, per_micro_batch: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
+        # float64: statistics of 2 samples amplify the round-off of another summation order
         self.layers = nn.Sequential(
             nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(),
             nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 1),
-        )  # fmt: skip
+        ).double()  # fmt: skip
         self.per_micro_batch = per_micro_batch  # one device, as the pipeline runs it: 2 samples at a time
         self.losses: list[float] = []
 
@@ -293,7 +294,8 @@ def train(case: str, strategy=None, devices: int = 1, trainer: dict | None = Non
     elif case == "batchnorm":
         model = BatchNormNet(per_micro_batch=strategy is None)
         g = torch.Generator().manual_seed(6)
-        data = TensorDataset(torch.randn(24, 16, generator=g), torch.randn(24, 1, generator=g))
+        x, y = torch.randn(24, 16, generator=g), torch.randn(24, 1, generator=g)
+        data = TensorDataset(x.double(), y.double())
         t = _trainer(strategy, devices, max_epochs=2, **(trainer or {}))
         t.fit(model, DataLoader(data, batch_size=12))
         record = {"losses": model.losses}
