@@ -20,6 +20,7 @@ state or, where that raises, a NaN scalar. Logging calls on the other stages are
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -160,8 +161,8 @@ def sync_metrics_over(module: nn.Module | None, group: Any, member: bool) -> Non
                 m.dist_sync_on_step = False
                 m._to_sync = False  # what torchmetrics reads; set from sync_on_compute only in __init__
                 m.distributed_available_fn = _not_distributed
-                if not isinstance(vars(m).get("compute"), _HarmlessCompute):
-                    m.compute = _HarmlessCompute(m, m.compute)  # type: ignore[method-assign]
+                if not getattr(vars(m).get("compute"), "harmless", False):
+                    m.compute = _harmless_compute(m, m.compute)  # type: ignore[method-assign]
 
 
 def _not_distributed() -> bool:
@@ -169,21 +170,22 @@ def _not_distributed() -> bool:
     return False
 
 
-class _HarmlessCompute:
-    """A metric's ``compute`` on a stage that computes no loss: torchmetrics' value of the state as it
-    is, or, when the metric saw no update there and that raises (``dim_zero_cat`` of no samples), a
-    NaN scalar instead of an error on only some ranks."""
+def _harmless_compute(metric: Metric, compute: Callable[..., Any]) -> Callable[..., Any]:
+    """``metric.compute`` on a stage that computes no loss: torchmetrics' value of the state as it is,
+    or, when the metric saw no update there and that raises (``dim_zero_cat`` of no samples), a NaN
+    scalar instead of an error on only some ranks."""
 
-    def __init__(self, metric: Metric, compute: Callable[..., Any]) -> None:
-        self.metric, self.compute = metric, compute
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    @functools.wraps(compute)
+    def harmless(*args: Any, **kwargs: Any) -> Any:
         try:
-            return self.compute(*args, **kwargs)
+            return compute(*args, **kwargs)
         except Exception:
-            if self.metric.update_called:
+            if metric.update_called:
                 raise
             return torch.tensor(float("nan"))
+
+    harmless.harmless = True  # type: ignore[attr-defined]
+    return harmless
 
 
 def silence_logging(module: pl.LightningModule | None) -> None:
