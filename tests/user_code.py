@@ -8,6 +8,15 @@ or under ``GPipeStrategy`` (tests/workers/user_code.py, every rank), and returns
   ``on_step`` and ``on_epoch``, and the value an ``R2Score``'s forward returns; ``validation_step`` /
   ``test_step`` return ``{"preds", "target"}``, gathered by a callback in ``on_validation_batch_end``
   / ``on_test_batch_end``; fit, validate, test.
+- ``"epoch"``: epoch-end metrics (issue 40, kind D): a ``MeanSquaredError`` updated in
+  ``training_step`` and computed, logged and reset in ``on_train_epoch_end`` (also logged doubled
+  with ``on_epoch=True``), monitored there by ``EarlyStopping`` and by a ``ReduceLROnPlateau``
+  scheduler; a ``MetricCollection`` (MAE, a ``BinaryAUROC`` whose ``compute()`` of no samples raises)
+  computed in ``on_validation_epoch_end`` and monitored by ``ModelCheckpoint``; fit over up to 5
+  epochs with validation each epoch.
+- ``"batchnorm"``: an MLP with two ``BatchNorm1d`` (issue 40, kind E) trained on batches of 12 under
+  the default chunks; its one-device reference (``strategy=None``) applies the Sequential to each
+  2-sample slice of the batch in turn, GPipe's per-micro-batch statistics.
 - ``"tokens"``: an embedding LM with padded labels (``ignore_index=-100``, 1 to 10 valid tokens per
   sequence) whose ``training_step`` returns ``{"loss": token mean, "num_items": valid tokens}`` and
   logs ``train_loss``.
@@ -15,13 +24,18 @@ or under ``GPipeStrategy`` (tests/workers/user_code.py, every rank), and returns
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 import torchmetrics
 from torch import nn
+from torch.optim import lr_scheduler
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from tests.models import pl
+
+EarlyStopping, ModelCheckpoint = pl.callbacks.EarlyStopping, pl.callbacks.ModelCheckpoint
 
 VOCAB = 30
 
@@ -98,6 +112,97 @@ class Gather(pl.Callback):
         self.test.append(outputs["preds"].flatten().tolist())
 
 
+class EpochEnd(pl.LightningModule):
+    def __init__(self, dirpath: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+        )
+        self.train_mse = torchmetrics.MeanSquaredError()
+        self.val_metrics = torchmetrics.MetricCollection(
+            {"mae": torchmetrics.MeanAbsoluteError(), "auroc": torchmetrics.classification.BinaryAUROC()}
+        )
+        self.dirpath = dirpath
+        self.lrs: list[float] = []
+        self.computed: list[float] = []  # what compute() returned here (NaN on a stage without updates)
+        self.epoch_metrics: list[dict[str, float]] = []  # what the monitoring callbacks read, every epoch
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.layers(x)
+        self.train_mse.update(out.detach(), y)
+        return F.mse_loss(out, y)
+
+    def on_train_epoch_start(self):
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_end(self):
+        # the plateau scheduler's rate after the last epoch
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_epoch_end(self):
+        value = self.train_mse.compute()
+        self.computed.append(float(value))
+        self.log("train_mse", value)
+        self.log("train_mse_x2", value * 2, on_epoch=True)
+        self.train_mse.reset()
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        out = self.layers(x)
+        self.val_metrics["mae"].update(out, y)
+        self.val_metrics["auroc"].update(out.flatten().sigmoid(), (y.flatten() > 0).long())
+
+    def on_validation_epoch_end(self):
+        values = self.val_metrics.compute()
+        self.log_dict({f"val_{k}": v for k, v in values.items()})
+        self.val_metrics.reset()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.2)
+        plateau = lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.05)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "train_mse"}}
+
+
+class _Monitored(pl.Callback):
+    """Records the epoch-end keys the monitoring callbacks read, after each epoch (on every rank)."""
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        if trainer.current_epoch > 0:
+            self.on_train_end(trainer, pl_module)
+
+    def on_train_end(self, trainer, pl_module):
+        keys = ("train_mse", "train_mse_x2", "val_mae", "val_auroc")
+        pl_module.epoch_metrics.append({k: float(trainer.callback_metrics[k]) for k in keys})
+
+
+class BatchNormNet(pl.LightningModule):
+    def __init__(self, per_micro_batch: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        # float64: statistics of 2 samples amplify the round-off of another summation order
+        self.layers = nn.Sequential(
+            nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Tanh(),
+            nn.Linear(32, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 1),
+        ).double()  # fmt: skip
+        self.per_micro_batch = per_micro_batch  # one device, as the pipeline runs it: 2 samples at a time
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.per_micro_batch:
+            out = torch.cat([self.layers(part) for part in x.split(2)])
+        else:
+            out = self.layers(x)
+        loss = F.mse_loss(out, y)
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 class Tokens(Dataset):
     def __init__(self, rows: int = 32, length: int = 10) -> None:
         g = torch.Generator().manual_seed(3)
@@ -156,8 +261,8 @@ def _trainer(strategy, devices: int, **extra):
 
 
 def train(case: str, strategy=None, devices: int = 1, trainer: dict | None = None) -> dict:
-    """Train ``case`` (``"outputs"`` or ``"tokens"``) on one device (``strategy=None``) or under
-    ``strategy``; what its hooks saw, and the trained state."""
+    """Train ``case`` (``"outputs"``, ``"epoch"``, ``"batchnorm"`` or ``"tokens"``) on one device
+    (``strategy=None``) or under ``strategy``; what its hooks saw, and the trained state."""
     if case == "outputs":
         model, gather = Outputs(), Gather()
         g = torch.Generator().manual_seed(0)
@@ -171,6 +276,29 @@ def train(case: str, strategy=None, devices: int = 1, trainer: dict | None = Non
         record = {"seen": model.seen, "mae_steps": model.mae_steps, "mae_epoch": model.mae_epoch}
         record["r2_steps"] = model.r2_steps
         record.update(val=gather.val, test=gather.test, validated=validated)
+    elif case == "epoch":
+        model = EpochEnd(str((trainer or {}).pop("dirpath")))
+        g = torch.Generator().manual_seed(5)
+        data = TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g))
+        val = TensorDataset(torch.randn(16, 16, generator=g), torch.randn(16, 1, generator=g))
+        checkpoint = ModelCheckpoint(dirpath=model.dirpath, monitor="val_mae", save_top_k=1, filename="best")
+        stop = EarlyStopping(monitor="train_mse", patience=1, min_delta=0.05)  # stops after epoch 2
+        t = _trainer(
+            strategy, devices, max_epochs=6, enable_checkpointing=True,
+            callbacks=[_Monitored(), checkpoint, stop], **(trainer or {}),
+        )  # fmt: skip
+        t.fit(model, DataLoader(data, batch_size=8), DataLoader(val, batch_size=8))
+        record = {"lrs": model.lrs, "epoch_metrics": model.epoch_metrics, "stopped": stop.stopped_epoch}
+        record.update(epochs=t.current_epoch, best=float(checkpoint.best_model_score))
+        record.update(best_path=os.path.basename(checkpoint.best_model_path), computed=model.computed)
+    elif case == "batchnorm":
+        model = BatchNormNet(per_micro_batch=strategy is None)
+        g = torch.Generator().manual_seed(6)
+        x, y = torch.randn(24, 16, generator=g), torch.randn(24, 1, generator=g)
+        data = TensorDataset(x.double(), y.double())
+        t = _trainer(strategy, devices, max_epochs=2, **(trainer or {}))
+        t.fit(model, DataLoader(data, batch_size=12))
+        record = {"losses": model.losses}
     else:
         model = TokenLM()
         t = _trainer(strategy, devices, max_steps=4, **(trainer or {}))

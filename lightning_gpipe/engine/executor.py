@@ -75,6 +75,8 @@ class ColumnExecutor:
         self.virtual_layers = virtual_layers
         self.topology = topology
         self.chunks = chunks
+        # samples a training micro-batch holds at least where the batch has as many (2 with BatchNorm)
+        self.min_micro_batch = 1
         self.checkpoint_mode = checkpoint
         self.p2p = p2p
         self.schedule = schedule
@@ -112,7 +114,8 @@ class ColumnExecutor:
         ``micro``: with one call per micro-batch, their number (``None``: one call per step)."""
         top = self.topology
         if top.is_first:
-            parts, structure = scatter(input, self.chunks if micro is None else 1)
+            least = self.min_micro_batch if train else 1
+            parts, structure = scatter(input, self.chunks if micro is None else 1, min_size=least)
             run = self._new_run(train, len(parts) if micro is None else micro, micro is None)
             run.micro_batches = dict(enumerate(parts))
             run.in_structures = dict.fromkeys(range(len(parts)), structure)

@@ -167,13 +167,13 @@ def is_split(t: Tensor, n: int) -> bool:
 
 
 def scatter(
-    value: Any, chunks: int, what: str = "input of the pipelined nn.Sequential"
+    value: Any, chunks: int, what: str = "input of the pipelined nn.Sequential", min_size: int = 1
 ) -> tuple[list[tuple[Tensor, ...]], Structure]:
     """Split the pipeline's input into ``min(chunks, N)`` micro-batches (the module's split rule).
 
     Shapes: a split tensor ``(N, *)`` → ``min(chunks, N) × (≈N/chunks, *)``, sizes as
-    :func:`sizes`; a replicated tensor goes unchanged (the same object, no copy) to every
-    micro-batch.
+    :func:`sizes` (with ``min_size``: at most ``N // min_size`` micro-batches, at least one); a
+    replicated tensor goes unchanged (the same object, no copy) to every micro-batch.
 
     Returns:
         ``(micro_batches, structure)``: each micro-batch's tensors, in :func:`flatten` order, and
@@ -196,7 +196,7 @@ def scatter(
     if n < 1:
         raise MicroBatchError(f"{what}: batch size is 0; the pipeline needs at least one sample")
     whole = tuple(not is_split(t, n) for t in tensors)
-    m = min(chunks, n)
+    m = len(sizes(n, chunks, min_size))
     parts = [(t,) * m if w else torch.tensor_split(t, m, dim=0) for t, w in zip(tensors, whole)]
     return [tuple(p[i] for p in parts) for i in range(m)], replace(structure, whole=whole)
 

@@ -72,12 +72,14 @@ def _check_counts(stages: int, chunks: int) -> None:
     check_count("chunks", chunks)
 
 
-def sizes(batch_size: int, chunks: int) -> list[int]:
+def sizes(batch_size: int, chunks: int, min_size: int = 1) -> list[int]:
     """Sizes of the micro-batches of a mini-batch of ``batch_size`` samples: the one split rule.
 
     Near-equal, larger first (as ``torch.tensor_split``), and only
     ``batch_size`` micro-batches when ``batch_size < chunks``: ``sizes(10, 4) == [3, 3, 2, 2]``,
-    ``sizes(2, 4) == [1, 1]``.
+    ``sizes(2, 4) == [1, 1]``. With ``min_size``, at most ``batch_size // min_size`` micro-batches
+    (at least one), so that each holds ``min_size`` samples or more where the batch has as many
+    (a model with BatchNorm in training: 2; issue 40): ``sizes(12, 8, min_size=2) == [2] * 6``.
 
     Raises:
         TypeError: a count is not an ``int``.
@@ -85,7 +87,8 @@ def sizes(batch_size: int, chunks: int) -> list[int]:
     """
     check_count("batch_size", batch_size)
     check_count("chunks", chunks)
-    m = min(batch_size, chunks)
+    check_count("min_size", min_size)
+    m = min(max(1, batch_size // min_size), chunks)
     base, extra = divmod(batch_size, m)
     return [base + 1 if i < extra else base for i in range(m)]
 

@@ -5,13 +5,22 @@ Lightning's callbacks run on every rank, though, and ``ModelCheckpoint(monitor=.
 ``EarlyStopping`` and metric-monitoring LR schedulers must decide the same everywhere. After
 every step the last stage's outcome reaches the other stages (:mod:`lightning_gpipe.engine.outcome`);
 the epoch-level values (``on_epoch=True`` aggregates, computed at the end of a training or
-validation epoch) are broadcast over each pipeline here, before the epoch-end callbacks run.
-torchmetrics metrics sync over the last stage's data-parallel replicas only; logging calls on the
-other stages (in epoch-end hooks) are dropped.
+validation epoch) are broadcast over each pipeline here: before the epoch-end callbacks run, and
+again after the LightningModule's ``on_train_epoch_end``, whose keys Lightning's monitoring
+callbacks (``ModelCheckpoint``, ``EarlyStopping``) and ``ReduceLROnPlateau`` read next (Lightning
+runs them after the module's hook for that reason: ``fit_loop.on_advance_end``; issue 40, kind D).
+Validation keys are shared at ``on_validation_end``, after the module's ``on_validation_epoch_end``.
+
+torchmetrics metrics sync over the last stage's data-parallel replicas only. On the other stages a
+metric never syncs (torchmetrics decides with ``Metric._to_sync`` and ``distributed_available_fn``,
+both turned off here: setting ``sync_on_compute`` alone does not refresh ``_to_sync``), and its
+``compute()``, of a state that saw no update, returns what torchmetrics computes from the empty
+state or, where that raises, a NaN scalar. Logging calls on the other stages are dropped.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -88,10 +97,30 @@ class ShareLastStageMetrics(_ShareLastStageMetricsLogic, Callback):
 
 def install_metric_sharing(trainer: pl.Trainer, share: Any) -> ShareLastStageMetrics:
     """Put a :class:`ShareLastStageMetrics` (of the Trainer's namespace) first among ``trainer``'s
-    callbacks."""
+    callbacks, and :func:`share_after_epoch_hook` on its LightningModule."""
     callback = specialize(ShareLastStageMetrics, namespace_of(trainer) or PYTORCH_LIGHTNING)(share)
     trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
+    share_after_epoch_hook(trainer.lightning_module, lambda: share(trainer))
     return callback
+
+
+def share_after_epoch_hook(module: pl.LightningModule | None, share: Callable[[], None]) -> None:
+    """Make ``module.on_train_epoch_end`` call ``share()`` after its own code, on every rank.
+
+    Lightning runs the monitoring callbacks (``EarlyStopping``, ``ModelCheckpoint``) and then the
+    plateau schedulers right after the module's ``on_train_epoch_end``, so that they see the keys it
+    logs; those keys exist on the last stage only until shared. Set on the instance, removed by
+    :func:`remove_metric_sharing`.
+    """
+    if module is None or "on_train_epoch_end" in vars(module):
+        return
+    hook = module.on_train_epoch_end
+
+    def on_train_epoch_end() -> None:
+        hook()
+        share()
+
+    vars(module)["on_train_epoch_end"] = on_train_epoch_end
 
 
 def evaluation_results(results: Any, trainer: Any, from_last_stage: Callable[[Any], Any]) -> Any:
@@ -111,6 +140,8 @@ def remove_metric_sharing(module: pl.LightningModule | None, callback: ShareLast
     trainer = attached_trainer(module) if module is not None else None
     if callback is not None and trainer is not None and callback in trainer.callbacks:  # type: ignore[attr-defined]
         trainer.callbacks.remove(callback)  # type: ignore[attr-defined]
+    if module is not None:
+        vars(module).pop("on_train_epoch_end", None)
     restore_logging(module)
 
 
@@ -128,6 +159,33 @@ def sync_metrics_over(module: nn.Module | None, group: Any, member: bool) -> Non
             if not member:
                 m.sync_on_compute = False
                 m.dist_sync_on_step = False
+                m._to_sync = False  # what torchmetrics reads; set from sync_on_compute only in __init__
+                m.distributed_available_fn = _not_distributed
+                if not getattr(vars(m).get("compute"), "harmless", False):
+                    m.compute = _harmless_compute(m, m.compute)  # type: ignore[method-assign]
+
+
+def _not_distributed() -> bool:
+    """A non-last stage's metric syncs with nobody (torchmetrics' ``distributed_available_fn``)."""
+    return False
+
+
+def _harmless_compute(metric: Metric, compute: Callable[..., Any]) -> Callable[..., Any]:
+    """``metric.compute`` on a stage that computes no loss: torchmetrics' value of the state as it is,
+    or, when the metric saw no update there and that raises (``dim_zero_cat`` of no samples), a NaN
+    scalar instead of an error on only some ranks."""
+
+    @functools.wraps(compute)
+    def harmless(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return compute(*args, **kwargs)
+        except Exception:
+            if metric.update_called:
+                raise
+            return torch.tensor(float("nan"))
+
+    harmless.harmless = True  # type: ignore[attr-defined]
+    return harmless
 
 
 def silence_logging(module: pl.LightningModule | None) -> None:

@@ -104,9 +104,9 @@ def warn_unsplit_backwards(schedule: str, checkpoint: str) -> None:
         )
 
 
-def split_batch(batch: Any, chunks: int) -> tuple[list[Any], list[int]]:
-    """``batch`` as ``min(chunks, N)`` micro-batches, and their sizes
-    (:func:`~lightning_gpipe.engine.microbatch.sizes`).
+def split_batch(batch: Any, chunks: int, min_size: int = 1) -> tuple[list[Any], list[int]]:
+    """``batch`` as ``min(chunks, N)`` micro-batches (at most ``N // min_size``, at least one), and their
+    sizes (:func:`~lightning_gpipe.engine.microbatch.sizes`).
 
     The pipeline's split rule (:func:`lightning_gpipe.engine.microbatch.scatter`) over any collection:
     ``N`` is dim 0 of the first tensor that has one and is not marked with
@@ -127,7 +127,7 @@ def split_batch(batch: Any, chunks: int) -> tuple[list[Any], list[int]]:
             f"batch dimension (shapes: {shapes}); "
             "give a tensor the batch dimension first, or use schedule='gpipe'"
         )
-    parts = sizes(n, chunks)
+    parts = sizes(n, chunks, min_size)
     bounds = [sum(parts[:k]) for k in range(len(parts) + 1)]
 
     def part(t: Tensor, a: int, b: int) -> Tensor:
@@ -176,7 +176,7 @@ class MicroSteps:
                 pipelined Sequential while the first did.
         """
         batch, rest = (args[0], args[1:]) if args else (kwargs.pop("batch"), ())
-        micro, parts = split_batch(batch, chunks)
+        micro, parts = split_batch(batch, chunks, stage.executor.min_micro_batch)
         trainer = _lightning.attached_trainer(module)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         params = list(module.parameters())

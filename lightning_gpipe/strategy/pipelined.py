@@ -37,7 +37,7 @@ from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import SCHEDULES, check_schedule, check_virtual_stages
 from lightning_gpipe.state.materialize import check_nothing_meta, check_stage_only_balance, has_meta
 from lightning_gpipe.state.start_state import start_stage
-from lightning_gpipe.strategy import microstep
+from lightning_gpipe.strategy import batch_norm, microstep
 from lightning_gpipe.strategy.balance_spec import check_balance_spec, choose_balance, log_choice, profiled
 from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.transport.layout import Layout
@@ -335,10 +335,12 @@ def partition_model(
         return build_stage(seq, balance, layout, rank, spec.chunks, spec.checkpoint, device, schedule, lanes)
 
     checked = pipelined.check_model(model, spec, layout.stages)
+    norms = batch_norm.batch_norms(checked[1])
     stage = pipelined.install(
         model, checked, spec.balance, layout, rank, device, choose, build,
         deferred_batch_norm=spec.deferred_batch_norm, compile=spec.compile,
     )  # fmt: skip
+    batch_norm.keep_two_samples(stage, norms, spec.chunks)
     timeline = None
     if spec.timeline:
         timeline = stage.timeline = Timeline(

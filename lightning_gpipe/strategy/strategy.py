@@ -47,7 +47,7 @@ class _GPipeStrategyLogic(_Base):
     The logic, with no Lightning base: ``GPipeStrategy`` adds one; :mod:`._namespace`, the other namespace's.
 
     Args (the README's "GPipeStrategy arguments" says more):
-        chunks: micro-batches M per mini-batch (≥ 1); ``None``: 4·K for K stages, capped by the batch size.
+        chunks: micro-batches M per mini-batch (≥ 1); ``None``: 4·K (K stages); ≤ N, ≤ N // 2 with BatchNorm.
         balance: layers per stage (``[3, 2]``), ``None`` (even) or a balancer's name (:mod:`.balance_spec`).
         checkpoint: re-materialization per micro-batch: ``"always"``, ``"except_last"`` or ``"never"``.
         schedule: ``"gpipe"`` (``training_step`` per batch), ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``.
@@ -60,7 +60,7 @@ class _GPipeStrategyLogic(_Base):
         gradient_clip_norm_type: the norm ``gradient_clip_val`` clips by, over all stages together.
         checkpoint_format: ``"full"`` (one Lightning checkpoint file) or ``"sharded"`` (one shard per stage).
         optimizer_state_factor: optimizer state per parameter (2.0: Adam), for ``balance="memory"``.
-        deferred_batch_norm: BatchNorm running statistics updated once per mini-batch, as unpartitioned.
+        deferred_batch_norm: BatchNorm running statistics once per mini-batch (outputs stay per micro-batch).
         collective_timeout: seconds a rank waits for the others at a collective before failing.
         compile: ``torch.compile`` every stage after the cut: ``True`` or a dict of its arguments.
         start_method: ``"popen"`` (the other ranks re-run the script) or ``"fork"`` (``"gpipe_notebook"``).

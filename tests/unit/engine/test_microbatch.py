@@ -60,6 +60,14 @@ def test_split_sizes_follow_the_one_rule(n, chunks):
     assert sizes(10, 4) == [3, 3, 2, 2] and sizes(2, 4) == [1, 1]
 
 
+def test_min_size_caps_the_micro_batch_count():
+    """``min_size=2`` (a model with BatchNorm): at most N // 2 micro-batches, at least one."""
+    assert sizes(12, 8, min_size=2) == [2] * 6 and sizes(13, 4, min_size=2) == [4, 3, 3, 3]
+    assert sizes(3, 4, min_size=2) == [3] and sizes(1, 4, min_size=2) == [1]
+    parts, _ = scatter(torch.zeros(12, 2), 8, min_size=2)
+    assert [p[0].shape[0] for p in parts] == [2] * 6
+
+
 def test_sizes_reject_bad_counts():
     with pytest.raises(TypeError, match="chunks must be an integer >= 1"):
         sizes(4, 2.0)

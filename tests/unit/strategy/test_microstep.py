@@ -17,6 +17,7 @@ def test_every_tensor_of_the_batch_splits_like_the_input():
     assert [p["pair"][0].tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
     assert all(p["pair"][1] == "tag" and p["n"] == 3 for p in parts)
     assert split_batch((torch.zeros(2, 3), torch.zeros(2)), 4)[1] == [1, 1]  # N < M: N micro-batches
+    assert split_batch({"x": torch.zeros(12, 3)}, 8, 2)[1] == [2] * 6  # BatchNorm: 2 samples or more
 
 
 def test_tensors_without_the_batch_dimension_reach_every_call_whole():
