@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -30,8 +31,10 @@ from typing_extensions import override
 
 from lightning_gpipe import _lightning
 from lightning_gpipe._lightning import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_gpipe.strategy import process_group
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, lightning_class, specialize
 from lightning_gpipe.strategy.observer import ChildObserver
+from lightning_gpipe.transport import rendezvous
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning launcher it becomes
     _Base = SubprocessScriptLauncher
@@ -177,6 +180,7 @@ class _GPipeLauncherLogic(_Base):
                 command, cwd = _plain_child_command(), None
             log.debug(f"gpipe: starting local rank {local_rank}: {command} in {cwd or os.getcwd()}")
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+        rendezvous.watch(functools.partial(ended_ranks, self.procs))  # a later fit of the job names them
 
     def release(self, timeout: float = 60.0) -> None:
         """End this launch in the process that launched: the next ``fit`` may launch again.
@@ -214,8 +218,8 @@ class _GPipeLauncherLogic(_Base):
                 code = proc.wait()
             if code != 0:
                 failed.append(f"local rank {local_rank} (pid {proc.pid}): exit code {code}")
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        process_group.disconnect()
+        rendezvous.leave()
         for key, value in self._env_before.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -226,6 +230,16 @@ class _GPipeLauncherLogic(_Base):
         self._env_before, self.procs = None, []
         if failed:
             raise RuntimeError("gpipe: child ranks failed: " + "; ".join(failed))
+
+
+def ended_ranks(procs: Sequence[subprocess.Popen]) -> str | None:
+    """Which of the ranks ``procs`` (local ranks 1, 2, ...) have exited, for a message (``None``: none)."""
+    ended = [
+        f"local rank {r} (pid {p.pid}, exit code {p.returncode})"
+        for r, p in enumerate(procs, start=1)
+        if p.poll() is not None
+    ]
+    return f"the ranks this process started have exited: {', '.join(ended)}" if ended else None
 
 
 class GPipeLauncher(_GPipeLauncherLogic, SubprocessScriptLauncher):

@@ -35,6 +35,7 @@ __all__ = [
     "all_agree",
     "barrier",
     "broadcast_object",
+    "close_all",
     "close_at_exit",
     "new_groups",
 ]
@@ -199,6 +200,13 @@ def _close_process_groups() -> None:
             f"gpipe: background send waits still wait for a peer after {EXIT_WAIT_S} s at exit; "
             "this process may abort while Python shuts down"
         )
+    close_all()
+
+
+def close_all() -> None:
+    """Destroy the default process group and every group made from it, and drop the handles the
+    registered holders (:func:`close_at_exit`) and this module keep: at exit, and before the ranks
+    connect again (:mod:`lightning_gpipe.transport.rendezvous`)."""
     release: list[Callable[[], None]] = [h.release_groups for h in list(_HOLDERS)]
     for fn in release:
         fn()
