@@ -34,10 +34,10 @@ def connect(
     (:mod:`lightning_gpipe.transport.liveness`; ``layout`` names the ranks' stages in its messages).
 
     The job's first entry call (``fit``, ``validate``, ``test``, ``predict``) connects through
-    Lightning's rendezvous; each later one waits for every rank, tears the last connection down
-    (:func:`disconnect`) and connects afresh over the job's store
-    (:mod:`lightning_gpipe.transport.rendezvous`), so that it starts clean after a failure that was
-    caught as after a success.
+    Lightning's rendezvous. Each later one waits for every rank and keeps the connection when every
+    rank's is intact, as DDP does; after a failure (caught, and followed by another call) every rank
+    tears it down (:func:`disconnect`) and connects afresh over the job's store
+    (:mod:`lightning_gpipe.transport.rendezvous`).
 
     Returns:
         The backend: ``backend``, or by default the one Lightning picks for ``device``.
@@ -51,10 +51,12 @@ def connect(
         kwargs["device_id"] = device
     if rendezvous.joined():
         rank, world = cluster_environment.global_rank(), cluster_environment.world_size()
-        rendezvous.gather(rank, world, timeout or default_pg_timeout)
+        if rendezvous.gather(rank, world, timeout or default_pg_timeout, intact=distributed_is_initialized()):
+            return backend  # every rank's connection is intact: kept, with its heartbeat and counts
         disconnect()
         rendezvous.reconnect(backend, rank, world, **kwargs)
     else:
+        rendezvous.check_started()
         hook = sys.excepthook
         init_dist_connection(cluster_environment, backend, **kwargs)
         rendezvous.join(hook)

@@ -1,15 +1,16 @@
-"""Every ``fit``, ``validate``, ``test`` and ``predict`` of a job connects its ranks afresh.
+"""A job's later ``fit``, ``validate``, ``test`` and ``predict`` calls start clean, after a failure too.
 
 The first entry call of a job connects the ranks through the environment (Lightning's rendezvous on
 ``MASTER_ADDR:MASTER_PORT``); :func:`join` then keeps the job's key-value store for the life of the
-process. Each later entry call of the same ranks (a second ``fit``, a ``validate`` after ``fit``, a
-``fit`` after one that failed and was caught) starts clean (issue 40): every rank waits until all
-have arrived (:func:`gather`), the last connection is torn down, and :func:`reconnect` makes a new
-default process group over the same store under a new prefix, ``gpipe/<n>``. Nothing of the last
-connection is read again: its group (destroyed by the failure protocol after a failure, or left
-stale on the ranks that did not fail), its rendezvous keys, its arrival counts and heartbeat
-records. Re-initializing on the old keys is what makes a second ``init_process_group`` read a peer's
-stale address and fail with ``Connection refused`` or wait forever (pytorch/pytorch#74666).
+process. At each later entry call of the same ranks every rank first waits until all have arrived
+(:func:`gather`), saying whether its connection is intact. When all are, the connection is kept, as
+under DDP. When one is not (issue 40: a failure that was caught, a retry loop, a notebook cell, a
+tuner trial; the failure protocol destroyed the group on the ranks that failed, and perhaps not on
+the others), every rank tears its connection down and :func:`reconnect` makes a new default process
+group over the same store under a new prefix, ``gpipe/<n>``, so that nothing of the last connection
+is read again: its rendezvous keys, arrival counts, failure note and heartbeat records. A second
+``init_process_group`` on the old keys reads a peer's stale address and fails with ``Connection
+refused`` or waits forever (pytorch/pytorch#74666).
 
 The ranks count their entry calls alike because every rank makes the same calls, which the
 strategy requires anyway. A rank that will never arrive is named at once: one the launching process
@@ -30,7 +31,17 @@ from torch.distributed.distributed_c10d import _get_default_store
 
 from lightning_gpipe.transport import liveness
 
-__all__ = ["RendezvousError", "gather", "generation", "join", "joined", "leave", "reconnect", "watch"]
+__all__ = [
+    "RendezvousError",
+    "check_started",
+    "gather",
+    "generation",
+    "join",
+    "joined",
+    "leave",
+    "reconnect",
+    "watch",
+]
 
 _job: dict[str, Any] = {}  # store, generation, excepthook, ended (the launching process' check)
 
@@ -45,7 +56,7 @@ def joined() -> bool:
 
 
 def generation() -> int:
-    """How many times this job's ranks connected again after the first (0 outside a job)."""
+    """How many times this job's ranks connected afresh after the first connection (0 outside a job)."""
     return int(_job.get("generation", 0))
 
 
@@ -62,18 +73,36 @@ def watch(ended: Callable[[], str | None]) -> None:
     _job["ended"] = ended
 
 
+def check_started(what: str = "this fit, validate, test or predict call") -> None:
+    """In the launching process, before the job's first connection: fail at once if a rank it
+    started has exited already (the launch failed before its rendezvous).
+
+    Raises:
+        RendezvousError: naming the ranks that exited.
+    """
+    ended = _job["ended"]() if "ended" in _job else None
+    if ended is not None:
+        raise _error(what, ended)
+
+
 def leave() -> None:
     """Forget the job (the launcher's ``release``): the next entry call connects through the environment."""
     _job.clear()
 
 
 def gather(
-    rank: int, world_size: int, timeout: timedelta, what: str = "this fit, validate, test or predict call"
-) -> None:
-    """Wait until every rank has reached the next connection of the job, within ``timeout``.
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    intact: bool,
+    what: str = "this fit, validate, test or predict call",
+) -> bool:
+    """Wait until every rank has reached the job's next entry call, within ``timeout``; whether every
+    rank's connection is ``intact`` (its default process group still initialized).
 
-    Each rank marks its arrival under ``gpipe/connect/<n>`` in the job's store. A rank still missing
-    that the launching process started and that has exited, or whose heartbeat stopped for
+    Each rank marks its arrival under ``gpipe/connect/<k>`` (its ``k``-th entry call after the
+    first) in the job's store, with its ``intact``. A rank still missing that the launching process
+    started and that has exited, or whose heartbeat stopped for
     :data:`~lightning_gpipe.transport.liveness.SILENCE_S` seconds (it exited or died), will never
     come: the wait ends at once.
 
@@ -81,18 +110,24 @@ def gather(
         RendezvousError: a rank has ended, or not every rank arrived within ``timeout``; the message
             names the ranks and says that this process cannot train with them again.
     """
-    store, key = _job["store"], f"gpipe/connect/{generation() + 1}"
+    _job["connects"] = _job.get("connects", 0) + 1
+    store, key = _job["store"], f"gpipe/connect/{_job['connects']}"
     try:
-        store.set(f"{key}/{rank}", "1")
+        store.set(f"{key}/{rank}", "1" if intact else "0")
         ended = _wait(store, key, rank, world_size, timeout.total_seconds())
+        if ended is None:
+            return all(store.get(f"{key}/{r}") == b"1" for r in range(world_size))
     except Exception as err:  # noqa: BLE001 - the store is gone with the process holding it
         ended = f"the job's store ({liveness.store_holder()}) cannot be reached ({err})"
-    if ended is not None:
-        raise RendezvousError(
-            f"{what} needs every rank of the job, but {ended}; this process cannot train with them "
-            "again: catch the exception on every rank (each rank makes the same fit, validate, test "
-            "and predict calls), or start the next run in a new process"
-        )
+    raise _error(what, ended)
+
+
+def _error(what: str, ended: str) -> RendezvousError:
+    return RendezvousError(
+        f"{what} needs every rank of the job, but {ended}; this process cannot train with them "
+        "again: catch the exception on every rank (each rank makes the same fit, validate, test "
+        "and predict calls), or start the next run in a new process"
+    )
 
 
 def _wait(store: Any, key: str, rank: int, world_size: int, timeout: float) -> str | None:
