@@ -67,10 +67,11 @@ def connect(
 
 def disconnect() -> None:
     """Tear this rank's connection down: stop its heartbeat (saying it leaves), destroy the default
-    process group and every group made from it, and drop their handles. The job's store stays."""
+    process group and every group made from it, and drop their handles (the groups in reference
+    cycles go with the next garbage collection). The job's store stays."""
     liveness.stop()
     tied.forget_tied_groups()
-    groups.close_all()
+    groups.close_all(collect=False)
 
 
 def reduce(tensor: Any, group: Any, reduce_op: Any = "mean") -> Any:

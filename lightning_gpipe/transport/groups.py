@@ -203,10 +203,12 @@ def _close_process_groups() -> None:
     close_all()
 
 
-def close_all() -> None:
+def close_all(collect: bool = True) -> None:
     """Destroy the default process group and every group made from it, and drop the handles the
     registered holders (:func:`close_at_exit`) and this module keep: at exit, and before the ranks
-    connect again (:mod:`lightning_gpipe.transport.rendezvous`)."""
+    connect again (:mod:`lightning_gpipe.transport.rendezvous`). ``collect``: run the garbage
+    collector, so that groups caught in reference cycles are destroyed now (at exit: before
+    finalization); it walks the whole heap, a second or more in a Lightning process."""
     release: list[Callable[[], None]] = [h.release_groups for h in list(_HOLDERS)]
     for fn in release:
         fn()
@@ -214,4 +216,5 @@ def close_all() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     close_lanes()
-    gc.collect()  # groups caught in reference cycles are destroyed (their threads joined) now
+    if collect:
+        gc.collect()  # groups caught in reference cycles are destroyed (their threads joined) now
