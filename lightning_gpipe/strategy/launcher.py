@@ -185,9 +185,12 @@ class _GPipeLauncherLogic(_Base):
     def release(self, timeout: float = 60.0) -> None:
         """End this launch in the process that launched: the next ``fit`` may launch again.
 
-        Waits up to ``timeout`` seconds for the child ranks to exit (then kills them), destroys
-        the default process group and restores ``MASTER_ADDR``, ``NODE_RANK``, ``LOCAL_RANK`` and
-        ``WORLD_SIZE`` to their values before the launch (removed if they were not set). Left
+        Waits up to ``timeout`` seconds for the child ranks to exit (then kills them), tears this
+        rank's connection down (:func:`~lightning_gpipe.strategy.process_group.disconnect`), forgets
+        the job's store (:mod:`lightning_gpipe.transport.rendezvous`: the next ``fit`` connects
+        through the environment, with the new ranks) and restores ``MASTER_ADDR``, ``NODE_RANK``,
+        ``LOCAL_RANK`` and ``WORLD_SIZE`` to their values before the launch (removed if they were
+        not set). Left
         set, a stale ``LOCAL_RANK`` makes Lightning believe the next job's processes are created
         externally. ``MASTER_PORT`` is removed too, so that the next Trainer's environment picks
         a free port; if it was set before the launch, it is set to a fresh free port instead:
