@@ -151,13 +151,16 @@ class _GPipeLauncherLogic(_Base):
             super().kill(signum)
 
     def _end_children(self, wait: float) -> None:
-        """Wait up to ``wait`` seconds for the ranks this one started to exit, then kill those left."""
+        """Wait up to ``wait`` seconds for the ranks this one started to exit, then kill those left and
+        wait until they are gone (a later call of the job then knows they will not come)."""
         deadline = time.monotonic() + wait
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
             if proc.poll() is None:
                 proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5.0)
 
     @override
     def _call_children_scripts(self) -> None:

@@ -136,10 +136,12 @@ def _wait(store: Any, key: str, rank: int, world_size: int, timeout: float) -> s
     keys = [f"{key}/{r}" for r in range(world_size)]
     deadline = time.monotonic() + timeout
     before, since, delay = _counts(others), time.monotonic(), 0.0005
-    while not store.check(keys):
+    while True:
         ended = _job["ended"]() if "ended" in _job else None
-        if ended is not None:
+        if ended is not None:  # checked after all arrived too: a started rank may have been ended since
             return str(ended)
+        if store.check(keys):
+            return None
         if before is not None and time.monotonic() - since >= liveness.SILENCE_S:
             after = _counts(others) or {}
             silent = [r for r in _missing(store, key, others) if after.get(r) == before.get(r)]
@@ -153,7 +155,6 @@ def _wait(store: Any, key: str, rank: int, world_size: int, timeout: float) -> s
             return f"rank(s) {_missing(store, key, others)} did not reach it within {timeout:g} s"
         time.sleep(delay)
         delay = min(2 * delay, 0.05)
-    return None
 
 
 def _missing(store: Any, key: str, ranks: list[int]) -> list[int]:

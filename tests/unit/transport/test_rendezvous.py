@@ -53,3 +53,13 @@ def test_a_rank_whose_heartbeat_stopped_fails_within_the_silence(job, monkeypatc
 def test_a_rank_that_never_arrives_fails_at_the_timeout(job):
     with pytest.raises(rendezvous.RendezvousError, match=r"rank\(s\) \[1\] did not reach it within 0.2 s"):
         rendezvous.gather(0, 2, timedelta(seconds=0.2), intact=True)
+
+
+def test_a_started_rank_that_arrived_then_exited_fails_at_once(job):
+    """Lightning's Ctrl-C path: the started rank reached the next call, then the launching process
+    ended it; a process group would wait for it forever."""
+    store, _ = job
+    store.set("gpipe/connect/1/1", "1")
+    rendezvous.watch(lambda: "the ranks this process started have exited: local rank 1 (pid 7, exit code -9)")
+    with pytest.raises(rendezvous.RendezvousError, match="exit code -9"):
+        rendezvous.gather(0, 2, timedelta(seconds=60), intact=False)
