@@ -41,6 +41,7 @@ __all__ = [
     "canonical_name",
     "tied_buffers",
     "find_tied",
+    "forget_tied_groups",
     "new_tied_groups",
     "norm_parameters",
     "sum_tied_gradients",
@@ -145,6 +146,11 @@ class TiedGroups:
 
 
 _GROUPS: dict[tuple[Any, ...], Any] = {}
+
+
+def forget_tied_groups() -> None:
+    """Drop the groups :func:`new_tied_groups` made (before the default group is made again)."""
+    _GROUPS.clear()
 
 
 def new_tied_groups(tied: Sequence[Tied], stage_module: nn.Module, layout: Layout, rank: int) -> TiedGroups:

@@ -338,8 +338,11 @@ def stage_part(
     state = checkpoint.pop("state_dict", {})
     optimizer_states = checkpoint.pop("optimizer_states", [])
     checkpoint = lazy.materialize(checkpoint)
+    has_optimizer_states = "optimizer_states" in lazy.data  # a weights-only file has none: Lightning says so
     if module is None:
-        return {**checkpoint, "state_dict": state, "optimizer_states": optimizer_states}
+        if has_optimizer_states:
+            checkpoint["optimizer_states"] = optimizer_states
+        return {**checkpoint, "state_dict": state}
     wanted = set(module.state_dict())
     checkpoint["state_dict"] = {k: v for k, v in state.items() if k in wanted}
     mine = {name for name, _ in module.named_parameters()} | set(also)
@@ -352,7 +355,8 @@ def stage_part(
         if names is not None:
             merged["state"] = {i: v for i, v in merged.get("state", {}).items() if names[i] in mine}
         parts.append({k: (v if k == "state" else lazy.materialize(v)) for k, v in merged.items()})
-    checkpoint["optimizer_states"] = parts
+    if has_optimizer_states:
+        checkpoint["optimizer_states"] = parts
     return checkpoint
 
 

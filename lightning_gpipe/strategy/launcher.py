@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -30,8 +31,10 @@ from typing_extensions import override
 
 from lightning_gpipe import _lightning
 from lightning_gpipe._lightning import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_gpipe.strategy import process_group
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, lightning_class, specialize
 from lightning_gpipe.strategy.observer import ChildObserver
+from lightning_gpipe.transport import rendezvous
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning launcher it becomes
     _Base = SubprocessScriptLauncher
@@ -148,13 +151,16 @@ class _GPipeLauncherLogic(_Base):
             super().kill(signum)
 
     def _end_children(self, wait: float) -> None:
-        """Wait up to ``wait`` seconds for the ranks this one started to exit, then kill those left."""
+        """Wait up to ``wait`` seconds for the ranks this one started to exit, then kill those left and
+        wait until they are gone (a later call of the job then knows they will not come)."""
         deadline = time.monotonic() + wait
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
             if proc.poll() is None:
                 proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5.0)
 
     @override
     def _call_children_scripts(self) -> None:
@@ -177,13 +183,17 @@ class _GPipeLauncherLogic(_Base):
                 command, cwd = _plain_child_command(), None
             log.debug(f"gpipe: starting local rank {local_rank}: {command} in {cwd or os.getcwd()}")
             self.procs.append(subprocess.Popen(command, env=env, cwd=cwd))
+        rendezvous.watch(functools.partial(ended_ranks, self.procs))  # a later fit of the job names them
 
     def release(self, timeout: float = 60.0) -> None:
         """End this launch in the process that launched: the next ``fit`` may launch again.
 
-        Waits up to ``timeout`` seconds for the child ranks to exit (then kills them), destroys
-        the default process group and restores ``MASTER_ADDR``, ``NODE_RANK``, ``LOCAL_RANK`` and
-        ``WORLD_SIZE`` to their values before the launch (removed if they were not set). Left
+        Waits up to ``timeout`` seconds for the child ranks to exit (then kills them), tears this
+        rank's connection down (:func:`~lightning_gpipe.strategy.process_group.disconnect`), forgets
+        the job's store (:mod:`lightning_gpipe.transport.rendezvous`: the next ``fit`` connects
+        through the environment, with the new ranks) and restores ``MASTER_ADDR``, ``NODE_RANK``,
+        ``LOCAL_RANK`` and ``WORLD_SIZE`` to their values before the launch (removed if they were
+        not set). Left
         set, a stale ``LOCAL_RANK`` makes Lightning believe the next job's processes are created
         externally. ``MASTER_PORT`` is removed too, so that the next Trainer's environment picks
         a free port; if it was set before the launch, it is set to a fresh free port instead:
@@ -214,8 +224,8 @@ class _GPipeLauncherLogic(_Base):
                 code = proc.wait()
             if code != 0:
                 failed.append(f"local rank {local_rank} (pid {proc.pid}): exit code {code}")
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        process_group.disconnect()
+        rendezvous.leave()
         for key, value in self._env_before.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -226,6 +236,16 @@ class _GPipeLauncherLogic(_Base):
         self._env_before, self.procs = None, []
         if failed:
             raise RuntimeError("gpipe: child ranks failed: " + "; ".join(failed))
+
+
+def ended_ranks(procs: Sequence[subprocess.Popen]) -> str | None:
+    """Which of the ranks ``procs`` (local ranks 1, 2, ...) have exited, for a message (``None``: none)."""
+    ended = [
+        f"local rank {r} (pid {p.pid}, exit code {p.returncode})"
+        for r, p in enumerate(procs, start=1)
+        if p.poll() is not None
+    ]
+    return f"the ranks this process started have exited: {', '.join(ended)}" if ended else None
 
 
 class GPipeLauncher(_GPipeLauncherLogic, SubprocessScriptLauncher):

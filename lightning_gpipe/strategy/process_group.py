@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning_fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_gpipe._lightning import (
     default_process_group_backend,
@@ -14,10 +16,11 @@ from lightning_gpipe._lightning import (
     init_dist_connection,
     sync_ddp,
 )
-from lightning_gpipe.transport import arrival, liveness
+from lightning_gpipe.partition import tied
+from lightning_gpipe.transport import arrival, groups, liveness, rendezvous
 from lightning_gpipe.transport.layout import Layout
 
-__all__ = ["connect", "reduce"]
+__all__ = ["connect", "disconnect", "reduce"]
 
 
 def connect(
@@ -27,20 +30,48 @@ def connect(
     device: torch.device,
     layout: Layout | None = None,
 ) -> str:
-    """Initialize the default process group (Lightning's rendezvous) and start this rank's heartbeat
+    """Initialize the default process group and start this rank's heartbeat
     (:mod:`lightning_gpipe.transport.liveness`; ``layout`` names the ranks' stages in its messages).
+
+    The job's first entry call (``fit``, ``validate``, ``test``, ``predict``) connects through
+    Lightning's rendezvous. Each later one waits for every rank and keeps the connection when every
+    rank's is intact, as DDP does; after a failure (caught, and followed by another call) every rank
+    tears it down (:func:`disconnect`) and connects afresh over the job's store
+    (:mod:`lightning_gpipe.transport.rendezvous`).
 
     Returns:
         The backend: ``backend``, or by default the one Lightning picks for ``device``.
+
+    Raises:
+        RendezvousError: a later entry call where a rank of the job has ended (it will never come).
     """
     backend = backend or default_process_group_backend(device)
     kwargs: dict[str, Any] = {"timeout": timeout}
     if device.type != "cpu":
         kwargs["device_id"] = device
+    if rendezvous.joined():
+        rank, world = cluster_environment.global_rank(), cluster_environment.world_size()
+        if rendezvous.gather(rank, world, timeout or default_pg_timeout, intact=distributed_is_initialized()):
+            return backend  # every rank's connection is intact: kept, with its heartbeat and counts
+        disconnect()
+        rendezvous.reconnect(backend, rank, world, **kwargs)
+    else:
+        rendezvous.check_started()
+        hook = sys.excepthook
+        init_dist_connection(cluster_environment, backend, **kwargs)
+        rendezvous.join(hook)
     arrival.reset()
-    init_dist_connection(cluster_environment, backend, **kwargs)
     liveness.start(dist.get_rank(), layout)
     return backend
+
+
+def disconnect() -> None:
+    """Tear this rank's connection down: stop its heartbeat (saying it leaves), destroy the default
+    process group and every group made from it, and drop their handles (the groups in reference
+    cycles go with the next garbage collection). The job's store stays."""
+    liveness.stop()
+    tied.forget_tied_groups()
+    groups.close_all(collect=False)
 
 
 def reduce(tensor: Any, group: Any, reduce_op: Any = "mean") -> Any:

@@ -35,6 +35,7 @@ __all__ = [
     "all_agree",
     "barrier",
     "broadcast_object",
+    "close_all",
     "close_at_exit",
     "new_groups",
 ]
@@ -199,6 +200,15 @@ def _close_process_groups() -> None:
             f"gpipe: background send waits still wait for a peer after {EXIT_WAIT_S} s at exit; "
             "this process may abort while Python shuts down"
         )
+    close_all()
+
+
+def close_all(collect: bool = True) -> None:
+    """Destroy the default process group and every group made from it, and drop the handles the
+    registered holders (:func:`close_at_exit`) and this module keep: at exit, and before the ranks
+    connect again (:mod:`lightning_gpipe.transport.rendezvous`). ``collect``: run the garbage
+    collector, so that groups caught in reference cycles are destroyed now (at exit: before
+    finalization); it walks the whole heap, a second or more in a Lightning process."""
     release: list[Callable[[], None]] = [h.release_groups for h in list(_HOLDERS)]
     for fn in release:
         fn()
@@ -206,4 +216,5 @@ def _close_process_groups() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     close_lanes()
-    gc.collect()  # groups caught in reference cycles are destroyed (their threads joined) now
+    if collect:
+        gc.collect()  # groups caught in reference cycles are destroyed (their threads joined) now

@@ -137,8 +137,9 @@ def leave(reason: str) -> None:
             pass
 
 
-def beats(ranks: list[int]) -> dict[int, int] | None:
-    """Each rank's heartbeat count now (a rank that left: -1); ``None`` when this rank has no heartbeat.
+def beats(ranks: list[int], count_left: bool = False) -> dict[int, int] | None:
+    """Each rank's heartbeat count now (a rank that left: -1, unless ``count_left``: a rank that left
+    after a failure beats on until it exits); ``None`` when this rank has no heartbeat.
 
     Raises:
         StoreLost: the store cannot be reached.
@@ -149,7 +150,8 @@ def beats(ranks: list[int]) -> dict[int, int] | None:
     try:
         counts = {}
         for r in ranks:
-            counts[r] = -1 if reader.check([f"{_LEFT}{r}"]) else int(reader.add(f"{_KEY}{r}", 0))
+            left = not count_left and reader.check([f"{_LEFT}{r}"])
+            counts[r] = -1 if left else int(reader.add(f"{_KEY}{r}", 0))
     except Exception as err:
         raise StoreLost(f"the job's store ({store_holder()}) cannot be reached: {err}") from err
     return counts

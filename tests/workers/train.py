@@ -11,7 +11,9 @@ A run may carry, for that run only: "net" (Net kwargs), "trainer" (Trainer kwarg
 (tests.models.feature_callbacks names; a "stop_probe"'s records come back as "stop_probe"),
 "record_logs" (a Recorder logger), "example_input" (example_input_array set), "predict_only" (no
 fit: predict on ``predict_samples`` samples), "validate" (trainer.validate after fit), "fit" (false:
-no fit), "profiler" ("simple", "advanced" or "pytorch": reports in ``out/profiles``).
+no fit), "caught" (the fit's exception is caught: its type and message come back as "caught"),
+"missing_ckpt" (fit from a checkpoint path that does not exist: every rank fails), "profiler"
+("simple", "advanced" or "pytorch": reports in ``out/profiles``).
 Spec keys: namespace ("pytorch_lightning" or "lightning.pytorch"), kind, devices, runs
 (GPipeStrategy kwargs per run; "{k}" in save/resume paths is the run index), steps, batch, seed, lr,
 samples, net (Net kwargs), trainer (extra Trainer kwargs), val, val_samples, callbacks
@@ -192,6 +194,8 @@ for k, run in enumerate(spec["runs"]):
         "validate", False
     )  # trainer.validate(model, val) after fit (or instead: "fit": False)
     fit_run = run.pop("fit", True)
+    caught = run.pop("caught", False)  # the fit is expected to fail: caught, and the next run follows
+    missing_ckpt = run.pop("missing_ckpt", False)  # fit(ckpt_path=<no such file>): every rank fails
     callbacks: list = feature_callbacks(run.pop("features", {}))
     if "checkpoint" in spec.get("callbacks", {}):
         callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt{k}", **spec["callbacks"]["checkpoint"]))
@@ -210,8 +214,16 @@ for k, run in enumerate(spec["runs"]):
     if spec.get("record_start_state"):  # this process's own start, before the strategy touches it
         extra["init_state"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
         extra["init_rng"] = torch.get_rng_state()
+    caught_error = None
     if spec.get("fit", True) and not predict_only and fit_run:
-        trainer.fit(model, train_data(), val)
+        try:
+            trainer.fit(
+                model, train_data(), val, ckpt_path=str(out / "missing.ckpt") if missing_ckpt else None
+            )
+        except Exception as err:  # noqa: BLE001 - a retry loop's catch
+            if not caught:
+                raise
+            caught_error = f"{type(err).__name__}: {err}"
     if validate_after:
         extra["validated"] = trainer.validate(model, make_data(kind, batch, 2, seed=2), verbose=False)
     checkpoint_cb = next((c for c in callbacks if isinstance(c, ModelCheckpoint)), None)
@@ -246,6 +258,7 @@ for k, run in enumerate(spec["runs"]):
         "effects": {k: layer.effects() for k, layer in enumerate(layers) if hasattr(layer, "effects")},
         "stop_probe": next((c.seen for c in callbacks if hasattr(c, "seen")), None),
         "rng_after": torch.rand(4),
+        "caught": caught_error,
     }
     if spec.get("save"):
         trainer.save_checkpoint(out / spec["save"].format(k=k))

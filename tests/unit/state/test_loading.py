@@ -5,7 +5,7 @@ import torch
 
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.errors import UnsafeCheckpointError
-from lightning_gpipe.state.loading import LazyCheckpoint, copy_into, meta_tensors
+from lightning_gpipe.state.loading import LazyCheckpoint, copy_into, meta_tensors, stage_part
 from lightning_gpipe.state.optimizer import CheckpointError
 from lightning_gpipe.state.sharded import META_FILE, load_sharded
 from tests.models import Net
@@ -88,3 +88,18 @@ def test_lazy_checkpoint_reads_only_the_tensors_asked_for(tmp_path):
     assert torch.equal(target["view"], base[1:, 2:5])
     with pytest.raises(CheckpointError, match="lacks 1 tensors of this stage: missing"):
         copy_into({"missing": torch.zeros(1)}, lazy.data["state_dict"], lazy.read_into)
+
+
+@pytest.mark.parametrize("module", [None, "net"])
+def test_stage_part_of_a_weights_only_file_has_no_optimizer_states(tmp_path, module):
+    """``ModelCheckpoint(save_weights_only=True)`` writes no ``optimizer_states``: none appear, so that
+    resuming from the file fails as on one device ("Trying to restore optimizer state", issue 40)."""
+    net = Net("mlp")
+    torch.save({"state_dict": net.state_dict(), "global_step": 3}, tmp_path / "w.ckpt")
+    part = stage_part(LazyCheckpoint(tmp_path / "w.ckpt"), net if module else None, None)
+    assert "optimizer_states" not in part and set(part["state_dict"]) == set(net.state_dict())
+    torch.save({"state_dict": net.state_dict(), "optimizer_states": []}, tmp_path / "full.ckpt")
+    assert (
+        stage_part(LazyCheckpoint(tmp_path / "full.ckpt"), net if module else None, None)["optimizer_states"]
+        == []
+    )
