@@ -168,25 +168,33 @@ def _check_entry(root: nn.Module, chain: PlanChain) -> None:
 
 
 def install(chain: PlanChain, stage: nn.Module, forward: Any, deferred_batch_norm: bool = False) -> Installed:
-    """The root holds only ``stage``'s layers (under their names) in place of the plan's parts, and
-    ``forward`` in place of its own; undo with :func:`uninstall`."""
+    """The root holds only ``stage``'s layers, under their own names, in place of the plan's parts, and
+    ``forward`` in place of its own; undo with :func:`uninstall`.
+
+    A ``ModuleList``/``ModuleDict`` part becomes a plain module holding this stage's items under their
+    keys (``blocks.3`` stays ``blocks.3``; a part with no item here is left out), so ``state_dict()``
+    and ``load_state_dict(strict=True)`` of the model see exactly this stage's tensors by their names.
+    """
     root = chain.root
     batch_norms = defer_batch_norms(stage) if deferred_batch_norm else []
     chain.original = dict(children(root))
     held = children(stage)
     staged: dict[str, Any] = {}
     for key, module in chain.original.items():
-        if key in chain.parts:
-            staged.update((n, held[n]) for n in held if chain.layer_parts[n] == key)
-        else:
+        if key not in chain.parts:
             staged[key] = module
+        elif key in held:
+            staged[key] = held[key]
+        elif items := {n.split(".", 1)[1]: held[n] for n in held if chain.layer_parts[n] == key}:
+            staged[key] = nn.Module()
+            children(staged[key]).update(items)
     _set_children(root, staged)
     root.__dict__["forward"] = forward
     return Installed(chain.root_name, root, "", chain, batch_norms)
 
 
 def uninstall(installed: Installed, state: dict[str, Any] | None = None) -> PlanChain:
-    """The root's parts and forward back, the parts loaded with ``state`` (the chain's keys) if given."""
+    """The root's parts and forward back, loaded with ``state`` (the root's keys, every part's) if given."""
     chain = installed.sequential
     assert isinstance(chain, PlanChain) and chain.original is not None
     restore_batch_norms(installed.batch_norms)
@@ -194,7 +202,7 @@ def uninstall(installed: Installed, state: dict[str, Any] | None = None) -> Plan
     chain.root.__dict__.pop("forward", None)
     chain.original = None
     if state is not None:
-        chain.load_state_dict(state)
+        chain.root.load_state_dict(state)
     return chain
 
 
