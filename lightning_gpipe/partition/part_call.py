@@ -18,9 +18,9 @@ class PartCall:
 
     The part is called with its inputs positionally, in the order the plan lists them:
     ``outputs = part(env[inputs[0]], env[inputs[1]], ...)``; one output is the returned tensor, several
-    a returned tuple of as many. The dict it returns holds the part's outputs and, of what it was
-    given, only the names a later part (or the chain's result) still takes (``keep``), so nothing
-    else crosses to the next stage.
+    a returned tuple of as many. The dict it returns holds the part's outputs, first (the pipeline splits
+    by the first tensor's dim 0), then, of what it was given, only the names a later part (or the
+    chain's result) still takes (``keep``), so nothing else crosses to the next stage.
 
     Args:
         name: the part's name in the model (``"blocks.3"``), for errors.
@@ -44,6 +44,6 @@ class PartCall:
                 f"part {self.name!r} returned {type(out).__name__} but the plan names {len(self.outputs)} "
                 f"outputs ({', '.join(self.outputs)}); return a tuple of that many tensors or fix the plan"
             )
-        kept = {k: v for k, v in env.items() if k in self.keep}
-        kept.update(zip(self.outputs, values))
-        return {k: kept[k] for k in sorted(kept)}
+        out_env = dict(zip(self.outputs, values))  # first: the batch size N is the first tensor's dim 0
+        out_env.update((k, v) for k, v in env.items() if k in self.keep and k not in out_env)
+        return out_env

@@ -41,7 +41,7 @@ class PlanForward:
         arguments = _arguments(self.signature, chain.root, args, kwargs)
         if chain.entry is None:
             return self.stage(next(iter(arguments.values())))
-        out = self.stage({n: arguments[n] for n in sorted(chain.entry)})
+        out = self.stage({n: arguments[n] for n in chain.entry})  # in the order the parts take them
         result = chain.result or []
         return out[result[0]] if len(result) == 1 else tuple(out[n] for n in result)
 

@@ -124,7 +124,8 @@ class Pipelined:
         A ``torch.compile``-d Sequential is replaced by the Sequential itself first
         (:func:`.partition.uncompile`); each stage is compiled with the user's settings instead.
         With ``virtual_stages`` v > 1 it is cut into ``stages × v`` parts, and a skip connection
-        between two parts is refused (:func:`.partition.check_skips_within_parts`).
+        between two parts is refused (:func:`.partition.check_skips_within_parts`). With ``spec.plan``
+        the model's named parts are cut instead (:func:`lightning_gpipe.partition.plan.check_model`).
         """
         microstep.check_model(model, spec.schedule)
         v = spec.virtual_stages
@@ -134,6 +135,12 @@ class Pipelined:
             self._uncompiled += undone
             self._user_compile = user_compile
         if spec.plan is not None:
+            if spec.plan[0][1] is not None and (spec.compile or spec.balance in ("time", "memory")):
+                raise ValueError(
+                    f"compile={spec.compile!r}, balance={spec.balance!r}: a dict plan (parts that pass named "
+                    "tensors) is not compiled or profiled; use compile=False and balance='parameters', "
+                    "'uniform' or a list, or give plan as a list of parts"
+                )
             name, seq, checked = plan.check_model(model, spec.plan, spec.module_name, spec.balance, stages, v)
         else:
             name, seq, checked = partition.check_model(model, spec.module_name, spec.balance, stages, v)

@@ -17,6 +17,7 @@ from lightning_gpipe.partition import plan
 from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.partition.plan_forward import PlanForward
 from lightning_gpipe.schedule import SCHEDULES
+from lightning_gpipe.state.materialize import check_nothing_meta, materialize_stage
 from lightning_gpipe.strategy.microstep import split_batch
 from lightning_gpipe.transport.layout import Layout
 from tests.fakes import Recorder, TurnNetwork, TurnP2P, in_threads
@@ -365,3 +366,20 @@ def test_the_chain_check_computes_nothing_and_passes_the_gpt():
         model(ids)
     stage.end_step()
     assert forward.checked and torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("j", [0, 1])
+def test_a_model_built_on_meta_materializes_only_its_stage(j):
+    """Stage-only (meta-device construction): each stage's layers get real tensors, the model then holds
+    no meta tensor (only its stage), under the class's keys."""
+    with torch.device("meta"):
+        model = GPT()
+    _, chain, _ = _chain(model)
+    materialize_stage(model, "", chain, [3, 4], j, CPU, 2)
+    stage = _stages(chain, [3, 4], "gpipe")[j]
+    plan.install(chain, stage, PlanForward(chain, stage))
+    check_nothing_meta(model)
+    held = list(model.state_dict())
+    assert held[0] == ("embed.tok.weight" if j == 0 else "blocks.2.ln1.weight")
+    assert not any(t.is_meta for t in model.state_dict().values())
+    assert all(t.is_meta for n, t in chain.state_dict().items() if n not in held)
