@@ -64,14 +64,29 @@ def _arguments(signature: inspect.Signature, root: nn.Module, args: tuple, kwarg
 
 def check_forward(chain: PlanChain, args: tuple, kwargs: dict) -> None:
     """Run the root's own ``forward`` on the call's arguments with a stand-in (:class:`Probe`) for each
-    part, and refuse it unless it calls every layer of the chain once, in order, each on what the chain
-    gives it (the previous part's output, or for a dict plan the named tensors), and returns the last
-    part's output. Nothing is computed by the parts (no device, memory or random draw is needed).
+    part, in training and in evaluation mode, and refuse it unless it calls every layer of the chain
+    once, in order, each on what the chain gives it (the previous part's output, or for a dict plan the
+    named tensors), and returns the last part's output. The parts compute nothing; the stand-ins'
+    values are zeros on the CPU, and the random generators end as they were.
 
     Raises:
         PipelineUsageError: the forward is not the chain; the message says where it departs and what
             to change.
     """
+    root = chain.root
+    arguments = _arguments(inspect.signature(type(root).forward), root, args, kwargs)
+    modes = [(m, m.training) for m in root.modules()]
+    try:
+        for training in (True, False):
+            calls, returned = _on_stand_ins(chain, args, kwargs, training)
+            _check_calls(chain, calls, returned, arguments, "training" if training else "evaluation")
+    finally:
+        for module, mode in modes:
+            module.training = mode
+
+
+def _on_stand_ins(chain: PlanChain, args: tuple, kwargs: dict, training: bool) -> tuple[list, Any]:
+    """The forward's calls of the parts' stand-ins and what it returned, in ``training`` mode."""
     root = chain.root
     calls: list[tuple[str, tuple, dict, Any]] = []
     probes: dict[str, Any] = {}
@@ -88,29 +103,36 @@ def check_forward(chain: PlanChain, args: tuple, kwargs: dict) -> None:
     held = children(root)
     held.clear()
     held.update((k, probes.get(k, v)) for k, v in (chain.original or {}).items())
+    root.train(training)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
             returned = type(root).forward(root, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - any failure of the forward on stand-ins refuses it
-        _refuse(chain, f"run with stand-ins for the parts, it raised {type(err).__name__}: {err}")
+        mode = "training" if training else "evaluation"
+        _refuse(
+            chain, f"run with stand-ins for the parts in {mode} mode, it raised {type(err).__name__}: {err}"
+        )
     finally:
         held.clear()
         held.update(staged)
-    arguments = _arguments(inspect.signature(type(root).forward), root, args, kwargs)
+    return calls, returned
+
+
+def _check_calls(chain: PlanChain, calls: list, returned: Any, arguments: dict[str, Any], mode: str) -> None:
+    """Refuse unless ``calls`` (the stand-ins' record) and ``returned`` are the chain's."""
     expected = list(chain.layer_parts)
     called = [name for name, _, _, _ in calls]
     if called != expected:
-        _refuse(chain, f"it calls {called or 'no part'}, the chain is {expected}")
+        _refuse(chain, f"in {mode} mode it calls {called or 'no part'}, the chain is {expected}")
     env = dict(arguments) if chain.entry is not None else {}
     previous: Any = None
     for k, (name, a, kw, out) in enumerate(calls):
         if chain.entry is None:
             given = list(a) + list(kw.values())
             sources = [previous] if k else list(arguments.values())
-            ok = len(given) == 1 and any(given[0] is v for v in sources)
             what = f"the output of {calls[k - 1][0]!r}" if k else "one of the forward's arguments"
-            if not ok:
-                _refuse(chain, f"{name!r} is called with something other than {what} alone")
+            if not (len(given) == 1 and any(given[0] is v for v in sources)):
+                _refuse(chain, f"in {mode} mode {name!r} is called with something other than {what} alone")
             previous = out
         else:
             inputs = chain.calls[name].inputs
@@ -119,27 +141,29 @@ def check_forward(chain: PlanChain, args: tuple, kwargs: dict) -> None:
                 _refuse(chain, f"{name!r} is not called with {inputs} (positionally, in that order)")
             outs = chain.calls[name].outputs
             env.update(zip(outs, (out,) if len(outs) == 1 else out))
-    final = previous if chain.entry is None else None
-    if chain.entry is None and returned is not final:
-        _refuse(chain, f"it returns something other than the output of {called[-1]!r}")
-    if chain.entry is not None:
-        result = chain.result or []
-        wanted = env[result[0]] if len(result) == 1 else tuple(env[n] for n in result)
-        same = returned is wanted or (
-            isinstance(returned, tuple) and isinstance(wanted, tuple) and len(returned) == len(wanted)
-            and all(r is w for r, w in zip(returned, wanted))
-        )  # fmt: skip
-        if not same:
-            _refuse(chain, f"it returns something other than {result}")
+    if chain.entry is None:
+        if returned is not previous:
+            _refuse(chain, f"in {mode} mode it returns something other than the output of {called[-1]!r}")
+        return
+    result = chain.result or []
+    wanted = env[result[0]] if len(result) == 1 else tuple(env[n] for n in result)
+    same = returned is wanted or (
+        isinstance(returned, tuple) and isinstance(wanted, tuple) and len(returned) == len(wanted)
+        and all(r is w for r, w in zip(returned, wanted))
+    )  # fmt: skip
+    if not same:
+        _refuse(chain, f"it returns something other than {result}")
 
 
 def _refuse(chain: PlanChain, detail: str) -> None:
     cls = type(chain.root).__name__
+    others = [k for k in chain.original or {} if k not in chain.parts]
+    hint = f" ({cls}'s submodules outside plan=: {', '.join(others)}; name them in plan= in call order)"
     raise PipelineUsageError(
-        f"{cls}.forward is not the chain that plan= names ({chain.described}): {detail}. Under plan= the "
-        "stages run the parts in that order, each on the previous part's output (x = self.embed(x); "
-        "for block in self.blocks: x = block(x); ...; return x), and nothing else; move other computation "
-        "into a part (e.g. one module that adds the position embedding to the token embedding) or into "
-        "training_step (the loss), and call the model with its input only. docs/models.md shows the "
-        "conversion"
+        f"{cls}.forward is not the chain that plan= names ({chain.described}): {detail}"
+        f"{hint if others else ''}. Under plan= the stages run the parts in that order, each on the previous "
+        "part's output (x = self.embed(x); for block in self.blocks: x = block(x); ...; return x), and "
+        "nothing else; move other computation into a part (e.g. one module that adds the position "
+        "embedding to the token embedding) or into training_step (the loss), and call the model with its "
+        "input only. docs/models.md shows the conversion"
     )

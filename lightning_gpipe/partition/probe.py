@@ -14,8 +14,9 @@ __all__ = ["Probe"]
 
 class Probe(nn.Module):
     """Records each call (``(name, args, kwargs, returned)`` appended to ``calls``) and returns new
-    tensor objects (views of its first tensor input), one per output, so that where the forward passes
-    a part's output on, and where it passes something else, can be told by identity.
+    tensor objects (float zeros of its first tensor input's shape, on the CPU), one per output, so that
+    where the forward passes a part's output on, and where it passes something else, can be told by
+    identity.
 
     Args:
         name: the part's name in the model (``"blocks.3"``).
@@ -29,8 +30,8 @@ class Probe(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        base = leaves[0] if leaves else torch.zeros(0)
-        values = tuple(base.view_as(base) for _ in range(self.outputs))
+        shape = leaves[0].shape if leaves else (0,)
+        values = tuple(torch.zeros(shape) for _ in range(self.outputs))  # new objects; CPU, computing nothing
         out = values[0] if self.outputs == 1 else values
         self.calls.append((self.part, args, kwargs, out))
         return out

@@ -329,6 +329,20 @@ class Scales(GPT):
         return super().forward(idx) * 0.5
 
 
+class Dropped(GPT):
+    """A dropout outside the plan: the identity in evaluation mode, so only the training check sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, idx):
+        x = self.drop(self.embed(idx))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 @pytest.mark.parametrize(
     ("cls", "steps", "args", "message"),
     [
@@ -336,6 +350,7 @@ class Scales(GPT):
         (LossInForward, PLAN, 2, "LossInForward.forward is not the chain that plan= names"),
         (Skips, PLAN, 1, "it calls .*'blocks.2', 'norm'"),
         (Scales, PLAN, 1, "returns something other than the output of 'head'"),
+        (Dropped, PLAN, 1, "in training mode 'blocks.0' is called .*outside plan=: drop;"),
     ],
 )
 def test_a_forward_that_is_not_the_chain_is_refused_at_its_first_call(cls, steps, args, message):
@@ -347,8 +362,10 @@ def test_a_forward_that_is_not_the_chain_is_refused_at_its_first_call(cls, steps
     stage = _stages(chain, [3, len(chain) - 3], "gpipe")[1]
     plan.install(chain, stage, PlanForward(chain, stage))
     (ids,) = next(iter(gpt_data()))
+    model.eval()  # the check runs training and evaluation modes alike, and leaves the modes as they were
     with pytest.raises(PipelineUsageError, match=message) as err:
         stage.run_step(model, True, *[ids] * args)
+    assert not any(m.training for m in model.modules())
     assert "docs/models.md" in str(err.value) and "position embedding" in str(err.value)
 
 
