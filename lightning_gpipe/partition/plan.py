@@ -30,6 +30,7 @@ from lightning_gpipe.engine.batchnorm import defer_batch_norms, restore_batch_no
 from lightning_gpipe.errors import PartitionError
 from lightning_gpipe.partition.cut import Installed, check_cut
 from lightning_gpipe.partition.plan_chain import PlanChain, Step
+from lightning_gpipe.partition.stage_items import StageItems, part_elsewhere
 
 __all__ = ["check_model", "check_plan", "find_root", "install", "uninstall", "whole"]
 
@@ -171,23 +172,26 @@ def install(chain: PlanChain, stage: nn.Module, forward: Any, deferred_batch_nor
     """The root holds only ``stage``'s layers, under their own names, in place of the plan's parts, and
     ``forward`` in place of its own; undo with :func:`uninstall`.
 
-    A ``ModuleList``/``ModuleDict`` part becomes a plain module holding this stage's items under their
-    keys (``blocks.3`` stays ``blocks.3``; a part with no item here is left out), so ``state_dict()``
-    and ``load_state_dict(strict=True)`` of the model see exactly this stage's tensors by their names.
+    A ``ModuleList``/``ModuleDict`` part becomes a :class:`~.stage_items.StageItems` holding this stage's
+    items under their keys (``blocks.3`` stays ``blocks.3``), a part held elsewhere an empty one, so
+    ``state_dict()`` and ``load_state_dict(strict=True)`` of the model see exactly this stage's tensors
+    by their names, and a step that uses a part directly gets an error that says to call the model.
     """
     root = chain.root
     batch_norms = defer_batch_norms(stage) if deferred_batch_norm else []
     chain.original = dict(children(root))
     held = children(stage)
     staged: dict[str, Any] = {}
+    root_call = f"self.{chain.root_name}" if chain.root_name else "self"
     for key, module in chain.original.items():
         if key not in chain.parts:
             staged[key] = module
         elif key in held:
             staged[key] = held[key]
-        elif items := {n.split(".", 1)[1]: held[n] for n in held if chain.layer_parts[n] == key}:
-            staged[key] = nn.Module()
-            children(staged[key]).update(items)
+        else:  # this stage's items of a ModuleList/ModuleDict part, or none
+            items = {n.split(".", 1)[1]: held[n] for n in held if chain.layer_parts[n] == key}
+            stage_index = getattr(getattr(stage, "topology", None), "stage", 0)
+            staged[key] = StageItems(items, part_elsewhere(root_call, key, stage_index))
     _set_children(root, staged)
     root.__dict__["forward"] = forward
     return Installed(chain.root_name, root, "", chain, batch_norms)

@@ -253,6 +253,13 @@ class Pipelined:
         """
         if out is None:
             return
+        if self.installed is not None and isinstance(self.installed.sequential, PlanChain):
+            root = f"self.{self.installed.name}" if self.installed.name else "self"
+            raise PipelineUsageError(
+                f"training_step returned a loss without calling the model whose forward is the plan's chain "
+                f"(stage {self.index}); under plan= call {root}(x) (or {root}.forward(x)), not its parts "
+                "one by one: each process holds only its stage's parts"
+            )
         raise PipelineUsageError(
             f"the pipelined module was not called in training_step, which returned a loss (stage "
             f"{self.index}): the step ran something other than the pipelined nn.Sequential "

@@ -400,3 +400,21 @@ def test_a_model_built_on_meta_materializes_only_its_stage(j):
     assert held[0] == ("embed.tok.weight" if j == 0 else "blocks.2.ln1.weight")
     assert not any(t.is_meta for t in model.state_dict().values())
     assert all(t.is_meta for n, t in chain.state_dict().items() if n not in held)
+
+
+def test_a_step_that_uses_the_parts_directly_is_told_to_call_the_model():
+    """A stage's model holds only its parts: using one (``self.blocks``) raises, saying to call the model."""
+    model = GPT()
+    _, chain, _ = _chain(model)
+    stage = _stages(chain, [3, 4], "gpipe")[1]
+    plan.install(chain, stage, PlanForward(chain, stage))
+    (ids,) = next(iter(gpt_data()))
+    with pytest.raises(
+        PipelineUsageError, match=r"part 'embed' was used directly.*call the model, self\(x\)"
+    ):
+        model.embed(ids)
+    with pytest.raises(PipelineUsageError, match=r"part 'blocks' was used directly \(stage 1 holds"):
+        next(iter(model.blocks))
+    assert list(model.blocks.state_dict()) == [
+        k.removeprefix("blocks.") for k in model.state_dict() if "blocks." in k
+    ]
