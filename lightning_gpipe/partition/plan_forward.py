@@ -93,12 +93,14 @@ def _on_stand_ins(chain: PlanChain, args: tuple, kwargs: dict, training: bool) -
     for name, _, outputs in chain.steps:
         count = len(outputs) if outputs is not None else 1
         part = (chain.original or {})[name]
+        floating = [p.dtype for p in part.parameters() if p.is_floating_point()]
+        dtype = floating[0] if floating else torch.get_default_dtype()
         if isinstance(part, nn.ModuleList):
-            probes[name] = nn.ModuleList(Probe(f"{name}.{k}", count, calls) for k in range(len(part)))
+            probes[name] = nn.ModuleList(Probe(f"{name}.{k}", count, calls, dtype) for k in range(len(part)))
         elif isinstance(part, nn.ModuleDict):
-            probes[name] = nn.ModuleDict({k: Probe(f"{name}.{k}", count, calls) for k in part})
+            probes[name] = nn.ModuleDict({k: Probe(f"{name}.{k}", count, calls, dtype) for k in part})
         else:
-            probes[name] = Probe(name, count, calls)
+            probes[name] = Probe(name, count, calls, dtype)
     staged = dict(children(root))
     held = children(root)
     held.clear()

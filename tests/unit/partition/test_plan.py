@@ -343,6 +343,20 @@ class Dropped(GPT):
         return self.head(self.norm(x))
 
 
+class Casts(GPT):
+    """A half-precision model whose forward casts the blocks' output to float32 before the norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks.to(torch.bfloat16)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x.float()))
+
+
 @pytest.mark.parametrize(
     ("cls", "steps", "args", "message"),
     [
@@ -351,6 +365,7 @@ class Dropped(GPT):
         (Skips, PLAN, 1, "it calls .*'blocks.2', 'norm'"),
         (Scales, PLAN, 1, "returns something other than the output of 'head'"),
         (Dropped, PLAN, 1, "in training mode 'blocks.0' is called .*outside plan=: drop;"),
+        (Casts, PLAN, 1, "'norm' is called with something other than the output of 'blocks.3'"),
     ],
 )
 def test_a_forward_that_is_not_the_chain_is_refused_at_its_first_call(cls, steps, args, message):
