@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gpipe.integrations.transformers import causal_lm
+from tests.gpt import GPT, gpt_data
 from tests.models import trainer_kwargs
 
 VOCAB, LENGTH = 50, 8
@@ -175,6 +176,8 @@ def image_data(family: str, batch: int = 10, steps: int = 5) -> DataLoader:
 
 
 def module_and_data(family: str, steps: int = 5):
+    if family == "nanogpt":  # pipelined by plan=tests.gpt.PLAN
+        return GPT(), gpt_data(steps=steps)
     if family.endswith("-sft"):
         return HFCausalLM(family), sft_data(steps=steps)
     if family in ("gpt2", "llama", "mistral"):
@@ -182,12 +185,13 @@ def module_and_data(family: str, steps: int = 5):
     return HFImageClassifier(family), image_data(family, steps=steps)
 
 
-def reference(family: str, steps: int = 5):
-    """The same module on one device, full batch."""
+def reference(family: str, steps: int = 5, trainer: bool = False):
+    """The same module on one device, full batch (and its Trainer, with ``trainer``)."""
     pl.seed_everything(0, verbose=False)
     model, data = module_and_data(family, steps)
-    pl.Trainer(devices=1, **trainer_kwargs(steps)).fit(model, data)
-    return model
+    one = pl.Trainer(devices=1, **trainer_kwargs(steps))
+    one.fit(model, data)
+    return (model, one) if trainer else model
 
 
 def micro_batch_reference(family: str, chunks: int) -> tuple[HFImageClassifier, list[int]]:

@@ -58,6 +58,8 @@ class ColumnExecutor:
         p2p: the transport.
         schedule: ``(stages, chunks[, virtual_stages]) -> Grid``.
         generator: the stage's own random stream (:mod:`lightning_gpipe.engine.rng`).
+        calls: ``name -> call(layer, x)`` for the layers not applied as ``layer(x)`` (a plan's parts
+            that pass several named tensors).
     """
 
     def __init__(
@@ -70,8 +72,10 @@ class ColumnExecutor:
         p2p: P2P,
         schedule: Callable[[int, int], Grid],
         generator: StageGenerator,
+        calls: dict[str, Callable[[nn.Module, Any], Any]] | None = None,
     ) -> None:
         self.layers = layers
+        self.calls = dict(calls or {})  # name -> call(layer, x), where a layer is not applied as layer(x)
         self.virtual_layers = virtual_layers
         self.topology = topology
         self.chunks = chunks
@@ -106,7 +110,8 @@ class ColumnExecutor:
             if compiled is not None:
                 return compiled[virtual_stage](input)
             for name in self.virtual_layers[virtual_stage]:
-                input = self.layers[name](input)
+                call = self.calls.get(name)
+                input = self.layers[name](input) if call is None else call(self.layers[name], input)
         return input
 
     def start(self, input: Any, train: bool, micro: int | None) -> StepRun:

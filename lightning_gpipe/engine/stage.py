@@ -60,7 +60,6 @@ calls, the step's contracts); the column runs in the stage's
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -68,6 +67,7 @@ import torch
 from torch import nn
 
 from lightning_gpipe import schedule
+from lightning_gpipe._compat import children
 from lightning_gpipe.engine.executor import ColumnExecutor
 from lightning_gpipe.engine.microbatch import gather, scatter, unflatten
 from lightning_gpipe.engine.outcome import OutcomeChannel, apply_outcome, outcome_of
@@ -102,6 +102,11 @@ class PipelineStage(nn.Sequential):
             (stage ``j``'s virtual stage ``u`` holds part ``j + u·K``:
             :func:`~lightning_gpipe.partition.cut.virtual_cut`); default: one virtual stage holding
             every layer. The stage holds all of them under the user's names either way.
+        calls: how a layer is applied where not as ``layer(x)``: ``name -> call(layer, x)`` (a plan's
+            parts that pass several named tensors, :class:`~lightning_gpipe.partition.part_call.PartCall`).
+
+    Names may be dotted (``"blocks.3"``: a plan's part, :mod:`lightning_gpipe.partition.plan`): the
+    ``state_dict`` keys are then the plan root's own (``blocks.3.attn.qkv.weight``).
 
     Shapes: the first stage takes ``(N, *)`` (or a tuple, or any pytree:
     :mod:`lightning_gpipe.engine.microbatch`) and splits it into ``min(M, N) × (≈N/M, *)``; the last stage
@@ -118,8 +123,10 @@ class PipelineStage(nn.Sequential):
         names: Sequence[str] | None = None,
         schedule: Callable[[int, int], Grid] = schedule.fill_drain,
         virtual_layers: Sequence[Sequence[str]] | None = None,
+        calls: dict[str, Callable[[nn.Module, Any], Any]] | None = None,
     ) -> None:
-        super().__init__(OrderedDict(layers))
+        super().__init__()
+        children(self).update(layers)  # add_module would refuse a plan's dotted names
         self.names = list(names) if names is not None else [n for n, _ in layers]  # of the whole Sequential
         held = [n for n, _ in layers]
         self.virtual_layers = [list(v) for v in virtual_layers] if virtual_layers is not None else [held]
@@ -139,7 +146,7 @@ class PipelineStage(nn.Sequential):
         self.outcomes = OutcomeChannel(p2p, p2p.device)
         generator = StageGenerator(p2p.device, topology.stage)  # what the layers draw
         self.executor = ColumnExecutor(
-            self._modules, self.virtual_layers, topology, chunks, checkpoint, p2p, schedule, generator
+            self._modules, self.virtual_layers, topology, chunks, checkpoint, p2p, schedule, generator, calls
         )
         # one call per micro-batch: what the user's code draws after the call on the last stage
         self.after_call = StageGenerator(p2p.device, topology.stages)
@@ -190,8 +197,7 @@ class PipelineStage(nn.Sequential):
         stage's submodules, so ``state_dict`` keys stay the user's.
         """
         self.executor.compiled = [
-            compile_fn(nn.Sequential(OrderedDict((n, self._modules[n]) for n in names)))
-            for names in self.virtual_layers
+            compile_fn(nn.Sequential(*[self._modules[n] for n in names])) for names in self.virtual_layers
         ]
 
     def __iter__(self) -> Iterator[nn.Module]:
@@ -224,7 +230,9 @@ class PipelineStage(nn.Sequential):
         if isinstance(idx, slice):
             if self.configuring:
                 wanted = self.names[idx]
-                return nn.Sequential(OrderedDict((n, m) for n, m in self._modules.items() if n in wanted))
+                held = nn.Sequential()
+                children(held).update((n, m) for n, m in self._modules.items() if n in wanted)
+                return held
             raise PipelineUsageError(
                 "slicing the pipelined nn.Sequential is not supported under the gpipe strategy outside "
                 "configure_optimizers: each process holds only its stage's layers "

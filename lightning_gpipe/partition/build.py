@@ -36,7 +36,8 @@ def build_stage(
 
     With virtual stages, ``balance`` has ``K·v`` entries (one per part) and the stage holds
     parts ``j, j+K, …`` as its virtual stages (:func:`~lightning_gpipe.partition.cut.virtual_cut`);
-    skip routes name parts.
+    skip routes name parts. ``seq`` may be a :class:`~lightning_gpipe.partition.plan_chain.PlanChain`
+    (a plan's parts, under the root's own dotted names); its ``calls`` go to the stage.
     """
     topology = layout.topology(rank, tuple(routes(seq, layer_parts(balance))))
     per_virtual = virtual_cut(seq, balance, topology.stage, layout.stages)
@@ -44,4 +45,5 @@ def build_stage(
     names = list(children(seq))
     virtual_layers = [[n for n, _ in part] for part in per_virtual]
     p2p = P2P(device, lanes=lanes)
-    return PipelineStage(layers, topology, chunks, checkpoint, p2p, names, schedule, virtual_layers)
+    calls = getattr(seq, "calls", None)  # a plan's parts that pass several named tensors (PlanChain)
+    return PipelineStage(layers, topology, chunks, checkpoint, p2p, names, schedule, virtual_layers, calls)

@@ -100,16 +100,21 @@ def check_model(
         ValueError: the module uses manual optimization (with more than one stage).
     """
     name, seq = find_sequential(model, module_name)
+    return check_cut(model, name, seq, balance, stages, virtual_stages)
+
+
+def check_cut(model: Any, name: str, seq: Any, balance: Any, stages: int, v: int) -> tuple[str, Any, Any]:
+    """:func:`check_model` once the Sequential (or a plan's chain) is found."""
     if stages > 1 and not model.automatic_optimization:
         raise ValueError(
             f"{type(model).__name__} uses manual optimization (automatic_optimization = False), which the "
             "gpipe strategy does not support: on every stage but the last, training_step ends at the "
             "pipelined call, before the user's backward and optimizer step; use automatic optimization"
         )
-    parts = stages * virtual_stages
+    parts = stages * v
     if isinstance(balance, list):
         check_stages(len(seq), len(balance))
-        balance = check_balance(balance, len(seq), parts, virtual_stages)
+        balance = check_balance(balance, len(seq), parts, v)
         check_tied_parameters(seq, balance, stages)
     else:
         check_stages(len(seq), parts)
@@ -385,9 +390,14 @@ def whole_sequential(installed: Installed | None, stage: nn.Module | None) -> It
         setattr(installed.parent, installed.attr, stage)
 
 
+def key_prefix(name: str) -> str:
+    """What the model's keys of the pipelined part start with: ``"layers."`` (``""``: a plan's root)."""
+    return name + "." if name else ""
+
+
 def plain_parameter_names(installed: Installed) -> list[str]:
     """The user's Sequential's parameter names as the model names them, in model order."""
-    return [f"{installed.name}.{n}" for n, _ in installed.sequential.named_parameters()]
+    return [key_prefix(installed.name) + n for n, _ in installed.sequential.named_parameters()]
 
 
 PLACEHOLDER = "_gpipe_placeholder"
@@ -409,34 +419,7 @@ def add_placeholder_parameter(stage: nn.Module, device: torch.device) -> None:
 
     register_state_dict_hook(stage, drop)
 
-    def fill(
-        module: nn.Module, state: dict[str, Any], prefix: str, *args: Any
-    ) -> None:  # loads never carry it
+    def fill(module: nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
         state.setdefault(prefix + PLACEHOLDER, getattr(module, PLACEHOLDER))
 
     stage.register_load_state_dict_pre_hook(fill)
-
-
-def check_compile(compile: Any) -> bool | dict[str, Any]:
-    """Validate ``GPipeStrategy(compile=...)``: a bool or a dict of ``torch.compile`` arguments.
-
-    Raises:
-        ValueError: anything else.
-    """
-    if not isinstance(compile, (bool, dict)):
-        raise ValueError(
-            f"compile must be a bool or a dict of torch.compile arguments (compile: {compile!r}); "
-            'e.g. compile={"backend": "inductor", "mode": "max-autotune"}'
-        )
-    return compile
-
-
-def stage_compiler(
-    compile: bool | dict[str, Any], user_compile: Callable[[nn.Module], nn.Module] | None
-) -> Callable[[nn.Module], nn.Module] | None:
-    """How each stage's layers are compiled: ``compile=`` (``torch.compile`` with those arguments), else
-    like the user's compiled Sequential (:func:`uncompile`), else ``None`` (not compiled)."""
-    if compile:
-        kwargs = compile if isinstance(compile, dict) else {}
-        return lambda module: torch.compile(module, **kwargs)  # type: ignore[return-value]
-    return user_compile

@@ -79,13 +79,23 @@ def _shared(named: Iterable[tuple[str, Tensor]], stage_of_layer: dict[str, int])
     for name, tensor in named:
         if tensor is None:
             continue
-        by_id.setdefault(id(tensor), []).append((name, stage_of_layer[name.split(".", 1)[0]]))
+        by_id.setdefault(id(tensor), []).append((name, _stage_of(name, stage_of_layer)))
     tied = []
     for places in by_id.values():
         stages = sorted({s for _, s in places})
         if len(stages) > 1:
             tied.append(Tied(tuple(n for n, _ in places), tuple(stages), tuple(s for _, s in places)))
     return tied
+
+
+def _stage_of(name: str, stage_of_layer: dict[str, int]) -> int:
+    """The stage of the layer holding ``name`` (a layer's name may be dotted: a plan's ``blocks.3``)."""
+    parts = name.split(".")
+    return next(
+        stage_of_layer[layer]
+        for end in range(1, len(parts))
+        if (layer := ".".join(parts[:end])) in stage_of_layer
+    )
 
 
 def find_tied(sequential: nn.Sequential, balance: Sequence[int], stages: int | None = None) -> list[Tied]:

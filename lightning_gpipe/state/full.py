@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_gpipe._lightning import distributed_is_initialized, optimizer_to_device
-from lightning_gpipe.partition.cut import PLACEHOLDER
+from lightning_gpipe.partition.cut import PLACEHOLDER, key_prefix
 from lightning_gpipe.partition.tied import Tied, alias_tied_state
 from lightning_gpipe.state.materialize import has_meta
 from lightning_gpipe.state.optimizer import (
@@ -87,8 +87,18 @@ def gather_sequential_state(
         full.update(part)
     # in the Sequential's layer order (with virtual stages a stage's layers are not contiguous)
     order = {name: k for k, name in enumerate(getattr(stage, "names", ()))}
-    full = dict(sorted(full.items(), key=lambda item: order.get(item[0].split(".", 1)[0], len(order))))
+    full = dict(sorted(full.items(), key=lambda item: _layer_index(item[0], order)))
     return alias_tied_state(full, tied)
+
+
+def _layer_index(key: str, order: dict[str, int]) -> int:
+    """The index of the layer holding ``key`` (a layer's name may be dotted: a plan's ``blocks.3``)."""
+    parts = key.split(".")
+    for end in range(1, len(parts)):
+        index = order.get(".".join(parts[:end]))
+        if index is not None:
+            return index
+    return len(order)
 
 
 def user_state_dict(
@@ -99,7 +109,7 @@ def user_state_dict(
     full = gather_sequential_state(stage, layout, rank, to_all=False, tied=tied)
     if rank != 0:
         return {}
-    prefix = seq_name + "."
+    prefix = key_prefix(seq_name)
     state = {k: v for k, v in module.state_dict().items() if not k.startswith(prefix)}
     state.update({prefix + k: v for k, v in full.items()})
     return state

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe import _lightning
 from lightning_gpipe._compat import children
-from lightning_gpipe.partition.cut import cut
+from lightning_gpipe.partition.cut import cut, key_prefix
 from lightning_gpipe.state.loading import CHECKPOINT_SOURCE, LazyCheckpoint, copy_into
 from lightning_gpipe.transport.layout import layer_stages
 
@@ -233,7 +233,7 @@ def materialize_stage(
         return
     path, weights_only = source
     lazy = LazyCheckpoint(path, weights_only)
-    load_layers(layers, name + ".", lazy.data.get("state_dict", {}), lazy.read_into, device)
+    load_layers(layers, key_prefix(name), lazy.data.get("state_dict", {}), lazy.read_into, device)
 
 
 def check_nothing_meta(model: nn.Module) -> None:

@@ -94,7 +94,7 @@ def adapt_callbacks(
         for copy in module_copies(callback, module):
             parent_name, _, attr = seq_name.rpartition(".")
             parent = copy.get_submodule(parent_name) if parent_name else copy
-            seq = getattr(parent, attr)
+            seq = getattr(parent, attr) if attr else None  # a plan on the model itself: no Sequential
             if isinstance(seq, nn.Sequential):
                 setattr(parent, attr, cut_copy(seq))
         if _is(callback, callbacks.ThroughputMonitor, namespace):

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_gpipe import state
 from lightning_gpipe._lightning import distributed_is_initialized, unwrap_optimizer
+from lightning_gpipe.partition import cut
 from lightning_gpipe.state import atomic, check, loading, sharded
 from lightning_gpipe.strategy.pipelined import Pipelined
 from lightning_gpipe.transport.layout import Layout
@@ -90,7 +91,7 @@ def whole_model_shapes(pipelined: Pipelined, module: nn.Module) -> dict[str, tup
     installed = pipelined.installed
     if installed is None or pipelined.stage is None:
         return own
-    prefix = installed.name + "."
+    prefix = cut.key_prefix(installed.name)
     whole = {k: v for k, v in own.items() if not k.startswith(prefix)}
     whole.update({prefix + k: v for k, v in check.shapes(installed.sequential.state_dict()).items()})
     return whole

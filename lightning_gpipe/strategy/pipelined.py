@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,13 +26,18 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_gpipe import state
+from lightning_gpipe._compat import children
 from lightning_gpipe._lightning import distributed_is_initialized
 from lightning_gpipe.engine.recompute import check_mode
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
 from lightning_gpipe.errors import check_count
 from lightning_gpipe.partition import cut as partition
-from lightning_gpipe.partition import tied
+from lightning_gpipe.partition import plan, tied
 from lightning_gpipe.partition.build import build_stage
+from lightning_gpipe.partition.compiling import stage_compiler
+from lightning_gpipe.partition.plan import check_plan
+from lightning_gpipe.partition.plan_chain import PlanChain, Step
+from lightning_gpipe.partition.plan_forward import PlanForward
 from lightning_gpipe.schedule import SCHEDULES, check_schedule, check_virtual_stages
 from lightning_gpipe.state.materialize import check_nothing_meta, check_stage_only_balance, has_meta
 from lightning_gpipe.state.start_state import start_stage
@@ -43,7 +47,7 @@ from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.transport.layout import Layout
 from lightning_gpipe.transport.p2p import Lanes
 
-__all__ = ["Pipelined", "StageSpec", "check_arguments", "partition_model"]
+__all__ = ["Pipelined", "StageSpec", "check_arguments", "check_plan", "partition_model"]
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +57,8 @@ class StageSpec:
     """What the strategy's arguments ask of the cut and of the stage, as they stand at set-up.
 
     Every field is ``GPipeStrategy``'s argument of the same name, except ``chunks``: the
-    micro-batches M used (``GPipeStrategy.chunks_used``).
+    micro-batches M used (``GPipeStrategy.chunks_used``), and ``plan``: checked
+    (:func:`lightning_gpipe.partition.plan.check_plan`).
     """
 
     module_name: str | None
@@ -66,6 +71,7 @@ class StageSpec:
     compile: bool | dict[str, Any]
     optimizer_state_factor: float
     timeline: bool
+    plan: list[Step] | None = None
 
 
 class Pipelined:
@@ -118,7 +124,8 @@ class Pipelined:
         A ``torch.compile``-d Sequential is replaced by the Sequential itself first
         (:func:`.partition.uncompile`); each stage is compiled with the user's settings instead.
         With ``virtual_stages`` v > 1 it is cut into ``stages × v`` parts, and a skip connection
-        between two parts is refused (:func:`.partition.check_skips_within_parts`).
+        between two parts is refused (:func:`.partition.check_skips_within_parts`). With ``spec.plan``
+        the model's named parts are cut instead (:func:`lightning_gpipe.partition.plan.check_model`).
         """
         microstep.check_model(model, spec.schedule)
         v = spec.virtual_stages
@@ -127,7 +134,16 @@ class Pipelined:
         if undone:
             self._uncompiled += undone
             self._user_compile = user_compile
-        name, seq, checked = partition.check_model(model, spec.module_name, spec.balance, stages, v)
+        if spec.plan is not None:
+            if spec.plan[0][1] is not None and (spec.compile or spec.balance in ("time", "memory")):
+                raise ValueError(
+                    f"compile={spec.compile!r}, balance={spec.balance!r}: a dict plan (parts that pass named "
+                    "tensors) is not compiled or profiled; use compile=False and balance='parameters', "
+                    "'uniform' or a list, or give plan as a list of parts"
+                )
+            name, seq, checked = plan.check_model(model, spec.plan, spec.module_name, spec.balance, stages, v)
+        else:
+            name, seq, checked = partition.check_model(model, spec.module_name, spec.balance, stages, v)
         if v > 1:
             partition.check_skips_within_parts(seq, checked)
         return name, seq, checked
@@ -167,9 +183,12 @@ class Pipelined:
         partition.check_tied_parameters(seq, balance, layout.stages)
         start_stage(model, name, seq, balance, layout, rank, device, self.stage_only)
         stage = build(seq, balance)
-        self.installed = partition.install(model, name, stage, deferred_batch_norm=deferred_batch_norm)
+        if isinstance(seq, PlanChain):  # the root holds the stage's layers and calls it as its forward
+            self.installed = plan.install(seq, stage, PlanForward(seq, stage), deferred_batch_norm)
+        else:
+            self.installed = partition.install(model, name, stage, deferred_batch_norm=deferred_batch_norm)
         self.tied = tied.find_tied(seq, balance, layout.stages)
-        stage_compile = partition.stage_compiler(compile, self._user_compile)
+        stage_compile = stage_compiler(compile, self._user_compile)
         if stage_compile is not None:
             stage.compile(stage_compile)
         self.stage, self.index, self.stages = stage, layout.stage_of(rank), layout.stages
@@ -219,7 +238,10 @@ class Pipelined:
         if gather and not self.stage_only:
             arrive("gathering the model's state (end of fit)")
             full = state.gather_sequential_state(self.stage, layout, rank, to_all=True, tied=self.tied)
-        partition.uninstall(self.installed, full)
+        if isinstance(self.installed.sequential, PlanChain):
+            plan.uninstall(self.installed, full)
+        else:
+            partition.uninstall(self.installed, full)
         partition.recompile(self._uncompiled)
         self.installed, self.stage, self._uncompiled = None, None, []
 
@@ -231,6 +253,13 @@ class Pipelined:
         """
         if out is None:
             return
+        if self.installed is not None and isinstance(self.installed.sequential, PlanChain):
+            root = f"self.{self.installed.name}" if self.installed.name else "self"
+            raise PipelineUsageError(
+                f"training_step returned a loss without calling the model whose forward is the plan's chain "
+                f"(stage {self.index}); under plan= call {root}(x) (or {root}.forward(x)), not its parts "
+                "one by one: each process holds only its stage's parts"
+            )
         raise PipelineUsageError(
             f"the pipelined module was not called in training_step, which returned a loss (stage "
             f"{self.index}): the step ran something other than the pipelined nn.Sequential "
@@ -262,7 +291,7 @@ class Pipelined:
         owner."""
         if self.installed is None:
             return {}
-        prefix = self.installed.name + "."
+        prefix = partition.key_prefix(self.installed.name)
         aliases = tied.canonical_name(self.tied, self.index)
         return {prefix + k: None if v is None else prefix + v for k, v in aliases.items()}
 
@@ -273,11 +302,15 @@ class Pipelined:
     def cut_copy(self, seq: nn.Sequential) -> nn.Module:
         """This stage's part of a copy of the pipelined Sequential (a callback's copy of the module)."""
         assert self.balance is not None
-        return nn.Sequential(OrderedDict(partition.cut(seq, self.balance, self.index, self.stages)))
+        copy = nn.Sequential()
+        children(copy).update(partition.cut(seq, self.balance, self.index, self.stages))
+        return copy
 
     def whole_model(self) -> contextlib.AbstractContextManager[None]:
         """The module holds its whole Sequential (every stage's layers; other stages' weights are not
         trained here) inside this context, the stage again after it. For summaries that count the model."""
+        if self.installed is not None and isinstance(self.installed.sequential, PlanChain):
+            return plan.whole(self.installed)
         return partition.whole_sequential(self.installed, self.stage)
 
 

@@ -22,9 +22,9 @@ from typing_extensions import override
 
 from lightning_gpipe import _lightning, state
 from lightning_gpipe.engine.rng import share_rng_state
-from lightning_gpipe.partition import cut as partition
+from lightning_gpipe.partition.compiling import check_compile
 from lightning_gpipe.state import loading, materialize
-from lightning_gpipe.strategy import callbacks, checkpoints, launcher, metrics, microstep
+from lightning_gpipe.strategy import callbacks, checkpoints, launcher, metrics, microstep, pipelined
 
 from lightning_gpipe.strategy import precision, process_group, signals, steps  # isort: skip
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
@@ -52,7 +52,7 @@ class _GPipeStrategyLogic(_Base):
         checkpoint: re-materialization per micro-batch: ``"always"``, ``"except_last"`` or ``"never"``.
         schedule: ``"gpipe"`` (``training_step`` per batch), ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``.
         virtual_stages: virtual stages per stage v (``None``: 2 under ``"interleaved_1f1b"``, else 1).
-        module_name: attribute path of the ``nn.Sequential``; ``None``: the one holding every parameter.
+        module_name: the Sequential's path (``None``: found); plan: the parts in call order (:mod:`.plan`).
         pipeline_parallel_size: stages per pipeline K (``None``: the world size W); W / K replicas.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: the Trainer's.
         process_group_backend, timeout: ``"gloo"``/``"nccl"`` (``None``: by device), its timeout.
@@ -79,7 +79,7 @@ class _GPipeStrategyLogic(_Base):
     def __init__(
         self,
         chunks: int | None = None, balance: list[int] | str | None = None, checkpoint: str = "except_last",
-        module_name: str | None = None, pipeline_parallel_size: int | None = None,
+        module_name: str | None = None, pipeline_parallel_size: int | None = None, plan: Any = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
@@ -102,7 +102,7 @@ class _GPipeStrategyLogic(_Base):
         self.collective_timeout = arrival.check_collective_timeout(collective_timeout)
         self.signal_grace = signals.check_grace(signal_grace)
         self.weights_only = loading.check_weights_only(weights_only)
-        self.timeline, self.timeline_dir = timeline, timeline_dir
+        self.timeline, self.timeline_dir, self.plan = timeline, timeline_dir, pipelined.check_plan(plan)
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
         self.last_grad_norm: Tensor | None = None  # total gradient norm before the last clip (inspection)
         self.process_group_backend = process_group_backend  # chosen by device at set-up when None
@@ -113,7 +113,7 @@ class _GPipeStrategyLogic(_Base):
         self._timeline: Timeline | None = None
         self._sigterm: signals.SigtermCheck | None = None  # Lightning's per-step SIGTERM broadcast, deferred
         self._lazy: loading.LazyCheckpoint | None = None  # the full checkpoint file being restored
-        self.compile = partition.check_compile(compile)
+        self.compile = check_compile(compile)
         self.start_method = launcher.check_start_method(start_method)
         self._micro_steps = microstep.MicroSteps() if schedule != "gpipe" else None  # a call per micro-batch
 
@@ -185,7 +185,7 @@ class _GPipeStrategyLogic(_Base):
     def _stage_spec(self) -> StageSpec:
         return StageSpec(self.module_name, self.balance, self.chunks_used, self.checkpoint, self.schedule,
             self.virtual_stages, self.deferred_batch_norm, self.compile, self.optimizer_state_factor,
-            self.timeline)  # fmt: skip
+            self.timeline, self.plan)  # fmt: skip
 
     @override
     def _configure_launcher(self) -> None:

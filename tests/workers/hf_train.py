@@ -2,9 +2,9 @@
 each run in a JSON spec.
 
 Usage: python tests/workers/hf_train.py SPEC.json. Spec keys: devices, out, runs (``family``,
-``steps`` (default 5) and GPipeStrategy kwargs). Every rank writes ``run{k}_rank{r}.pt`` (losses,
-parameters after every step); rank 0 also writes the trained ``state_dict`` and the saved checkpoint
-``run{k}.ckpt``.
+``steps`` (default 5), ``ckpt_path`` (fit from that checkpoint) and GPipeStrategy kwargs). Every rank
+writes ``run{k}_rank{r}.pt`` (losses, parameters after every step); rank 0 also writes the trained
+``state_dict``; the saved checkpoint is ``run{k}.ckpt`` (a directory under ``checkpoint_format="sharded"``).
 """
 
 import json
@@ -23,14 +23,14 @@ spec = json.loads(Path(sys.argv[1]).read_text())
 out = Path(spec["out"])
 for k, run in enumerate(spec["runs"]):
     run = dict(run)
-    family, steps = run.pop("family"), run.pop("steps", 5)
+    family, steps, ckpt_path = run.pop("family"), run.pop("steps", 5), run.pop("ckpt_path", None)
     pl.seed_everything(0, verbose=False)
     model, data = module_and_data(family, steps)
     strategy = lightning_gpipe.GPipeStrategy(**run)
     trainer = pl.Trainer(strategy=strategy, devices=spec["devices"], **trainer_kwargs(steps))
-    trainer.fit(model, data)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
     trainer.save_checkpoint(out / f"run{k}.ckpt")
-    record = {"losses": model.losses, "params": model.params}
+    record = {"losses": model.losses, "params": getattr(model, "params", [])}
     if trainer.global_rank == 0:
         record["state"] = {n: t.clone() for n, t in model.state_dict().items()}
     torch.save(record, out / f"run{k}_rank{trainer.global_rank}.pt")

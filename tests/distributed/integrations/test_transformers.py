@@ -1,6 +1,8 @@
 """transformers models through lightning_gpipe.integrations.transformers: same outputs, shared
 parameters, checkpoints map back, and pipelined training equal to one device (tied GPT-2 embedding
-and head included).
+and head included). The two-stage job also trains the nanoGPT-style ``ModuleList`` model of
+:mod:`tests.gpt` by ``plan=`` (lightning_gpipe.partition.plan): equal to one device under gpipe and 1f1b,
+its full and sharded checkpoints under the class's own keys, a one-device checkpoint loaded.
 
 Needs the ``[models]`` extra (transformers). Multi-process jobs run under hard timeouts (tests/_harness.py).
 """
@@ -10,10 +12,13 @@ import json
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import format_utils
 
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.integrations.transformers import causal_lm, original_state_dict
 from tests._harness import check, run_script
+from tests.gpt import GPT, PLAN
 from tests.hf_models import (  # noqa: E402
     build_hf,
     micro_batch_reference,
@@ -45,8 +50,56 @@ def _run(tmp_path, stages, runs):
     ]
 
 
+def _plan_runs(tmp_path):
+    """gpipe with a full checkpoint, 1f1b with a sharded one, and a fit from the one-device model's
+    checkpoint (written here; its 4 steps are done, so the fit only loads it and gathers it back)."""
+    ref, trainer = reference("nanogpt", steps=4, trainer=True)
+    trainer.save_checkpoint(tmp_path / "one_device.ckpt")
+    base = {"family": "nanogpt", "plan": PLAN, "chunks": 4, "steps": 4}
+    return ref, [
+        base,
+        {**base, "schedule": "1f1b", "checkpoint_format": "sharded"},
+        {**base, "ckpt_path": str(tmp_path / "one_device.ckpt")},
+    ]
+
+
+def _check_plan(tmp_path, ref, results, first):
+    """The plan runs (``first``: the first one's index): losses and weights within 1e-5 of one device, under
+    the class's keys; the full and the sharded checkpoint load into the class with strict=True."""
+    keys, ref_state = list(GPT().state_dict()), ref.state_dict()
+    for k, ranks in enumerate(results, first):
+        losses, state = ranks[0]["losses"], ranks[0]["state"]
+        if k == first + 2:  # loaded from one device's checkpoint after its last step: nothing left to train
+            assert losses == []
+        else:
+            if k == first + 1:  # 1f1b: one training_step per micro-batch (4 of 2 samples each)
+                losses = [sum(losses[i : i + 4]) / 4 for i in range(0, 16, 4)]
+            assert len(losses) == 4 and max(abs(a - b) for a, b in zip(losses, ref.losses)) <= 1e-5, k
+        assert list(state) == keys
+        for name, value in state.items():
+            assert (value - ref_state[name]).abs().max() <= 1e-5, f"plan run {k}: {name} differs"
+    full = torch.load(tmp_path / f"run{first}.ckpt", weights_only=False)
+    assert list(full["state_dict"]) == keys
+    assert full["optimizer_states"][0]["gpipe_param_names"] == [n for n, _ in GPT().named_parameters()]
+    sharded = tmp_path / f"run{first + 1}.ckpt"
+    saved = {
+        k.removeprefix("model.") for k in dcp.FileSystemReader(sharded).read_metadata().state_dict_metadata
+    }
+    assert set(keys) <= saved and not {k for k in saved if k.startswith(tuple(PLAN))} - set(keys)
+    format_utils.dcp_to_torch_save(sharded, tmp_path / "sharded.pt")
+    for state in (full["state_dict"], torch.load(tmp_path / "sharded.pt", weights_only=False)["model"]):
+        model = GPT()
+        model.load_state_dict(state, strict=True)
+        torch.testing.assert_close(model.state_dict(), ref_state, rtol=0, atol=1e-5)
+        assert model.head.weight is model.embed.tok.weight
+
+
 def _check_pipelined(tmp_path, stages):
-    results = _run(tmp_path, stages, RUNS)
+    ref, plan_runs = _plan_runs(tmp_path) if stages == 2 else (None, [])
+    results = _run(tmp_path, stages, RUNS + plan_runs)
+    if plan_runs:
+        _check_plan(tmp_path, ref, results[len(RUNS) :], len(RUNS))
+        results = results[: len(RUNS)]
     references = {
         (run["family"], run.get("steps", 5)): reference(run["family"], run.get("steps", 5)) for run in RUNS
     }
@@ -77,7 +130,7 @@ def _check_pipelined(tmp_path, stages):
 @pytest.mark.timeout(900)
 def test_gpt2_and_llama_over_two_stages_train_like_one_device(tmp_path):
     """Tiny GPT-2 (tied) and Llama × chunks {1, 4} × checkpoint {except_last, always}: 5 SGD steps
-    within 1e-5."""
+    within 1e-5; in the same job, the nanoGPT-style model by ``plan=`` (:func:`_check_plan`)."""
     _check_pipelined(tmp_path, 2)
 
 

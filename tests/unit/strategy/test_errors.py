@@ -7,6 +7,7 @@ from torch import nn
 
 import lightning_gpipe
 from lightning_gpipe import GPipeStrategy, PartitionError
+from tests.gpt import GPT
 from tests.models import Net, make_data, trainer_kwargs
 
 
@@ -88,6 +89,18 @@ def test_ambiguous_or_missing_sequential_says_to_pass_module_name():
     assert "module_name" in message
     message = _fit_before_spawn(Net("mlp"), module_name="nope")
     assert "module_name='nope' does not name a submodule" in message
+
+
+def test_a_plan_that_does_not_fit_the_model_is_refused_before_spawn():
+    """plan= (issue 39): a name that is not a part, or parameters the plan leaves out, before any process."""
+    message = _fit_before_spawn(GPT(), plan=["embed", "blocks", "norm", "lm_head"])
+    assert (
+        "'lm_head', which is not a submodule of GPT; its submodules are: embed, blocks, norm, head" in message
+    )
+    message = _fit_before_spawn(GPT(tied=False), plan=["blocks", "norm", "head"])
+    assert "outside plan=['blocks', 'norm', 'head']: embed.tok.weight, embed.pos.weight" in message
+    with pytest.raises(ValueError, match=r"lists 'norm' more than once"):
+        GPipeStrategy(plan=["embed", "blocks", "norm", "norm", "head"])
 
 
 def test_more_stages_than_layers_raise_before_spawn():

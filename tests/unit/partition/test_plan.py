@@ -1,0 +1,435 @@
+"""A model pipelined by naming its parts (``GPipeStrategy(plan=...)``, issue 39): the chain of its layers
+under the model's own names, trained in one process as the stages would train it (:mod:`tests.fakes`),
+installed in the model (its keys the class's own), and the plans and forwards that are refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_gpipe.engine.stage import PipelineUsageError, StageDone
+from lightning_gpipe.errors import PartitionError
+from lightning_gpipe.partition import plan
+from lightning_gpipe.partition.build import build_stage
+from lightning_gpipe.partition.plan_forward import PlanForward
+from lightning_gpipe.schedule import SCHEDULES
+from lightning_gpipe.state.materialize import check_nothing_meta, materialize_stage
+from lightning_gpipe.strategy.microstep import split_batch
+from lightning_gpipe.transport.layout import Layout
+from tests.fakes import Recorder, TurnNetwork, TurnP2P, in_threads
+from tests.gpt import GPT, PLAN, VOCAB, gpt_data
+
+TIGHT = {"atol": 1e-5, "rtol": 0}
+CPU = torch.device("cpu")
+
+
+def _loss(logits, ids):
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def _chain(model, steps=PLAN, k=2, balance=None):
+    return plan.check_model(model, plan.check_plan(steps), None, balance, k, 1)
+
+
+def _stages(chain, balance, schedule, chunks=4):
+    k, network, stages = len(balance), TurnNetwork(), []
+    for j in range(k):
+        rank = Layout(k, k).rank(0, j)
+        stage = build_stage(
+            chain, balance, Layout(k, k), rank, chunks, "except_last", CPU, SCHEDULES[schedule]
+        )
+        stage.p2p, stage.timeline = TurnP2P(network, rank), Recorder(stage)
+        stages.append(stage)
+    return stages
+
+
+def _step(stages, calls, ids, schedule, chunks=4):
+    """One training step, each stage in a thread, the user's call ``calls[j](x)`` (the stage, or the model
+    whose forward is the installed stage); returns the last stage's loss."""
+    losses = {}
+
+    def body(stage):
+        call, last = calls[stage.topology.stage], stage.topology.is_last
+        if schedule == "gpipe":
+            out = stage.run_step(call, True, ids)
+            loss = _loss(out, ids) if last else None
+            shared = stage.share_outcome(loss, None, training=True)
+            if last:
+                loss.backward()
+            stage.backward()
+        else:
+            micro, parts = split_batch((ids, ids), chunks)
+            stage.start_micro_steps(len(parts))
+            total = []
+            for i, (xi, yi) in enumerate(micro):
+                out = stage.run_step(call, True, xi)
+                if last:
+                    loss_i = _loss(out, yi) * (parts[i] / sum(parts))
+                    loss_i.backward()
+                    stage.loss_backpropagated(i)
+                    total.append(loss_i.detach())
+            stage.end_micro_steps()
+            shared = stage.share_outcome(sum(total) if last else None, None, training=True)
+        losses[stage.topology.stage] = shared.detach()
+
+    in_threads(stages, body, turn=stages[0].p2p.network.turn)
+    return [losses[j] for j in range(len(stages))]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_module_list_gpt_trains_like_one_device(schedule):
+    """The nanoGPT-style model (tied head), cut into 2 stages by plan=PLAN ([3, 4] layers): 4 SGD steps
+    (momentum 0.9) give every stage the one-device loss and every weight the one-device value, within 1e-5."""
+    torch.manual_seed(0)
+    model = GPT()
+    ref = copy.deepcopy(model)
+    _, chain, _ = _chain(model)
+    stages = _stages(chain, [3, 4], schedule)
+    ours, theirs = model.configure_optimizers(), ref.configure_optimizers()
+    for (ids,) in gpt_data():
+        ours.zero_grad()
+        theirs.zero_grad()
+        losses = _step(stages, stages, ids, schedule)
+        expected = _loss(ref(ids), ids)
+        expected.backward()
+        for loss in losses:
+            torch.testing.assert_close(loss, expected.detach(), **TIGHT)
+        ours.step()
+        theirs.step()
+    assert model.head.weight is model.embed.tok.weight
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TIGHT, msg=name)
+
+
+def test_chain_holds_the_parts_under_the_models_own_names():
+    model = GPT()
+    name, chain, balance = _chain(model, k=3)
+    assert name == "" and balance == [3, 2, 2]
+    assert list(chain._modules) == ["embed", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
+    assert chain.state_dict().keys() == model.state_dict().keys()
+    assert chain._modules["blocks.2"] is model.blocks[2]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_installed_stages_run_the_users_call_and_keep_the_class_keys(schedule):
+    """Each stage installed in its own copy of the model: the model holds only that stage's layers under
+    the class's keys (together: all of them), ``model(ids)`` runs the stage, one step gives the one-device
+    loss and gradients (the tied weight's two copies' gradients add up to one device's), and uninstalling
+    puts the class back whole, loading a state_dict of the class with strict=True."""
+    torch.manual_seed(0)
+    model = GPT()
+    ref = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    copies = [copy.deepcopy(model) for _ in range(2)]
+    chains = [_chain(c)[1] for c in copies]
+    stages = [_stages(chain, [3, 4], schedule)[j] for j, chain in enumerate(chains)]
+    network = TurnNetwork()
+    for j, stage in enumerate(stages):
+        stage.p2p = TurnP2P(network, Layout(2, 2).rank(0, j))
+    installed = [plan.install(chains[j], stages[j], PlanForward(chains[j], stages[j])) for j in range(2)]
+    held = [list(c.state_dict()) for c in copies]
+    assert held[0] == keys[: len(held[0])] and held[0][-1].startswith("blocks.1.")
+    assert held[1][0].startswith("blocks.2.") and held[1][-1] == "head.weight"
+    assert set(held[0]) | set(held[1]) == set(keys) and not set(held[0]) & set(held[1])
+    assert [n for n, _ in copies[1].named_parameters()][0].startswith("blocks.2.")  # optimizer names
+    (ids,) = next(iter(gpt_data()))
+    losses = _step(stages, copies, ids, schedule)
+    expected = _loss(ref(ids), ids)
+    expected.backward()
+    for loss in losses:
+        torch.testing.assert_close(loss, expected.detach(), **TIGHT)
+    grads = {n: p.grad for c in copies for n, p in c.named_parameters()}
+    for n, p in ref.named_parameters():
+        got = grads[n] if n != "embed.tok.weight" else grads[n] + copies[1].head.weight.grad
+        torch.testing.assert_close(got, p.grad, **TIGHT, msg=n)
+    for j in range(2):
+        part = {k: v for k, v in ref.state_dict().items() if k in held[j]}
+        copies[j].load_state_dict(part, strict=True)  # a stage's part of a checkpoint, as a load gives it
+        plan.uninstall(installed[j], ref.state_dict())
+        assert list(copies[j].state_dict()) == keys and "forward" not in vars(copies[j])
+        torch.testing.assert_close(copies[j].state_dict(), ref.state_dict(), rtol=0, atol=0)
+
+
+def test_whole_puts_every_part_back_inside():
+    model = GPT()
+    _, chain, _ = _chain(model)
+    stage = _stages(chain, [3, 4], "gpipe")[1]
+    installed = plan.install(chain, stage, PlanForward(chain, stage))
+    with plan.whole(installed):
+        assert model.state_dict().keys() == GPT().state_dict().keys()
+    assert "embed.tok.weight" not in model.state_dict()
+    plan.uninstall(installed)
+
+
+# -- a dict plan: parts that pass several named tensors --------------------------------------------
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, h, mask):
+        return torch.tanh(self.lin(h)) * mask.unsqueeze(-1)
+
+
+class Tagger(nn.Module):
+    """``forward(x, mask)``: ``inp`` gives ``h``, each of ``layers`` takes ``(h, mask)``."""
+
+    automatic_optimization = True  # as a LightningModule's
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(3, 4)
+        self.layers = nn.ModuleList(Masked() for _ in range(3))
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x, mask):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h, mask)
+        return self.out(h)
+
+
+DICT_PLAN = {"inp": (["x"], ["h"]), "layers": (["h", "mask"], ["h"]), "out": (["h"], ["y"])}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_dict_plan_passes_the_mask_to_every_stage(schedule):
+    """The transformers format: the forward's ``mask`` reaches the layers on both stages; the user calls
+    ``model(x, mask)``; loss and gradients equal one device's."""
+    torch.manual_seed(0)
+    model = Tagger()
+    ref = copy.deepcopy(model)
+    copies = [copy.deepcopy(model) for _ in range(2)]
+    chains = [plan.check_model(c, plan.check_plan(DICT_PLAN), None, [2, 3], 2, 1)[1] for c in copies]
+    assert chains[0].entry == ["x", "mask"] and chains[0].result == ["y"]
+    network, stages = TurnNetwork(), []
+    for j in range(2):
+        stage = _stages(chains[j], [2, 3], schedule)[j]
+        stage.p2p = TurnP2P(network, Layout(2, 2).rank(0, j))
+        plan.install(chains[j], stage, PlanForward(chains[j], stage))
+        stages.append(stage)
+    x, mask = torch.randn(8, 5, 3), torch.rand(8, 5) > 0.3
+    y = torch.randn(8, 5, 2)
+    losses = {}
+
+    def body(stage):
+        j = stage.topology.stage
+        if schedule == "gpipe":
+            out = stage.run_step(copies[j], True, x, mask)
+            loss = F.mse_loss(out, y) if j == 1 else None
+            shared = stage.share_outcome(loss, None, training=True)
+            if j == 1:
+                loss.backward()
+            stage.backward()
+        else:
+            stage.start_micro_steps(2)
+            total = []
+            for i, (xi, mi, yi) in enumerate(zip(x.chunk(2), mask.chunk(2), y.chunk(2))):
+                out = stage.run_step(copies[j], True, xi, mask=mi)
+                if j == 1:
+                    loss_i = F.mse_loss(out, yi) / 2
+                    loss_i.backward()
+                    stage.loss_backpropagated(i)
+                    total.append(loss_i.detach())
+            stage.end_micro_steps()
+            shared = stage.share_outcome(sum(total) if j == 1 else None, None, training=True)
+        losses[j] = shared.detach()
+
+    in_threads(stages, body, turn=network.turn)
+    expected = F.mse_loss(ref(x, mask), y)
+    expected.backward()
+    torch.testing.assert_close(losses[0], expected.detach(), **TIGHT)
+    torch.testing.assert_close(losses[1], expected.detach(), **TIGHT)
+    grads = {n: p.grad for c in copies for n, p in c.named_parameters()}
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, **TIGHT, msg=n)
+
+
+# -- refused ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("steps", "message"),
+    [
+        (["embed", "blocks", "blocks", "head"], "lists 'blocks' more than once"),
+        ("embed", "plan must name the model's parts"),
+        ([], "plan names nothing"),
+        (["embed", "transformer.h"], "no dots"),
+        ({"embed": ["x"]}, r"maps each part to \(inputs, outputs\)"),
+    ],
+)
+def test_bad_plans_are_refused_at_construction(steps, message):
+    with pytest.raises(ValueError, match=message):
+        plan.check_plan(steps)
+
+
+def test_a_name_that_is_not_a_part_is_refused_with_the_parts_there_are():
+    with pytest.raises(PartitionError, match="'embd', which is not a submodule of GPT.*embed, blocks, norm"):
+        _chain(GPT(), ["embd", "blocks", "norm", "head"])
+
+
+def test_parameters_outside_the_plan_are_refused_naming_them():
+    with pytest.raises(
+        PartitionError, match=r"outside plan=\['embed', 'blocks', 'head'\]: norm.weight, norm.bias"
+    ):
+        _chain(GPT(), ["embed", "blocks", "head"])
+
+
+def test_a_dict_plan_input_nobody_gives_is_refused():
+    bad = {**DICT_PLAN, "layers": (["h", "attention_mask"], ["h"])}
+    with pytest.raises(PartitionError, match="'attention_mask'.*Tagger.forward has no argument"):
+        plan.check_model(Tagger(), plan.check_plan(bad), None, None, 2, 1)
+
+
+def test_a_plan_of_a_submodule_keeps_its_path():
+    outer = nn.Module()
+    outer.automatic_optimization = True
+    outer.model = GPT(tied=False)
+    name, chain, _ = _chain(outer)
+    assert name == "model" and chain.state_dict().keys() == outer.model.state_dict().keys()
+
+
+class InlinePosition(GPT):
+    """nanoGPT as written: the position embedding added in the forward, between two parts."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, 16), nn.Embedding(8, 16)
+        del self.embed
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class LossInForward(GPT):
+    def forward(self, idx, targets=None):
+        logits = super().forward(idx)
+        return logits if targets is None else (logits, _loss(logits, targets))
+
+
+class Skips(GPT):
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks[:-1]:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class Scales(GPT):
+    def forward(self, idx):
+        return super().forward(idx) * 0.5
+
+
+class Dropped(GPT):
+    """A dropout outside the plan: the identity in evaluation mode, so only the training check sees it."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, idx):
+        x = self.drop(self.embed(idx))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class Casts(GPT):
+    """A half-precision model whose forward casts the blocks' output to float32 before the norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks.to(torch.bfloat16)
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x.float()))
+
+
+@pytest.mark.parametrize(
+    ("cls", "steps", "args", "message"),
+    [
+        (InlinePosition, ["wte", "wpe", "blocks", "norm", "head"], 1, "'wpe' is called with something other"),
+        (LossInForward, PLAN, 2, "LossInForward.forward is not the chain that plan= names"),
+        (Skips, PLAN, 1, "it calls .*'blocks.2', 'norm'"),
+        (Scales, PLAN, 1, "returns something other than the output of 'head'"),
+        (Dropped, PLAN, 1, "in training mode 'blocks.0' is called .*outside plan=: drop;"),
+        (Casts, PLAN, 1, "'norm' is called with something other than the output of 'blocks.3'"),
+    ],
+)
+def test_a_forward_that_is_not_the_chain_is_refused_at_its_first_call(cls, steps, args, message):
+    """Checked with stand-ins for the parts on the first call, on every stage; the message says what to
+    change."""
+    model = cls()
+    model.head.weight = nn.Parameter(torch.randn(VOCAB, 16))  # untied: the tie is the class's business
+    _, chain, _ = _chain(model, steps)
+    stage = _stages(chain, [3, len(chain) - 3], "gpipe")[1]
+    plan.install(chain, stage, PlanForward(chain, stage))
+    (ids,) = next(iter(gpt_data()))
+    model.eval()  # the check runs training and evaluation modes alike, and leaves the modes as they were
+    with pytest.raises(PipelineUsageError, match=message) as err:
+        stage.run_step(model, True, *[ids] * args)
+    assert not any(m.training for m in model.modules())
+    assert "docs/models.md" in str(err.value) and "position embedding" in str(err.value)
+
+
+def test_the_chain_check_computes_nothing_and_passes_the_gpt():
+    """The check runs the forward on stand-ins: a non-last stage then leaves the step as always."""
+    model = GPT()
+    _, chain, _ = _chain(model)
+    stage = _stages(chain, [3, 4], "gpipe")[0]
+    forward = PlanForward(chain, stage)
+    plan.install(chain, stage, forward)
+    (ids,) = next(iter(gpt_data()))
+    before = torch.get_rng_state()
+    with pytest.raises(StageDone):
+        stage.begin_step(False)
+        model(ids)
+    stage.end_step()
+    assert forward.checked and torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.mark.parametrize("j", [0, 1])
+def test_a_model_built_on_meta_materializes_only_its_stage(j):
+    """Stage-only (meta-device construction): each stage's layers get real tensors, the model then holds
+    no meta tensor (only its stage), under the class's keys."""
+    with torch.device("meta"):
+        model = GPT()
+    _, chain, _ = _chain(model)
+    materialize_stage(model, "", chain, [3, 4], j, CPU, 2)
+    stage = _stages(chain, [3, 4], "gpipe")[j]
+    plan.install(chain, stage, PlanForward(chain, stage))
+    check_nothing_meta(model)
+    held = list(model.state_dict())
+    assert held[0] == ("embed.tok.weight" if j == 0 else "blocks.2.ln1.weight")
+    assert not any(t.is_meta for t in model.state_dict().values())
+    assert all(t.is_meta for n, t in chain.state_dict().items() if n not in held)
+
+
+def test_a_step_that_uses_the_parts_directly_is_told_to_call_the_model():
+    """A stage's model holds only its parts: using one (``self.blocks``) raises, saying to call the model."""
+    model = GPT()
+    _, chain, _ = _chain(model)
+    stage = _stages(chain, [3, 4], "gpipe")[1]
+    plan.install(chain, stage, PlanForward(chain, stage))
+    (ids,) = next(iter(gpt_data()))
+    with pytest.raises(
+        PipelineUsageError, match=r"part 'embed' was used directly.*call the model, self\(x\)"
+    ):
+        model.embed(ids)
+    with pytest.raises(PipelineUsageError, match=r"part 'blocks' was used directly \(stage 1 holds"):
+        next(iter(model.blocks))
+    assert list(model.blocks.state_dict()) == [
+        k.removeprefix("blocks.") for k in model.state_dict() if "blocks." in k
+    ]
