@@ -312,6 +312,9 @@ def test_last_checkpoint_is_written_on_the_configured_interval_from_the_start(tm
     assert timed[1]._train_time_interval.total_seconds() == 30.0
     only = checkpoint_callbacks(_compose("checkpoint.every_n_steps=null"), tmp_path, "val_loss")
     assert len(only) == 1
+    for large in ("transformer_l_k2", "amoebanet_k2"):  # a large model's save takes seconds: by time
+        _, interval = checkpoint_callbacks(_compose(f"experiment={large}"), tmp_path, "val_loss")
+        assert interval._train_time_interval.total_seconds() == 600.0 and interval._every_n_train_steps == 0
 
 
 @pytest.mark.parametrize(
