@@ -39,19 +39,24 @@ class ResumableLoader(DataLoader):
         super().__init__(*args, **kwargs)
         self._yielded = 0  # batches of the current pass, skipped ones included
         self._skip = 0  # batches the next pass skips
+        self._skipping = 0  # _skip while the next pass's iterator is made
         self._rng: torch.Tensor | None = None  # the generator state to set at the next pass
         self._rng_before = False  # set it before the pass draws (a pass that had not begun)
 
     @property
-    def _index_sampler(self) -> Iterable[Any]:  # what a new iterator takes its indices from
+    def _index_sampler(self) -> Iterable[Any]:  # what a new iterator takes its indices from (and len)
         sampler = super()._index_sampler
-        return itertools.islice(iter(sampler), self._skip, None) if self._skip else sampler
+        return itertools.islice(iter(sampler), self._skipping, None) if self._skipping else sampler
 
     def __iter__(self) -> Iterator[Any]:
         if self._rng is not None and self._rng_before:
             torch.set_rng_state(self._rng)
-        iterator = super().__iter__()  # draws its workers' base seed
         skipped, self._skip = self._skip, 0
+        self._skipping = skipped  # only while the iterator is made: len() stays a whole pass's
+        try:
+            iterator = super().__iter__()  # draws its workers' base seed
+        finally:
+            self._skipping = 0
         if skipped and hasattr(iterator, "_index_sampler"):
             iterator._index_sampler = super()._index_sampler  # persistent workers' later passes
         if self._rng is not None and not self._rng_before:

@@ -121,3 +121,12 @@ def test_persistent_workers_take_whole_passes_after_a_resumed_one():
     resumed.load_state_dict(state)
     rest, _, _ = _train(resumed, epochs=2)
     assert first + rest == whole
+
+
+def test_a_loaded_loader_still_counts_a_whole_pass():
+    torch.manual_seed(0)
+    _, _, state = _train(_loader(), epochs=1, stop=(0, 3))
+    resumed = _loader()
+    resumed.load_state_dict(state)
+    assert len(resumed) == N // B  # what Lightning counts an epoch's batches by
+    assert len(list(resumed)) == N // B - 3 and len(resumed) == N // B
