@@ -16,8 +16,9 @@ the one rank 0 resolved: ``.hydra/config.yaml`` (rank 0), ``metrics.csv`` and ``
 the log files ``train.log`` (rank 0) and ``train_rank<r>.log``.
 
 ``checkpoints/last.ckpt`` is written every ``checkpoint.every_n_steps`` optimizer steps (or
-``checkpoint.every_minutes``) from the start, and at each validation. A stopped job resumes into its
-own directory, continuing its ``metrics.csv`` and keeping its best checkpoint::
+``checkpoint.every_minutes``) from the start, at each validation and at the end of training. A
+stopped job resumes into its own directory, continuing its ``metrics.csv`` and keeping its best
+checkpoint::
 
     python recipes/train.py hydra.run.dir=<its directory> ckpt_path=last
 """
@@ -49,6 +50,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.strategy.launcher import GPipeLauncher
 from recipes.cluster import SharedOutputDir, cluster_environment
+from recipes.last_checkpoint import LastCheckpoint
 from recipes.resumable_csv_logger import ResumableCSVLogger
 
 __all__ = ["build_data", "build_strategy", "checkpoint_callbacks", "main", "num_devices", "summary", "train"]
@@ -222,9 +224,9 @@ def _release(trainer: pl.Trainer, failed: bool) -> None:
 
 def checkpoint_callbacks(cfg: DictConfig, output_dir: Path, monitor: str | None) -> list[ModelCheckpoint]:
     """The job's checkpoints in ``output_dir/checkpoints``: the best by ``monitor.metric``, and
-    ``last.ckpt`` at each validation and every ``checkpoint.every_n_steps`` steps or
+    ``last.ckpt`` at each validation, every ``checkpoint.every_n_steps`` steps or
     ``checkpoint.every_minutes`` minutes from the start (so that a job stopped before its first
-    validation can resume).
+    validation can resume) and at the end of training (:class:`recipes.last_checkpoint.LastCheckpoint`).
 
     Both write the one ``last.ckpt`` (no ``last-v1.ckpt``), which ``ckpt_path=last`` resumes from.
 
@@ -261,10 +263,8 @@ def checkpoint_callbacks(cfg: DictConfig, output_dir: Path, monitor: str | None)
     )
     if steps is None and minutes is None:
         return [best]
-    interval = ModelCheckpoint(
+    interval = LastCheckpoint(
         dirpath=dirpath,
-        save_top_k=0,
-        save_last=True,
         enable_version_counter=False,
         every_n_train_steps=int(steps) if steps is not None else None,
         train_time_interval=datetime.timedelta(minutes=float(minutes)) if minutes is not None else None,

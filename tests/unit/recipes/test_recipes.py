@@ -19,6 +19,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 
 from lightning_gpipe import GPipeStrategy
+from recipes.last_checkpoint import LastCheckpoint
 from recipes.train import build_data, build_strategy, checkpoint_callbacks, num_devices, summary
 from tests._harness import ROOT
 
@@ -304,7 +305,8 @@ def test_schedule_and_virtual_stages_come_from_the_pipeline_config():
 def test_last_checkpoint_is_written_on_the_configured_interval_from_the_start(tmp_path):
     best, interval = checkpoint_callbacks(_compose(), tmp_path, "val_loss")
     assert best.monitor == "val_loss" and best.save_last and best.dirpath == str(tmp_path / "checkpoints")
-    assert interval._every_n_train_steps == 25 and interval.save_last and interval.save_top_k == 0
+    assert isinstance(interval, LastCheckpoint) and interval._every_n_train_steps == 25
+    assert interval.save_last and interval.save_top_k == 0
     assert interval.dirpath == best.dirpath and not best._enable_version_counter  # one last.ckpt
     timed = checkpoint_callbacks(
         _compose("checkpoint.every_n_steps=null", "checkpoint.every_minutes=0.5"), tmp_path, None
