@@ -12,7 +12,9 @@ own directory. So:
   for the moments before the job's processes connect;
 - once they are connected, :class:`SharedOutputDir` (a callback) broadcasts rank 0's directory;
   every other rank moves its log file there (``<job name>_rank<r>.log``, with what it logged so
-  far), changes into it when Hydra had changed into its own, and removes its temporary directory.
+  far), changes into it when Hydra had changed into its own, and removes its temporary directory,
+  or, when ``hydra.run.dir`` gave each rank a directory of its own (``${now:...}`` given on the
+  command line), what it wrote there, and that directory once empty.
   Checkpoints follow by themselves (``ModelCheckpoint`` broadcasts its directory from rank 0); the
   loggers and the timeline write on rank 0 only.
 
@@ -63,6 +65,8 @@ EXTERNAL_ENVIRONMENTS: tuple[type[ClusterEnvironment], ...] = (
 
 # Prefix of the directory a rank other than 0 uses until it knows rank 0's.
 TEMP_PREFIX = "gpipe-rank-"
+# What Hydra writes into a run directory's .hydra/.
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 
 
 class SubmititLocalEnvironment(ClusterEnvironment):
@@ -183,17 +187,20 @@ class SharedOutputDir(Callback):
         if shared == self.output_dir:
             return
         own, self.output_dir = self.output_dir, shared
-        _move_file_logs(own, shared)
+        moved = _move_file_logs(own, shared)
         if self.chdir:
             os.chdir(shared)
         if own.name.startswith(TEMP_PREFIX) and Path(tempfile.gettempdir()) in own.parents:
             shutil.rmtree(own, ignore_errors=True)
+        else:  # a run directory of its own (hydra.run.dir resolved per rank, e.g. by ${now:...})
+            _remove_run_files(own, moved, shared)
         log.info(f"rank {trainer.global_rank}: writing into rank 0's output directory {shared} (not {own})")
 
 
-def _move_file_logs(old: Path, new: Path) -> None:
+def _move_file_logs(old: Path, new: Path) -> list[Path]:
     """Re-point every logging file handler writing under ``old`` to the same name under ``new``,
-    keeping the lines already written."""
+    keeping the lines already written; returns the files left under ``old``."""
+    moved: list[Path] = []
     for handler in list(logging.getLogger().handlers):
         if not isinstance(handler, logging.FileHandler):
             continue
@@ -210,8 +217,35 @@ def _move_file_logs(old: Path, new: Path) -> None:
                 out.write(written.read())
             handler.baseFilename = str(target)
             handler.mode = "a"
+            moved.append(path)
         finally:
             handler.release()
+    return moved
+
+
+def _remove_run_files(own: Path, moved: list[Path], shared: Path) -> None:
+    """Remove what this rank wrote into a run directory of its own before it knew rank 0's
+    (``shared``): the log files it moved, Hydra's ``.hydra/`` (rank 0 wrote the job's), and the
+    directory and its parents below the one it shares with ``shared`` when that leaves them empty.
+    Anything else is left as it is."""
+    for path in moved:
+        path.unlink(missing_ok=True)
+    hydra = own / ".hydra"
+    if hydra.is_dir() and {p.name for p in hydra.iterdir()} <= set(HYDRA_FILES):
+        shutil.rmtree(hydra, ignore_errors=True)
+    try:
+        own.rmdir()
+    except OSError:  # not empty: not only this rank's
+        log.warning(f"left {own}: it holds files this rank did not write (the job's directory is rank 0's)")
+        return
+    common = Path(os.path.commonpath([own, shared]))
+    parent = own.parent
+    while common in parent.parents:  # e.g. outputs/<date>/ of a date rank 0 did not resolve
+        try:
+            parent.rmdir()
+        except OSError:
+            return
+        parent = parent.parent
 
 
 def cluster_environment() -> Any:

@@ -14,11 +14,19 @@ start every rank themselves, see :mod:`recipes.cluster`) and writes into the one
 the one rank 0 resolved: ``.hydra/config.yaml`` (rank 0), ``metrics.csv`` and ``hparams.yaml``
 (CSVLogger), ``tensorboard/`` when tensorboard is installed, ``checkpoints/`` (best and last) and
 the log files ``train.log`` (rank 0) and ``train_rank<r>.log``.
+
+``checkpoints/last.ckpt`` is written every ``checkpoint.every_n_steps`` optimizer steps (or
+``checkpoint.every_minutes``) from the start, at each validation and at the end of training. A
+stopped job resumes into its own directory, continuing its ``metrics.csv`` and keeping its best
+checkpoint::
+
+    python recipes/train.py hydra.run.dir=<its directory> ckpt_path=last
 """
 
 from __future__ import annotations
 
 import csv
+import datetime
 import importlib.util
 import inspect
 import logging
@@ -34,7 +42,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class, instantiate, to_absolute_path
 from omegaconf import DictConfig, OmegaConf
 from pytorch_lightning.callbacks import ModelCheckpoint, ThroughputMonitor
-from pytorch_lightning.loggers import CSVLogger, Logger, TensorBoardLogger
+from pytorch_lightning.loggers import Logger, TensorBoardLogger
 from pytorch_lightning.utilities.data import extract_batch_size
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -42,8 +50,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_gpipe import GPipeStrategy
 from lightning_gpipe.strategy.launcher import GPipeLauncher
 from recipes.cluster import SharedOutputDir, cluster_environment
+from recipes.last_checkpoint import LastCheckpoint
+from recipes.resumable_csv_logger import ResumableCSVLogger
 
-__all__ = ["build_data", "build_strategy", "main", "num_devices", "summary", "train"]
+__all__ = ["build_data", "build_strategy", "checkpoint_callbacks", "main", "num_devices", "summary", "train"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +81,8 @@ TRAINER_FILLED = (
 RUN_METRICS = ("throughput", "wall_s")
 # What Lightning's ThroughputMonitor logs for training: samples per second through rank 0's pipeline.
 THROUGHPUT_KEY = "train/device/samples_per_sec"
+# ckpt_path values Lightning resolves itself (not paths): "last" is checkpoints/last.ckpt of the job.
+CKPT_NAMES = ("last", "hpc")
 
 
 def build_data(cfg: DictConfig) -> pl.LightningDataModule:
@@ -188,8 +200,9 @@ def num_devices(cfg: DictConfig) -> int:
     return devices
 
 
-def _loggers(output_dir: Path) -> list[Logger]:
-    loggers: list[Logger] = [CSVLogger(save_dir=output_dir, name="", version="")]  # output_dir/metrics.csv
+def _loggers(output_dir: Path, resume: bool) -> list[Logger]:
+    """CSV (``output_dir/metrics.csv``, continued when resuming) and TensorBoard when installed."""
+    loggers: list[Logger] = [ResumableCSVLogger(save_dir=output_dir, name="", version="", resume=resume)]
     if importlib.util.find_spec("tensorboard") or importlib.util.find_spec("tensorboardX"):
         loggers.append(TensorBoardLogger(save_dir=output_dir, name="", version="tensorboard"))
     return loggers
@@ -207,6 +220,65 @@ def _release(trainer: pl.Trainer, failed: bool) -> None:
         launcher.release(timeout=10.0)
     except Exception as err:  # the job's own error is the one to see
         log.warning(f"train: after the failure, {err}")
+
+
+def checkpoint_callbacks(cfg: DictConfig, output_dir: Path, monitor: str | None) -> list[ModelCheckpoint]:
+    """The job's checkpoints in ``output_dir/checkpoints``: the best by ``monitor.metric``, and
+    ``last.ckpt`` at each validation, every ``checkpoint.every_n_steps`` steps or
+    ``checkpoint.every_minutes`` minutes from the start (so that a job stopped before its first
+    validation can resume) and at the end of training (:class:`recipes.last_checkpoint.LastCheckpoint`).
+
+    Both write the one ``last.ckpt`` (no ``last-v1.ckpt``), which ``ckpt_path=last`` resumes from.
+
+    Args:
+        cfg (DictConfig): the composed ``conf/train.yaml``.
+        output_dir (Path): the job's directory.
+        monitor (str | None): the metric the best checkpoint is chosen by; ``None``: none kept.
+
+    Returns:
+        list[ModelCheckpoint]: the best one first (``trainer.checkpoint_callback``).
+
+    Raises:
+        ValueError: if both ``checkpoint.every_n_steps`` and ``checkpoint.every_minutes`` are set,
+            or either is not positive.
+    """
+    steps, minutes = cfg.checkpoint.get("every_n_steps"), cfg.checkpoint.get("every_minutes")
+    if steps is not None and minutes is not None:
+        raise ValueError(
+            f"set one of checkpoint.every_n_steps and checkpoint.every_minutes (every_n_steps: {steps}, "
+            f"every_minutes: {minutes}); set the other to null"
+        )
+    for name, value in (("every_n_steps", steps), ("every_minutes", minutes)):
+        if value is not None and not value > 0:
+            raise ValueError(f"checkpoint.{name} must be positive or null (checkpoint.{name}: {value})")
+    dirpath = output_dir / "checkpoints"
+    best = ModelCheckpoint(
+        dirpath=dirpath,
+        filename="epoch{epoch:03d}-step{step}",
+        auto_insert_metric_name=False,
+        monitor=monitor,
+        mode=cfg.monitor.mode,
+        save_last=True,
+        enable_version_counter=False,
+    )
+    if steps is None and minutes is None:
+        return [best]
+    interval = LastCheckpoint(
+        dirpath=dirpath,
+        enable_version_counter=False,
+        every_n_train_steps=int(steps) if steps is not None else None,
+        train_time_interval=datetime.timedelta(minutes=float(minutes)) if minutes is not None else None,
+    )
+    return [best, interval]
+
+
+def _ckpt_path(cfg: DictConfig) -> str | None:
+    """``cfg.ckpt_path`` for ``fit``: a name in :data:`CKPT_NAMES` as is, a path made absolute
+    against the directory the job started in."""
+    path = cfg.get("ckpt_path")
+    if not path:
+        return None
+    return str(path) if str(path) in CKPT_NAMES else to_absolute_path(str(path))
 
 
 def _float(value: Any) -> float:
@@ -262,24 +334,19 @@ def train(cfg: DictConfig) -> dict[str, float]:
     shared = SharedOutputDir(cfg.paths.output_dir, chdir=chdir)
     output_dir = shared.output_dir
     monitor = None if cfg.monitor.metric in RUN_METRICS else cfg.monitor.metric
-    checkpoint = ModelCheckpoint(
-        dirpath=output_dir / "checkpoints",
-        filename="epoch{epoch:03d}-step{step}",
-        auto_insert_metric_name=False,
-        monitor=monitor,
-        mode=cfg.monitor.mode,
-        save_last=True,
-    )
+    checkpoints = checkpoint_callbacks(cfg, output_dir, monitor)
+    checkpoint = checkpoints[0]
+    ckpt_path = _ckpt_path(cfg)
     steps = int(cfg.trainer.max_steps)
     window = max(2, min(int(cfg.throughput_window), steps) if steps > 0 else int(cfg.throughput_window))
     throughput = ThroughputMonitor(batch_size_fn=extract_batch_size, window_size=window)
-    loggers = _loggers(output_dir)
+    loggers = _loggers(output_dir, resume=ckpt_path is not None)
     trainer: pl.Trainer = instantiate(
         cfg.trainer,
         devices=devices,
         strategy=strategy,
         logger=loggers,
-        callbacks=[shared, checkpoint, throughput],
+        callbacks=[shared, *checkpoints, throughput],
         default_root_dir=str(output_dir),
     )
     node = OmegaConf.to_container(cfg.pipeline, resolve=True)
@@ -290,10 +357,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
         logger.log_hyperparams(
             {**pipeline, "seed": cfg.seed, "model": cfg.model._target_, "data": cfg.data._target_}
         )
-        if entropy is not None:  # the bar a language model's val_loss must go below
+        if entropy is not None and not (  # the bar a language model's val_loss must go below
+            isinstance(logger, ResumableCSVLogger) and logger.found("val_unigram_entropy")
+        ):
             logger.log_metrics({"val_unigram_entropy": float(entropy)}, step=0)
 
-    ckpt_path = to_absolute_path(cfg.ckpt_path) if cfg.get("ckpt_path") else None
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
     except BaseException:

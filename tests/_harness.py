@@ -31,10 +31,12 @@ def run_script(
     return run_job([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=_env(env), timeout=timeout)[0]
 
 
-def run_ranks(script: str, nprocs: int, *args: str, timeout: float = 240) -> list[tuple[int, str]]:
+def run_ranks(
+    script: str, nprocs: int, *args: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> list[tuple[int, str]]:
     """Start ``nprocs`` copies of ``python script args`` with RANK/WORLD_SIZE set (torchrun-style)."""
     return run_job(
-        [sys.executable, str(ROOT / script), *args], ranks=nprocs, cwd=ROOT, env=_env(), timeout=timeout
+        [sys.executable, str(ROOT / script), *args], ranks=nprocs, cwd=ROOT, env=_env(env), timeout=timeout
     )
 
 

@@ -16,6 +16,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from recipes.data.recorded_shuffle import RecordedShuffle
+from recipes.data.resumable_loader import ResumableLoader
+
 __all__ = ["ByteTextDataModule", "ByteWindows", "stdlib_corpus", "unigram_entropy"]
 
 VOCAB_SIZE = 256
@@ -110,7 +113,9 @@ class ByteTextDataModule(pl.LightningDataModule):
 
     The corpus is the first ``max_bytes`` of the Python standard library's sources (sorted
     paths) or of the file at ``path``. The last ``val_fraction`` of its bytes is the
-    validation split; the split is deterministic. Training windows are shuffled each epoch.
+    validation split; the split is deterministic. Training windows are shuffled each epoch by a
+    :class:`~recipes.data.resumable_loader.ResumableLoader`: a checkpoint taken mid-epoch resumes
+    with the batches the uninterrupted run would have had.
 
     Args:
         seq_len (int): window length ``T`` in bytes (default: 64).
@@ -196,11 +201,12 @@ class ByteTextDataModule(pl.LightningDataModule):
         assert self.val_data is not None
         return ByteWindows(self.val_data, self.seq_len)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_dataset(),
+    def train_dataloader(self) -> ResumableLoader:
+        dataset = self.train_dataset()
+        return ResumableLoader(
+            dataset,
             batch_size=self.batch_size,
-            shuffle=True,
+            sampler=RecordedShuffle(dataset),  # shuffle=True's order, resumable mid-epoch
             drop_last=True,
             num_workers=self.num_workers,
         )

@@ -15,6 +15,12 @@ batches), every_step_checkpoint (ModelCheckpoint after every step, in OUT/ckpts)
   its whole process group (``os.killpg``, as SLURM or Kubernetes signal a job), once
   ``global_step == at``: at the end of that training batch, in the validation after it, or while
   the checkpoint of that step is saved.
+- ``kill_in_save``: ``{"at": step, "replace": n, "when": "before" | "after"}`` or ``{"at": step,
+  "writing": true}``: every step ends in ``trainer.save_checkpoint(OUT/c.ckpt)``; in the save of step
+  ``at``, the rank that reaches the point (rank 0, which commits) SIGKILLs every rank of the job
+  (each leads a process group; their pids are in OUT/pid{r}), itself last: before or after the
+  ``n``-th ``os.replace`` of that save, or (``writing``) once half the staged file is written.
+  OUT/killed says where.
 - ``kill``: ``{"layer": i, "call": n}``: the rank holding layer ``i`` kills itself with SIGKILL in
   that layer's ``n``-th forward call (during the forward), writing OUT/died (its rank and the time)
   first; or ``{"rank": r, "at": step, "during": "save"}``: rank ``r`` kills itself at the end of
@@ -28,6 +34,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -75,6 +82,10 @@ class Fault(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self._signal(trainer, "step")
+        if "kill_in_save" in spec:
+            if trainer.global_step == spec["kill_in_save"]["at"]:
+                arm_kill_in_save(spec["kill_in_save"])
+            trainer.save_checkpoint(out / "c.ckpt")
         kill = spec.get("kill", {})
         if kill.get("during") == "save" and trainer.global_step == kill["at"]:
             if trainer.global_rank == kill["rank"]:
@@ -88,6 +99,41 @@ class Fault(pl.Callback):
         self._signal(trainer, "save")
 
 
+def _kill_job(where: str) -> None:
+    """SIGKILL every rank of the job (the others first), as a node failure or a scheduler would."""
+    (out / "killed").write_text(where)
+    pids = [int(p.read_text()) for p in sorted(out.glob("pid*"))]
+    for pid in sorted(pids, key=lambda p: p == os.getpid()):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def arm_kill_in_save(what: dict) -> None:
+    """Make this rank kill the job at the point of the next save that ``what`` names."""
+    if what.get("writing"):
+        real_save = torch.save
+
+        def half_save(obj, target, *args, **kwargs):
+            real_save(obj, target, *args, **kwargs)
+            if ".tmp-" in str(target):  # the staged file, not one the user names
+                with open(target, "r+b") as handle:
+                    handle.truncate(os.path.getsize(target) // 2)
+                _kill_job(f"writing {target}")
+
+        torch.save = half_save
+        return
+    real_replace, calls = os.replace, [0]
+
+    def replace(src, dst):
+        calls[0] += 1
+        if calls[0] == what["replace"] and what["when"] == "before":
+            _kill_job(f"before os.replace({src}, {dst})")
+        real_replace(src, dst)
+        if calls[0] == what["replace"] and what["when"] == "after":
+            _kill_job(f"after os.replace({src}, {dst})")
+
+    os.replace = replace
+
+
 def kill_in_forward(model: Net, trainer: pl.Trainer, layer: int, call: int) -> None:
     calls = [0]
 
@@ -99,6 +145,8 @@ def kill_in_forward(model: Net, trainer: pl.Trainer, layer: int, call: int) -> N
     model.layers[layer].register_forward_pre_hook(hook)
 
 
+tempfile.tempdir = None  # $TMPDIR as this job's environment sets it (a fork server may have cached its own)
+(out / f"pid{os.environ.get('RANK', os.environ.get('LOCAL_RANK', '0'))}").write_text(str(os.getpid()))
 pl.seed_everything(0, verbose=False)
 model = Net("mlp", lr=0.1)
 callbacks = [pl.callbacks.OnExceptionCheckpoint(dirpath=out, filename="on_exception"), Fault()]

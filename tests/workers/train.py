@@ -25,11 +25,13 @@ exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), pred
 after fit), shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" |
 "barrier" | "broadcast" | "agree", "sigterm_after": seconds, "signal": "SIGTERM" (default) |
 "SIGINT"}: only global rank 0 calls it, after writing the file "blocked" (and arranging that signal
-to itself)), record_start_state (rank 0 records the full state as training starts; every rank also
-records, just before fit, its module's state as "init_state" and its torch CPU generator state as
-"init_rng"). seed: the seed_everything seed (default 0); None: an unseeded script, no
-seed_everything (PL_GLOBAL_SEED removed): each process draws its torch, random and numpy generators
-from OS entropy, so every process initializes different weights and holds a different random state.
+to itself)), planted ({"kind": Net kind, "path": checkpoint}: after the runs, a fit(ckpt_path=path)
+of a fresh Net(kind), its error left to end the job), record_start_state (rank 0 records the full
+state as training starts; every rank also records, just before fit, its module's state as
+"init_state" and its torch CPU generator state as "init_rng"). seed: the seed_everything seed
+(default 0); None: an unseeded script, no seed_everything (PL_GLOBAL_SEED removed): each process
+draws its torch, random and numpy generators from OS entropy, so every process initializes different
+weights and holds a different random state.
 """
 
 import atexit
@@ -290,4 +292,10 @@ for k, run in enumerate(spec["runs"]):
     if rank == 0:
         record["state"] = {n: t.clone() for n, t in model.state_dict().items()}
     torch.save(record, out / f"run{k}_rank{rank}.pt")
+if spec.get("planted"):  # as a user's script would: fit(ckpt_path=...) from a planted checkpoint
+    planted = spec["planted"]
+    pl.seed_everything(0, verbose=False)
+    model = Net(planted["kind"], lr=spec.get("lr", 0.1))
+    trainer = trainer_for({"chunks": 2}, 2)
+    trainer.fit(model, make_data(planted["kind"], batch, 2), ckpt_path=planted["path"])
 print(f"worker rank {os.environ.get('LOCAL_RANK', '0')} done")

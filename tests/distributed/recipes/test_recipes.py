@@ -214,39 +214,88 @@ def test_transformers_recipe_trains_over_two_stages_and_maps_back(model, tmp_pat
         torch.testing.assert_close(tensor, saved[f"layers.{key}"], rtol=0, atol=0, msg=ours[id(tensor)])
 
 
-@pytest.mark.timeout(240)
-def test_multirun_gives_each_job_its_own_processes_and_directory(tmp_path):
+def _logged(job_dir: Path, key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of every row of ``metrics.csv`` with a value in column ``key``."""
+    return [(int(row["step"]), float(row[key])) for row in _rows(job_dir / "metrics.csv") if row.get(key)]
+
+
+@pytest.mark.timeout(400)
+def test_multirun_jobs_run_apart_and_a_stopped_job_resumes_in_its_directory_exactly(tmp_path):
+    """``-m trainer.max_steps=7,16``: two 2-process jobs, each in its own directory (with
+    ``hydra.job.chdir=true`` and a relative data path), the ranks of each running its own overrides.
+    Job 0 is the 16-step run stopped at step 7 (``model.total_steps=16`` keeps its schedule; the
+    last checkpoint of a job stopped later is one of every 3 steps); ``hydra.run.dir=<job 0>
+    ckpt_path=last`` resumes it in its directory to the end. Its ``metrics.csv`` continues, its
+    best checkpoint stays in its ``checkpoints/``, no other directory appears, and every logged
+    loss and final weight equals job 1's, which ran uninterrupted (issue 41, item 6)."""
     task = f"pytest_sweep_{uuid.uuid4().hex[:8]}"  # a stray directory would be outputs/<task>/...
     sweep = tmp_path / "sweep"
+    common = [
+        f"data.path={_corpus(tmp_path)}",  # relative to the start directory, with chdir=true
+        "hydra.job.chdir=true",
+        f"task_name={task}",
+        *TINY["transformer"],
+        *(arg for arg in FAST if not arg.startswith("trainer.max_steps=")),
+        "model.total_steps=16",
+        "checkpoint.every_n_steps=3",
+    ]
     out = check(
         run_script(
             "recipes/train.py",
             "-m",
-            "pipeline.chunks=1,2",
-            f"data.path={_corpus(tmp_path)}",  # relative to the start directory, with chdir=true
-            "hydra.job.chdir=true",
-            f"task_name={task}",
+            "trainer.max_steps=7,16",
             f"hydra.sweep.dir={sweep}",
-            *TINY["transformer"],
-            *FAST,
+            *common,
             timeout=220,
         )
     )
     assert out.count("[train] 2 stages,") == 2, out[-3000:]
     assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
-    for job, chunks in (("0", 1), ("1", 2)):
-        job_dir = sweep / job
-        config = yaml.safe_load((job_dir / ".hydra" / "config.yaml").read_text())
-        hparams = yaml.safe_load((job_dir / "hparams.yaml").read_text())
-        assert config["pipeline"]["chunks"] == hparams["chunks"] == chunks
-        losses = _train_losses(job_dir)
-        assert len(losses) >= 10 and sum(losses[-4:]) < sum(losses[:4]), losses  # the main job learns
-        assert (job_dir / "checkpoints" / "last.ckpt").is_file()
-        subdirs = {p.name for p in job_dir.iterdir() if p.is_dir()}
-        assert {".hydra", "checkpoints"} <= subdirs <= {".hydra", "checkpoints", "tensorboard"}
+    for job, steps in (("0", 7), ("1", 16)):
+        config = yaml.safe_load((sweep / job / ".hydra" / "config.yaml").read_text())
+        assert config["trainer"]["max_steps"] == steps
+        assert _logged(sweep / job, "train_loss")[-1][0] == steps - 1  # the ranks ran this job's steps
+    stopped = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert stopped["global_step"] == 7
+    interval = [v for k, v in stopped["callbacks"].items() if "'every_n_train_steps': 3" in k]
+    assert len(interval) == 1 and interval[0]["last_model_path"].endswith("last.ckpt"), stopped["callbacks"]
+
+    out = check(
+        run_script(
+            "recipes/train.py",
+            f"hydra.run.dir={sweep / '0'}",
+            "ckpt_path=last",
+            "trainer.max_steps=16",
+            *common,
+            timeout=220,
+        )
+    )
+    assert "Restoring states from the checkpoint path at" in out, out[-3000:]
+    resumed, whole = sweep / "0", sweep / "1"
+    for key in ("train_loss", "val_loss", "val_unigram_entropy"):
+        assert _logged(resumed, key) == _logged(whole, key), key
+    assert [step for step, _ in _logged(resumed, "train_loss")] == list(range(16))  # one row a step
+    ours = torch.load(resumed / "checkpoints" / "last.ckpt", weights_only=False)
+    theirs = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ours["global_step"] == theirs["global_step"] == 16
+    assert ours["state_dict"].keys() == theirs["state_dict"].keys()
+    for key, value in theirs["state_dict"].items():
+        torch.testing.assert_close(ours["state_dict"][key], value, rtol=0, atol=0, msg=key)
+    best = [v for k, v in ours["callbacks"].items() if "'monitor': 'val_loss'" in k][0]
+    best_whole = [v for k, v in theirs["callbacks"].items() if "'monitor': 'val_loss'" in k][0]
+    assert best["best_model_score"] == best_whole["best_model_score"]
+    kept = sorted(p.name for p in (resumed / "checkpoints").iterdir())
+    assert kept == sorted([Path(best["best_model_path"]).name, "last.ckpt"]), kept  # one best, here
+    assert Path(best["best_model_path"]).parent == (resumed / "checkpoints").resolve()
+    assert sorted(p.name for p in sweep.iterdir()) == ["0", "1", "multirun.yaml"]
     assert not any((ROOT / top / task).exists() for top in ("outputs", "multirun"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "sweep"]
     assert OmegaConf.load(sweep / "multirun.yaml").hydra.mode == "MULTIRUN"
+    for job in ("0", "1"):
+        subdirs = {p.name for p in (sweep / job).iterdir() if p.is_dir()}
+        assert {".hydra", "checkpoints"} <= subdirs <= {".hydra", "checkpoints", "tensorboard"}
+        losses = _train_losses(sweep / job)
+        assert sum(losses[-4:]) < sum(losses[:4]), losses  # the main job learns
 
 
 @pytest.mark.slow

@@ -83,10 +83,13 @@ def _check_job_dir(job: Path, ranks: int, validated: bool = True, moved: bool = 
 
 @pytest.mark.timeout(240)
 def test_torchrun_one_node_writes_one_directory_and_says_when_no_validation_ran(tmp_path):
-    """torchrun --nproc-per-node=2; trainer.max_steps below the validation interval: NaN, a warning
-    naming trainer.val_check_interval, and a summary that lists only what exists."""
+    """torchrun --nproc-per-node=2 with a run directory each rank resolves to its own (the time in
+    microseconds): rank 1 removes its own once in rank 0's. trainer.max_steps below the validation
+    interval: NaN, a warning naming trainer.val_check_interval, and a summary that lists only what
+    exists."""
     task = f"tr_{uuid.uuid4().hex[:6]}"
-    command = [*TORCHRUN, "--standalone", "--nproc-per-node=2", TRAIN, *_small(tmp_path), f"task_name={task}"]
+    per_rank = f"hydra.run.dir=outputs/{task}/${{now:%H-%M-%S-%f}}"
+    command = [*TORCHRUN, "--standalone", "--nproc-per-node=2", TRAIN, *_small(tmp_path), per_rank]
     out = _check(run_job([*command, "trainer.val_check_interval=100"], cwd=tmp_path, env=_env(), timeout=220))
     job = _only_job_dir(tmp_path / "outputs" / task)
     _check_job_dir(job, ranks=2, validated=False)

@@ -19,7 +19,8 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 
 from lightning_gpipe import GPipeStrategy
-from recipes.train import build_data, build_strategy, num_devices, summary
+from recipes.last_checkpoint import LastCheckpoint
+from recipes.train import build_data, build_strategy, checkpoint_callbacks, num_devices, summary
 from tests._harness import ROOT
 
 CONF = ROOT / "conf"
@@ -299,3 +300,32 @@ def test_schedule_and_virtual_stages_come_from_the_pipeline_config():
     assert (default.schedule, default.virtual_stages) == ("gpipe", 1)
     with pytest.raises(InstantiationException, match=r"gpipe schedule runs one virtual stage per stage"):
         build_strategy(_compose("pipeline.virtual_stages=2").pipeline)
+
+
+def test_last_checkpoint_is_written_on_the_configured_interval_from_the_start(tmp_path):
+    best, interval = checkpoint_callbacks(_compose(), tmp_path, "val_loss")
+    assert best.monitor == "val_loss" and best.save_last and best.dirpath == str(tmp_path / "checkpoints")
+    assert isinstance(interval, LastCheckpoint) and interval._every_n_train_steps == 25
+    assert interval.save_last and interval.save_top_k == 0
+    assert interval.dirpath == best.dirpath and not best._enable_version_counter  # one last.ckpt
+    timed = checkpoint_callbacks(
+        _compose("checkpoint.every_n_steps=null", "checkpoint.every_minutes=0.5"), tmp_path, None
+    )
+    assert timed[1]._train_time_interval.total_seconds() == 30.0
+    only = checkpoint_callbacks(_compose("checkpoint.every_n_steps=null"), tmp_path, "val_loss")
+    assert len(only) == 1
+    for large in ("transformer_l_k2", "amoebanet_k2"):  # a large model's save takes seconds: by time
+        _, interval = checkpoint_callbacks(_compose(f"experiment={large}"), tmp_path, "val_loss")
+        assert interval._train_time_interval.total_seconds() == 600.0 and interval._every_n_train_steps == 0
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["checkpoint.every_minutes=5"], r"set one of checkpoint.every_n_steps and checkpoint.every_minutes"),
+        (["checkpoint.every_n_steps=0"], r"checkpoint.every_n_steps must be positive or null"),
+    ],
+)
+def test_bad_checkpoint_interval_is_an_error_naming_the_key(overrides, match, tmp_path):
+    with pytest.raises(ValueError, match=match):
+        checkpoint_callbacks(_compose(*overrides), tmp_path, "val_loss")
