@@ -25,19 +25,18 @@ from tests._harness import run_ranks
 from tests.models import Net
 
 SHM = Path("/dev/shm")
-_SLOW = pytest.mark.slow
 
 # (format, where the kill comes, the global_step that loads): the full save's one os.replace; the
 # sharded save's three: 1 lightning_meta.pt into the staged directory, 2 the old checkpoint aside,
 # 3 the staged directory to the path
 _PHASES = [
-    pytest.param("full", {"writing": True}, 1, id="full-writing", marks=_SLOW),
+    pytest.param("full", {"writing": True}, 1, id="full-writing"),
     pytest.param("full", {"replace": 1, "when": "before"}, 1, id="full-staged"),
-    pytest.param("full", {"replace": 1, "when": "after"}, 2, id="full-committed", marks=_SLOW),
-    pytest.param("sharded", {"replace": 1, "when": "before"}, 1, id="sharded-writing", marks=_SLOW),
-    pytest.param("sharded", {"replace": 2, "when": "before"}, 1, id="sharded-staged", marks=_SLOW),
+    pytest.param("full", {"replace": 1, "when": "after"}, 2, id="full-committed"),
+    pytest.param("sharded", {"replace": 1, "when": "before"}, 1, id="sharded-writing"),
+    pytest.param("sharded", {"replace": 2, "when": "before"}, 1, id="sharded-staged"),
     pytest.param("sharded", {"replace": 2, "when": "after"}, 2, id="sharded-between-renames"),
-    pytest.param("sharded", {"replace": 3, "when": "after"}, 2, id="sharded-committed", marks=_SLOW),
+    pytest.param("sharded", {"replace": 3, "when": "after"}, 2, id="sharded-committed"),
 ]
 
 
