@@ -39,6 +39,8 @@ class PlanChain(nn.Sequential):
         original: the root's submodules before the stage replaced its parts (while installed).
     """
 
+    root: nn.Module
+
     def __init__(self, root: nn.Module, root_name: str, steps: Sequence[Step]) -> None:
         super().__init__()
         object.__setattr__(self, "root", root)  # not a submodule: the chain's keys are the root's

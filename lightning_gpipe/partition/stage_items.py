@@ -31,6 +31,8 @@ class StageItems(nn.Module):
         error: what iterating, indexing or calling raises.
     """
 
+    error: PipelineUsageError
+
     def __init__(self, items: dict[str, nn.Module], error: PipelineUsageError) -> None:
         super().__init__()
         children(self).update(items)

@@ -134,6 +134,7 @@ class Pipelined:
         if undone:
             self._uncompiled += undone
             self._user_compile = user_compile
+        seq: nn.Sequential
         if spec.plan is not None:
             if spec.plan[0][1] is not None and (spec.compile or spec.balance in ("time", "memory")):
                 raise ValueError(

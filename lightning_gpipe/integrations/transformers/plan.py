@@ -105,7 +105,7 @@ def causal_lm_parts(model: Any) -> CausalLMParts:
     family = str(getattr(config, "model_type", type(model).__name__))
     if getattr(config, "is_encoder_decoder", False):
         raise _refuse(family, model, "it is an encoder-decoder; causal_lm cuts decoder-only models")
-    base = model.base_model
+    base: nn.Module = model.base_model  # type: ignore[assignment]  # a PreTrainedModel attribute
     names, positions = _plan(model, family, base)
     missing = [n for n in names if not isinstance(getattr(base, n, None), nn.Module)]
     if missing:
@@ -144,7 +144,7 @@ def causal_lm_parts(model: Any) -> CausalLMParts:
         positions=(positions, getattr(base, positions)) if positions else None,
         embedding_multiplier=float(multiplier) if isinstance(multiplier, (int, float)) else None,
         rotary=rotary,
-        rotary_types=_rotary_types(rotary, layer_types) if takes_type else (),
+        rotary_types=_rotary_types(rotary, layer_types) if rotary is not None and takes_type else (),
         layers=layers,
         layer_types=layer_types,
         norms={n: getattr(base, n) for n in names[lists[0] + 1 :]},

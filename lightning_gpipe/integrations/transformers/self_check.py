@@ -251,7 +251,8 @@ def _short(error: Exception) -> str:
 def _verdict(model: nn.Module, config: Any) -> str | None:
     """What differs on a tiny model of ``model``'s family, or ``None``; ``model`` itself is that
     model when it is already as tiny as ``config`` (fp32, run in eval mode, its mode restored)."""
-    if config.to_json_string() == model.config.to_json_string() and _float32(model):
+    own: Any = model.config  # a transformers PretrainedConfig
+    if config.to_json_string() == own.to_json_string() and _float32(model):
         training = model.training
         try:
             return _compare(model.eval())
