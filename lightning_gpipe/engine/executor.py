@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.engine import aux_losses as aux
 from lightning_gpipe.engine import backward_split as input_first
 from lightning_gpipe.engine import recompute
 from lightning_gpipe.engine.batchnorm import no_accumulate
@@ -185,8 +186,20 @@ class ColumnExecutor:
                 run.states = []
             if not run.whole:
                 self.p2p.settle()  # a 1F1B stage frees what it sent as it goes
+        if run.done and run.aux:
+            values = [self._aux_weight(run, i) * sum(v) for i, v in run.aux.items() if v]
+            if values:
+                aux.add_recorded(sum(values))  # type: ignore[arg-type]
+            run.aux = {}
         if run.done or run.whole:
             self.p2p.flush()
+
+    @staticmethod
+    def _aux_weight(run: StepRun, i: int) -> float:
+        """Micro-batch ``i``'s aux losses' weight: the strategy's, or its share of the sizes forwarded."""
+        if run.aux_weights is not None:
+            return run.aux_weights[i]
+        return run.sizes.get(i, 1) / max(sum(run.sizes.values()), 1)
 
     def _execute(self, action: Step, run: StepRun) -> None:
         """Run one action of this stage's column: a :class:`~lightning_gpipe.schedule.Post`, ``F i``,
@@ -195,10 +208,12 @@ class ColumnExecutor:
             self.p2p.post(self._rank(action.transfer.peer))
         elif action.kind == "F":
             self._forward_one(action, run)
-        elif action.kind == "B":
-            self._backward_one(action, run)
         else:
-            self._weights_one(action, run)
+            with aux.aux_weight(self._aux_weight(run, action.i)):  # aux losses join its backward so weighted
+                if action.kind == "B":
+                    self._backward_one(action, run)
+                else:
+                    self._weights_one(action, run)
 
     def _forward_one(self, action: Action, run: StepRun) -> None:
         """``F i``: receive micro-batch ``i`` and its skips, compute it, send it and its skips on."""
@@ -219,8 +234,13 @@ class ColumnExecutor:
                 store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
                 self.received_skips.append((t.skip, t.peer))
         assert x_structure is not None  # the first stage's split, or the message's
+        records = run.aux.setdefault(i, []) if run.train else []
         with self._span("forward", i, u), self._naming_errors("forward", i, x), self.generator.drawing():
-            y = self._compute(i, u, run, unflatten(x_structure, x), store)
+            with aux.recording_aux(records):
+                y = self._compute(i, u, run, unflatten(x_structure, x), store)
+        if run.train:
+            run.sizes[i] = next((t.shape[0] for t, w in zip(x, x_structure.whole) if not w and t.dim()), 1)
+            aux.check_stored_graph_tensors({n: self.layers[n] for n in self.virtual_layers[u]}, top.stage)
         kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
         y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
         sent = run.plan.sends[action]

@@ -20,11 +20,19 @@ from lightning_gpipe import _lightning
 from lightning_gpipe.engine.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.engine.stage import StageDone
 from lightning_gpipe.strategy.gradients import synchronize_gradients
+from lightning_gpipe.strategy.loss_graph import check_loss_graph
 from lightning_gpipe.strategy.microstep import MicroSteps
 from lightning_gpipe.strategy.pipelined import Pipelined
 from lightning_gpipe.tools.timeline import Timeline
 
-__all__ = ["accumulating", "check_single_optimizer", "drain", "eval_step", "predict_step", "training_step"]
+__all__ = [
+    "accumulating",
+    "check_single_optimizer",
+    "drain",
+    "eval_step",
+    "predict_step",
+    "training_step",
+]
 
 
 def training_step(
@@ -37,7 +45,7 @@ def training_step(
 ) -> Any:
     """``run(*args, **kwargs)`` (the user's step over the stage ``pipelined`` holds:
     :meth:`.PipelineStage.run_step`, or :meth:`.MicroSteps.training_step` for one call per micro-batch),
-    then the step outcome.
+    then the step outcome; on the last stage, the loss's graph checked first (:func:`.check_loss_graph`).
 
     ``deferred_batch_norm``: commit deferred BatchNorm statistics once per mini-batch
     (:mod:`lightning_gpipe.engine.batchnorm`).
@@ -49,6 +57,10 @@ def training_step(
     if not stage.ran_forward:
         pipelined.refuse_uncalled(out)
         return out
+    if stage.topology.is_last:  # before any backward: the loss reaches the stage only through the call
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if torch.is_tensor(loss):  # per micro-batch (lightning_gpipe.strategy.microstep): checked per call
+            check_loss_graph(loss, stage.output_leaves(), module)
     return stage.share_outcome(out, _lightning.attached_trainer(module), training=True)
 
 

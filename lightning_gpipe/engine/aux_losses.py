@@ -1,0 +1,193 @@
+"""Aux losses that layers produce in forward (MoE load balancing, a VAE's KL, deep supervision), issue 40.
+
+A layer declares its auxiliary loss by passing its output through :func:`aux_loss`:
+
+.. code-block:: python
+
+    def forward(self, x):
+        p = torch.softmax(self.gate(x), dim=-1)
+        y = x * p.max(dim=-1, keepdim=True).values
+        return aux_loss(y, 0.1 * kl_per_sample.mean())  # y unchanged; the aux loss joins the backward
+
+The output is returned unchanged; in backward the aux loss's gradient joins the layer's, scaled by
+the weight of the micro-batch the forward computed (``n_i / N``, the micro-batch's share of the
+batch), so each stage adds its own layers' aux losses to its micro-batch's backward. This is
+Megatron-LM's ``MoEAuxLossAutoScaler`` (the aux loss attached to an activation by an autograd
+function whose backward injects its gradient) and torchtitan's stage-local MoE aux loss. Outside a
+pipeline's backward (one device) the weight is 1: the gradient is that of adding the aux loss to
+the loss once per backward. A mean over samples (``kl_per_sample.mean()``) is then the same under
+the pipeline as on one device; a function of batch statistics (the square of a batch mean) becomes
+the weighted mean of its micro-batches' values, as under Megatron and torchtitan.
+
+:func:`take_aux_losses` gives their value as one device would log it: the sum over the layers (over
+every stage), each micro-batch's weighted by its share. :func:`check_stored_graph_tensors` refuses the
+undeclared pattern: a layer that keeps a tensor of the autograd graph as an attribute
+(``self.aux_loss = ...``), which a loss computed after the pipelined call cannot reach on another
+stage, and which, on the last stage, would backpropagate through the stage's graph a second time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_gpipe.engine.recompute import recomputing
+from lightning_gpipe.errors import PipelineUsageError
+
+__all__ = [
+    "add_recorded", "aux_loss", "aux_weight", "check_stored_graph_tensors", "recording_aux", "set_reducer",
+    "take_aux_losses",
+]  # fmt: skip
+
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)  # hooks, _parameters, _buffers, _modules, training ...
+
+
+class _State:
+    """The process's aux-loss state: the weight a backward gives them, where forwards record their values."""
+
+    weight = 1.0
+    records: list[Tensor] = []  # the values declared since the last take_aux_losses (detached, float64)
+    diverted: list[Tensor] | None = None  # a pipeline stage's micro-batch, recorded apart (recording_aux)
+    reduce: Callable[[Tensor], Tensor] | None = None  # sums a value over a pipeline's stages
+
+
+_STATE = _State()
+
+
+class _AuxLoss(torch.autograd.Function):
+    """Forward: ``output`` unchanged; backward: ``output``'s gradient, and the weight for the aux loss."""
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor, loss: Tensor) -> Tensor:
+        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        weight = torch.full(ctx.loss_shape, _STATE.weight, dtype=ctx.loss_dtype, device=grad_output.device)
+        return grad_output, weight
+
+
+def aux_loss(output: Tensor, loss: Tensor) -> Tensor:
+    """``output`` unchanged, with the scalar ``loss`` (computed in the layer's forward) joining its backward.
+
+    Args:
+        output: the layer's output tensor (floating point; the value the layer returns).
+        loss: a 0-d tensor: the aux loss, already multiplied by its coefficient.
+
+    Returns:
+        ``output``'s values; backpropagating through it also backpropagates ``loss`` with weight 1 on
+        one device, with the micro-batch's share ``n_i / N`` in a pipeline stage's backward. Its
+        value is recorded for :func:`take_aux_losses` when grad is enabled (training forwards).
+
+    Raises:
+        ValueError: ``loss`` is not a 0-d tensor, or ``output`` is not a floating-point tensor.
+    """
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        shape = list(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"aux_loss takes a 0-d tensor as the aux loss (got {shape}); reduce it (.mean())")
+    if not isinstance(output, Tensor) or not output.is_floating_point():
+        raise ValueError(
+            "aux_loss attaches the aux loss to a floating-point output tensor of the layer (got "
+            f"{getattr(output, 'dtype', type(output).__name__)}); pass the tensor the layer returns"
+        )
+    if not torch.is_grad_enabled():
+        return output
+    if not recomputing():  # a recomputed forward declares nothing new
+        records = _STATE.diverted if _STATE.diverted is not None else _STATE.records
+        records.append(loss.detach().to("cpu", torch.float64))
+    if not loss.requires_grad:
+        return output
+    return _AuxLoss.apply(output, loss)
+
+
+def take_aux_losses() -> Tensor:
+    """The sum of the aux losses declared (:func:`aux_loss`) in training forwards since the last call, then
+    forgotten: a float64 0-d tensor on the CPU (0 when none).
+
+    On one device, the batch's; under the gpipe strategy, the sum over every stage of the pipeline, each
+    micro-batch's weighted by its share ``n_i / N``, once the step's backward has run (read it in
+    ``on_train_batch_end`` or ``on_before_optimizer_step``). Under the strategy it is a collective over
+    the pipeline's ranks: call it on every rank (at the same point, as in a hook every rank runs).
+    """
+    total = torch.stack(_STATE.records).sum() if _STATE.records else torch.zeros((), dtype=torch.float64)
+    _STATE.records = []
+    return _STATE.reduce(total) if _STATE.reduce is not None else total
+
+
+def set_reducer(reduce: Callable[[Tensor], Tensor] | None) -> None:
+    """:func:`take_aux_losses` sums over ``reduce`` (a pipeline's stages; ``None``: this process only)."""
+    _STATE.reduce = reduce
+    _STATE.records = []
+
+
+@contextlib.contextmanager
+def aux_weight(weight: float) -> Iterator[None]:
+    """Inside: aux losses backpropagated take ``weight`` (a micro-batch's share of the batch)."""
+    prior = _STATE.weight
+    _STATE.weight = float(weight)
+    try:
+        yield
+    finally:
+        _STATE.weight = prior
+
+
+@contextlib.contextmanager
+def recording_aux(records: list[Tensor]) -> Iterator[None]:
+    """Inside: :func:`aux_loss` records into ``records`` (one micro-batch's, weighted later by the stage)."""
+    prior = _STATE.diverted
+    _STATE.diverted = records
+    try:
+        yield
+    finally:
+        _STATE.diverted = prior
+
+
+def add_recorded(value: Tensor) -> None:
+    """Record ``value`` (a stage's weighted sum over its micro-batches) for :func:`take_aux_losses`."""
+    _STATE.records.append(value.detach().to("cpu", torch.float64))
+
+
+def _graph_tensors(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` (a tensor, or a list, tuple or dict of them, two levels deep) holds a tensor
+    of the autograd graph (one with a ``grad_fn``)."""
+    if isinstance(value, Tensor):
+        return value.grad_fn is not None
+    if depth < 2 and isinstance(value, (list, tuple)):
+        return any(_graph_tensors(v, depth + 1) for v in value)
+    if depth < 2 and isinstance(value, dict):
+        return any(_graph_tensors(v, depth + 1) for v in value.values())
+    return False
+
+
+_STORED = (
+    "an aux loss stored in forward for training_step to add? Under the gpipe strategy training_step runs "
+    "after the pipelined call on the last stage only, once per batch, while layers run once per "
+    "micro-batch: such a tensor is dropped on the other stages and backpropagates the stage's graph a "
+    "second time on the last. Declare it in the layer's forward instead: `return "
+    "lightning_gpipe.aux_loss(output, loss)` adds it to each micro-batch's backward on its own stage "
+    "(docs/lightning.md, 'The whole model'); keep only detached values (`.detach()`) as attributes"
+)
+
+
+def check_stored_graph_tensors(layers: dict[str, nn.Module], stage: int) -> None:
+    """Raise if a layer keeps a tensor of the autograd graph as an attribute after a training forward.
+
+    ``layers``: the stage's layers by their names in the user's Sequential. Parameters, buffers and
+    submodules are not attributes here; a detached tensor (``self.attn = attn.detach()``) is fine.
+
+    Raises:
+        PipelineUsageError: naming the layer and the attribute, and the fix (:func:`aux_loss`).
+    """
+    for name, layer in layers.items():
+        for module_name, module in layer.named_modules(prefix=name):
+            for attr, value in vars(module).items():
+                if attr in _MODULE_INTERNALS:
+                    continue
+                if _graph_tensors(value):
+                    where = f"layer {module_name} ({type(module).__name__}, on stage {stage})"
+                    raise PipelineUsageError(f"{where} kept a graph tensor in {attr!r}: {_STORED}")
