@@ -21,9 +21,10 @@ the weighted mean of its micro-batches' values, as under Megatron and torchtitan
 
 :func:`take_aux_losses` gives their value as one device would log it: the sum over the layers (over
 every stage), each micro-batch's weighted by its share. :func:`check_stored_graph_tensors` refuses the
-undeclared pattern: a layer that keeps a tensor of the autograd graph as an attribute
-(``self.aux_loss = ...``), which a loss computed after the pipelined call cannot reach on another
-stage, and which, on the last stage, would backpropagate through the stage's graph a second time.
+undeclared pattern on the stages before the last: a layer that keeps a tensor of the autograd graph
+as an attribute (``self.aux_loss = ...``), which a loss computed after the pipelined call cannot reach
+there (on the last stage, backpropagating it through the stage's graph a second time is refused by
+the loss's graph check).
 """
 
 from __future__ import annotations
@@ -167,15 +168,17 @@ def _graph_tensors(value: Any, depth: int = 0) -> bool:
 _STORED = (
     "an aux loss stored in forward for training_step to add? Under the gpipe strategy training_step runs "
     "after the pipelined call on the last stage only, once per batch, while layers run once per "
-    "micro-batch: such a tensor is dropped on the other stages and backpropagates the stage's graph a "
-    "second time on the last. Declare it in the layer's forward instead: `return "
-    "lightning_gpipe.aux_loss(output, loss)` adds it to each micro-batch's backward on its own stage "
-    "(docs/lightning.md, 'The whole model'); keep only detached values (`.detach()`) as attributes"
+    "micro-batch: such a tensor never reaches the loss from this stage. Declare it in the layer's "
+    "forward instead: `return lightning_gpipe.aux_loss(output, loss)` adds it to each micro-batch's "
+    "backward on its own stage (docs/lightning.md, 'The whole model'); keep only detached values "
+    "(`.detach()`) as attributes"
 )
 
 
 def check_stored_graph_tensors(layers: dict[str, nn.Module], stage: int) -> None:
-    """Raise if a layer keeps a tensor of the autograd graph as an attribute after a training forward.
+    """Raise if a layer keeps a tensor of the autograd graph as an attribute after a training forward on
+    a stage other than the last (where the loss's graph check, :mod:`lightning_gpipe.strategy.loss_graph`,
+    refuses backpropagating it; reading it detached there is fine).
 
     ``layers``: the stage's layers by their names in the user's Sequential. Parameters, buffers and
     submodules are not attributes here; a detached tensor (``self.attn = attn.detach()``) is fine.

@@ -208,12 +208,10 @@ class ColumnExecutor:
             self.p2p.post(self._rank(action.transfer.peer))
         elif action.kind == "F":
             self._forward_one(action, run)
+        elif action.kind == "B":
+            self._backward_one(action, run)
         else:
-            with aux.aux_weight(self._aux_weight(run, action.i)):  # aux losses join its backward so weighted
-                if action.kind == "B":
-                    self._backward_one(action, run)
-                else:
-                    self._weights_one(action, run)
+            self._weights_one(action, run)
 
     def _forward_one(self, action: Action, run: StepRun) -> None:
         """``F i``: receive micro-batch ``i`` and its skips, compute it, send it and its skips on."""
@@ -240,7 +238,8 @@ class ColumnExecutor:
                 y = self._compute(i, u, run, unflatten(x_structure, x), store)
         if run.train:
             run.sizes[i] = next((t.shape[0] for t, w in zip(x, x_structure.whole) if not w and t.dim()), 1)
-            aux.check_stored_graph_tensors({n: self.layers[n] for n in self.virtual_layers[u]}, top.stage)
+            if not top.is_last:  # there training_step never reads what its layers keep
+                aux.check_stored_graph_tensors({n: self.layers[n] for n in self.virtual_layers[u]}, top.stage)
         kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
         y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
         sent = run.plan.sends[action]
@@ -350,8 +349,8 @@ class ColumnExecutor:
         split = None
         if y_grad and deferred and not any(sources):  # nothing to send: the whole backward at W i
             run.weights[key] = ("backward", partial(torch.autograd.backward, y_grad, dy))
-        elif y_grad:
-            with self._span("backward", i, u), errors():
+        elif y_grad:  # the aux losses declared in its forward join it with the micro-batch's weight
+            with self._span("backward", i, u), errors(), aux.aux_weight(self._aux_weight(run, i)):
                 if wanted:  # the input gradients leave before the weight gradients are computed
                     params = [p for layer in layers for p in layer.parameters()]
                     split = input_first.Split.of(y_grad, [x for xs in sources for x in xs], params)
@@ -369,7 +368,7 @@ class ColumnExecutor:
         if split is not None and deferred:
             run.weights[key] = ("weights", split.weights)
         elif split is not None:
-            self._weights("weights", split.weights, i, u, errors)
+            self._weights("weights", split.weights, i, u, errors, self._aux_weight(run, i))
         run.inputs[key] = run.outputs[key] = ()  # free this micro-batch
         run.skips_in[key] = run.skips_out[key] = {}
 
@@ -382,12 +381,14 @@ class ColumnExecutor:
         deferred = run.weights.pop((action.i, action.virtual_stage), None)
         if deferred is not None:
             errors = partial(self._naming_errors, "backward", action.i, ())
-            self._weights(*deferred, action.i, action.virtual_stage, errors)
+            self._weights(*deferred, action.i, action.virtual_stage, errors, self._aux_weight(run, action.i))
 
-    def _weights(self, span: str, run: Callable[[], Any], i: int, u: int, errors: Callable[[], Any]) -> None:
+    def _weights(
+        self, span: str, run: Callable[[], Any], i: int, u: int, errors: Callable[[], Any], weight: float
+    ) -> None:
         """``run`` the weight gradients (``span`` "weights") or a whole backward (``span`` "backward")
-        of micro-batch ``i`` on virtual stage ``u``."""
-        with self._span(span, i, u), errors():
+        of micro-batch ``i`` on virtual stage ``u``; its aux losses take ``weight``."""
+        with self._span(span, i, u), errors(), aux.aux_weight(weight):
             run()
 
     def _leaf_grads(self, run: StepRun, i: int) -> tuple[Tensor, ...]:
