@@ -35,23 +35,28 @@ def check_loss_graph(loss: Tensor, outputs: Iterable[Tensor], module: nn.Module)
     if fn is None:
         return
     allowed = {id(t) for t in outputs}
+    reached: list[Tensor] = []
     seen, todo = {fn}, [fn]
     while todo:
         node = todo.pop()
         variable = getattr(node, "variable", None)
         if variable is not None and id(variable) not in allowed:
-            raise PipelineUsageError(_message(variable, module))
+            reached.append(variable)
         for child, _ in node.next_functions:
             if child is not None and child not in seen:
                 seen.add(child)
                 todo.append(child)
+    if reached:
+        raise PipelineUsageError(_message(reached, module))
 
 
-def _message(variable: Tensor, module: nn.Module) -> str:
-    name = next((n for n, p in module.named_parameters() if p is variable), None)
+def _message(reached: list[Tensor], module: nn.Module) -> str:
+    ids = {id(t) for t in reached}
+    names = [n for n, p in module.named_parameters() if id(p) in ids]
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" ({len(names)} in all)" if len(names) > 3 else "")
     what = (
-        f"the parameter {name!r}"
-        if name is not None
+        f"the parameter{'s' if len(names) > 1 else ''} {shown}"
+        if names
         else "a tensor inside the stage (an activation or an aux loss a layer stored in forward)"
     )
     return (
