@@ -86,6 +86,7 @@ class ColumnExecutor:
         self.compiled: list[Any] | None = None  # per virtual stage, its layers compiled
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
         self._plans: dict[Any, ColumnPlan] = {}
+        self.declared_aux = False  # whether the last training step's forwards declared aux losses
 
     @property
     def virtual_stages(self) -> int:
@@ -186,6 +187,8 @@ class ColumnExecutor:
                 run.states = []
             if not run.whole:
                 self.p2p.settle()  # a 1F1B stage frees what it sent as it goes
+        if run.done and run.train:
+            self.declared_aux = any(run.aux.values())
         if run.done and run.aux:
             values = [self._aux_weight(run, i) * sum(v) for i, v in run.aux.items() if v]
             if values:

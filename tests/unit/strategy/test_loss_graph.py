@@ -75,3 +75,14 @@ def test_a_penalty_over_the_parameters_is_refused_under_gpipe_and_1f1b_before_an
     with pytest.raises(PipelineUsageError, match="reaches the parameter"):
         MicroSteps().training_step(_penalized(stage), stage, Module(stage), Backward(), 2, batch, 0)
     assert all(p.grad is None for p in stage.parameters())
+
+
+def test_aux_losses_with_a_token_count_factor_are_refused():
+    """num_items rescales a per-micro-batch step's gradients (its factor is not 1): declared aux losses
+    would be rescaled too, so the pair is refused; either alone passes."""
+    steps.check_aux_with_num_items(True, 1.0)
+    steps.check_aux_with_num_items(False, 0.8)
+    with pytest.raises(
+        PipelineUsageError, match="num_items while layers declare aux losses.*schedule='gpipe'"
+    ):
+        steps.check_aux_with_num_items(True, 0.8)
