@@ -133,9 +133,9 @@ def check_aux_with_num_items(declared_aux: bool, gradient_scale: float) -> None:
     if declared_aux and gradient_scale != 1.0:
         raise PipelineUsageError(
             "training_step returns num_items while layers declare aux losses (lightning_gpipe.aux_loss): "
-            "under a per-micro-batch schedule the step's gradients are rescaled by the token count (M * k_ref / K, "
-            "docs/lightning.md), which would rescale the aux losses' gradients too; return the loss without "
-            "num_items, or use schedule='gpipe', where num_items changes nothing"
+            "under a per-micro-batch schedule the step's gradients are rescaled by the token count "
+            "(M * k_ref / K, docs/lightning.md), which would rescale the aux losses' gradients too; return "
+            "the loss without num_items, or use schedule='gpipe', where num_items changes nothing"
         )
 
 
