@@ -1,14 +1,16 @@
 """The whole model where the user's code means it: the gradient hooks see every stage's parameters (issue 40).
 
-On one device ``on_after_backward`` and ``on_before_optimizer_step`` (the LightningModule's and the
-callbacks') see the model's every parameter and gradient: Lightning's documented
-``self.log_dict(grad_norm(self, norm_type=2))``, ``torch.nn.utils.clip_grad_norm_(self.parameters(),
-c)`` by hand, ``sum(p.numel() for p in self.parameters())``. Under the strategy a rank holds one stage.
+On one device ``on_after_backward``, ``on_before_optimizer_step`` and ``configure_gradient_clipping``
+(the LightningModule's and the callbacks') see the model's every parameter and gradient: Lightning's
+documented ``self.log_dict(grad_norm(self, norm_type=2))``, a hand
+``torch.nn.utils.clip_grad_norm_(self.parameters(), c)``, ``sum(p.numel() for p in self.parameters())``.
+Under the strategy a rank holds one stage.
 Inside those hooks :class:`WholeParameters` makes the LightningModule's ``parameters()`` and
 ``named_parameters()`` the whole model's, in the model's order and under its names: this stage's
 parameters themselves, the others' as copies of their values and gradients, gathered from the
 pipeline's stages at the first call in the hook (a collective: every rank runs the hook) and kept to
-its end. Every rank runs the same hook code on the same values, so what the code computes is the
+its end (gathered again after Lightning's ``gradient_clip_val`` clipping, which changes the stages'
+own gradients). Every rank runs the same hook code on the same values, so what the code computes is the
 same on every rank, and what it changes in place (a hand clip scales the gradients) it changes on
 every stage's own parameters as on one device; the copies' changes are dropped with them. Data-parallel
 replicas hold equal gradients at these hooks (averaged in the backward), so one pipeline's view is
@@ -66,11 +68,21 @@ class WholeParameters:
                     return _original(*args, **kwargs)
 
             plugin.__dict__[name] = wrapped
+        clip = plugin.clip_gradients
+
+        @functools.wraps(clip)
+        def clip_gradients(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return clip(*args, **kwargs)
+            finally:
+                self._view = None  # the stages' own gradients changed: copies gathered again if asked
+
+        plugin.__dict__["clip_gradients"] = clip_gradients
 
     @staticmethod
     def uninstall(plugin: Any) -> None:
         """Undo :meth:`install`."""
-        for name in _HOOK_CALLERS:
+        for name in (*_HOOK_CALLERS, "clip_gradients"):
             plugin.__dict__.pop(name, None)
 
     @contextlib.contextmanager
