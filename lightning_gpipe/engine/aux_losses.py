@@ -51,7 +51,7 @@ class _State:
     """The process's aux-loss state: the weight a backward gives them, where forwards record their values."""
 
     weight = 1.0
-    records: list[Tensor] = []  # the values declared since the last take_aux_losses (detached, float64)
+    total: Tensor | None = None  # the values declared since the last take_aux_losses, summed where they live
     diverted: list[Tensor] | None = None  # a pipeline stage's micro-batch, recorded apart (recording_aux)
     reduce: Callable[[Tensor], Tensor] | None = None  # sums a value over a pipeline's stages
 
@@ -99,8 +99,10 @@ def aux_loss(output: Tensor, loss: Tensor) -> Tensor:
     if not torch.is_grad_enabled():
         return output
     if not recomputing():  # a recomputed forward declares nothing new
-        records = _STATE.diverted if _STATE.diverted is not None else _STATE.records
-        records.append(loss.detach().to("cpu", torch.float64))
+        if _STATE.diverted is not None:
+            _STATE.diverted.append(loss.detach())
+        else:
+            add_recorded(loss)
     if not loss.requires_grad:
         return output
     return _AuxLoss.apply(output, loss)
@@ -115,15 +117,15 @@ def take_aux_losses() -> Tensor:
     ``on_train_batch_end`` or ``on_before_optimizer_step``). Under the strategy it is a collective over
     the pipeline's ranks: call it on every rank (at the same point, as in a hook every rank runs).
     """
-    total = torch.stack(_STATE.records).sum() if _STATE.records else torch.zeros((), dtype=torch.float64)
-    _STATE.records = []
+    total = _STATE.total.cpu() if _STATE.total is not None else torch.zeros((), dtype=torch.float64)
+    _STATE.total = None
     return _STATE.reduce(total) if _STATE.reduce is not None else total
 
 
 def set_reducer(reduce: Callable[[Tensor], Tensor] | None) -> None:
     """:func:`take_aux_losses` sums over ``reduce`` (a pipeline's stages; ``None``: this process only)."""
     _STATE.reduce = reduce
-    _STATE.records = []
+    _STATE.total = None
 
 
 @contextlib.contextmanager
@@ -149,8 +151,10 @@ def recording_aux(records: list[Tensor]) -> Iterator[None]:
 
 
 def add_recorded(value: Tensor) -> None:
-    """Record ``value`` (a stage's weighted sum over its micro-batches) for :func:`take_aux_losses`."""
-    _STATE.records.append(value.detach().to("cpu", torch.float64))
+    """Add ``value`` (a declared aux loss, or a stage's weighted sum over its micro-batches) to what
+    :func:`take_aux_losses` returns."""
+    value = value.detach().to(torch.float64)  # summed on its device: no synchronization per call
+    _STATE.total = value if _STATE.total is None else _STATE.total + value.to(_STATE.total.device)
 
 
 def _graph_tensors(value: Any, depth: int = 0) -> bool:
