@@ -87,6 +87,7 @@ class ColumnExecutor:
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
         self._plans: dict[Any, ColumnPlan] = {}
         self.declared_aux = False  # whether the last training step's forwards declared aux losses
+        self._modules_of: dict[int, list[list[Any]]] = {}  # per virtual stage (_submodules)
 
     @property
     def virtual_stages(self) -> int:
@@ -197,6 +198,12 @@ class ColumnExecutor:
         if run.done or run.whole:
             self.p2p.flush()
 
+    def _submodules(self, u: int) -> list[list[Any]]:
+        """Virtual stage ``u``'s modules by name (listed once: the stage's layers do not change)."""
+        if u not in self._modules_of:
+            self._modules_of[u] = aux.submodules({n: self.layers[n] for n in self.virtual_layers[u]})
+        return self._modules_of[u]
+
     @staticmethod
     def _aux_weight(run: StepRun, i: int) -> float:
         """Micro-batch ``i``'s aux losses' weight: the strategy's, or its share of the sizes forwarded."""
@@ -241,8 +248,8 @@ class ColumnExecutor:
                 y = self._compute(i, u, run, unflatten(x_structure, x), store)
         if run.train:
             run.sizes[i] = next((t.shape[0] for t, w in zip(x, x_structure.whole) if not w and t.dim()), 1)
-            if not top.is_last:  # there training_step never reads what its layers keep
-                aux.check_stored_graph_tensors({n: self.layers[n] for n in self.virtual_layers[u]}, top.stage)
+            if i == 0 and not top.is_last:  # there training_step never reads what its layers keep
+                aux.check_stored_graph_tensors(self._submodules(u), top.stage)
         kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
         y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
         sent = run.plan.sends[action]

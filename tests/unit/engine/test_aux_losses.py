@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_gpipe import PipelineUsageError, aux_loss, take_aux_losses
-from lightning_gpipe.engine.aux_losses import aux_weight, check_stored_graph_tensors
+from lightning_gpipe.engine.aux_losses import aux_weight, check_stored_graph_tensors, submodules
 from lightning_gpipe.engine.stage import StageDone
 from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import SCHEDULES
@@ -122,14 +122,14 @@ def test_a_layer_storing_a_graph_tensor_is_refused_with_the_fix():
     with pytest.raises(
         PipelineUsageError, match=r"layer 3 \(Stores, on stage 1\).*'aux_loss'.*aux_loss\(output"
     ):
-        check_stored_graph_tensors({"3": layer}, stage=1)
+        check_stored_graph_tensors(submodules({"3": layer}), stage=1)
     layer.keep = lambda t: t.detach()
     layer(torch.randn(2, 4))
-    check_stored_graph_tensors({"3": layer}, stage=1)
+    check_stored_graph_tensors(submodules({"3": layer}), stage=1)
     layer.keep = lambda t: [t]
     layer(torch.randn(2, 4))
     with pytest.raises(PipelineUsageError, match="'aux_loss'"):
-        check_stored_graph_tensors({"3": layer}, stage=1)
+        check_stored_graph_tensors(submodules({"3": layer}), stage=1)
 
 
 def test_a_stage_before_the_last_refuses_a_layer_storing_an_aux_loss_in_its_training_forward():
