@@ -193,8 +193,8 @@ def check_stored_graph_tensors(modules: list[list[Any]], stage: int) -> None:
 
     ``modules``: the stage's modules by their names in the user's Sequential (:func:`submodules`).
     Parameters, buffers and submodules are not attributes here; a detached tensor
-    (``self.attn = attn.detach()``) is fine. About 0.3 ms for 12 Transformer encoder layers on a 2-core
-    CPU: the stage checks micro-batch 0's forward of each training step.
+    (``self.attn = attn.detach()``) is fine. The stage checks micro-batch 0's forward of each training
+    step.
 
     Raises:
         PipelineUsageError: naming the layer and the attribute, and the fix (:func:`aux_loss`).
