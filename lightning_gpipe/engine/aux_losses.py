@@ -30,6 +30,7 @@ the loss's graph check).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -52,7 +53,7 @@ class _State:
 
     weight = 1.0
     total: Tensor | None = None  # the values declared since the last take_aux_losses, summed where they live
-    diverted: list[Tensor] | None = None  # a pipeline stage's micro-batch, recorded apart (recording_aux)
+    forward = threading.local()  # a pipeline stage's micro-batch forward: .records, .cell (recording_aux)
     reduce: Callable[[Tensor], Tensor] | None = None  # sums a value over a pipeline's stages
 
 
@@ -63,14 +64,15 @@ class _AuxLoss(torch.autograd.Function):
     """Forward: ``output`` unchanged; backward: ``output``'s gradient, and the weight for the aux loss."""
 
     @staticmethod
-    def forward(ctx: Any, output: Tensor, loss: Tensor) -> Tensor:
-        ctx.loss_shape, ctx.loss_dtype = loss.shape, loss.dtype
+    def forward(ctx: Any, output: Tensor, loss: Tensor, cell: list[float] | None) -> Tensor:
+        ctx.loss_shape, ctx.loss_dtype, ctx.cell = loss.shape, loss.dtype, cell
         return output.view_as(output)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        weight = torch.full(ctx.loss_shape, _STATE.weight, dtype=ctx.loss_dtype, device=grad_output.device)
-        return grad_output, weight
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor, Tensor, None]:  # type: ignore[override]
+        value = ctx.cell[0] if ctx.cell is not None else _STATE.weight  # the stage's, set before its backward
+        weight = torch.full(ctx.loss_shape, value, dtype=ctx.loss_dtype, device=grad_output.device)
+        return grad_output, weight, None
 
 
 def aux_loss(output: Tensor, loss: Tensor) -> Tensor:
@@ -99,13 +101,14 @@ def aux_loss(output: Tensor, loss: Tensor) -> Tensor:
     if not torch.is_grad_enabled():
         return output
     if not recomputing():  # a recomputed forward declares nothing new
-        if _STATE.diverted is not None:
-            _STATE.diverted.append(loss.detach())
+        records = getattr(_STATE.forward, "records", None)
+        if records is not None:
+            records.append(loss.detach())
         else:
             add_recorded(loss)
     if not loss.requires_grad:
         return output
-    return _AuxLoss.apply(output, loss)
+    return _AuxLoss.apply(output, loss, getattr(_STATE.forward, "cell", None))
 
 
 def take_aux_losses() -> Tensor:
@@ -130,7 +133,8 @@ def set_reducer(reduce: Callable[[Tensor], Tensor] | None) -> None:
 
 @contextlib.contextmanager
 def aux_weight(weight: float) -> Iterator[None]:
-    """Inside: aux losses backpropagated take ``weight`` (a micro-batch's share of the batch)."""
+    """Inside: aux losses declared outside a pipeline stage's forward (one device) and backpropagated take
+    ``weight`` rather than 1."""
     prior = _STATE.weight
     _STATE.weight = float(weight)
     try:
@@ -140,14 +144,17 @@ def aux_weight(weight: float) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def recording_aux(records: list[Tensor]) -> Iterator[None]:
-    """Inside: :func:`aux_loss` records into ``records`` (one micro-batch's, weighted later by the stage)."""
-    prior = _STATE.diverted
-    _STATE.diverted = records
+def recording_aux(records: list[Tensor], cell: list[float]) -> Iterator[None]:
+    """Inside (a stage's forward of one micro-batch, in this thread): :func:`aux_loss` records into
+    ``records`` (weighted later by the stage), and its backward takes ``cell[0]`` as the weight, which the
+    stage sets before the micro-batch's backward (in whichever thread autograd runs it)."""
+    state = _STATE.forward
+    prior = getattr(state, "records", None), getattr(state, "cell", None)
+    state.records, state.cell = records, cell
     try:
         yield
     finally:
-        _STATE.diverted = prior
+        state.records, state.cell = prior
 
 
 def add_recorded(value: Tensor) -> None:

@@ -204,6 +204,11 @@ class ColumnExecutor:
             self._modules_of[u] = aux.submodules({n: self.layers[n] for n in self.virtual_layers[u]})
         return self._modules_of[u]
 
+    def _weigh(self, run: StepRun, i: int) -> None:
+        """Micro-batch ``i``'s aux losses take its weight in the backward that follows."""
+        if i in run.aux_cells:
+            run.aux_cells[i][0] = self._aux_weight(run, i)
+
     @staticmethod
     def _aux_weight(run: StepRun, i: int) -> float:
         """Micro-batch ``i``'s aux losses' weight: the strategy's, or its share of the sizes forwarded."""
@@ -243,8 +248,9 @@ class ColumnExecutor:
                 self.received_skips.append((t.skip, t.peer))
         assert x_structure is not None  # the first stage's split, or the message's
         records = run.aux.setdefault(i, []) if run.train else []
+        cell = run.aux_cells.setdefault(i, [1.0])  # the weight its aux losses take, set before its backward
         with self._span("forward", i, u), self._naming_errors("forward", i, x), self.generator.drawing():
-            with aux.recording_aux(records):
+            with aux.recording_aux(records, cell):
                 y = self._compute(i, u, run, unflatten(x_structure, x), store)
         if run.train:
             run.sizes[i] = next((t.shape[0] for t, w in zip(x, x_structure.whole) if not w and t.dim()), 1)
@@ -360,7 +366,8 @@ class ColumnExecutor:
         if y_grad and deferred and not any(sources):  # nothing to send: the whole backward at W i
             run.weights[key] = ("backward", partial(torch.autograd.backward, y_grad, dy))
         elif y_grad:  # the aux losses declared in its forward join it with the micro-batch's weight
-            with self._span("backward", i, u), errors(), aux.aux_weight(self._aux_weight(run, i)):
+            self._weigh(run, i)
+            with self._span("backward", i, u), errors():
                 if wanted:  # the input gradients leave before the weight gradients are computed
                     params = [p for layer in layers for p in layer.parameters()]
                     split = input_first.Split.of(y_grad, [x for xs in sources for x in xs], params)
@@ -378,7 +385,7 @@ class ColumnExecutor:
         if split is not None and deferred:
             run.weights[key] = ("weights", split.weights)
         elif split is not None:
-            self._weights("weights", split.weights, i, u, errors, self._aux_weight(run, i))
+            self._weights("weights", split.weights, i, u, errors)
         run.inputs[key] = run.outputs[key] = ()  # free this micro-batch
         run.skips_in[key] = run.skips_out[key] = {}
 
@@ -391,14 +398,13 @@ class ColumnExecutor:
         deferred = run.weights.pop((action.i, action.virtual_stage), None)
         if deferred is not None:
             errors = partial(self._naming_errors, "backward", action.i, ())
-            self._weights(*deferred, action.i, action.virtual_stage, errors, self._aux_weight(run, action.i))
+            self._weigh(run, action.i)
+            self._weights(*deferred, action.i, action.virtual_stage, errors)
 
-    def _weights(
-        self, span: str, run: Callable[[], Any], i: int, u: int, errors: Callable[[], Any], weight: float
-    ) -> None:
+    def _weights(self, span: str, run: Callable[[], Any], i: int, u: int, errors: Callable[[], Any]) -> None:
         """``run`` the weight gradients (``span`` "weights") or a whole backward (``span`` "backward")
-        of micro-batch ``i`` on virtual stage ``u``; its aux losses take ``weight``."""
-        with self._span(span, i, u), errors(), aux.aux_weight(weight):
+        of micro-batch ``i`` on virtual stage ``u``."""
+        with self._span(span, i, u), errors():
             run()
 
     def _leaf_grads(self, run: StepRun, i: int) -> tuple[Tensor, ...]:

@@ -186,6 +186,7 @@ class StepRun:
     # weights the strategy gives them (one call per micro-batch; None: n_i / sum of sizes)
     sizes: dict[int, int] = field(default_factory=dict)
     aux: dict[int, list[Tensor]] = field(default_factory=dict)
+    aux_cells: dict[int, list[float]] = field(default_factory=dict)  # the weight each one's backward reads
     aux_weights: list[float] | None = None
     # a grid whose stages take a peer's messages in another order than it sends them
     # (schedule.in_send_order false): per peer stage, the keys (kind, i, virtual stage here, skip)
