@@ -6,7 +6,7 @@
 
 import importlib
 
-from lightning_gpipe.engine import PipelineStage, no_chunk
+from lightning_gpipe.engine import PipelineStage, aux_loss, no_chunk, take_aux_losses
 from lightning_gpipe.errors import (
     MicroBatchError,
     PartitionError,
@@ -43,9 +43,11 @@ __all__ = [
     "PipelineUsageError",
     "StageError",
     "UnsafeCheckpointError",
+    "aux_loss",
     "fill_drain",
     "format_grid",
     "strategy_class",
     "load_from_checkpoint",
     "no_chunk",
+    "take_aux_losses",
 ]

@@ -20,6 +20,10 @@ or under ``GPipeStrategy`` (tests/workers/user_code.py, every rank), and returns
 - ``"tokens"``: an embedding LM with padded labels (``ignore_index=-100``, 1 to 10 valid tokens per
   sequence) whose ``training_step`` returns ``{"loss": token mean, "num_items": valid tokens}`` and
   logs ``train_loss``.
+- ``"whole"``: code that means the whole model (issue 40, kind A): ``grad_norm(self)`` (2 and inf) logged
+  in ``on_before_optimizer_step``, a hand ``clip_grad_norm_(self.parameters(), 0.5)`` there, the
+  parameter count in ``on_after_backward``, aux losses declared with ``aux_loss`` by a layer on each
+  stage, their value read with ``take_aux_losses`` in ``on_train_batch_end``.
 """
 
 from __future__ import annotations
@@ -29,10 +33,12 @@ import os
 import torch
 import torch.nn.functional as F
 import torchmetrics
+from pytorch_lightning.utilities import grad_norm
 from torch import nn
 from torch.optim import lr_scheduler
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
+from lightning_gpipe import aux_loss, take_aux_losses
 from tests.models import pl
 
 EarlyStopping, ModelCheckpoint = pl.callbacks.EarlyStopping, pl.callbacks.ModelCheckpoint
@@ -244,6 +250,55 @@ class TokenLM(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+class Declares(nn.Module):
+    """A Linear declaring a per-sample mean penalty of its output as an aux loss (a VAE-style KL)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(d, d)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return aux_loss(y, 0.1 * y.pow(2).mean())
+
+
+class Whole(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(
+            nn.Linear(16, 32), Declares(32), nn.Tanh(), nn.Linear(32, 32), Declares(32), nn.Linear(32, 1)
+        )
+        self.counts: list[int] = []
+        self.norms: list[dict[str, float]] = []
+        self.inf: list[float] = []
+        self.clipped: list[float] = []
+        self.aux: list[float] = []
+        self.logged: list[float | None] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.layers(x), y)
+
+    def on_after_backward(self):
+        self.counts.append(sum(p.numel() for p in self.parameters()))
+
+    def on_before_optimizer_step(self, optimizer):
+        norms = grad_norm(self, norm_type=2)
+        self.log_dict(norms)
+        self.norms.append({k: float(v) for k, v in norms.items()})
+        self.inf.append(float(grad_norm(self, "inf")["grad_inf_norm_total"]))
+        self.clipped.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), 0.5)))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.aux.append(float(take_aux_losses()))
+        value = self.trainer.callback_metrics.get("grad_2.0_norm_total")  # the last stage's: rank 0's
+        self.logged.append(None if value is None else float(value))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 def _trainer(strategy, devices: int, **extra):
     kwargs = dict(
         accelerator="cpu",
@@ -261,8 +316,8 @@ def _trainer(strategy, devices: int, **extra):
 
 
 def train(case: str, strategy=None, devices: int = 1, trainer: dict | None = None) -> dict:
-    """Train ``case`` (``"outputs"``, ``"epoch"``, ``"batchnorm"`` or ``"tokens"``) on one device
-    (``strategy=None``) or under ``strategy``; what its hooks saw, and the trained state."""
+    """Train ``case`` (``"outputs"``, ``"epoch"``, ``"batchnorm"``, ``"whole"`` or ``"tokens"``) on one
+    device (``strategy=None``) or under ``strategy``; what its hooks saw, and the trained state."""
     if case == "outputs":
         model, gather = Outputs(), Gather()
         g = torch.Generator().manual_seed(0)
@@ -299,6 +354,13 @@ def train(case: str, strategy=None, devices: int = 1, trainer: dict | None = Non
         t = _trainer(strategy, devices, max_epochs=2, **(trainer or {}))
         t.fit(model, DataLoader(data, batch_size=12))
         record = {"losses": model.losses}
+    elif case == "whole":
+        model = Whole()
+        g = torch.Generator().manual_seed(0)
+        data = TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g))
+        t = _trainer(strategy, devices, max_steps=3, **(trainer or {}))
+        t.fit(model, DataLoader(data, batch_size=8))
+        record = {k: getattr(model, k) for k in ("counts", "norms", "inf", "clipped", "aux", "logged")}
     else:
         model = TokenLM()
         t = _trainer(strategy, devices, max_steps=4, **(trainer or {}))

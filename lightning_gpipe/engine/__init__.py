@@ -3,6 +3,7 @@
 Nothing here imports Lightning; the strategy drives a :class:`PipelineStage` through its step hooks.
 """
 
+from lightning_gpipe.engine.aux_losses import aux_loss, take_aux_losses
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm, convert_deferred_batch_norm
 from lightning_gpipe.engine.microbatch import no_chunk
 from lightning_gpipe.engine.recompute import recomputing
@@ -15,7 +16,9 @@ __all__ = [
     "Pop",
     "StageDone",
     "Stash",
+    "aux_loss",
     "convert_deferred_batch_norm",
     "no_chunk",
     "recomputing",
+    "take_aux_losses",
 ]

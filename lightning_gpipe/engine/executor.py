@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_gpipe.engine import aux_losses as aux
 from lightning_gpipe.engine import backward_split as input_first
 from lightning_gpipe.engine import recompute
 from lightning_gpipe.engine.batchnorm import no_accumulate
@@ -91,6 +92,8 @@ class ColumnExecutor:
         self.compiled: list[Any] | None = None  # per virtual stage, its layers compiled
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
         self._plans: dict[Any, ColumnPlan] = {}
+        self.declared_aux = False  # whether the last training step's forwards declared aux losses
+        self._modules_of: dict[int, list[list[Any]]] = {}  # per virtual stage (_submodules)
 
     @property
     def virtual_stages(self) -> int:
@@ -193,8 +196,33 @@ class ColumnExecutor:
                 run.states = []
             if not run.whole:
                 self.p2p.settle()  # a 1F1B stage frees what it sent as it goes
+        if run.done and run.train:
+            self.declared_aux = any(run.aux.values())
+        if run.done and run.aux:
+            values = [self._aux_weight(run, i) * sum(v) for i, v in run.aux.items() if v]
+            if values:
+                aux.add_recorded(sum(values))  # type: ignore[arg-type]
+            run.aux = {}
         if run.done or run.whole:
             self.p2p.flush()
+
+    def _submodules(self, u: int) -> list[list[Any]]:
+        """Virtual stage ``u``'s modules by name (listed once: the stage's layers do not change)."""
+        if u not in self._modules_of:
+            self._modules_of[u] = aux.submodules({n: self.layers[n] for n in self.virtual_layers[u]})
+        return self._modules_of[u]
+
+    def _weigh(self, run: StepRun, i: int) -> None:
+        """Micro-batch ``i``'s aux losses take its weight in the backward that follows."""
+        if i in run.aux_cells:
+            run.aux_cells[i][0] = self._aux_weight(run, i)
+
+    @staticmethod
+    def _aux_weight(run: StepRun, i: int) -> float:
+        """Micro-batch ``i``'s aux losses' weight: the strategy's, or its share of the sizes forwarded."""
+        if run.aux_weights is not None:
+            return run.aux_weights[i]
+        return run.sizes.get(i, 1) / max(sum(run.sizes.values()), 1)
 
     def _execute(self, action: Step, run: StepRun) -> None:
         """Run one action of this stage's column: a :class:`~lightning_gpipe.schedule.Post`, ``F i``,
@@ -227,8 +255,15 @@ class ColumnExecutor:
                 store[t.skip] = _as_inputs(meta, tensors, run.train)[0]
                 self.received_skips.append((t.skip, t.peer))
         assert x_structure is not None  # the first stage's split, or the message's
+        records = run.aux.setdefault(i, []) if run.train else []
+        cell = run.aux_cells.setdefault(i, [1.0])  # the weight its aux losses take, set before its backward
         with self._span("forward", i, u), self._naming_errors("forward", i, x), self.generator.drawing():
-            y = self._compute(i, u, run, unflatten(x_structure, x), store)
+            with aux.recording_aux(records, cell):
+                y = self._compute(i, u, run, unflatten(x_structure, x), store)
+        if run.train:
+            run.sizes[i] = next((t.shape[0] for t, w in zip(x, x_structure.whole) if not w and t.dim()), 1)
+            if i == 0 and not top.is_last:  # there training_step never reads what its layers keep
+                aux.check_stored_graph_tensors(self._submodules(u), top.stage)
         kept = [t for t, whole in zip(x, x_structure.whole) if whole]  # replicated, stay so passed on
         y_tensors, y_structure = flatten(y, f"output of pipeline stage {top.stage}", kept)
         sent = run.plan.sends[action]
@@ -338,7 +373,8 @@ class ColumnExecutor:
         split = None
         if y_grad and deferred and not any(sources):  # nothing to send: the whole backward at W i
             run.weights[key] = ("backward", partial(torch.autograd.backward, y_grad, dy))
-        elif y_grad:
+        elif y_grad:  # the aux losses declared in its forward join it with the micro-batch's weight
+            self._weigh(run, i)
             with self._span("backward", i, u), errors():
                 if wanted:  # the input gradients leave before the weight gradients are computed
                     params = [p for layer in layers for p in layer.parameters()]
@@ -370,6 +406,7 @@ class ColumnExecutor:
         deferred = run.weights.pop((action.i, action.virtual_stage), None)
         if deferred is not None:
             errors = partial(self._naming_errors, "backward", action.i, ())
+            self._weigh(run, action.i)
             self._weights(*deferred, action.i, action.virtual_stage, errors)
 
     def _weights(self, span: str, run: Callable[[], Any], i: int, u: int, errors: Callable[[], Any]) -> None:

@@ -182,6 +182,12 @@ class StepRun:
     # the user and which of them are replicated (micro-batch 0's)
     calls: list[Call] = field(default_factory=list)
     leaf_grads: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
+    # aux losses (lightning_gpipe.engine.aux_losses): each micro-batch's size and declared values, and the
+    # weights the strategy gives them (one call per micro-batch; None: n_i / sum of sizes)
+    sizes: dict[int, int] = field(default_factory=dict)
+    aux: dict[int, list[Tensor]] = field(default_factory=dict)
+    aux_cells: dict[int, list[float]] = field(default_factory=dict)  # the weight each one's backward reads
+    aux_weights: list[float] | None = None
     # a grid whose stages take a peer's messages in another order than it sends them
     # (schedule.in_send_order false): per peer stage, the keys (kind, i, virtual stage here, skip)
     # in the order the peer takes them (taking_order); sends wait in outbox until their turn (release)

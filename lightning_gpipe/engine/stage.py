@@ -154,6 +154,7 @@ class PipelineStage(nn.Sequential):
         self._micro: int | None = None  # one call per micro-batch: their number in this step
         # the factor the step's gradients take (lightning_gpipe.strategy.step_outputs), shared in the outcome
         self.step_gradient_scale = 1.0
+        self.micro_weights: list[float] = []  # one call per micro-batch: each one's share of the batch
 
     @property
     def p2p(self) -> P2P:
@@ -246,7 +247,9 @@ class PipelineStage(nn.Sequential):
         raise PipelineUsageError(
             f"layer {idx} of the pipelined nn.Sequential lives on another stage: this process runs stage "
             f"{self.topology.stage}, which holds layers {', '.join(self._modules)}; access a layer only "
-            "where it lives, or outside fit (the Sequential is whole again afterwards)"
+            "where it lives, or outside fit (the Sequential is whole again afterwards). A term over its "
+            "weights or outputs belongs in its forward, declared with lightning_gpipe.aux_loss; in "
+            "on_after_backward and on_before_optimizer_step, self.named_parameters() is the whole model's"
         )
 
     # -- the forward phase ------------------------------------------------------------------
@@ -274,6 +277,10 @@ class PipelineStage(nn.Sequential):
             self.after_call.leave()
             self.end_step()
 
+    def output_leaves(self) -> list[torch.Tensor]:
+        """Last stage, in a training step: the leaves its calls returned whose gradients are still due."""
+        return [t for call in self._run.calls for t in call.leaves] if self._run is not None else []
+
     @property
     def ran_forward(self) -> bool:
         return self.calls > 0
@@ -295,6 +302,7 @@ class PipelineStage(nn.Sequential):
         run = self._run if self._micro is not None else None
         if run is None:
             run = self._run = self.executor.start(input, train, self._micro)
+            run.aux_weights = self.micro_weights if self._micro is not None else None
         elif top.is_first:
             (run.micro_batches[run.called],), run.in_structures[run.called] = scatter(input, 1)
         if run.called == run.chunks:
@@ -384,13 +392,15 @@ class PipelineStage(nn.Sequential):
 
     # -- one call per micro-batch (lightning_gpipe.strategy.microstep) --------------------------------
 
-    def start_micro_steps(self, chunks: int) -> None:
-        """The next ``chunks`` training calls are one step's micro-batches ``0 .. chunks-1``, one each.
+    def start_micro_steps(self, chunks: int, weights: list[float] | None = None) -> None:
+        """The next ``chunks`` training calls are one step's micro-batches ``0 .. chunks-1``, one each;
+        ``weights``: each one's share of the batch, which its aux losses take (default: equal).
 
         Between them the strategy backpropagates each micro-batch's loss (last stage) and calls
         :meth:`loss_backpropagated`; :meth:`end_micro_steps` closes the step.
         """
         self._micro, self._run, self.step_gradient_scale = chunks, None, 1.0
+        self.micro_weights = weights if weights is not None else [1.0 / chunks] * chunks
 
     def loss_backpropagated(self, i: int) -> None:
         """Last stage: micro-batch ``i``'s loss has reached its output leaves; run ``B i`` and what

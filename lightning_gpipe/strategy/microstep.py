@@ -63,6 +63,7 @@ from lightning_gpipe import _lightning
 from lightning_gpipe.engine.microbatch import batch_dim, is_split, sizes
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError, StageDone
 from lightning_gpipe.strategy import step_metrics
+from lightning_gpipe.strategy.loss_graph import check_loss_graph
 from lightning_gpipe.strategy.step_outputs import (
     combine_outputs,
     gradient_scale,
@@ -187,7 +188,7 @@ class MicroSteps:
         items: list[float | None] = []  # each call's num_items
         losses: list[Tensor] = []
         uncalled = None
-        stage.start_micro_steps(len(micro))
+        stage.start_micro_steps(len(micro), [n / sum(parts) for n in parts])
         metrics = step_metrics.isolate(module, stage)
         log = _LogRecorder(module, [h.metric for h in metrics])
         try:
@@ -215,6 +216,7 @@ class MicroSteps:
                             "under any strategy): to skip a batch, return a zero loss that keeps "
                             "the graph, e.g. `loss * 0` or `out.sum() * 0`, as under DDP"
                         )
+                    check_loss_graph(loss, stage.output_leaves(), module)  # before any backward of it
                     losses.append(_kept(loss))
                     kept.append(without_loss(out))
                     items.append(num_items_of(out, i))

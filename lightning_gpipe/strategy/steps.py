@@ -19,12 +19,22 @@ import torch
 from lightning_gpipe import _lightning
 from lightning_gpipe.engine.batchnorm import commit_deferred_batch_norm
 from lightning_gpipe.engine.stage import StageDone
+from lightning_gpipe.errors import PipelineUsageError
 from lightning_gpipe.strategy.gradients import synchronize_gradients
+from lightning_gpipe.strategy.loss_graph import check_loss_graph
 from lightning_gpipe.strategy.microstep import MicroSteps
 from lightning_gpipe.strategy.pipelined import Pipelined
 from lightning_gpipe.tools.timeline import Timeline
 
-__all__ = ["accumulating", "check_single_optimizer", "drain", "eval_step", "predict_step", "training_step"]
+__all__ = [
+    "accumulating",
+    "check_aux_with_num_items",
+    "check_single_optimizer",
+    "drain",
+    "eval_step",
+    "predict_step",
+    "training_step",
+]
 
 
 def training_step(
@@ -37,7 +47,7 @@ def training_step(
 ) -> Any:
     """``run(*args, **kwargs)`` (the user's step over the stage ``pipelined`` holds:
     :meth:`.PipelineStage.run_step`, or :meth:`.MicroSteps.training_step` for one call per micro-batch),
-    then the step outcome.
+    then the step outcome; on the last stage, the loss's graph checked first (:func:`.check_loss_graph`).
 
     ``deferred_batch_norm``: commit deferred BatchNorm statistics once per mini-batch
     (:mod:`lightning_gpipe.engine.batchnorm`).
@@ -49,6 +59,10 @@ def training_step(
     if not stage.ran_forward:
         pipelined.refuse_uncalled(out)
         return out
+    if stage.topology.is_last:  # before any backward: the loss reaches the stage only through the call
+        loss = out.get("loss") if isinstance(out, dict) else out
+        if torch.is_tensor(loss):  # per micro-batch (lightning_gpipe.strategy.microstep): checked per call
+            check_loss_graph(loss, stage.output_leaves(), module)
     return stage.share_outcome(out, _lightning.attached_trainer(module), training=True)
 
 
@@ -101,11 +115,28 @@ def drain(
     stage = pipelined.running
     stage.backward()
     if micro_steps is not None:
+        check_aux_with_num_items(stage.executor.declared_aux, stage.step_gradient_scale)
         micro_steps.deposit(stage.step_gradient_scale)  # the gradients the step's micro-batch calls made
     if not accumulating(module):  # once per optimizer step, before clipping and the step
         synchronize_gradients(stage.parameters(), pipelined.tied_groups, data, replicas)
     if timeline is not None:
         timeline.end_step()
+
+
+def check_aux_with_num_items(declared_aux: bool, gradient_scale: float) -> None:
+    """Raise if the step's gradients take a token-count factor (``num_items``) while this stage's layers
+    declared aux losses, whose gradients the factor would rescale too.
+
+    Raises:
+        PipelineUsageError: both, naming the ways out.
+    """
+    if declared_aux and gradient_scale != 1.0:
+        raise PipelineUsageError(
+            "training_step returns num_items while layers declare aux losses (lightning_gpipe.aux_loss): "
+            "under a per-micro-batch schedule the step's gradients are rescaled by the token count "
+            "(M * k_ref / K, docs/lightning.md), which would rescale the aux losses' gradients too; return "
+            "the loss without num_items, or use schedule='gpipe', where num_items changes nothing"
+        )
 
 
 def accumulating(module: pl.LightningModule | None) -> bool:

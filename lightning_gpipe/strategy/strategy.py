@@ -26,7 +26,7 @@ from lightning_gpipe.partition.compiling import check_compile
 from lightning_gpipe.state import loading, materialize
 from lightning_gpipe.strategy import callbacks, checkpoints, launcher, metrics, microstep, pipelined
 
-from lightning_gpipe.strategy import precision, process_group, signals, steps  # isort: skip
+from lightning_gpipe.strategy import precision, process_group, signals, steps, whole_model  # isort: skip
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.strategy.gradients import clip_optimizer_gradients
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, check_arguments, partition_model
@@ -248,6 +248,7 @@ class _GPipeStrategyLogic(_Base):
         self._metric_sharing = metrics.install_metric_sharing(trainer, self.share_last_stage_metrics)
         piped, replicas, last = self._pipelined, self.layout.replicas, self.is_last_stage
         callbacks.adapt_callbacks(trainer, self._module, self.namespace, piped, replicas, last)
+        whole_model.attach(self.precision_plugin, self._module, piped, self._groups, self._arrive)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -374,10 +375,9 @@ class _GPipeStrategyLogic(_Base):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """On rank 0: one optimizer ``state_dict`` over the whole model (:func:`.merged_optimizer_state`)."""
-        layout, rank, fmt = self.layout, self.global_rank, self.checkpoint_format
-        return checkpoints.optimizer_state(
-            fmt, self._pipelined, optimizer, self._module, layout, rank, self._arrive
-        )
+        layout, rank, piped = self.layout, self.global_rank, self._pipelined
+        fmt = self.checkpoint_format
+        return checkpoints.optimizer_state(fmt, piped, optimizer, self._module, layout, rank, self._arrive)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -79,7 +79,7 @@ def _train_step(stages, batch, y, loss_fn, schedule, chunks):
             stage.backward()
         else:
             micro, parts = split_batch((batch, y), chunks)
-            stage.start_micro_steps(len(parts))
+            stage.start_micro_steps(len(parts), [n / sum(parts) for n in parts])  # as microstep does
             calls = []
             for i, (xi, yi) in enumerate(micro):
                 out = stage.run_step(stage, True, xi)

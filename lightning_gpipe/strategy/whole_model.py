@@ -1,0 +1,175 @@
+"""The whole model where the user's code means it: the gradient hooks see every stage's parameters (issue 40).
+
+On one device ``on_after_backward``, ``on_before_optimizer_step`` and ``configure_gradient_clipping``
+(the LightningModule's and the callbacks') see the model's every parameter and gradient: Lightning's
+documented ``self.log_dict(grad_norm(self, norm_type=2))``, a hand
+``torch.nn.utils.clip_grad_norm_(self.parameters(), c)``, ``sum(p.numel() for p in self.parameters())``.
+Under the strategy a rank holds one stage.
+Inside those hooks :class:`WholeParameters` makes the LightningModule's ``parameters()`` and
+``named_parameters()`` the whole model's, in the model's order and under its names: this stage's
+parameters themselves, the others' as copies of their values and gradients, gathered from the
+pipeline's stages at the first call in the hook (a collective: every rank runs the hook) and kept to
+its end (gathered again after Lightning's ``gradient_clip_val`` clipping, which changes the stages'
+own gradients). Every rank runs the same hook code on the same values, so what the code computes is the
+same on every rank, and what it changes in place (a hand clip scales the gradients) it changes on
+every stage's own parameters as on one device; the copies' changes are dropped with them. Data-parallel
+replicas hold equal gradients at these hooks (averaged in the backward), so one pipeline's view is
+the model's.
+
+Cost: the first call in a hook gathers every stage's parameters and gradients to every rank of the
+pipeline (the whole model's size, twice, for the hook's duration); a hook that never asks costs
+nothing. Other hooks and the steps see this stage's parameters (``configure_optimizers`` must).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gpipe.engine.aux_losses import set_reducer
+from lightning_gpipe.strategy.pipelined import Pipelined
+
+__all__ = ["WholeParameters", "attach"]
+
+_HOOK_CALLERS = ("post_backward", "_after_closure")  # the precision plugin's calls of the gradient hooks
+
+
+class WholeParameters:
+    """The LightningModule's ``parameters()`` and ``named_parameters()`` as the whole model's, in the
+    gradient hooks (module docstring).
+
+    Args:
+        pipelined: this rank's stage in the module.
+        group: the pipeline's process group (its stages' ranks).
+        arrive: ``arrive(operation)``: every rank of the job reaches ``operation`` or it fails naming the
+            missing (the strategy's ``_arrive``).
+    """
+
+    def __init__(self, pipelined: Pipelined, group: Any, arrive: Callable[[str], None]) -> None:
+        self.pipelined, self.group, self.arrive = pipelined, group, arrive
+        self._view: list[tuple[str, nn.Parameter]] | None = None
+        self._depth = 0
+
+    def install(self, plugin: Any, module: nn.Module) -> None:
+        """Make ``plugin``'s calls of the gradient hooks run inside :meth:`active` for ``module``."""
+        self.uninstall(plugin)  # a plugin reused by another fit: its own methods, wrapped once
+        for name in _HOOK_CALLERS:
+            original = getattr(plugin, name)
+
+            @functools.wraps(original)
+            def wrapped(*args: Any, _original: Callable[..., Any] = original, **kwargs: Any) -> Any:
+                with self.active(module):
+                    return _original(*args, **kwargs)
+
+            plugin.__dict__[name] = wrapped
+        clip = plugin.clip_gradients
+
+        @functools.wraps(clip)
+        def clip_gradients(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return clip(*args, **kwargs)
+            finally:
+                self._view = None  # the stages' own gradients changed: copies gathered again if asked
+
+        plugin.__dict__["clip_gradients"] = clip_gradients
+
+    @staticmethod
+    def uninstall(plugin: Any) -> None:
+        """Undo :meth:`install`."""
+        for name in (*_HOOK_CALLERS, "clip_gradients"):
+            plugin.__dict__.pop(name, None)
+
+    @contextlib.contextmanager
+    def active(self, module: nn.Module) -> Iterator[None]:
+        """Inside: ``module.parameters()`` and ``module.named_parameters()`` are the whole model's."""
+        if self.pipelined.stages < 2 or self.pipelined.installed is None:
+            yield
+            return
+        self._depth += 1
+        if self._depth == 1:
+            module.__dict__["named_parameters"] = self._named_parameters
+            module.__dict__["parameters"] = self._parameters
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                module.__dict__.pop("named_parameters", None)
+                module.__dict__.pop("parameters", None)
+                self._view = None
+
+    def _named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, p in self._whole():
+            yield (f"{prefix}.{name}" if prefix else name), p
+
+    def _parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self._whole():
+            yield p
+
+    def _whole(self) -> list[tuple[str, nn.Parameter]]:
+        """Every parameter of the model by its name, in model order: this stage's own, the others' copies."""
+        if self._view is None:
+            self.arrive("the whole model's parameters (parameters() in a gradient hook)")
+            mine = self._own()
+            device = next(iter(self.pipelined.running.parameters()), torch.empty(0)).device  # the copies'
+            gathered: list[Any] = [None] * dist.get_world_size(self.group)
+            payload = {
+                n: (p.detach().cpu(), None if p.grad is None else p.grad.detach().cpu(), p.requires_grad)
+                for n, p in mine.items()
+            }
+            dist.all_gather_object(gathered, payload, group=self.group)
+            found: dict[str, nn.Parameter] = {}
+            for part in gathered:
+                for name, (data, grad, requires_grad) in part.items():
+                    if name in mine or name in found:
+                        continue
+                    copy = nn.Parameter(data.to(device), requires_grad=requires_grad)
+                    copy.grad = grad.to(device) if grad is not None else None
+                    found[name] = copy
+            found.update(mine)
+            names = self.pipelined.plain_names or []
+            self._view = [(n, found[n]) for n in names if n in found]
+        return self._view
+
+    def _own(self) -> dict[str, nn.Parameter]:
+        """This stage's parameters by their names in the model (tied copies it does not own left out)."""
+        stage, prefix = self.pipelined.running, f"{self.pipelined.name}."
+        aliases, names = self.pipelined.tied_aliases(), set(self.pipelined.plain_names or [])
+        own = ((prefix + n, p) for n, p in stage.named_parameters())
+        return {n: p for n, p in own if aliases.get(n) is None and n in names}
+
+
+def attach(
+    plugin: Any, module: nn.Module, pipelined: Pipelined, groups: Any, arrive: Callable[[str], None]
+) -> None:
+    """Give ``module``'s gradient hooks the whole model's parameters (:class:`WholeParameters`), and
+    :func:`lightning_gpipe.engine.aux_losses.take_aux_losses` the sum over the pipeline's stages (``groups``:
+    the strategy's :class:`~lightning_gpipe.transport.groups.Groups`, ``None`` without processes). After
+    ``fit`` both are inert: the view is the stage's only while it is installed."""
+    group = groups.pipeline if groups is not None else None
+    WholeParameters(pipelined, group, arrive).install(plugin, module)
+    set_reducer(None)
+    if group is not None and pipelined.stages > 1:
+
+        def over_stages(value: torch.Tensor) -> torch.Tensor:
+            if pipelined.installed is None:  # after fit: this process's only
+                return value
+            arrive("take_aux_losses")
+            device = next(iter(pipelined.running.parameters()), value).device
+            total = value.to(device)
+            dist.all_reduce(total, group=group)
+            return total.cpu()
+
+        set_reducer(over_stages)
+
+
+def _cpu(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return grad.detach().cpu() if grad is not None else None
