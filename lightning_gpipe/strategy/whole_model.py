@@ -34,6 +34,7 @@ from torch import nn
 
 from lightning_gpipe.engine.aux_losses import set_reducer
 from lightning_gpipe.strategy.pipelined import Pipelined
+from lightning_gpipe.transport.groups import close_at_exit
 
 __all__ = ["WholeParameters", "attach"]
 
@@ -139,6 +140,20 @@ class WholeParameters:
             self._view = [(n, found[n]) for n in names if n in found]
         return self._view
 
+    def over_stages(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a stage's aux losses) summed over the pipeline's stages; this process's after fit."""
+        if self.pipelined.installed is None or self.group is None:
+            return value
+        self.arrive("take_aux_losses")
+        total = value.to(next(iter(self.pipelined.running.parameters()), value).device)
+        dist.all_reduce(total, group=self.group)
+        return total.cpu()
+
+    def release_groups(self) -> None:
+        """Let go of the pipeline's process group (at exit, and before the ranks connect again)."""
+        self.group, self._view = None, None
+        set_reducer(None)
+
     def _own(self) -> dict[str, nn.Parameter]:
         """This stage's parameters by their names in the model (tied copies it does not own left out)."""
         stage, prefix = self.pipelined.running, f"{self.pipelined.name}."
@@ -153,23 +168,10 @@ def attach(
     """Give ``module``'s gradient hooks the whole model's parameters (:class:`WholeParameters`), and
     :func:`lightning_gpipe.engine.aux_losses.take_aux_losses` the sum over the pipeline's stages (``groups``:
     the strategy's :class:`~lightning_gpipe.transport.groups.Groups`, ``None`` without processes). After
-    ``fit`` both are inert: the view is the stage's only while it is installed."""
-    group = groups.pipeline if groups is not None else None
-    WholeParameters(pipelined, group, arrive).install(plugin, module)
-    set_reducer(None)
-    if group is not None and pipelined.stages > 1:
-
-        def over_stages(value: torch.Tensor) -> torch.Tensor:
-            if pipelined.installed is None:  # after fit: this process's only
-                return value
-            arrive("take_aux_losses")
-            device = next(iter(pipelined.running.parameters()), value).device
-            total = value.to(device)
-            dist.all_reduce(total, group=group)
-            return total.cpu()
-
-        set_reducer(over_stages)
-
-
-def _cpu(grad: torch.Tensor | None) -> torch.Tensor | None:
-    return grad.detach().cpu() if grad is not None else None
+    ``fit`` both are inert: the view is the stage's only while it is installed. The view lets go of the
+    pipeline's group with the strategy's (:func:`lightning_gpipe.transport.groups.close_at_exit`), so that
+    no group outlives ``destroy_process_group`` with its threads."""
+    view = WholeParameters(pipelined, groups.pipeline if groups is not None else None, arrive)
+    view.install(plugin, module)
+    close_at_exit(view)
+    set_reducer(view.over_stages if view.group is not None and pipelined.stages > 1 else None)

@@ -20,6 +20,7 @@ started that has exited (:func:`watch`), or one whose heartbeat stopped
 
 from __future__ import annotations
 
+import atexit
 import sys
 import time
 from collections.abc import Callable
@@ -63,9 +64,11 @@ def generation() -> int:
 def join(excepthook: Any) -> None:
     """Keep the store of the default process group just initialized as the job's (once per job);
     ``excepthook`` is ``sys.excepthook`` as it was before that initialization (each
-    ``init_process_group`` wraps it in a ``[rank R]`` prefix)."""
+    ``init_process_group`` wraps it in a ``[rank R]`` prefix). The store is let go at exit (its
+    server's thread ends with it, before Python shuts down)."""
     if not joined() and dist.is_available() and dist.is_initialized():
         _job.update(store=_get_default_store(), generation=0, excepthook=excepthook)
+        atexit.register(leave)
 
 
 def watch(ended: Callable[[], str | None]) -> None:
