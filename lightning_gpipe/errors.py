@@ -16,6 +16,7 @@ __all__ = [
     "MicroBatchError",
     "PartitionError",
     "PipelineUsageError",
+    "RankFailed",
     "RankLost",
     "SkipError",
     "StageError",
@@ -58,6 +59,11 @@ class CollectiveTimeout(RuntimeError):
 class RankLost(RuntimeError):
     """A rank of the job died or lost its connection (killed with SIGKILL, out of memory, a lost node)
     while this one waited for it; the message names it."""
+
+
+class RankFailed(RuntimeError):
+    """Another rank of the job failed with an error of its own (in a step, a hook, a callback, a
+    dataloader) while this one waited for it; the message names the rank and its error."""
 
 
 class LayerProfilingError(RuntimeError):

@@ -8,9 +8,12 @@ marks its arrival in the job's key-value store (the one ``torch.distributed`` wa
 with) and waits for the others for at most ``timeout`` seconds; if some never come, it raises
 :class:`CollectiveTimeout` naming the operation and the ranks missing, and leaves the same note in
 the store, where the other ranks' failure reports (:mod:`lightning_gpipe.transport.failure`) find it. The
-failure protocol then ends every rank. A missing rank that is gone (killed, its connection lost:
-:mod:`lightning_gpipe.transport.liveness`) is named within seconds instead, with :class:`RankLost`.
-Cost: one store write and one wait per operation (and a heartbeat check every few seconds of waiting).
+failure protocol then ends every rank. A missing rank that failed with an error of its own (in any
+hook, callback or dataloader: it left, saying why, :func:`~lightning_gpipe.transport.liveness.leave`)
+is named with its error within :data:`DEPARTURE_S` seconds, with :class:`RankFailed`; one that is gone
+(killed, its connection lost: :mod:`lightning_gpipe.transport.liveness`) within seconds, with
+:class:`RankLost`. Cost: one store write and one wait per operation (and, while waiting, a look for
+departures every :data:`DEPARTURE_S` seconds and a heartbeat check every few seconds).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from typing import Any, NoReturn
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _get_default_store
 
-from lightning_gpipe.errors import CollectiveTimeout, RankLost
+from lightning_gpipe.errors import CollectiveTimeout, RankFailed, RankLost
 from lightning_gpipe.transport import liveness
 
 NOTE_KEY = "gpipe/failure"
+DEPARTURE_S = 0.2
+"""Seconds between two looks, while waiting, for a missing rank that left (failed, or exited)."""
 _counts: Counter[str] = Counter()
 
 
@@ -48,9 +53,11 @@ def arrive(operation: str, timeout: float, ranks: list[int] | None = None) -> No
     Every rank of ``ranks`` must call it for the same operations in the same order. Every
     :data:`~lightning_gpipe.transport.liveness.SILENCE_S` seconds of waiting, a rank still missing
     that has stopped beating (:mod:`lightning_gpipe.transport.liveness`) is named at
-    once, rather than the user's code blamed at the timeout.
+    once, rather than the user's code blamed at the timeout; one that left (it failed with an error of
+    its own, or exited) within :data:`DEPARTURE_S` seconds.
 
     Raises:
+        RankFailed: a rank still missing failed with an error of its own; the message names it and the error.
         RankLost: a rank still missing died or lost its connection; the message names it.
         CollectiveTimeout: some ranks did not arrive in time; the message names them.
     """
@@ -70,6 +77,7 @@ def arrive(operation: str, timeout: float, ranks: list[int] | None = None) -> No
     store.set(f"{key}/{me}", "1")
     keys, deadline = [f"{key}/{r}" for r in ranks], time.monotonic() + timeout
     before, since, delay = _beats(others), time.monotonic(), 0.0005
+    look = time.monotonic() + DEPARTURE_S
     while True:  # polled (store.wait logs a warning at each timeout): every 50 ms at most
         error: Exception | None = None
         try:
@@ -78,6 +86,9 @@ def arrive(operation: str, timeout: float, ranks: list[int] | None = None) -> No
         except Exception as err:  # noqa: BLE001 - the store went away: said below
             error = err
         now = time.monotonic()
+        if now >= look and error is None:
+            _fail_if_departed(operation, me, [r for r in others if not _has(store, f"{key}/{r}")])
+            look = now + DEPARTURE_S
         if before is not None and (error is not None or now - since >= liveness.SILENCE_S):
             missing = [r for r in others if not _has(store, f"{key}/{r}")]
             cause = liveness.lost(missing, before) if missing else None
@@ -95,6 +106,21 @@ def arrive(operation: str, timeout: float, ranks: list[int] | None = None) -> No
             _fail(CollectiveTimeout(note), error)
         time.sleep(delay)
         delay = min(2 * delay, 0.05)
+
+
+def _fail_if_departed(operation: str, me: int, missing: list[int]) -> None:
+    """Raise :class:`RankFailed` when a rank of ``missing`` left (failed, or exited) while ``me`` waited
+    at ``operation``: it will never come."""
+    left = liveness.departed(missing)
+    if left:
+        said = "; ".join(reason for _, reason in sorted(left.items()))
+        _fail(
+            RankFailed(
+                f"{operation} needs every rank, but {said} (rank {me} waited for it; that rank's "
+                "traceback is printed, tagged [lightning_gpipe], in its output)"
+            ),
+            None,
+        )
 
 
 def _beats(ranks: list[int]) -> dict[int, int] | None:

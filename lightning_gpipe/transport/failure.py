@@ -84,9 +84,10 @@ def report_and_abort(exception: BaseException, where: str) -> None:
     A rank that fails for a reason of its own prints its error first, tells the other ranks that it
     leaves on purpose (:func:`~lightning_gpipe.transport.liveness.leave`), then tears its group down.
     A rank that stops because a connection broke tears its group down first (its own peers learn at
-    once), then finds out which rank is gone (:func:`~lightning_gpipe.transport.liveness.lost`, a few
-    seconds: a rank killed with SIGKILL prints nothing) and names it; where none is gone, another rank
-    failed with an error of its own, printed in that rank's output.
+    once), then names the rank that failed with an error of its own and that error, where one left
+    saying so (:func:`~lightning_gpipe.transport.liveness.departed`), or else finds out which rank is
+    gone (:func:`~lightning_gpipe.transport.liveness.lost`, a few seconds: a rank killed with SIGKILL
+    prints nothing) and names it.
 
     Args:
         exception: what this rank raised.
@@ -100,17 +101,24 @@ def report_and_abort(exception: BaseException, where: str) -> None:
             file=sys.stderr,
             flush=True,
         )
-        liveness.leave(f"{where} failed: {type(exception).__name__}")
+        liveness.leave(f"{where} failed: {_said(exception)}")
         abort_process_group()
         return
     note, others = failure_note(), _other_ranks()
     abort_process_group()
-    cause = liveness.lost(others) if others else None  # this rank beats on meanwhile: not counted gone
+    failed = [why for _, why in sorted(liveness.departed(others).items()) if " failed: " in why]
+    # this rank beats on meanwhile: not counted gone
+    cause = None if failed or not others else liveness.lost(others)
     liveness.leave(f"{where} stopped after a connection broke")
     if cause:
         reason = cause
     elif note:
         reason = f"another rank of the job failed ({note})"
+    elif failed:
+        reason = (
+            f"another rank of the job failed ({'; '.join(failed)}; its traceback is printed, tagged "
+            "[lightning_gpipe], in that rank's output)"
+        )
     else:
         reason = (
             "another rank of the job failed; its error is printed, tagged [lightning_gpipe], "
@@ -120,6 +128,12 @@ def report_and_abort(exception: BaseException, where: str) -> None:
     if peer is not None:
         reason += f"; this rank was waiting for a message from {liveness.describe(peer)}"
     _prefix_message(exception, f"[lightning_gpipe] {where} stopped because {reason}. Connection error: ")
+
+
+def _said(exception: BaseException, limit: int = 600) -> str:
+    """``"ValueError: its message"``, cut at ``limit`` characters: what the other ranks name."""
+    said = f"{type(exception).__name__}: {exception}"
+    return said if len(said) <= limit else said[: limit - 3] + "..."
 
 
 def _waited_on(exception: BaseException) -> int | None:

@@ -36,6 +36,7 @@ __all__ = [
     "SILENCE_S",
     "StoreLost",
     "beats",
+    "departed",
     "describe",
     "gone",
     "known_lost",
@@ -135,6 +136,20 @@ def leave(reason: str) -> None:
             reader.set(f"{_LEFT}{_state['rank']}", reason)
         except Exception:  # noqa: BLE001, S110 - the store is gone; the others learn it themselves
             pass
+
+
+def departed(ranks: list[int]) -> dict[int, str]:
+    """The ranks of ``ranks`` that left on purpose (:func:`leave`), with the reason each gave (e.g.
+    ``"stage 0 (rank 1) failed: ValueError: ..."``); empty when none did, this rank has no heartbeat or
+    the store cannot be reached (said by :func:`lost`)."""
+    reader = _state.get("reader")
+    if reader is None or not ranks:
+        return {}
+    try:
+        left = [r for r in ranks if reader.check([f"{_LEFT}{r}"])]
+        return {r: reader.get(f"{_LEFT}{r}").decode(errors="replace") for r in left}
+    except Exception:  # noqa: BLE001 - the store is gone: lost() says so
+        return {}
 
 
 def beats(ranks: list[int], count_left: bool = False) -> dict[int, int] | None:

@@ -25,11 +25,12 @@ exit), resume ({"ckpt": path, "steps": total steps, "trainer": overrides}), pred
 after fit), shuffle (the training loader shuffles), rank0_only ({"at": batch, "call": "save" |
 "barrier" | "broadcast" | "agree", "sigterm_after": seconds, "signal": "SIGTERM" (default) |
 "SIGINT"}: only global rank 0 calls it, after writing the file "blocked" (and arranging that signal
-to itself)), planted ({"kind": Net kind, "path": checkpoint}: after the runs, a fit(ckpt_path=path)
-of a fresh Net(kind), its error left to end the job), record_start_state (rank 0 records the full
-state as training starts; every rank also records, just before fit, its module's state as
-"init_state" and its torch CPU generator state as "init_rng"). seed: the seed_everything seed
-(default 0); None: an unseeded script, no seed_everything (PL_GLOBAL_SEED removed): each process
+to itself)), fail_in ({"hook": a Callback hook name, "rank": r}: that hook raises ValueError on global
+rank r only, outside sanity checking), planted ({"kind": Net kind, "path": checkpoint}: after the
+runs, a fit(ckpt_path=path) of a fresh Net(kind), its error left to end the job), record_start_state
+(rank 0 records the full state as training starts; every rank also records, just before fit, its
+module's state as "init_state" and its torch CPU generator state as "init_rng"). seed: the seed_everything
+seed (default 0); None: an unseeded script, no seed_everything (PL_GLOBAL_SEED removed): each process
 draws its torch, random and numpy generators from OS entropy, so every process initializes different
 weights and holds a different random state.
 """
@@ -174,6 +175,18 @@ class Rank0Only(Callback):
                 trainer.strategy.barrier("only rank 0")
 
 
+class FailIn(Callback):
+    """Raise ``ValueError("injected failure in HOOK")`` in the Callback hook ``spec["fail_in"]["hook"]``
+    on global rank ``spec["fail_in"]["rank"]`` only."""
+
+    def __init__(self, hook: str, rank: int) -> None:
+        def fail(trainer, *args, **kwargs):
+            if trainer.global_rank == rank and not trainer.sanity_checking:
+                raise ValueError(f"injected failure in {hook}")
+
+        setattr(self, hook, fail)
+
+
 for k, run in enumerate(spec["runs"]):
     run = dict(run)
     run_net = {**net_kwargs, **run.pop("net", {})}  # a run's own Net options
@@ -205,6 +218,8 @@ for k, run in enumerate(spec["runs"]):
         callbacks.append(EarlyStopping(**spec["callbacks"]["early_stopping"]))
     if spec.get("rank0_only"):
         callbacks.append(Rank0Only())
+    if spec.get("fail_in"):
+        callbacks.append(FailIn(spec["fail_in"]["hook"], spec["fail_in"]["rank"]))
     if spec.get("record_start_state"):
         callbacks.append(RecordStartState())
     if spec.get("save_at_train_end"):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests._harness import run_script
+from tests._harness import run_ranks, run_script
 
 BOUND_S = 60.0
 
@@ -101,3 +101,40 @@ def test_launcher_failure_before_rendezvous_ends_the_started_ranks():
     )  # waits for the whole process group
     assert rc != 0 and "rank 0 cannot read its data" in out
     assert time.monotonic() - start < BOUND_S
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "hook, rank",
+    [
+        ("on_train_epoch_end", 1),  # stage 0 fails; the last stage waits at the epoch's metric share
+        ("on_validation_epoch_end", 0),  # the last stage fails; stage 0 waits at the validation share
+    ],
+)
+def test_a_failure_in_a_hook_on_one_rank_reaches_the_others_within_seconds_named(tmp_path, hook, rank):
+    """A callback's epoch-end hook raises on one rank only (collective_timeout 60 s): the other rank stops
+    within seconds with RankFailed naming the failed rank and its error, not blaming the user's code
+    at the timeout. Started torchrun-style, so that each rank's own output is read."""
+    spec = {
+        "kind": "mlp",
+        "devices": 2,
+        "out": str(tmp_path),
+        "steps": 4,
+        "val": True,
+        "trainer": {"max_epochs": 2, "limit_train_batches": 2, "limit_val_batches": 2},
+        "runs": [{"chunks": 2, "collective_timeout": 60}],
+        "fail_in": {"hook": hook, "rank": rank},
+    }
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    start = time.monotonic()
+    results = run_ranks("tests/workers/train.py", 2, str(tmp_path / "spec.json"), timeout=150)
+    seconds = time.monotonic() - start
+    assert seconds < BOUND_S, f"the job took {seconds:.0f} s to end"
+    other = 1 - rank
+    assert results[rank][0] != 0 and f"ValueError: injected failure in {hook}" in results[rank][1]
+    rc, out = results[other]
+    stage = {0: 1, 1: 0}[rank]
+    assert rc != 0, out[-3000:]
+    said = f"but stage {stage} (rank {rank}) failed: ValueError: injected failure in {hook}"
+    assert "RankFailed: " in out and said in out, out[-3000:]
+    assert "call it on every rank" not in out, out[-3000:]

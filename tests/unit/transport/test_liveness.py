@@ -72,3 +72,16 @@ def test_a_rank_found_gone_stays_gone(store):
     store.add("gpipe/beat/1", 1)
     said = liveness.lost([1, 2], before)
     assert liveness.known_lost([2, 5]) == said and liveness.known_lost([1]) is None
+
+
+def test_departed_gives_each_leaving_rank_its_reason(store):
+    store.set("gpipe/left/2", "stage 0 (rank 2) failed: ValueError: boom")
+    assert liveness.departed([1, 2]) == {2: "stage 0 (rank 2) failed: ValueError: boom"}
+    assert liveness.departed([1]) == {}
+
+
+def test_departed_without_heartbeat_or_store_says_nothing(store, monkeypatch):
+    monkeypatch.setitem(liveness._state, "reader", _GoneStore())
+    assert liveness.departed([1]) == {}
+    monkeypatch.setattr(liveness, "_state", {})
+    assert liveness.departed([1]) == {}
