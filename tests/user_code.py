@@ -12,8 +12,11 @@ or under ``GPipeStrategy`` (tests/workers/user_code.py, every rank), and returns
   ``training_step`` and computed, logged and reset in ``on_train_epoch_end`` (also logged doubled
   with ``on_epoch=True``), monitored there by ``EarlyStopping`` and by a ``ReduceLROnPlateau``
   scheduler; a ``MetricCollection`` (MAE, a ``BinaryAUROC`` whose ``compute()`` of no samples raises)
-  computed in ``on_validation_epoch_end`` and monitored by ``ModelCheckpoint``; fit over up to 5
-  epochs with validation each epoch.
+  computed in ``on_validation_epoch_end`` and monitored by ``ModelCheckpoint``; Lightning 2's
+  migration-guide pattern, step losses appended to ``training_step_outputs`` /
+  ``validation_step_outputs`` and their ``torch.stack(...).mean()`` logged in the epoch-end hooks
+  (which raise on a stage where the lists stay empty); fit over up to 5 epochs with validation each
+  epoch.
 - ``"batchnorm"``: an MLP with two ``BatchNorm1d`` (issue 40, kind E) trained on batches of 12 under
   the default chunks; its one-device reference (``strategy=None``) applies the Sequential to each
   2-sample slice of the batch in turn, GPipe's per-micro-batch statistics.
@@ -133,12 +136,16 @@ class EpochEnd(pl.LightningModule):
         self.lrs: list[float] = []
         self.computed: list[float] = []  # what compute() returned here (NaN on a stage without updates)
         self.epoch_metrics: list[dict[str, float]] = []  # what the monitoring callbacks read, every epoch
+        self.training_step_outputs: list[torch.Tensor] = []
+        self.validation_step_outputs: list[torch.Tensor] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
         out = self.layers(x)
         self.train_mse.update(out.detach(), y)
-        return F.mse_loss(out, y)
+        loss = F.mse_loss(out, y)
+        self.training_step_outputs.append(loss.detach())
+        return loss
 
     def on_train_epoch_start(self):
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
@@ -153,17 +160,22 @@ class EpochEnd(pl.LightningModule):
         self.log("train_mse", value)
         self.log("train_mse_x2", value * 2, on_epoch=True)
         self.train_mse.reset()
+        self.log("train_avg", torch.stack(self.training_step_outputs).mean())
+        self.training_step_outputs.clear()
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
         out = self.layers(x)
         self.val_metrics["mae"].update(out, y)
         self.val_metrics["auroc"].update(out.flatten().sigmoid(), (y.flatten() > 0).long())
+        self.validation_step_outputs.append(F.mse_loss(out, y))
 
     def on_validation_epoch_end(self):
         values = self.val_metrics.compute()
         self.log_dict({f"val_{k}": v for k, v in values.items()})
         self.val_metrics.reset()
+        self.log("val_avg", torch.stack(self.validation_step_outputs).mean())
+        self.validation_step_outputs.clear()
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.2)
@@ -179,7 +191,7 @@ class _Monitored(pl.Callback):
             self.on_train_end(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module):
-        keys = ("train_mse", "train_mse_x2", "val_mae", "val_auroc")
+        keys = ("train_mse", "train_mse_x2", "val_mae", "val_auroc", "train_avg", "val_avg")
         pl_module.epoch_metrics.append({k: float(trainer.callback_metrics[k]) for k in keys})
 
 

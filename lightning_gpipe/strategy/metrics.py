@@ -9,7 +9,9 @@ validation epoch) are broadcast over each pipeline here: before the epoch-end ca
 again after the LightningModule's ``on_train_epoch_end``, whose keys Lightning's monitoring
 callbacks (``ModelCheckpoint``, ``EarlyStopping``) and ``ReduceLROnPlateau`` read next (Lightning
 runs them after the module's hook for that reason: ``fit_loop.on_advance_end``; issue 40, kind D).
-Validation keys are shared at ``on_validation_end``, after the module's ``on_validation_epoch_end``.
+Validation and test keys are shared at ``on_validation_end`` / ``on_test_end``, after the module's
+``on_validation_epoch_end`` / ``on_test_epoch_end``. Those hooks, on the other stages, may fail for
+want of step outputs: :mod:`lightning_gpipe.strategy.epoch_end` settles that in the share that follows.
 
 torchmetrics metrics sync over the last stage's data-parallel replicas only. On the other stages a
 metric never syncs (torchmetrics decides with ``Metric._to_sync`` and ``distributed_available_fn``,
@@ -33,6 +35,7 @@ from torchmetrics import Metric
 
 from lightning_gpipe._lightning import attached_trainer, distributed_is_initialized
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, namespace_of, specialize
+from lightning_gpipe.strategy.epoch_end import guard_epoch_end_hooks, resolve_held, unguard_epoch_end_hooks
 from lightning_gpipe.transport.groups import tensors_to_cpu
 from lightning_gpipe.transport.layout import Layout
 
@@ -86,8 +89,10 @@ class _ShareLastStageMetricsLogic(_Base):
         self.share(trainer)
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not trainer.sanity_checking:
-            self.share(trainer)
+        self.share(trainer)  # also in the sanity check: it settles the module's held epoch-end errors
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.share(trainer)
 
 
 class ShareLastStageMetrics(_ShareLastStageMetricsLogic, Callback):
@@ -95,32 +100,21 @@ class ShareLastStageMetrics(_ShareLastStageMetricsLogic, Callback):
     namespace = PYTORCH_LIGHTNING
 
 
-def install_metric_sharing(trainer: pl.Trainer, share: Any) -> ShareLastStageMetrics:
+def install_metric_sharing(trainer: pl.Trainer, share: Any, last_stage: bool = True) -> ShareLastStageMetrics:
     """Put a :class:`ShareLastStageMetrics` (of the Trainer's namespace) first among ``trainer``'s
-    callbacks, and :func:`share_after_epoch_hook` on its LightningModule."""
-    callback = specialize(ShareLastStageMetrics, namespace_of(trainer) or PYTORCH_LIGHTNING)(share)
+    callbacks, and guard its LightningModule's epoch-end hooks
+    (:func:`~lightning_gpipe.strategy.epoch_end.guard_epoch_end_hooks`; ``last_stage``: this rank's
+    stage is its pipeline's last): the module's ``on_train_epoch_end`` shares after its own code, and on
+    other stages the hooks' errors are settled by the share that follows."""
+    held: dict[str, Any] = {}
+
+    def share_settling(trainer: pl.Trainer) -> None:
+        resolve_held(lambda: share(trainer), held)
+
+    callback = specialize(ShareLastStageMetrics, namespace_of(trainer) or PYTORCH_LIGHTNING)(share_settling)
     trainer.callbacks.insert(0, callback)  # type: ignore[attr-defined]
-    share_after_epoch_hook(trainer.lightning_module, lambda: share(trainer))
+    guard_epoch_end_hooks(trainer.lightning_module, last_stage, lambda: share(trainer), held)
     return callback
-
-
-def share_after_epoch_hook(module: pl.LightningModule | None, share: Callable[[], None]) -> None:
-    """Make ``module.on_train_epoch_end`` call ``share()`` after its own code, on every rank.
-
-    Lightning runs the monitoring callbacks (``EarlyStopping``, ``ModelCheckpoint``) and then the
-    plateau schedulers right after the module's ``on_train_epoch_end``, so that they see the keys it
-    logs; those keys exist on the last stage only until shared. Set on the instance, removed by
-    :func:`remove_metric_sharing`.
-    """
-    if module is None or "on_train_epoch_end" in vars(module):
-        return
-    hook = module.on_train_epoch_end
-
-    def on_train_epoch_end() -> None:
-        hook()
-        share()
-
-    vars(module)["on_train_epoch_end"] = on_train_epoch_end
 
 
 def evaluation_results(results: Any, trainer: Any, from_last_stage: Callable[[Any], Any]) -> Any:
@@ -140,8 +134,7 @@ def remove_metric_sharing(module: pl.LightningModule | None, callback: ShareLast
     trainer = attached_trainer(module) if module is not None else None
     if callback is not None and trainer is not None and callback in trainer.callbacks:  # type: ignore[attr-defined]
         trainer.callbacks.remove(callback)  # type: ignore[attr-defined]
-    if module is not None:
-        vars(module).pop("on_train_epoch_end", None)
+    unguard_epoch_end_hooks(module)
     restore_logging(module)
 
 

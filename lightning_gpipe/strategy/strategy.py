@@ -245,8 +245,8 @@ class _GPipeStrategyLogic(_Base):
         metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
 
     def _attach_to_trainer(self, trainer: pl.Trainer) -> None:  # undone by _detach_from_trainer
-        self._metric_sharing = metrics.install_metric_sharing(trainer, self.share_last_stage_metrics)
         piped, replicas, last = self._pipelined, self.layout.replicas, self.is_last_stage
+        self._metric_sharing = metrics.install_metric_sharing(trainer, self.share_last_stage_metrics, last)
         callbacks.adapt_callbacks(trainer, self._module, self.namespace, piped, replicas, last)
         whole_model.attach(self.precision_plugin, self._module, piped, self._groups, self._arrive)
 

@@ -20,7 +20,9 @@ def test_epoch_end_metrics_reach_the_monitoring_callbacks_on_every_rank(kinds_jo
     BinaryAUROC, computed in on_validation_epoch_end, drives ModelCheckpoint. On every rank the
     callbacks read one device's values, stop at the same epoch, keep the same best score and file,
     and the weights equal one device's; compute() returns one device's value on the last stage and
-    NaN on stage 0, which saw no update (its BinaryAUROC of no samples would raise)."""
+    NaN on stage 0, which saw no update (its BinaryAUROC of no samples would raise). The averages of
+    step losses collected in lists (Lightning 2's migration guide) reach every rank as on one device,
+    though the hooks that stack them raise on stage 0, where the lists stay empty."""
     reference = train("epoch", trainer={"dirpath": str(tmp_path / "ref")})
     assert reference["stopped"] == 2 and reference["lrs"] == pytest.approx([0.2, 0.2, 0.2, 0.1])
     for name in ("epoch_gpipe", "epoch_1f1b"):

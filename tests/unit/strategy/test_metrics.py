@@ -7,7 +7,8 @@ import torch
 import torchmetrics
 from torch import nn
 
-from lightning_gpipe.strategy.metrics import remove_metric_sharing, share_after_epoch_hook, sync_metrics_over
+from lightning_gpipe.strategy.epoch_end import guard_epoch_end_hooks
+from lightning_gpipe.strategy.metrics import remove_metric_sharing, sync_metrics_over
 from tests.models import pl
 
 
@@ -63,7 +64,7 @@ class _Hooked(pl.LightningModule):
 def test_the_modules_train_epoch_end_shares_after_its_own_code():
     seen: list[str] = []
     module = _Hooked(seen)
-    share_after_epoch_hook(module, lambda: seen.append("share"))
+    guard_epoch_end_hooks(module, True, lambda: seen.append("share"), {})
     module.on_train_epoch_end()
     assert seen == ["module", "share"]
     remove_metric_sharing(module, None)
