@@ -29,7 +29,6 @@ from lightning_gpipe.tools.timeline import Timeline
 __all__ = [
     "accumulating",
     "check_aux_with_num_items",
-    "check_single_optimizer",
     "drain",
     "eval_step",
     "predict_step",
@@ -144,19 +143,6 @@ def accumulating(module: pl.LightningModule | None) -> bool:
     if module is None or not module.automatic_optimization or _lightning.attached_trainer(module) is None:
         return False
     return _lightning.should_accumulate(module.trainer)
-
-
-def check_single_optimizer(count: int) -> None:
-    """Raise unless ``configure_optimizers`` returned one optimizer.
-
-    Raises:
-        ValueError: ``count`` > 1.
-    """
-    if count > 1:
-        raise ValueError(
-            f"configure_optimizers returned {count} optimizers; the gpipe strategy runs one "
-            "forward and one backward per step and supports a single optimizer (use parameter groups)"
-        )
 
 
 def _none_if_done(out: Any) -> Any:

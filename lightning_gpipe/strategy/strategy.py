@@ -26,7 +26,8 @@ from lightning_gpipe.partition.compiling import check_compile
 from lightning_gpipe.state import loading, materialize
 from lightning_gpipe.strategy import callbacks, checkpoints, launcher, metrics, microstep, pipelined
 
-from lightning_gpipe.strategy import precision, process_group, signals, steps, whole_model  # isort: skip
+from lightning_gpipe.strategy import optimizer_setup, precision, process_group, signals, steps  # isort: skip
+from lightning_gpipe.strategy import whole_model  # isort: skip
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
 from lightning_gpipe.strategy.gradients import clip_optimizer_gradients
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, check_arguments, partition_model
@@ -252,10 +253,9 @@ class _GPipeStrategyLogic(_Base):
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        """``configure_optimizers`` over this stage's parameters only; one optimizer."""
-        with self._pipelined.configuring(self.root_device):
-            super().setup_optimizers(trainer)
-        steps.check_single_optimizer(len(self.optimizers))
+        """``configure_optimizers`` over this stage's parameters only; one optimizer, agreed by every rank."""
+        setup, configuring = functools.partial(super().setup_optimizers, trainer), self._pipelined.configuring
+        optimizer_setup.setup_single_optimizer(self, setup, configuring(self.root_device))
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
