@@ -148,6 +148,11 @@ def check_stages(num_layers: int, stages: int) -> None:
         )
 
 
+def _even(num_layers: int, parts: int) -> list[int]:
+    """``num_layers`` layers over ``parts`` parts as evenly as can be, the larger parts first."""
+    return [num_layers // parts + (1 if i < num_layers % parts else 0) for i in range(parts)]
+
+
 def check_balance(
     balance: Sequence[int], num_layers: int, stages: int | None = None, virtual_stages: int = 1
 ) -> list[int]:
@@ -168,9 +173,12 @@ def check_balance(
             f"balance entries must be positive integers (balance: {balance}); every stage needs a layer"
         )
     if sum(balance) != num_layers:
+        parts = stages or len(balance)
+        hint = f", e.g. balance={_even(num_layers, parts)}" if parts <= num_layers else ""
         raise PartitionError(
-            f"module and sum of balance have different length (module: {num_layers}, sum of balance: "
-            f"{sum(balance)})"
+            f"balance={balance} places {sum(balance)} layers but the nn.Sequential has {num_layers}: give "
+            f'layers per stage that add up to {num_layers}{hint}, or a balancer (balance="uniform", '
+            '"parameters", "time", "memory")'
         )
     if stages is not None and len(balance) != stages and virtual_stages > 1:
         raise PartitionError(

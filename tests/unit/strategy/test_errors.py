@@ -110,7 +110,11 @@ def test_more_stages_than_layers_raise_before_spawn():
 
 def test_balance_sum_mismatch_raises_before_spawn():
     message = _fit_before_spawn(Net("mlp"), balance=[2, 2])
-    assert "module: 5, sum of balance: 4" in message
+    assert (
+        "balance=[2, 2] places 4 layers but the nn.Sequential has 5: give layers per stage that add up"
+        in message
+    )
+    assert "to 5, e.g. balance=[3, 2], or a balancer" in message
 
 
 def test_balance_length_must_match_stages():
