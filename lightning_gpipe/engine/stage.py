@@ -289,7 +289,12 @@ class PipelineStage(nn.Sequential):
         if not self.active:
             raise PipelineUsageError(
                 "the pipelined nn.Sequential was called outside training/validation/test/predict_step; "
-                "under the gpipe strategy it runs only inside the LightningModule's step methods"
+                "under the gpipe strategy it runs only inside the LightningModule's step methods, each "
+                "rank holding one stage. To run the model on samples (e.g. a callback logging "
+                "predictions): call it in validation_step or predict_step (the output is on the last "
+                "stage), use trainer.predict(model, dataloaders) (the predictions reach every rank), or "
+                "call it in on_fit_end or after trainer.fit returns, where the module is whole again "
+                "on every rank"
             )
         if self.calls:
             raise PipelineUsageError(

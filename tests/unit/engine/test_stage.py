@@ -44,3 +44,21 @@ def test_indexing_a_stage_of_a_sequential_with_named_layers():
         list(seq._modules),
     )
     assert stage[-1] is seq.out and stage[1] is seq.act
+
+
+def test_a_call_outside_a_step_names_where_the_model_can_run_instead():
+    seq = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), nn.Linear(2, 3))
+    stage = PipelineStage(
+        list(seq.named_children())[:2],
+        StageTopology(0, 2, None, 1),
+        1,
+        "never",
+        P2P(torch.device("cpu")),
+        list(seq._modules),
+    )
+    with pytest.raises(
+        PipelineUsageError, match="called outside training/validation/test/predict_step"
+    ) as err:
+        stage(torch.zeros(1, 2))  # as a callback's pl_module(x) in on_train_epoch_end would
+    for way in ("validation_step or predict_step", "trainer.predict(model, dataloaders)", "on_fit_end"):
+        assert way in str(err.value)
