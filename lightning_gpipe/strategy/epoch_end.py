@@ -15,7 +15,9 @@ stage's metrics that follows the hook (right after ``on_train_epoch_end``, at ``
 / ``on_test_end``). Where that share arrives, the last stage ran the same hook without error: the
 exception is dropped, with a warning once per hook. Where the last stage failed (the share raises,
 naming its error), this stage raises its own exception, from the share's. An exception the last
-stage raises is never held, nor one raised by a callback.
+stage raises is never held, nor one raised by a callback. The rest of a hook that raised does not run
+on that stage; the warning says so (code past the failing line that steps a scheduler or changes the
+module belongs behind ``self.trainer.strategy.is_last_stage`` or before the step outputs are read).
 """
 
 from __future__ import annotations
@@ -100,8 +102,9 @@ def resolve_held(share: Callable[[], None], held: dict[str, Any]) -> None:
                 f"{name} raised {type(err).__name__}: {err} on a stage other than the last, where a step "
                 "method's code after the pipelined call does not run (a list of step outputs it reads is "
                 f"empty there); the last stage's {name} ran without error and what it logs stands for every "
-                "stage, so the error is ignored here. To run the hook's code on the last stage only, test "
-                "self.trainer.strategy.is_last_stage",
+                "stage, so the error is ignored here. The rest of the hook did not run on this stage: where "
+                "it does more than compute and log values (steps a scheduler, changes the module), run the "
+                "part that reads step outputs only where self.trainer.strategy.is_last_stage",
                 stacklevel=2,
             )
 
