@@ -11,8 +11,11 @@ Sequential is initialized on the CPU with its own random stream, seeded by
 :func:`layer_seed` ``(seed, k)`` where ``seed`` is the global seed (``seed_everything``); the
 caller's random state is left as it was. Every submodule holding tensors of its own is
 initialized by its ``reset_parameters()``, as Lightning's FSDP and model-parallel strategies do
-(a submodule without one raises ``TypeError``). The same layer therefore gets the same values with
-K = 1, 2 or 3 stages, on any device.
+(a submodule without one raises ``TypeError``), or, where the layer carries an
+``initialize_module(module)`` callable (:data:`INITIALIZER`), by that callable for each such submodule:
+the layers of :func:`lightning_gpipe.integrations.transformers.causal_lm` carry the model's own
+``_init_weights`` (issue 39). The same layer therefore gets the same values with K = 1, 2 or 3
+stages, on any device.
 
 Relation to the plain module's initialization: layer ``k`` equals building that layer eagerly
 right after ``torch.manual_seed(layer_seed(seed, k))`` whenever its submodules initialize
@@ -69,6 +72,10 @@ def tensor_init_context(
         yield
 
 
+# The attribute of a layer that initializes its submodules one by one (in place of their reset_parameters()).
+INITIALIZER = "initialize_module"
+
+
 def layer_seed(seed: int, index: int) -> int:
     """The seed of layer ``index``'s random stream: a hash of ``(seed, index)`` in ``[0, 2**63)``."""
     digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=8).digest()
@@ -100,11 +107,18 @@ def initialize_layer(layer: nn.Module, seed: int, only_meta: bool = True) -> Non
     """Initialize ``layer`` on the CPU from the random stream ``seed``, keeping the caller's random state.
 
     Every submodule holding tensors of its own (on the meta device, if ``only_meta``) gets CPU
-    storage (if it was meta) and calls its ``reset_parameters()``, in ``modules()`` order.
+    storage (if it was meta) and calls its ``reset_parameters()``, in ``modules()`` order; where
+    ``layer`` has a callable ``initialize_module`` attribute (:data:`INITIALIZER`), that is called
+    with each such submodule instead, after every one of them has storage (a Hugging Face model's
+    ``_init_weights``: its norms and rotary tables have no ``reset_parameters``).
 
     Raises:
-        TypeError: such a submodule has no ``reset_parameters`` method.
+        TypeError: such a submodule has no ``reset_parameters`` method (and ``layer`` no initializer).
     """
+    initializer = getattr(layer, INITIALIZER, None)
+    if callable(initializer):
+        _initialize_each(layer, seed, only_meta, initializer)
+        return
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for module in layer.modules():
@@ -121,6 +135,26 @@ def initialize_layer(layer: nn.Module, seed: int, only_meta: bool = True) -> Non
             if has_meta(module, recurse=False):
                 module.to_empty(device="cpu", recurse=False)
             module.reset_parameters()  # type: ignore[operator]
+
+
+def _initialize_each(
+    layer: nn.Module, seed: int, only_meta: bool, initializer: Callable[[nn.Module], None]
+) -> None:
+    """``initializer(module)`` for each submodule of ``layer`` holding (meta, if ``only_meta``) tensors
+    of its own, in ``modules()`` order, from the random stream ``seed``, once all have CPU storage."""
+    own = [
+        module
+        for module in layer.modules()
+        if any(True for _ in itertools.chain(module.parameters(False), module.buffers(False)))
+        and (not only_meta or has_meta(module, recurse=False))
+    ]
+    for module in own:
+        if has_meta(module, recurse=False):
+            module.to_empty(device="cpu", recurse=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in own:
+            initializer(module)
 
 
 def materialize_layers(
