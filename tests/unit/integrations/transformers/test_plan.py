@@ -37,11 +37,22 @@ def test_a_meta_built_plan_model_materializes_stage_by_stage_as_its_own_init_for
     assert [has_meta(layer) for layer in seq] == [False, False, True, True, True]
     materialize_layers([(k, seq[k]) for k in (2, 3, 4)], seed=3)  # stage 1 of 2
     assert not has_meta(model)
-    # the same values as one stage (K = 1): the weights do not depend on the cut
+    # the same values as one stage (K = 1): the weights do not depend on the cut. Gemma 2 ties its
+    # head to the embedding: one stage keeps them one tensor, the embedding's; over two, the last
+    # stage's copy is its own until the strategy broadcasts the first stage's (partition.tied)
     whole = _meta(family)
-    initialize(causal_lm(whole), seed=3)
+    materialize_layers(list(enumerate(causal_lm(whole))), seed=3)
+    tied = whole.config.tie_word_embeddings
+    assert (whole.lm_head.weight is whole.model.embed_tokens.weight) == tied
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is False
     for (name, tensor), (other, value) in zip(model.state_dict().items(), whole.state_dict().items()):
-        assert name == other and torch.equal(tensor, value), name
+        assert name == other
+        assert torch.equal(tensor, value) or (tied and name == "lm_head.weight"), name
+    twin = _meta(family)
+    initialize(causal_lm(twin), seed=3)  # the one-device twin: the same values, the same tie
+    assert (twin.lm_head.weight is twin.model.embed_tokens.weight) == tied
+    for name, value in whole.state_dict().items():
+        assert torch.equal(twin.state_dict()[name], value), name
     # the model's own initialization: its eager twin's buffers (rotary tables, Gemma 2's embedding
     # scale) and norms (Llama: ones; Gemma 2: zeros), weights drawn with its initializer_range
     torch.manual_seed(0)
