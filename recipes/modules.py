@@ -24,7 +24,7 @@ from torchmetrics.text import Perplexity
 
 from lightning_gpipe.integrations.transformers import causal_lm, image_classifier
 from recipes.models.amoebanet import build_amoebanet
-from recipes.models.hf import build_hf
+from recipes.models.hf import build_family, build_hf
 from recipes.models.transformer import build_transformer
 
 __all__ = [
@@ -36,6 +36,8 @@ __all__ = [
     "NextTokenSteps",
     "warmup_cosine",
 ]
+
+IGNORE = -100  # the target of a padded position: no loss
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> float:
@@ -89,8 +91,14 @@ class NextTokenSteps(pl.LightningModule):
     hyperparameters ``lr``, ``weight_decay``, ``betas``, ``scheduler``, ``warmup_steps`` and
     ``total_steps``, then calls :meth:`_add_metrics`.
 
+    The loss is a mean over the targets that are not ``-100`` (padding of an SFT batch), returned
+    with their count as ``num_items`` (docs/lightning.md, "Token-count losses"), so a padded batch
+    trains as on one device under every schedule.
+
     Shapes:
-        batch: ``((N, T), (N, T))`` int64 inputs and targets; ``forward``: ``(N, T)`` → ``(N, T, vocab)``.
+        batch: ``((N, T), (N, T))`` int64 inputs and targets, or ``({"input_ids": (N, T),
+        "attention_mask": (N, T)}, (N, T))`` with targets ``-100`` on padding (the transformers
+        models only); ``forward``: ``(N, T)`` → ``(N, T, vocab)``.
 
     Logs:
         ``train_loss`` (nats/token, progress bar), ``train_ppl``, ``val_loss``, ``val_ppl``.
@@ -99,26 +107,26 @@ class NextTokenSteps(pl.LightningModule):
     layers: nn.Module
 
     def _add_metrics(self) -> None:
-        self.val_ppl = Perplexity()
+        self.val_ppl = Perplexity(ignore_index=IGNORE)
         self.val_loss = MeanMetric()
 
-    def forward(self, x: Tensor) -> Tensor:
-        """``(N, T)`` int64 ids → ``(N, T, vocab_size)`` logits."""
+    def forward(self, x: Any) -> Tensor:
+        """``(N, T)`` int64 ids (or a dict: ``input_ids``, ``attention_mask``) → ``(N, T, vocab)`` logits."""
         return self.layers(x)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def training_step(self, batch: tuple[Any, Tensor], batch_idx: int) -> dict[str, Tensor]:
         x, y = batch
         logits = self(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_ppl", loss.detach().exp())
-        return loss
+        return {"loss": loss, "num_items": (y != IGNORE).sum()}  # a mean over the real tokens
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: tuple[Any, Tensor], batch_idx: int) -> None:
         x, y = batch
         logits = self(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        self.val_loss.update(loss, weight=y.numel())
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE)
+        self.val_loss.update(loss, weight=(y != IGNORE).sum())
         self.val_ppl.update(logits, y)
         self.log("val_loss", self.val_loss, prog_bar=True)
         self.log("val_ppl", self.val_ppl)
@@ -207,7 +215,10 @@ class HFLanguageModel(NextTokenSteps):
         config (dict[str, Any] | None): the config's keyword arguments; its vocabulary must
             cover the data's token ids and its positions the data's ``seq_len`` (the recipe's
             configs read ``${data.vocab_size}`` and ``${data.seq_len}``) (default: None, the
-            class's defaults).
+            class's defaults). With ``family``: set on top of the family's tiny config.
+        family (str | None): a ``config.model_type`` with a pipeline plan (``"llama"``,
+            ``"gemma2"``, … as docs/models.md lists): the model is a tiny random one of that family
+            (:func:`~recipes.models.hf.build_family`) and ``hf_class`` is not read (default: None).
         lr, weight_decay, betas, scheduler, warmup_steps, total_steps: as :class:`LanguageModel`.
 
     Shapes:
@@ -226,6 +237,7 @@ class HFLanguageModel(NextTokenSteps):
         self,
         hf_class: str = "transformers.GPT2LMHeadModel",
         config: dict[str, Any] | None = None,
+        family: str | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.01,
         betas: tuple[float, float] = (0.9, 0.99),
@@ -236,7 +248,8 @@ class HFLanguageModel(NextTokenSteps):
         super().__init__()
         _check_choice("scheduler", scheduler, ("cosine", "none"))
         self.save_hyperparameters()
-        hf: Any = build_hf(hf_class, config or {})  # a transformers PreTrainedModel
+        # a transformers PreTrainedModel
+        hf: Any = build_family(family, config or {}) if family else build_hf(hf_class, config or {})
         self.__dict__["hf"] = hf  # not a submodule: every parameter lives in self.layers
         self.layers = causal_lm(hf)
         self._add_metrics()

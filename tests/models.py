@@ -711,7 +711,16 @@ def feature_callbacks(names: dict) -> list:
 
 
 def build_lazy_layers(kind: str, size: dict | None = None) -> nn.Sequential:
-    """Layers of :class:`LazyNet`: ``"mlp"`` (as :class:`Net`'s) or a decoder-only ``"transformer"``."""
+    """Layers of :class:`LazyNet`: ``"mlp"`` (as :class:`Net`'s), a decoder-only ``"transformer"``, or
+    ``"llama"``: :func:`~lightning_gpipe.integrations.transformers.causal_lm` of a transformers
+    ``LlamaForCausalLM(LlamaConfig(**size))`` (``size["seq_len"]`` sizes the data only)."""
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from lightning_gpipe.integrations.transformers import causal_lm
+
+        config = {k: v for k, v in (size or {}).items() if k != "seq_len"}
+        return causal_lm(LlamaForCausalLM(LlamaConfig(**config)))
     if kind == "transformer":
         from recipes.models.transformer import build_transformer
 
@@ -750,7 +759,7 @@ class LazyNet(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         out = self(x)
-        if self.kind == "transformer":
+        if self.kind in ("transformer", "llama"):
             loss = F.cross_entropy(out.flatten(0, -2), y.flatten())
         else:
             loss = F.mse_loss(out, y)
@@ -765,7 +774,7 @@ class LazyNet(pl.LightningModule):
 
 def make_lazy_data(kind: str, batch: int, steps: int, size: dict | None = None, seed: int = 1):
     """Data for :class:`LazyNet`: ``make_data("mlp")``, or random token ids (inputs, next tokens)."""
-    if kind != "transformer":
+    if kind not in ("transformer", "llama"):
         return make_data(kind, batch, steps, seed=seed)
     size = size or {}
     g = torch.Generator().manual_seed(seed)

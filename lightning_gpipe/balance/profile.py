@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ __all__ = [
     "profile_times",
 ]
 
-Sample = torch.Tensor | Sequence[torch.Tensor]
+Sample = torch.Tensor | Sequence[torch.Tensor] | Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -101,11 +101,14 @@ def layer_parameters(module: nn.Sequential) -> list[int]:
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors of a layer input/output: the tensor itself, or those of a tuple/list."""
+    """The tensors of a layer input/output: the tensor itself, or those in a tuple, list or dict
+    (nested: a causal LM's layers pass ``{"hidden_states": ..., "position_embeddings": (cos, sin)}``)."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [v for v in value if isinstance(v, torch.Tensor)]
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
     return []
 
 
@@ -124,11 +127,13 @@ def _detach(value: Any, keep_grad: bool = True) -> Any:
 
 
 def _map(fn: Callable[[Any], Any], value: Any) -> Any:
-    """Applies ``fn`` to ``value``, or to each element of a tuple/list (named tuples too)."""
+    """Applies ``fn`` to ``value``, or to each leaf of its tuples, lists (named tuples too) and dicts."""
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(fn(v) for v in value))
+        return type(value)(*(_map(fn, v) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(fn(v) for v in value)
+        return type(value)(_map(fn, v) for v in value)
+    if isinstance(value, Mapping):
+        return {k: _map(fn, v) for k, v in value.items()}
     return fn(value)
 
 

@@ -11,8 +11,11 @@ Sequential is initialized on the CPU with its own random stream, seeded by
 :func:`layer_seed` ``(seed, k)`` where ``seed`` is the global seed (``seed_everything``); the
 caller's random state is left as it was. Every submodule holding tensors of its own is
 initialized by its ``reset_parameters()``, as Lightning's FSDP and model-parallel strategies do
-(a submodule without one raises ``TypeError``). The same layer therefore gets the same values with
-K = 1, 2 or 3 stages, on any device.
+(a submodule without one raises ``TypeError``), or, where the layer carries an
+``initialize_module(module)`` callable (:data:`INITIALIZER`), by that callable for each such submodule:
+the layers of :func:`lightning_gpipe.integrations.transformers.causal_lm` carry the model's own
+``_init_weights`` (issue 39). The same layer therefore gets the same values with K = 1, 2 or 3
+stages, on any device.
 
 Relation to the plain module's initialization: layer ``k`` equals building that layer eagerly
 right after ``torch.manual_seed(layer_seed(seed, k))`` whenever its submodules initialize
@@ -69,6 +72,10 @@ def tensor_init_context(
         yield
 
 
+# The attribute of a layer that initializes its submodules one by one (in place of their reset_parameters()).
+INITIALIZER = "initialize_module"
+
+
 def layer_seed(seed: int, index: int) -> int:
     """The seed of layer ``index``'s random stream: a hash of ``(seed, index)`` in ``[0, 2**63)``."""
     digest = hashlib.blake2b(f"{int(seed)}:{int(index)}".encode(), digest_size=8).digest()
@@ -96,15 +103,59 @@ def has_meta(module: nn.Module, recurse: bool = True) -> bool:
     return any(t.is_meta for t in tensors)
 
 
-def initialize_layer(layer: nn.Module, seed: int, only_meta: bool = True) -> None:
+# id of a tensor given values in this call -> (that tensor, kept alive; its replacement)
+Shared = dict[int, tuple[Tensor, Tensor]]
+
+
+def _give_storage(module: nn.Module, shared: Shared, device: torch.device | str = "cpu") -> bool:
+    """Give ``module``'s own meta tensors empty storage on ``device``, keeping ties: a tensor that an
+    earlier module of the same call already had (a head tied to the embedding) becomes that one's.
+
+    Returns:
+        Whether ``module`` holds a tensor not given values earlier in the call (it needs initializing).
+    """
+    fresh = False
+    tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
+    for table in tables:
+        for name, tensor in list(table.items()):
+            if tensor is None:
+                continue
+            if id(tensor) in shared:
+                table[name] = shared[id(tensor)][1]
+                continue
+            fresh = True
+            new: Tensor = tensor
+            if tensor.is_meta:
+                new = torch.empty_like(tensor, device=device)
+                if isinstance(tensor, nn.Parameter):
+                    new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+                table[name] = new
+            shared[id(tensor)] = (tensor, new)
+    return fresh
+
+
+def initialize_layer(
+    layer: nn.Module, seed: int, only_meta: bool = True, shared: Shared | None = None
+) -> None:
     """Initialize ``layer`` on the CPU from the random stream ``seed``, keeping the caller's random state.
 
     Every submodule holding tensors of its own (on the meta device, if ``only_meta``) gets CPU
-    storage (if it was meta) and calls its ``reset_parameters()``, in ``modules()`` order.
+    storage (if it was meta) and calls its ``reset_parameters()``, in ``modules()`` order; where
+    ``layer`` has a callable ``initialize_module`` attribute (:data:`INITIALIZER`), that is called
+    with each such submodule instead, after every one of them has storage (a Hugging Face model's
+    ``_init_weights``: its norms and rotary tables have no ``reset_parameters``).
+
+    A tensor that several submodules share (a tied head) keeps being one tensor, and is initialized
+    once, by the first of them; ``shared`` carries that across the layers of one call.
 
     Raises:
-        TypeError: such a submodule has no ``reset_parameters`` method.
+        TypeError: such a submodule has no ``reset_parameters`` method (and ``layer`` no initializer).
     """
+    shared = {} if shared is None else shared
+    initializer = getattr(layer, INITIALIZER, None)
+    if callable(initializer):
+        _initialize_each(layer, seed, only_meta, initializer, shared)
+        return
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for module in layer.modules():
@@ -118,9 +169,26 @@ def initialize_layer(layer: nn.Module, seed: int, only_meta: bool = True) -> Non
                     "no reset_parameters() to initialize them; give it one, or build this layer outside "
                     "Trainer.init_module(empty_init=True) / configure_model"
                 )
-            if has_meta(module, recurse=False):
-                module.to_empty(device="cpu", recurse=False)
-            module.reset_parameters()  # type: ignore[operator]
+            if _give_storage(module, shared):
+                module.reset_parameters()  # type: ignore[operator]
+
+
+def _initialize_each(
+    layer: nn.Module, seed: int, only_meta: bool, initializer: Callable[[nn.Module], None], shared: Shared
+) -> None:
+    """``initializer(module)`` for each submodule of ``layer`` holding (meta, if ``only_meta``) tensors
+    of its own, in ``modules()`` order, from the random stream ``seed``, once all have CPU storage."""
+    own = [
+        module
+        for module in layer.modules()
+        if any(True for _ in itertools.chain(module.parameters(False), module.buffers(False)))
+        and (not only_meta or has_meta(module, recurse=False))
+    ]
+    fresh = [module for module in own if _give_storage(module, shared)]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in fresh:
+            initializer(module)
 
 
 def materialize_layers(
@@ -139,11 +207,12 @@ def materialize_layers(
     Raises:
         TypeError: see :func:`initialize_layer`.
     """
-    done = []
+    done: list[int] = []
+    shared: Shared = {}  # a tensor tied across these layers stays one tensor, initialized by its first layer
     for index, layer in layers:
         if layer is None or not has_meta(layer):
             continue
-        initialize_layer(layer, layer_seed(seed, index), only_meta=True)
+        initialize_layer(layer, layer_seed(seed, index), only_meta=True, shared=shared)
         layer.to(device)
         done.append(index)
     return done
@@ -155,9 +224,10 @@ def initialize(sequential: nn.Sequential, seed: int) -> nn.Sequential:
     Layer ``k`` gets :func:`layer_seed` ``(seed, k)``'s values, whatever the stage count.
     Meta tensors get CPU storage. Returns ``sequential``.
     """
+    shared: Shared = {}
     for index, layer in enumerate(children(sequential).values()):
         if layer is not None:
-            initialize_layer(layer, layer_seed(seed, index), only_meta=False)
+            initialize_layer(layer, layer_seed(seed, index), only_meta=False, shared=shared)
     return sequential
 
 
@@ -183,12 +253,13 @@ def load_layers(
         lightning_gpipe.checkpoint.CheckpointError: an entry is missing or has another shape.
     """
     done = []
+    shared: Shared = {}  # a tensor tied across these layers stays one tensor
     for name, layer in layers:
         if layer is None or not has_meta(layer):
             continue
         for module in layer.modules():
             if has_meta(module, recurse=False):
-                module.to_empty(device=device, recurse=False)
+                _give_storage(module, shared, device)
         copy_into({f"{prefix}{name}.{k}": v for k, v in layer.state_dict().items()}, state, read_into)
         done.append(name)
     return done

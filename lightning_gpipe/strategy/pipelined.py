@@ -182,13 +182,15 @@ class Pipelined:
             check_stage_only_balance(spec)
         balance = choose(seq, balance)
         partition.check_tied_parameters(seq, balance, layout.stages)
+        # ties found before this stage's tensors replace the meta ones, which ends their sharing
+        # with the other stages' (still meta) layers
+        self.tied = tied.find_tied(seq, balance, layout.stages)
         start_stage(model, name, seq, balance, layout, rank, device, self.stage_only)
         stage = build(seq, balance)
         if isinstance(seq, PlanChain):  # the root holds the stage's layers and calls it as its forward
             self.installed = plan.install(seq, stage, PlanForward(seq, stage), deferred_batch_norm)
         else:
             self.installed = partition.install(model, name, stage, deferred_batch_norm=deferred_batch_norm)
-        self.tied = tied.find_tied(seq, balance, layout.stages)
         stage_compile = stage_compiler(compile, self._user_compile)
         if stage_compile is not None:
             stage.compile(stage_compile)

@@ -13,16 +13,26 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+import transformers
 from hydra.utils import get_class
 from torch import nn
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from lightning_gpipe.integrations.transformers import causal_lm, image_classifier, original_state_dict
+from lightning_gpipe.integrations.transformers import (
+    causal_lm,
+    image_classifier,
+    original_state_dict,
+    plan_families,
+    shrink_config,
+)
 from lightning_gpipe.state.loading import load_structure
 
-__all__ = ["build_hf", "hf_from_checkpoint", "hf_sequential"]
+__all__ = ["build_family", "build_hf", "hf_from_checkpoint", "hf_sequential"]
 
 # What the recipes' modules save under ``hyper_parameters`` to rebuild the model.
-CLASS_KEY, CONFIG_KEY = "hf_class", "config"
+CLASS_KEY, CONFIG_KEY, FAMILY_KEY = "hf_class", "config", "family"
+# Float attributes of a config that ``shrink_config`` changes so that its check sees them.
+ARITHMETIC = ("softcap", "multiplier", "scaling", "scale")
 # Where the recipes' modules keep the adapter: a checkpoint's ``state_dict`` keys start with it.
 PREFIX = "layers."
 
@@ -56,6 +66,43 @@ def build_hf(hf_class: str, config: Mapping[str, Any]) -> nn.Module:
     return cls(config_class(**config))
 
 
+def build_family(family: str, config: Mapping[str, Any]) -> nn.Module:
+    """A tiny randomly initialised causal LM of ``family``, no download.
+
+    The config is :func:`~lightning_gpipe.integrations.transformers.shrink_config` of the family's
+    default config (width 32, 4 heads, one layer per attention type and at least 2, sliding windows
+    and chunks of 3 tokens) with the family's own soft-caps, multipliers and scales (which
+    ``shrink_config`` changes for its check), then ``config``'s entries set on it (the recipe's
+    vocabulary, positions and token ids; any other attribute, e.g. ``hidden_size``). The class is the family's
+    ``AutoModelForCausalLM`` one.
+
+    Args:
+        family (str): a ``config.model_type`` whose config carries a ``base_model_pp_plan``
+            (``"llama"``, ``"gemma2"``, ``"mistral"``, …; docs/models.md lists them).
+        config (Mapping[str, Any]): attributes to set on the tiny config.
+
+    Returns:
+        nn.Module: the ``transformers`` model (a ``PreTrainedModel``), in float32.
+
+    Raises:
+        ValueError: ``family`` is not a causal LM with a pipeline plan (the message lists them).
+    """
+    classes = dict(plan_families())
+    if family not in classes:
+        raise ValueError(
+            f"model.family must be a causal-LM family with a pipeline plan (family: {family!r}); "
+            f"one of {sorted(classes)}"
+        )
+    default = CONFIG_MAPPING[family]()
+    tiny = shrink_config(default)
+    for name, value in vars(default).items():  # the family's own soft-caps and scales, not the check's
+        if isinstance(value, float) and any(k in name for k in ARITHMETIC):
+            setattr(tiny, name, value)
+    for name, value in config.items():
+        setattr(tiny, name, value)
+    return getattr(transformers, classes[family])(tiny)
+
+
 def hf_sequential(model: nn.Module) -> nn.Sequential:
     """The adapter of ``model``: :func:`~lightning_gpipe.integrations.transformers.causal_lm` for a causal LM,
     :func:`~lightning_gpipe.integrations.transformers.image_classifier` for an image classifier.
@@ -72,7 +119,8 @@ def hf_sequential(model: nn.Module) -> nn.Sequential:
 def hf_from_checkpoint(path: str | os.PathLike) -> nn.Module:
     """The ``transformers`` model a recipe checkpoint holds, loaded with ``strict=True``.
 
-    Rebuilds the model from the checkpoint's ``hyper_parameters`` (``hf_class``, ``config``)
+    Rebuilds the model from the checkpoint's ``hyper_parameters`` (``hf_class``, ``config``; or
+    ``family`` and ``config``, :func:`build_family`)
     and maps ``state_dict`` (keys ``layers.<i>...``) to the model's own keys with
     :func:`~lightning_gpipe.integrations.transformers.original_state_dict`; a tied head is filled from the one
     stored tensor. The file is read with torch's safe unpickler.
@@ -96,7 +144,10 @@ def hf_from_checkpoint(path: str | os.PathLike) -> nn.Module:
             f"checkpoint has no {missing} hyperparameters (file: {os.fspath(path)}); "
             "it must come from recipes.modules.HFLanguageModel or HFImageClassifier"
         )
-    model = build_hf(hparams[CLASS_KEY], hparams[CONFIG_KEY])
+    if hparams.get(FAMILY_KEY):
+        model = build_family(hparams[FAMILY_KEY], hparams[CONFIG_KEY])
+    else:
+        model = build_hf(hparams[CLASS_KEY], hparams[CONFIG_KEY])
     state = original_state_dict(model, hf_sequential(model), saved["state_dict"], prefix=PREFIX)
     model.load_state_dict(state, strict=True)
     return model

@@ -3,6 +3,7 @@ chains, and its family's arithmetic."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,9 @@ class CausalLMParts:
         lm_head: the head's name in the CausalLM and the head, ``(N, T, d)`` → ``(N, T, vocab)``.
         logits: the operations the CausalLM's ``forward`` applies to the head's output, in order:
             ``("mul", s)``, ``("div", s)`` or ``("softcap", c)`` (``c · tanh(logits / c)``).
+        init_weights: the model's ``_init_weights(module)`` (its own initialization of one submodule:
+            norms, rotary tables, scaled embeddings), or ``None``; a meta-built model's stage is
+            materialized with it (:mod:`lightning_gpipe.state.materialize`).
     """
 
     family: str
@@ -47,3 +51,4 @@ class CausalLMParts:
     norms: dict[str, nn.Module]
     lm_head: tuple[str, nn.Module]
     logits: tuple[tuple[str, float], ...]
+    init_weights: Callable[[nn.Module], None] | None = None

@@ -150,11 +150,17 @@ def causal_lm_parts(model: Any) -> CausalLMParts:
         norms={n: getattr(base, n) for n in names[lists[0] + 1 :]},
         lm_head=(heads[0], getattr(model, heads[0])),
         logits=_logit_ops(model, family),
+        init_weights=getattr(model, "_init_weights", None),
     )
 
 
 def sequential_of(parts: CausalLMParts) -> nn.Sequential:
-    """``[embeddings, layer 0, …, layer L-1, final norm, head]`` holding ``parts``' modules (no copy)."""
+    """``[embeddings, layer 0, …, layer L-1, final norm, head]`` holding ``parts``' modules (no copy).
+
+    Each layer carries ``parts.init_weights`` as ``initialize_module``: a stage of a model built on
+    the meta device gets the model's own initialization
+    (:func:`lightning_gpipe.state.materialize.initialize_layer`).
+    """
     if not parts.embeddings:
         raise UnsupportedModelError(
             f"the plan of {parts.family} names no embedding before its layers; {ALTERNATIVE}"
@@ -163,6 +169,8 @@ def sequential_of(parts: CausalLMParts) -> nn.Sequential:
         PlanBlock(layer, kind, parts.config, i)
         for i, (layer, kind) in enumerate(zip(parts.layers, parts.layer_types))
     ]
-    return nn.Sequential(
-        PlanEmbeddings(parts), *blocks, PlanNorm(parts.norms), PlanHead(*parts.lm_head, parts.logits)
-    )
+    layers = [PlanEmbeddings(parts), *blocks, PlanNorm(parts.norms), PlanHead(*parts.lm_head, parts.logits)]
+    if parts.init_weights is not None:
+        for layer in layers:  # not a submodule: how a meta-built stage initializes its modules
+            layer.__dict__["initialize_module"] = parts.init_weights
+    return nn.Sequential(*layers)

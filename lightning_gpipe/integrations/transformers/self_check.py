@@ -234,7 +234,10 @@ def check_family(model: nn.Module) -> None:
         config, key = None, (type(model), f"unshrinkable {id(model.config)}")
         _RESULTS[key] = f"its config cannot be shrunk to a tiny model's ({_short(error)})"
     if key not in _RESULTS:
-        _RESULTS[key] = _verdict(model, config)
+        with torch.device(
+            "cpu"
+        ):  # the tiny model and its forward on the CPU, under a meta-device context too
+            _RESULTS[key] = _verdict(model, config)
     if _RESULTS[key] is not None:
         raise UnsupportedModelError(
             f"causal_lm cannot reproduce {family} ({type(model).__name__}) from its pipeline plan: on a tiny "

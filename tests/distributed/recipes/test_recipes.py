@@ -124,6 +124,13 @@ def test_train_two_stages_loss_falls(model, tmp_path):
 
 
 def _hf_data(model: str, tmp_path: Path) -> list[str]:
+    if model == "hf":  # a family with sliding windows and soft-capping, on padded batches with masks
+        return [
+            "model.family=gemma2",
+            "data=text_sft",
+            f"data.path={_corpus(tmp_path)}",
+            "data.batch_size=16",
+        ]
     if model in ("gpt2", "llama"):
         return [f"data.path={_corpus(tmp_path)}", "data.batch_size=16"]
     return ["data=digits", "data.batch_size=16"]
@@ -187,7 +194,7 @@ def test_gpt2_recipe_goes_below_the_unigram_entropy_and_maps_back(tmp_path):
 @needs_transformers
 @pytest.mark.slow  # about a minute each on 2 busy cores
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("model", ["llama", "resnet", "vit"])
+@pytest.mark.parametrize("model", ["llama", "hf", "resnet", "vit"])
 def test_transformers_recipe_trains_over_two_stages_and_maps_back(model, tmp_path):
     from recipes.models.hf import hf_from_checkpoint, hf_sequential
 

@@ -245,6 +245,41 @@ def test_profile_passes_tuples_between_layers():
     assert profiles[1].activation_bytes > 0  # layer 0's linear output requires grad
 
 
+class DictIn(nn.Module):
+    """``{"x": (N, 8), "mask": (N, 8)}`` → ``{"h": linear(x * mask), "mask", "pair": (h, h)}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, batch: dict) -> dict:
+        h = self.linear(batch["x"] * batch["mask"])
+        return {"h": h, "mask": batch["mask"], "pair": (h, h)}
+
+
+class DictBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, batch: dict) -> dict:
+        h = self.linear(batch["h"] + batch["pair"][0]) * batch["mask"]
+        return {**batch, "h": h}
+
+
+def test_profile_passes_dicts_between_layers_and_backpropagates_through_them():
+    # a causal LM's layers pass {"hidden_states", "attention_mask", "position_embeddings": (cos, sin)}
+    model = nn.Sequential(DictIn(), DictBlock(), DictBlock())
+    sample = {"x": torch.randn(4, 8), "mask": torch.ones(4, 8)}
+    profiles = profile_layers(model, sample, timeout=0.0, min_repeats=2)
+    # each block saves its linear's input (4 x 8 floats) and the product's operands: > 0 only if the
+    # dict's "h" arrived requiring grad
+    assert all(p.activation_bytes >= 4 * 8 * 4 for p in profiles[1:])
+    assert all(p.backward_time > 0 for p in profiles)
+    assert sum(balance_by_time(model, sample, 2, timeout=0.0)) == 3
+    assert sum(balance_by_memory(model, sample, 2)) == 3
+
+
 @pytest.mark.parametrize(
     ("bad", "cause", "where"),
     [(Boom(), ValueError, "forward"), (BoomBackward(), ArithmeticError, "backward")],

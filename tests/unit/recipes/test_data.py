@@ -13,6 +13,7 @@ import torch
 
 from recipes.data.cifar10 import CIFAR10DataModule, read_cifar10
 from recipes.data.digits import DigitsDataModule
+from recipes.data.sft import ByteSFTDataModule, PaddedWindows
 from recipes.data.text import ByteTextDataModule, ByteWindows, stdlib_corpus, unigram_entropy
 
 # --- text ----------------------------------------------------------------------------------
@@ -81,6 +82,40 @@ def test_missing_text_file_names_the_path(tmp_path):
 
 
 # --- digits --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padding", ["right", "left", "both"])
+def test_padded_windows_keep_a_prefix_of_each_window_and_mask_the_rest(padding):
+    windows = ByteWindows(torch.arange(200, dtype=torch.uint8), seq_len=10)
+    padded = PaddedWindows(windows, min_len=3, padding=padding, pad_id=7)
+    lengths = set()
+    for i in range(len(windows)):
+        ids, targets = windows[i]
+        x, labels = padded[i]
+        mask = x["attention_mask"]
+        keep = int(mask.sum())
+        lengths.add(keep)
+        assert 3 <= keep <= 10
+        left = padding == "left" or (padding == "both" and i % 2 == 1)
+        real = torch.arange(10) >= 10 - keep if left else torch.arange(10) < keep
+        assert torch.equal(mask.bool(), real)  # one block of real tokens, at the chosen end
+        assert torch.equal(x["input_ids"][real], ids[:keep]) and torch.equal(labels[real], targets[:keep])
+        assert (x["input_ids"][~real] == 7).all() and (labels[~real] == -100).all()
+    assert len(lengths) > 3  # the lengths vary
+
+
+def test_sft_data_module_batches_dicts_with_masks_and_refuses_a_bad_padding(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("abcdefgh" * 400)
+    data = ByteSFTDataModule(seq_len=16, batch_size=8, path=str(path), min_len=4)
+    x, labels = next(iter(data.train_dataloader()))
+    assert x["input_ids"].shape == x["attention_mask"].shape == labels.shape == (8, 16)
+    assert torch.equal(labels == -100, x["attention_mask"] == 0)
+    bad = r"padding must be one of \['right', 'left', 'both'\] \(padding: 'middle'\)"
+    with pytest.raises(ValueError, match=bad):
+        ByteSFTDataModule(padding="middle")
+    with pytest.raises(ValueError, match=r"min_len must be in \[1, seq_len\] \(min_len: 0, seq_len: 16\)"):
+        ByteSFTDataModule(seq_len=16, path=str(path), min_len=0).train_dataset()
 
 
 def test_digits_split_covers_all_1797_images_deterministically():

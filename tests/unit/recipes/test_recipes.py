@@ -47,7 +47,7 @@ HF_MODELS = ["gpt2", "llama", "resnet", "vit"]
 # model -> the data configs it can read its sizes from
 PAIRS = [("transformer", "text"), ("amoebanet", "digits"), ("amoebanet", "cifar10")] + [
     pytest.param(model, data, marks=needs_transformers)
-    for model, data in [("gpt2", "text"), ("llama", "text")]
+    for model, data in [("gpt2", "text"), ("llama", "text"), ("hf", "text"), ("hf", "text_sft")]
     + [(model, data) for model in ("resnet", "vit") for data in ("digits", "cifar10")]
 ]
 
@@ -66,8 +66,8 @@ def _corpus(tmp_path: Path) -> str:
 
 
 def test_config_groups_hold_the_documented_options():
-    assert GROUPS["model"] == ["amoebanet", "gpt2", "llama", "resnet", "transformer", "vit"]
-    assert GROUPS["data"] == ["cifar10", "digits", "text"]
+    assert GROUPS["model"] == ["amoebanet", "gpt2", "hf", "llama", "resnet", "transformer", "vit"]
+    assert GROUPS["data"] == ["cifar10", "digits", "text", "text_sft"]
     assert GROUPS["trainer"] == ["cpu", "gpu"]
     assert "default" in GROUPS["pipeline"]
     cfg = _compose()
@@ -94,9 +94,10 @@ def test_model_and_data_configs_instantiate(model, data, tmp_path):
     else:  # a transformers model: its config matches the data, the Sequential holds its parameters
         config = net.hf.config
         assert {id(p) for p in net.layers.parameters()} == {id(p) for p in net.hf.parameters()}
-        if data == "text":
+        if data.startswith("text"):
             assert config.vocab_size == datamodule.vocab_size == 256
             positions = config.n_positions if model == "gpt2" else config.max_position_embeddings
+            assert data != "text_sft" or isinstance(datamodule, get_class("recipes.data.ByteSFTDataModule"))
             assert positions == datamodule.seq_len
         else:
             assert config.num_labels == datamodule.num_classes == 10
@@ -268,6 +269,64 @@ def test_transformers_configs_train_on_one_device(model, tmp_path):
     net.eval()
     with torch.no_grad():
         torch.testing.assert_close(net(x), net.hf(x).logits, rtol=0, atol=1e-5)
+
+
+@needs_transformers
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_any_plan_family_trains_on_padded_batches_with_the_models_own_masked_loss(family, tmp_path):
+    # model=hf model.family=<name> data=text_sft: a tiny random model of the family (gemma2: sliding
+    # windows of 3 tokens and soft-capping) trains on left- and right-padded batches; the
+    # Sequential's logits on real tokens are the transformers model's own with the same mask, and
+    # the step's loss is the mean over real tokens returned with their count
+    cfg = _compose(
+        "model=hf",
+        f"model.family={family}",
+        "data=text_sft",
+        f"data.path={_corpus(tmp_path)}",
+        "data.batch_size=8",
+        "data.seq_len=24",
+        "model.warmup_steps=1",
+    )
+    datamodule = build_data(cfg.data)
+    net = instantiate(cfg.model, _convert_="all")
+    assert net.hf.config.model_type == family and net.hparams["family"] == family
+    x, labels = next(iter(datamodule.val_dataloader()))
+    mask = x["attention_mask"].bool()
+    assert not mask[:, 0].all() and not mask[:, -1].all()  # left and right padding in one batch
+    out = net.training_step((x, labels), 0)
+    with torch.no_grad():
+        hf_logits = net.hf(**x).logits
+    real = labels != -100
+    expected = torch.nn.functional.cross_entropy(hf_logits[real], labels[real])
+    torch.testing.assert_close(out["loss"].detach(), expected, rtol=0, atol=1e-5)
+    assert int(out["num_items"]) == int(real.sum()) == int(mask.sum())
+    before = {k: v.clone() for k, v in net.hf.state_dict().items()}
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        limit_val_batches=1,
+        val_check_interval=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(net, datamodule=datamodule)
+    assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
+    moved = [k for k, v in net.hf.state_dict().items() if not torch.equal(v, before[k])]
+    assert len(moved) > len(before) // 2, moved
+    net.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(net(x)[mask], net.hf(**x).logits[mask], rtol=0, atol=1e-5)
+
+
+@needs_transformers
+def test_an_unknown_family_is_refused_with_the_list():
+    cfg = _compose("model=hf", "model.family=gpt5")
+    refused = r"model.family must be a causal-LM family .* \(family: 'gpt5'\); one of \[.*'llama'"
+    with pytest.raises(InstantiationException, match=refused):
+        instantiate(cfg.model, _convert_="all")
 
 
 @pytest.mark.parametrize("trainer, gpus", [("gpu", 2), ("cpu", None)])
