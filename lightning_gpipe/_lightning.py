@@ -47,6 +47,7 @@ __all__ = [
     "optimizer_to_device",
     "optimizers_to_device",
     "running_loop_data",
+    "set_device_mesh",
     "set_example_input_slot",
     "set_sigterm_check",
     "set_num_threads_if_needed",
@@ -150,6 +151,13 @@ def example_input_slot(module: pl.LightningModule) -> Any:
 def set_example_input_slot(module: pl.LightningModule, value: Any) -> None:
     """Store ``value`` (``None`` included) as the module's ``example_input_array``."""
     module._example_input_array = value
+
+
+def set_device_mesh(module: pl.LightningModule | None, mesh: Any) -> None:
+    """Store ``mesh`` as the module's ``device_mesh`` (a read-only property), as Lightning's
+    ``ModelParallelStrategy`` does; nothing without a module."""
+    if module is not None:
+        module._device_mesh = mesh
 
 
 def throughputs(monitor: Any) -> list[Any]:
