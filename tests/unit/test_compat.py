@@ -280,6 +280,15 @@ def test_set_example_input_slot():
     assert model.example_input_array is None
 
 
+def test_set_device_mesh():
+    model, mesh = _Tiny(), object()  # any value: the property returns what is stored
+    _lightning.set_device_mesh(model, mesh)
+    assert model.device_mesh is mesh
+    _lightning.set_device_mesh(model, None)
+    assert model.device_mesh is None
+    _lightning.set_device_mesh(None, mesh)  # no module: nothing to set, no error
+
+
 def test_throughputs():
     from pytorch_lightning.callbacks import ThroughputMonitor
 
