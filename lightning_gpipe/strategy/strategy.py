@@ -414,7 +414,7 @@ class _GPipeStrategyLogic(_Base):
         """Drop every process-group handle this strategy and its module's metrics hold (at exit)."""
         self._groups = None
         metrics.sync_metrics_over(self.lightning_module, None, member=True)
-        _lightning.set_device_mesh(self.lightning_module, None)  # the mesh holds its groups
+        _lightning.clear_device_meshes()  # a mesh holds its groups
 
     @override
     def teardown(self) -> None:

@@ -289,6 +289,14 @@ def test_set_device_mesh():
     _lightning.set_device_mesh(None, mesh)  # no module: nothing to set, no error
 
 
+def test_clear_device_meshes():
+    first, second, mesh = _Tiny(), _Tiny(), object()
+    _lightning.set_device_mesh(first, mesh)
+    _lightning.set_device_mesh(second, mesh)
+    _lightning.clear_device_meshes()
+    assert first.device_mesh is None and second.device_mesh is None
+
+
 def test_throughputs():
     from pytorch_lightning.callbacks import ThroughputMonitor
 
