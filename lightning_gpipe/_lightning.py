@@ -9,6 +9,7 @@ and the partition run without Lightning.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,8 @@ __all__ = [
     "optimizer_to_device",
     "optimizers_to_device",
     "running_loop_data",
+    "clear_device_meshes",
+    "set_device_mesh",
     "set_example_input_slot",
     "set_sigterm_check",
     "set_num_threads_if_needed",
@@ -150,6 +153,29 @@ def example_input_slot(module: pl.LightningModule) -> Any:
 def set_example_input_slot(module: pl.LightningModule, value: Any) -> None:
     """Store ``value`` (``None`` included) as the module's ``example_input_array``."""
     module._example_input_array = value
+
+
+_MESHED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def set_device_mesh(module: pl.LightningModule | None, mesh: Any) -> None:
+    """Store ``mesh`` as the module's ``device_mesh`` (a read-only property), as Lightning's
+    ``ModelParallelStrategy`` does; nothing without a module. Modules given a mesh are remembered
+    (weakly) for :func:`clear_device_meshes`."""
+    if module is not None:
+        module._device_mesh = mesh
+        if mesh is not None:
+            _MESHED.add(module)
+
+
+def clear_device_meshes() -> None:
+    """Set ``device_mesh`` back to ``None`` on every module still alive that was given one: a mesh
+    holds its process groups, and a group alive at interpreter exit aborts it
+    (:func:`lightning_gpipe.transport.groups.close_at_exit`), also the mesh of a module trained by
+    an earlier ``fit`` and kept by the script."""
+    for module in list(_MESHED):
+        module._device_mesh = None
+    _MESHED.clear()
 
 
 def throughputs(monitor: Any) -> list[Any]:

@@ -35,6 +35,17 @@ _PACKAGES = {
 }
 
 
+def register_names(cls: Any, strategy_registry: Any) -> None:
+    """Register ``cls`` in Lightning's strategy registry as ``"gpipe"`` and ``"gpipe_notebook"`` (ranks
+    forked: Jupyter, ``python -i``), unless the names are taken."""
+    if "gpipe" not in strategy_registry:
+        description = "GPipe pipeline parallelism (lightning_gpipe)"
+        strategy_registry.register("gpipe", cls, description=description)
+    if "gpipe_notebook" not in strategy_registry:
+        description = "GPipe pipeline parallelism, ranks forked (Jupyter, python -i)"
+        strategy_registry.register("gpipe_notebook", cls, description=description, start_method="fork")
+
+
 def installed() -> list[str]:
     """The namespaces importable here, ``"pytorch_lightning"`` first (the package's dependency)."""
     return [PYTORCH_LIGHTNING] + ([LIGHTNING] if importlib.util.find_spec("lightning") is not None else [])

@@ -28,13 +28,12 @@ from lightning_gpipe.strategy import callbacks, checkpoints, launcher, metrics, 
 
 from lightning_gpipe.strategy import optimizer_setup, precision, process_group, signals, steps  # isort: skip
 from lightning_gpipe.strategy import whole_model  # isort: skip
-from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of
+from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of, register_names
 from lightning_gpipe.strategy.gradients import clip_optimizer_gradients
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, check_arguments, partition_model
 from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.tools.trace import publish
-from lightning_gpipe.transport import arrival, groups
-from lightning_gpipe.transport.layout import Layout, check_pipeline_parallel_size
+from lightning_gpipe.transport import Layout, arrival, groups, mesh
 
 if TYPE_CHECKING:  # the logic is typed as the pytorch_lightning strategy it becomes
     _Base = ParallelStrategy
@@ -54,7 +53,7 @@ class _GPipeStrategyLogic(_Base):
         schedule: ``"gpipe"`` (``training_step`` per batch), ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``.
         virtual_stages: virtual stages per stage v (``None``: 2 under ``"interleaved_1f1b"``, else 1).
         module_name: the Sequential's path (``None``: found); plan: the parts in call order (:mod:`.plan`).
-        pipeline_parallel_size: stages per pipeline K (``None``: the world size W); W / K replicas.
+        pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel: K·D·T = W (mesh).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: the Trainer's.
         process_group_backend, timeout: ``"gloo"``/``"nccl"`` (``None``: by device), its timeout.
         timeline, timeline_dir: record every stage's spans, log ``pipeline/bubble``, write a trace there.
@@ -69,7 +68,7 @@ class _GPipeStrategyLogic(_Base):
         signal_grace: seconds a rank may run on after SIGTERM/SIGINT (to the step boundary, on_exception).
 
     Raises:
-        ValueError: a bad argument; at ``Trainer`` construction, a world size not a multiple of K.
+        ValueError: a bad argument; at ``Trainer`` construction, a world size other than K·D·T.
         PartitionError: before processes start, when the module cannot be cut as asked.
     """
 
@@ -91,17 +90,20 @@ class _GPipeStrategyLogic(_Base):
         deferred_batch_norm: bool = False, collective_timeout: float = 30.0,
         compile: bool | dict[str, Any] = False, start_method: str = "popen", weights_only: bool | None = None,
         schedule: str = "gpipe", virtual_stages: int | None = None, signal_grace: float = 30.0,
+        data_parallel_size: int | str | None = None, tensor_parallel_size: int | str | None = None,
+        data_parallel: str = "replicate",
     ) -> None:  # fmt: skip
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
-        valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, pipeline_parallel_size)
+        sizes = mesh.check(pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel)
+        self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size = sizes[:3]
+        valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, sizes[0])
         self.chunks, self.balance, self.checkpoint, self.schedule, self.virtual_stages = valid
-        self.pipeline_parallel_size = check_pipeline_parallel_size(pipeline_parallel_size)
         self.checkpoint_format, self.module_name = state.check_format(checkpoint_format), module_name
-        self.gradient_clip_norm_type = float(gradient_clip_norm_type)
-        self.optimizer_state_factor = float(optimizer_state_factor)
+        self.gradient_clip_norm_type, self.compile = float(gradient_clip_norm_type), check_compile(compile)
+        self.optimizer_state_factor, self.data_parallel = float(optimizer_state_factor), sizes[3]
         self.deferred_batch_norm = bool(deferred_batch_norm)
-        self.collective_timeout = arrival.check_collective_timeout(collective_timeout)
         self.signal_grace = signals.check_grace(signal_grace)
+        self.collective_timeout = arrival.check_collective_timeout(collective_timeout)
         self.weights_only = loading.check_weights_only(weights_only)
         self.timeline, self.timeline_dir, self.plan = timeline, timeline_dir, pipelined.check_plan(plan)
         self.timeline_records: list[dict[str, Any]] | None = None  # rank 0, after fit with timeline=True
@@ -114,7 +116,6 @@ class _GPipeStrategyLogic(_Base):
         self._timeline: Timeline | None = None
         self._sigterm: signals.SigtermCheck | None = None  # Lightning's per-step SIGTERM broadcast, deferred
         self._lazy: loading.LazyCheckpoint | None = None  # the full checkpoint file being restored
-        self.compile = check_compile(compile)
         self.start_method = launcher.check_start_method(start_method)
         self._micro_steps = microstep.MicroSteps() if schedule != "gpipe" else None  # a call per micro-batch
 
@@ -140,9 +141,14 @@ class _GPipeStrategyLogic(_Base):
 
     @property
     def layout(self) -> Layout:
-        """The rank layout: K stages × D replicas, last stage on each pipeline's lowest rank."""
-        world = max(self.num_nodes * self.num_processes, 1)
-        return Layout(world, self.pipeline_parallel_size or world)
+        """The rank layout: K stages × D replicas × T, last stage on each pipeline's lowest rank."""
+        sizes = (self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size)
+        return mesh.layout_of(max(self.num_nodes * self.num_processes, 1), *sizes)
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``DeviceMesh`` over pipeline, data and tensor parallel ranks (:mod:`.mesh`); from setup."""
+        return getattr(self._groups, "mesh", None)
 
     @property
     def stage_index(self) -> int:
@@ -204,7 +210,8 @@ class _GPipeStrategyLogic(_Base):
         args = (self.cluster_environment, self.process_group_backend, self._timeout, self.root_device)
         self.process_group_backend = process_group.connect(*args, self.layout)  # and the heartbeat
         share_rng_state(self.global_rank)  # a shuffling DataLoader draws alike on every rank
-        self._groups = self._groups or groups.new_groups(self.layout, self.global_rank)
+        self._groups = self._groups or groups.new_groups(self.layout, self.global_rank, self.root_device.type)
+        _lightning.set_device_mesh(self.lightning_module, self._groups.mesh)  # LightningModule.device_mesh
         groups.close_at_exit(self)
         signals.watch(self._launcher, self.signal_grace)  # the signal passed on to the ranks this one started
 
@@ -375,8 +382,7 @@ class _GPipeStrategyLogic(_Base):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """On rank 0: one optimizer ``state_dict`` over the whole model (:func:`.merged_optimizer_state`)."""
-        layout, rank, piped = self.layout, self.global_rank, self._pipelined
-        fmt = self.checkpoint_format
+        layout, rank, piped, fmt = self.layout, self.global_rank, self._pipelined, self.checkpoint_format
         return checkpoints.optimizer_state(fmt, piped, optimizer, self._module, layout, rank, self._arrive)
 
     @override
@@ -408,6 +414,7 @@ class _GPipeStrategyLogic(_Base):
         """Drop every process-group handle this strategy and its module's metrics hold (at exit)."""
         self._groups = None
         metrics.sync_metrics_over(self.lightning_module, None, member=True)
+        _lightning.clear_device_meshes()  # a mesh holds its groups
 
     @override
     def teardown(self) -> None:
@@ -431,15 +438,7 @@ class _GPipeStrategyLogic(_Base):
         metrics.remove_metric_sharing(module, self._metric_sharing)
         self._sigterm, self._metric_sharing, self._lazy = None, None, None
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _lightning.StrategyRegistry) -> None:
-        if "gpipe" not in strategy_registry:
-            description = "GPipe pipeline parallelism (lightning_gpipe)"
-            strategy_registry.register("gpipe", cls, description=description)
-        if "gpipe_notebook" not in strategy_registry:
-            description = "GPipe pipeline parallelism, ranks forked (Jupyter, python -i)"
-            strategy_registry.register("gpipe_notebook", cls, description=description, start_method="fork")
+    register_strategies = classmethod(register_names)  # "gpipe", "gpipe_notebook" (:func:`.register_names`)
 
 
 class GPipeStrategy(_GPipeStrategyLogic, ParallelStrategy):

@@ -1,8 +1,9 @@
 """Process groups: world-wide collectives, the pipeline and
 data-parallel groups, and their destruction when the process exits.
 
-Each rank holds three group handles (:class:`Groups`): its pipeline, its stage's data-parallel
-replicas, and the last stage's replicas; on Gloo also its pipeline's
+Each rank holds four group handles (:class:`Groups`): its pipeline, its stage's data-parallel
+replicas, its stage's tensor-parallel ranks, and the last stage's replicas; the
+:class:`~torch.distributed.device_mesh.DeviceMesh` over the first three; on Gloo also its pipeline's
 :class:`~lightning_gpipe.transport.p2p.Lanes` (one group per direction for the stages' messages).
 They are made once per default group and layout (:func:`new_groups`) and destroyed, with the default
 group, by an exit hook (:func:`close_at_exit`) while Python still runs. The world-wide collectives
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from lightning_gpipe.transport.arrival import arrive
 from lightning_gpipe.transport.layout import Layout
+from lightning_gpipe.transport.mesh import device_mesh
 from lightning_gpipe.transport.p2p import Lanes, close_lanes, join_sends
 
 __all__ = [
@@ -116,47 +118,64 @@ class Groups:
         lanes: the groups this rank's pipeline sends its stages' messages on, one per direction
             (Gloo with two stages or more; ``None``: the default group, as on NCCL, whose
             point-to-point operations have a communicator per pair of ranks already).
+        tensor: this rank's stage in its replica (its tensor-parallel peers; itself alone when T = 1).
+        mesh: the :class:`~torch.distributed.device_mesh.DeviceMesh` over ``pipeline``, ``data`` and
+            ``tensor`` (:func:`lightning_gpipe.transport.mesh.device_mesh`).
     """
 
     pipeline: Any
     data: Any
     last_stage_data: Any
     lanes: Lanes | None = None
+    tensor: Any = None
+    mesh: Any = None
 
 
-_GROUPS: dict[tuple[int, int, int], tuple[list[Any], list[Any], list[Lanes | None]]] = {}
+_GROUPS: dict[tuple[int, int, int, int, str], tuple[dict[Any, Any], ...]] = {}
 
 
-def new_groups(layout: Layout, rank: int) -> Groups:
-    """Create every pipeline and data-parallel group (all ranks must call this, in the same order).
+def new_groups(layout: Layout, rank: int, device_type: str = "cpu") -> Groups:
+    """Create every pipeline, data-parallel and tensor-parallel group and this rank's device mesh
+    (all ranks must call this, in the same order).
 
     Groups are made once per process group and layout, so repeated ``fit``/``validate`` calls in
     one job reuse them.
     """
-    key = (id(dist.group.WORLD), layout.world_size, layout.stages)
+    key = (id(dist.group.WORLD), layout.world_size, layout.stages, layout.tensors, device_type)
+    d_, s_, t_ = range(layout.replicas), range(layout.stages), range(layout.tensors)
     if key not in _GROUPS:
-        pipelines = [dist.new_group(layout.pipeline_ranks(d)) for d in range(layout.replicas)]
-        datas = [dist.new_group(layout.data_ranks(s)) for s in range(layout.stages)]
-        _GROUPS[key] = (pipelines, datas, new_lanes(layout))
-    pipelines, datas, lanes = _GROUPS[key]
+        pipelines = {(d, t): dist.new_group(layout.pipeline_ranks(d, t)) for d in d_ for t in t_}
+        datas = {(s, t): dist.new_group(layout.data_ranks(s, t)) for s in s_ for t in t_}
+        lanes = new_lanes(layout)
+        tensors = {(d, s): dist.new_group(layout.tensor_ranks(d, s)) for d in d_ for s in s_}
+        _GROUPS[key] = (pipelines, datas, lanes, tensors, {})
+    pipelines, datas, lanes, tensors, meshes = _GROUPS[key]
+    replica, stage, tensor = layout.replica_of(rank), layout.stage_of(rank), layout.tensor_of(rank)
+    mine = (pipelines[replica, tensor], datas[stage, tensor], tensors[replica, stage])
+    if rank not in meshes:
+        meshes[rank] = device_mesh(layout, device_type, *mine)
     return Groups(
-        pipeline=pipelines[layout.replica_of(rank)],
-        data=datas[layout.stage_of(rank)],
-        last_stage_data=datas[layout.stages - 1],
-        lanes=lanes[layout.replica_of(rank)],
+        pipeline=mine[0],
+        data=mine[1],
+        last_stage_data=datas[layout.stages - 1, tensor],
+        lanes=lanes[replica, tensor],
+        tensor=mine[2],
+        mesh=meshes[rank],
     )
 
 
-def new_lanes(layout: Layout) -> list[Lanes | None]:
-    """Every pipeline's :class:`~lightning_gpipe.transport.p2p.Lanes` on Gloo (all ranks must call this, in
-    the same order); ``None`` for each on other backends and with one stage."""
+def new_lanes(layout: Layout) -> dict[tuple[int, int], Lanes | None]:
+    """Every pipeline's :class:`~lightning_gpipe.transport.p2p.Lanes` on Gloo, by (replica, tensor-parallel
+    rank) (all ranks must call this, in the same order); ``None`` for each on other backends and with one
+    stage."""
+    keys = [(d, t) for d in range(layout.replicas) for t in range(layout.tensors)]
     if layout.stages < 2 or dist.get_backend() != "gloo":
-        return [None] * layout.replicas
-    lanes: list[Lanes | None] = []
-    for d in range(layout.replicas):
-        ranks = layout.pipeline_ranks(d)
+        return dict.fromkeys(keys)
+    lanes: dict[tuple[int, int], Lanes | None] = {}
+    for d, t in keys:
+        ranks = layout.pipeline_ranks(d, t)
         upward, downward = dist.new_group(ranks), dist.new_group(ranks)
-        lanes.append(Lanes(ranks, upward, downward))
+        lanes[d, t] = Lanes(ranks, upward, downward)
     return lanes
 
 

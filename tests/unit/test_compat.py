@@ -280,6 +280,23 @@ def test_set_example_input_slot():
     assert model.example_input_array is None
 
 
+def test_set_device_mesh():
+    model, mesh = _Tiny(), object()  # any value: the property returns what is stored
+    _lightning.set_device_mesh(model, mesh)
+    assert model.device_mesh is mesh
+    _lightning.set_device_mesh(model, None)
+    assert model.device_mesh is None
+    _lightning.set_device_mesh(None, mesh)  # no module: nothing to set, no error
+
+
+def test_clear_device_meshes():
+    first, second, mesh = _Tiny(), _Tiny(), object()
+    _lightning.set_device_mesh(first, mesh)
+    _lightning.set_device_mesh(second, mesh)
+    _lightning.clear_device_meshes()
+    assert first.device_mesh is None and second.device_mesh is None
+
+
 def test_throughputs():
     from pytorch_lightning.callbacks import ThroughputMonitor
 

@@ -29,7 +29,8 @@ to itself)), fail_in ({"hook": a Callback hook name, "rank": r}: that hook raise
 rank r only, outside sanity checking), planted ({"kind": Net kind, "path": checkpoint}: after the
 runs, a fit(ckpt_path=path) of a fresh Net(kind), its error left to end the job), record_start_state
 (rank 0 records the full state as training starts; every rank also records, just before fit, its
-module's state as "init_state" and its torch CPU generator state as "init_rng"). seed: the seed_everything
+module's state as "init_state" and its torch CPU generator state as "init_rng"). Every rank records
+its module's ``device_mesh`` after fit as "mesh" (:func:`mesh_record`). seed: the seed_everything
 seed (default 0); None: an unseeded script, no seed_everything (PL_GLOBAL_SEED removed): each process
 draws its torch, random and numpy generators from OS entropy, so every process initializes different
 weights and holds a different random state.
@@ -187,6 +188,25 @@ class FailIn(Callback):
         setattr(self, hook, fail)
 
 
+def mesh_record(trainer, model) -> dict | None:
+    """The module's device mesh after fit: dimension names, sizes, this rank's coordinates, and
+    every dimension's process-group ranks and mesh slice; ``None`` without one."""
+    mesh = model.device_mesh
+    if mesh is None:
+        return None
+    names = mesh.mesh_dim_names
+    return {
+        "names": names,
+        "shape": tuple(mesh.shape),
+        "stage": trainer.strategy.stage_index,
+        "is_strategy_mesh": trainer.strategy.device_mesh is mesh,
+        "coordinate": mesh.get_coordinate(),
+        "local_rank": {n: mesh.get_local_rank(n) for n in names},
+        "group_ranks": {n: torch.distributed.get_process_group_ranks(mesh.get_group(n)) for n in names},
+        "slice": {n: mesh[n].mesh.tolist() for n in names},
+    }
+
+
 for k, run in enumerate(spec["runs"]):
     run = dict(run)
     run_net = {**net_kwargs, **run.pop("net", {})}  # a run's own Net options
@@ -276,6 +296,7 @@ for k, run in enumerate(spec["runs"]):
         "stop_probe": next((c.seen for c in callbacks if hasattr(c, "seen")), None),
         "rng_after": torch.rand(4),
         "caught": caught_error,
+        "mesh": mesh_record(trainer, model),
     }
     if spec.get("save"):
         trainer.save_checkpoint(out / spec["save"].format(k=k))

@@ -18,15 +18,18 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
     As under DDP, Lightning's DistributedSampler shards and shuffles the training data, seeded by the
     global seed and the epoch, the same on every rank: over two epochs each replica's stages draw
     exactly the shard DDP's replica draws (computed here independently), and the one-device
-    reference trains on the concatenation of what the replicas saw.
+    reference trains on the concatenation of what the replicas saw. The mesh is given three ways (K
+    alone, D alone, all three sizes): every rank's ``self.device_mesh`` is the same 2 × 2 × 1 mesh,
+    placed as the layout's formula says (issue 42).
     """
+    mesh = {"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 1}
     results, _ = gpipe_job(
         "mlp",
         4,
         [
             {"chunks": 2, "pipeline_parallel_size": 2},
-            {"chunks": 2, "pipeline_parallel_size": 2, "schedule": "1f1b"},
-            {"chunks": 2, "pipeline_parallel_size": 2, "schedule": "zb_h1", "checkpoint": "never"},
+            {"chunks": 2, "data_parallel_size": 2, "schedule": "1f1b"},
+            {"chunks": 2, **mesh, "data_parallel": "replicate", "schedule": "zb_h1", "checkpoint": "never"},
         ],
         steps=-1,
         batch=5,
@@ -53,6 +56,28 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
         reference = train_single_device("mlp", 0, steps=6, batch=10, data={"order": order, "samples": 30})
         assert max(abs(a - b) for a, b in zip(r["synced_losses"], reference.losses)) <= 1e-5
         assert max_diff(r["state"], reference.state_dict()) <= 1e-5
+        check_mesh([rank["mesh"] for rank in ranks], stages=2, replicas=2)
+
+
+def check_mesh(meshes: list[dict], stages: int, replicas: int) -> None:
+    """Each rank's recorded ``device_mesh`` (tests/workers/train.py ``mesh_record``): named dimensions
+    of sizes (K, D, 1); stage s of replica d on rank d·K + (K-1-s), its coordinate along the pipeline
+    K-1-s; every dimension's group the ranks that differ from it only there, a data-parallel group
+    holding one stage."""
+    k = stages
+    stage_of = {rank: m["stage"] for rank, m in enumerate(meshes)}
+    for rank, m in enumerate(meshes):
+        d, s = rank // k, stage_of[rank]
+        assert rank == d * k + (k - 1 - s)
+        assert m["names"] == ("pipeline_parallel", "data_parallel", "tensor_parallel")
+        assert m["shape"] == (k, replicas, 1) and m["is_strategy_mesh"]
+        assert list(m["coordinate"]) == [k - 1 - s, d, 0]
+        assert m["local_rank"] == dict(zip(m["names"], m["coordinate"]))
+        pipeline = list(range(d * k, (d + 1) * k))
+        data = [e * k + (k - 1 - s) for e in range(replicas)]
+        groups = {"pipeline_parallel": pipeline, "data_parallel": data, "tensor_parallel": [rank]}
+        assert m["group_ranks"] == groups and m["slice"] == groups
+        assert {stage_of[r] for r in m["group_ranks"]["data_parallel"]} == {s}
 
 
 @pytest.mark.timeout(300)

@@ -56,6 +56,18 @@ def test_registered_strategy_name():
             r"balance has 2 stages but pipeline_parallel_size is 3",
         ),
         ({"signal_grace": 0}, r"signal_grace must be a number of seconds > 0 \(signal_grace: 0\)"),
+        ({"data_parallel_size": 0}, r"data_parallel_size must be an integer >= 1, 'auto' or None \(got 0\)"),
+        (
+            {"data_parallel_size": 2.0},
+            r"data_parallel_size must be an integer >= 1, 'auto' or None \(got 2.0\)",
+        ),
+        ({"tensor_parallel_size": "2"}, r"tensor_parallel_size must be an integer >= 1, 'auto' or None"),
+        ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is not supported yet.*What works"),
+        ({"data_parallel": "fsdp"}, r"data_parallel='fsdp' is not supported yet.*data_parallel='replicate'"),
+        (
+            {"data_parallel": "zero"},
+            r"data_parallel must be one of 'replicate', 'fsdp' \(data_parallel: 'zero'\)",
+        ),
         ({"signal_grace": "30"}, r"signal_grace must be a number of seconds > 0 \(signal_grace: '30'\)"),
     ],
 )
@@ -72,6 +84,35 @@ def test_a_count_that_is_not_an_integer_is_a_type_error_with_the_count_message()
 def test_world_not_multiple_of_pipeline_size_raises_at_trainer():
     with pytest.raises(ValueError, match=r"world size: 3, pipeline_parallel_size: 2"):
         pl.Trainer(strategy=GPipeStrategy(pipeline_parallel_size=2), devices=3, **trainer_kwargs(1))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "devices", "message"),
+    [
+        ({"pipeline_parallel_size": 2, "data_parallel_size": 2}, 3, r"2 × 2 × 1 = 4, world size: 3"),
+        ({"data_parallel_size": 2}, 3, r"world size: 3, data_parallel_size: 2\); set devices × num_nodes"),
+        (
+            {"pipeline_parallel_size": 3, "data_parallel_size": 1, "tensor_parallel_size": 1},
+            2,
+            r"3 × 1 × 1 = 3",
+        ),
+    ],
+)
+def test_a_mesh_that_does_not_fit_the_devices_raises_at_trainer(sizes, devices, message):
+    with pytest.raises(ValueError, match=message):
+        pl.Trainer(strategy=GPipeStrategy(**sizes), devices=devices, **trainer_kwargs(1))
+
+
+@pytest.mark.parametrize(
+    ("sizes", "expected"),
+    [({}, (4, 1)), ({"data_parallel_size": 2}, (2, 2)), ({"pipeline_parallel_size": 1}, (1, 4))],
+)
+def test_the_size_left_out_is_inferred_from_the_devices(sizes, expected):
+    trainer = pl.Trainer(strategy=GPipeStrategy(**sizes), devices=4, **trainer_kwargs(1))
+    layout = trainer.strategy.layout
+    assert (layout.stages, layout.replicas, layout.tensors) == (*expected, 1)
+    assert trainer.strategy.distributed_sampler_kwargs["num_replicas"] == expected[1]
+    assert trainer.strategy.device_mesh is None  # built with the process groups, at setup
 
 
 def test_parameters_outside_sequential_raise_before_spawn():
