@@ -409,6 +409,7 @@ class _GPipeStrategyLogic(_Base):
         """A stop on a signal ends quietly; a failure ends every rank promptly, the original error first."""
         self._failed = True
         signals.end_rank(exception, self._sigterm, self.layout, self.global_rank)
+        _lightning.clear_device_meshes()  # the module's mesh ends with the groups the failure tears down
 
     def release_groups(self) -> None:
         """Drop every process-group handle this strategy and its module's metrics hold (at exit)."""
