@@ -240,14 +240,9 @@ def _hf_data(model: str, tmp_path: Path) -> list[str]:
     return ["data=digits", "data.batch_size=16"]
 
 
-@needs_transformers
-@pytest.mark.parametrize("model", HF_MODELS)
-def test_transformers_configs_train_on_one_device(model, tmp_path):
-    # each config builds and fits a few steps (plain Lightning, one process): training the adapter's
-    # Sequential trains the transformers model itself
-    cfg = _compose(f"model={model}", *_hf_data(model, tmp_path), "model.warmup_steps=1")
-    datamodule = build_data(cfg.data)
-    net = instantiate(cfg.model, _convert_="all")
+def _fit_few_steps(net, datamodule) -> pl.Trainer:
+    """Fit ``net`` (a recipe module on a transformers model, ``net.hf``) 3 steps with one validation on
+    one device; its validation loss is finite and more than half of the model's tensors moved."""
     before = {k: v.clone() for k, v in net.hf.state_dict().items()}
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -261,10 +256,22 @@ def test_transformers_configs_train_on_one_device(model, tmp_path):
         enable_model_summary=False,
     )
     trainer.fit(net, datamodule=datamodule)
-    assert math.isfinite(float(trainer.callback_metrics["train_loss"]))
     assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
     moved = [k for k, v in net.hf.state_dict().items() if not torch.equal(v, before[k])]
     assert len(moved) > len(before) // 2, moved
+    return trainer
+
+
+@needs_transformers
+@pytest.mark.parametrize("model", HF_MODELS)
+def test_transformers_configs_train_on_one_device(model, tmp_path):
+    # each config builds and fits a few steps (plain Lightning, one process): training the adapter's
+    # Sequential trains the transformers model itself
+    cfg = _compose(f"model={model}", *_hf_data(model, tmp_path), "model.warmup_steps=1")
+    datamodule = build_data(cfg.data)
+    net = instantiate(cfg.model, _convert_="all")
+    trainer = _fit_few_steps(net, datamodule)
+    assert math.isfinite(float(trainer.callback_metrics["train_loss"]))
     x = next(iter(datamodule.val_dataloader()))[0][:2]
     net.eval()
     with torch.no_grad():
@@ -300,22 +307,7 @@ def test_any_plan_family_trains_on_padded_batches_with_the_models_own_masked_los
     expected = torch.nn.functional.cross_entropy(hf_logits[real], labels[real])
     torch.testing.assert_close(out["loss"].detach(), expected, rtol=0, atol=1e-5)
     assert int(out["num_items"]) == int(real.sum()) == int(mask.sum())
-    before = {k: v.clone() for k, v in net.hf.state_dict().items()}
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        limit_val_batches=1,
-        val_check_interval=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    trainer.fit(net, datamodule=datamodule)
-    assert math.isfinite(float(trainer.callback_metrics["val_loss"]))
-    moved = [k for k, v in net.hf.state_dict().items() if not torch.equal(v, before[k])]
-    assert len(moved) > len(before) // 2, moved
+    _fit_few_steps(net, datamodule)
     net.eval()
     with torch.no_grad():
         torch.testing.assert_close(net(x)[mask], net.hf(**x).logits[mask], rtol=0, atol=1e-5)
