@@ -1,9 +1,10 @@
 """The tests' job launcher: torchrun-style ranks forked from a fork server (:class:`Zygote`).
 
 A job is run by :mod:`lightning_gpipe.tools.launch` (every process in a process group of its own,
-killed whole on timeout); ranks that ``python script ...`` starts once per rank come instead
-forked from a process that has imported torch and Lightning (``tests/workers/zygote.py``), which
-saves each rank the imports. ``GPIPE_TEST_FRESH=1`` starts every rank as a fresh interpreter.
+killed whole on timeout); a ``python script ...`` job's processes (each torchrun-style rank, or the
+one process that launches the others) come instead forked from a process that has imported torch
+and Lightning (``tests/workers/zygote.py``), which saves each of them the imports.
+``GPIPE_TEST_FRESH=1`` starts every rank as a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -36,11 +37,15 @@ def run_job(
     cwd: str | Path | None = None,
     timeout: float = 240.0,
 ) -> list[tuple[int, str]]:
-    """:func:`lightning_gpipe.tools.launch.run_job`, its torchrun-style ranks (``ranks=n``) forked
-    from the :class:`Zygote` where the command is ``python script.py ...``."""
-    if ranks is None or not Zygote.usable(command):
+    """:func:`lightning_gpipe.tools.launch.run_job`, its processes forked from the :class:`Zygote`
+    where the command is ``python script.py ...``: the torchrun-style ranks (``ranks=n``), or the
+    one launching process (``ranks=None``), whose other ranks Lightning's launcher starts as fresh
+    interpreters."""
+    if not Zygote.usable(command):
         return launch.run_job(command, ranks=ranks, env=env, cwd=cwd, timeout=timeout)
     env = job_env() if env is None else env
+    if ranks is None:
+        return Zygote.get().run([(command, env)], cwd=cwd, timeout=timeout)
     per_rank = [dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks)) for r in range(ranks)]
     return Zygote.get().run([(command, rank_env) for rank_env in per_rank], cwd=cwd, timeout=timeout)
 
@@ -50,10 +55,11 @@ class Zygote:
     script ...`` start forked from a process that has imported torch and Lightning, instead of as
     fresh interpreters that each import them (some 6 s of CPU per rank on 2 cores).
 
-    ``GPIPE_TEST_FRESH=1`` turns it off (every rank a fresh interpreter). Jobs started once, whose
-    ranks Lightning's launcher starts (:func:`run_job` with ``ranks=None``), never use it: that
-    launcher's own path is what they test. Like :func:`run_processes`, each rank leads a process
-    group of its own, killed whole on timeout.
+    ``GPIPE_TEST_FRESH=1`` turns it off (every rank a fresh interpreter). A job started once
+    (:func:`run_job` with ``ranks=None``) has its launching process forked from here, and the ranks
+    that Lightning's launcher starts from it are fresh interpreters, as for a user: that launcher's
+    own path is what such jobs test. Like :func:`run_processes`, each process leads a process group
+    of its own (with the ranks it starts), killed whole on timeout.
     """
 
     _instance: Zygote | None = None

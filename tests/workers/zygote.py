@@ -1,4 +1,4 @@
-"""A fork server for torchrun-style ranks: imports torch and Lightning once, then forks each rank.
+"""A fork server for the tests' job processes: imports torch and Lightning once, then forks each process.
 
 Started once per test session by :class:`tests.launch.Zygote` (``python -m tests.workers.zygote``).
 On 2 cores a fresh rank spends some 6 s of CPU importing torch and Lightning before it runs a
@@ -19,6 +19,7 @@ import json
 import os
 import runpy
 import sys
+import threading
 import traceback
 
 import pytorch_lightning  # noqa: F401, I001
@@ -56,6 +57,7 @@ def _child(proc: dict) -> int:
         traceback.print_exc()
         code = 1
     try:
+        threading._shutdown()  # type: ignore[attr-defined] - as the interpreter's exit: threads, then exit hooks
         atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()
