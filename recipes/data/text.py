@@ -8,6 +8,7 @@ are tokens (vocabulary 256), as in byte-level models such as ByT5 (Xue et al., 2
 from __future__ import annotations
 
 import math
+import os
 import sysconfig
 from pathlib import Path
 
@@ -41,11 +42,11 @@ def stdlib_corpus(max_bytes: int) -> bytes:
         FileNotFoundError: if no standard-library source file is found.
     """
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        path
-        for path in root.rglob("*.py")
-        if path.is_file() and not _SKIP_DIRS.intersection(path.relative_to(root).parts)
-    )
+    found: list[Path] = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in _SKIP_DIRS]  # not walked at all
+        found.extend(Path(folder, name) for name in names if name.endswith(".py"))
+    files = sorted(path for path in found if path.is_file())
     if not files:
         raise FileNotFoundError(f"no Python standard-library sources under {str(root)!r}")
     parts: list[bytes] = []
