@@ -104,6 +104,7 @@ class _GPipeLauncherLogic(_Base):
         self.share = share
         self.grace = grace
         self._env_before: dict[str, str | None] | None = None
+        self.in_launch = False  # inside launch(): the child observer may end a job that hangs
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -116,6 +117,7 @@ class _GPipeLauncherLogic(_Base):
             and not is_overridden("configure_model", model, parent=module_class)
         ):
             self.check(model)  # type: ignore[arg-type]
+        self.in_launch = True
         try:
             results = self._start_and_run(function, *args, **kwargs)
         except BaseException:
@@ -127,6 +129,8 @@ class _GPipeLauncherLogic(_Base):
             if not dist.is_initialized():
                 self._end_children(0.0)
             raise
+        finally:
+            self.in_launch = False
         return self.share(results, trainer) if self.share is not None else results
 
     def _start_and_run(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -136,7 +140,7 @@ class _GPipeLauncherLogic(_Base):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._call_children_scripts()
-            ChildObserver(self.procs, self.grace).start()
+            ChildObserver(self.procs, self.grace, lambda: self.in_launch).start()
             atexit.register(self._end_children, self.grace)
         _lightning.set_num_threads_if_needed(self.num_processes)
         return function(*args, **kwargs)
