@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_gpipe._lightning import distributed_is_initialized, optimizer_to_device
@@ -30,6 +31,7 @@ __all__ = [
     "FORMATS",
     "broadcast_from_first_replica",
     "check_format",
+    "full_tensors",
     "gather_sequential_state",
     "load_optimizer_states",
     "merged_optimizer_state",
@@ -64,17 +66,31 @@ def broadcast_from_first_replica(stage: nn.Module, layout: Layout, rank: int, gr
             dist.broadcast(tensor, src=src, group=group)
 
 
+def full_tensors(obj: Any) -> Any:
+    """``obj`` with every ``DTensor`` in its nested dicts, lists and tuples replaced by its whole tensor
+    (``DTensor.full_tensor()``: a collective that every rank of the tensor's mesh must call, in the same
+    order); other values as they are (tensor parallelism, issue 42)."""
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: full_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(full_tensors(v) for v in obj)
+    return obj
+
+
 def gather_sequential_state(
     stage: nn.Module, layout: Layout, rank: int, to_all: bool, tied: Sequence[Tied] = ()
 ) -> dict[str, Tensor]:
-    """The pipelined Sequential's full ``state_dict`` (keys relative to it, CPU) from replica 0's stages.
+    """The pipelined Sequential's full ``state_dict`` (keys relative to it, CPU) from replica 0's stages
+    (``DTensor`` entries whole, from tensor-parallel rank 0).
 
     Every rank must call it. With ``to_all`` every rank receives it; else rank 0 does and the
     others get ``{}``. Every key of a ``tied`` parameter holds one tensor, its owner stage's
     (saved once, as the plain module's shared parameter is).
     """
-    local = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
-    mine = local if layout.replica_of(rank) == 0 else {}
+    local = {k: v.detach().cpu() for k, v in full_tensors(stage.state_dict()).items()}
+    mine = local if layout.replica_of(rank) == 0 and layout.tensor_of(rank) == 0 else {}
     parts: list[Any] = [None] * layout.world_size
     if to_all:
         dist.all_gather_object(parts, mine)
@@ -156,7 +172,8 @@ def merged_optimizer_state(
     order: Sequence[str] | None = None,
     tied_aliases: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
-    """On rank 0: one optimizer ``state_dict`` over the whole model, merged from replica 0's stages.
+    """On rank 0: one optimizer ``state_dict`` over the whole model, merged from replica 0's stages
+    (``DTensor`` states whole, from tensor-parallel rank 0).
 
     It has the layout a single optimizer over the plain module's parameters would have (see
     :mod:`lightning_gpipe.state.optimizer`), plus the parameter names, so it loads back into any
@@ -173,12 +190,14 @@ def merged_optimizer_state(
     copies = {k for k, v in (tied_aliases or {}).items() if v is not None}
     names = group_names(optimizer, _names_by_id(module), missing=PLACEHOLDER)
     names = [[PLACEHOLDER if n in copies else n for n in group] for group in names]  # dropped below
-    mine = (layout.stage_of(rank), tensors_to_cpu(optimizer.state_dict()), names)
+    mine = (layout.stage_of(rank), tensors_to_cpu(full_tensors(optimizer.state_dict())), names)
     parts: list[Any] = [mine]
     if distributed_is_initialized() and layout.world_size > 1:
         parts = [None] * layout.world_size
         dist.gather_object(
-            mine if layout.replica_of(rank) == 0 else None, parts if rank == 0 else None, dst=0
+            mine if layout.replica_of(rank) == 0 and layout.tensor_of(rank) == 0 else None,
+            parts if rank == 0 else None,
+            dst=0,
         )
         if rank != 0:
             return {}
