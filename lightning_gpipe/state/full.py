@@ -60,7 +60,7 @@ def broadcast_from_first_replica(stage: nn.Module, layout: Layout, rank: int, gr
     stage's replicas."""
     if layout.replicas == 1:
         return
-    src = layout.rank(0, layout.stage_of(rank))
+    src = layout.rank(0, layout.stage_of(rank), layout.tensor_of(rank))
     with torch.no_grad():
         for tensor in stage.state_dict().values():
             dist.broadcast(tensor, src=src, group=group)

@@ -17,13 +17,19 @@ process starts (:func:`check_model`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.engine.stage import PipelineStage
 
-__all__ = ["HOOK", "check_model", "parallelize"]
+__all__ = ["HOOK", "check_model", "parallelize", "unparallelize"]
+
+_ADDED: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, set[int], set[int]]]]
+_ADDED = weakref.WeakKeyDictionary()  # per stage: (module, pre-hook ids, hook ids) its plan added
 
 HOOK = "parallelize_stage"
 """The LightningModule method that applies the user's tensor-parallel plan to one stage."""
@@ -53,5 +59,26 @@ def parallelize(model: nn.Module, stage: PipelineStage, mesh: Any, tensor_parall
         return
     check_model(model, tensor_parallel_size)
     tp_mesh = mesh["tensor_parallel"]
+    before = {m: (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in stage.modules()}
     getattr(model, HOOK)(stage, tp_mesh)
     stage.executor.tensor_mesh = tp_mesh
+    _ADDED[stage] = [  # what the plan added: taken off with the plan at the end of fit
+        (m, set(m._forward_pre_hooks) - pre, set(m._forward_hooks) - post)
+        for m, (pre, post) in before.items()
+    ]
+
+
+def unparallelize(stage: PipelineStage) -> None:
+    """Take the plan off ``stage``'s layers: every ``DTensor`` parameter becomes a plain parameter of its
+    global shape (uninitialized: the gathered state is loaded into it next,
+    :meth:`lightning_gpipe.strategy.pipelined.Pipelined.uninstall`) and the forward hooks the plan added are
+    removed, so that the user's Sequential runs on one device after fit. Nothing without a plan."""
+    for module, pre, post in _ADDED.pop(stage, ()):
+        for key in pre:
+            del module._forward_pre_hooks[key]
+        for key in post:
+            del module._forward_hooks[key]
+        for name, p in list(module.named_parameters(recurse=False)):
+            if isinstance(p, DTensor):
+                plain = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+                setattr(module, name, nn.Parameter(plain, requires_grad=p.requires_grad))

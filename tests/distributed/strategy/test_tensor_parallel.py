@@ -1,0 +1,97 @@
+"""Pipeline × tensor parallel (issue 42, item 3): a Llama-style model parallelized by its own plan on each
+stage (``parallelize_stage``), trained with Adam and global-norm clipping, equals the same module trained on
+one device: losses, total gradient norms and weights after 4 steps, fp32, within 1e-5."""
+
+import json
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DistributedSampler
+
+from tests._harness import check, run_ranks
+from tests.conftest import max_diff
+from tests.llama import Llama, llama_data
+from tests.models import trainer_kwargs
+
+CLIP, STEPS = 0.05, 4
+
+
+def _job(
+    tmp_path, devices: int, runs: list[dict], steps: int = STEPS, timeout: float = 280
+) -> list[list[dict]]:
+    """tests/workers/tensor_parallel.py over ``devices`` ranks; per run, every rank's record."""
+    spec = {"devices": devices, "out": str(tmp_path), "steps": steps, "clip": CLIP, "runs": runs}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    for result in run_ranks("tests/workers/tensor_parallel.py", devices, str(path), timeout=timeout):
+        check(result)
+    return [
+        [torch.load(tmp_path / f"run{k}_rank{r}.pt", weights_only=False) for r in range(devices)]
+        for k in range(len(runs))
+    ]
+
+
+def _one_device(batch: int = 8, order: list[int] | None = None, steps: int = STEPS) -> Llama:
+    pl.seed_everything(0, verbose=False)
+    model = Llama()
+    trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(STEPS))
+    trainer.fit(model, llama_data(batch, steps, order))
+    return model
+
+
+def _step_losses(losses: list[float]) -> list[float]:
+    """Per step: under 1f1b ``training_step`` runs per micro-batch (2 of 4 samples, as many tokens): their
+    mean."""
+    if len(losses) == 2 * STEPS:
+        return [(a + b) / 2 for a, b in zip(losses[::2], losses[1::2])]
+    return losses
+
+
+def _check_placement(ranks: list[dict], stages: int, replicas: int, tensors: int) -> None:
+    """Rank ``(d·K + (K-1-s))·T + t`` holds stage ``s``'s tensor-parallel shard ``t`` of replica ``d``,
+    its stage's parameters DTensors."""
+    for rank, record in enumerate(ranks):
+        d, s, t = rank // (stages * tensors), record["stage"], rank % tensors
+        assert rank == (d * stages + (stages - 1 - s)) * tensors + t
+        assert list(record["coordinate"]) == [stages - 1 - s, d, t]
+        assert record["dtensor_parameters"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
+    """K = 2 × T = 2 (4 processes): under gpipe the cut falls between ``Up`` and ``Down``, so a ``Shard(-1)``
+    DTensor travels between the stages; under 1f1b it falls after the first block (a plain tensor)."""
+    mesh = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
+    runs = [{**mesh, "balance": [4, 4]}, {**mesh, "balance": [2, 6], "schedule": "1f1b"}]
+    results = _job(tmp_path, 4, runs)
+    reference = _one_device()
+    assert min(reference.norms) > CLIP  # clipping acts on every step
+    expected = reference.state_dict()
+    for ranks in results:
+        _check_placement(ranks, stages=2, replicas=1, tensors=2)
+        for rank in (0, 1):  # both tensor-parallel ranks of the last stage compute the loss
+            losses = _step_losses(ranks[rank]["losses"])
+            assert len(losses) == STEPS
+            assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5
+        for record in ranks:  # every rank: the same total norm, the whole trained model after fit
+            assert max(abs(a - b) / b for a, b in zip(record["norms"], reference.norms)) <= 1e-5
+            assert max_diff(record["state"], expected) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pipeline_by_data_by_tensor_parallel_matches_one_device(tmp_path):
+    """K = 2 × D = 2 × T = 2 (8 processes, replicated data parallel): each replica trains on its
+    DistributedSampler shard; one device trains on both shards' batches together."""
+    runs = [{"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}]
+    (ranks,) = _job(tmp_path, 8, runs, steps=2 * STEPS, timeout=380)
+    _check_placement(ranks, stages=2, replicas=2, tensors=2)
+    shards = [list(DistributedSampler(range(8 * 2 * STEPS), num_replicas=2, rank=d, seed=0)) for d in (0, 1)]
+    order = [i for s in range(STEPS) for d in (0, 1) for i in shards[d][s * 8 : (s + 1) * 8]]
+    reference = _one_device(batch=16, order=order, steps=STEPS)
+    losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[4]["losses"])]  # replica 0, replica 1
+    assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5
+    for record in ranks:
+        assert max(abs(a - b) / b for a, b in zip(record["norms"], reference.norms)) <= 1e-5
+        assert max_diff(record["state"], reference.state_dict()) <= 1e-5

@@ -1,0 +1,44 @@
+"""Worker: fit tests.llama.Llama under GPipeStrategy with tensor parallelism, once per run in a JSON spec.
+
+Usage: python tests/workers/tensor_parallel.py SPEC.json, started once per rank with RANK/WORLD_SIZE set.
+Spec keys: devices, out, steps, clip (gradient_clip_val), runs (GPipeStrategy kwargs per run). Every rank
+writes ``run{k}_rank{r}.pt``: the losses and total gradient norms its module recorded (the last stage's are
+the step's), the DTensor parameters its stage held as training started, its mesh coordinate, and the whole
+trained ``state_dict`` after fit.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytorch_lightning as pl
+import torch
+
+import lightning_gpipe
+from tests.llama import Llama, llama_data
+from tests.models import trainer_kwargs
+
+torch.set_num_threads(1)
+spec = json.loads(Path(sys.argv[1]).read_text())
+out = Path(spec["out"])
+for k, run in enumerate(spec["runs"]):
+    pl.seed_everything(0, verbose=False)
+    model = Llama()
+    trainer = pl.Trainer(
+        strategy=lightning_gpipe.GPipeStrategy(**run),
+        devices=spec["devices"],
+        gradient_clip_val=spec["clip"],
+        **trainer_kwargs(spec["steps"]),
+    )
+    trainer.fit(model, llama_data(steps=spec["steps"]))
+    record = {
+        "losses": model.losses,
+        "norms": model.norms,
+        "dtensor_parameters": model.dtensor_parameters,
+        "coordinate": model.device_mesh.get_coordinate(),
+        "stage": trainer.strategy.stage_index,
+        "state": {n: t.detach().clone() for n, t in model.state_dict().items()},
+    }
+    torch.save(record, out / f"run{k}_rank{trainer.global_rank}.pt")
+print(f"worker rank {os.environ.get('LOCAL_RANK', '0')} done")
