@@ -1,8 +1,9 @@
 """A Llama-style LightningModule for tensor parallelism (issue 42, item 3): RMSNorm, causal attention with
-q/k/v/o projections and a SwiGLU MLP per block, in one ``nn.Sequential``. ``parallelize_stage`` applies the
-standard plan to each block of a stage (q/k/v and the MLP's gate/up colwise, o and down rowwise); an
+q/k/v/o projections and a SwiGLU MLP per block, in one ``nn.Sequential``. ``parallelize_stage`` applies
+the standard plan to each block of a stage (q/k/v and the MLP's gate/up colwise, o and down rowwise); an
 ``Up``/``Down`` pair after the blocks keeps its sharded activation as a ``DTensor``
-(``use_local_output=False``), so that a cut between them sends a ``DTensor`` from one stage to the next. Shared by the tests and the worker.
+(``use_local_output=False``), so that a cut between them sends a ``DTensor`` from one stage to the next.
+Shared by the tests and the worker.
 """
 
 from __future__ import annotations
