@@ -4,7 +4,8 @@ Usage: python tests/workers/tensor_parallel.py SPEC.json, started once per rank 
 Spec keys: devices, out, steps, clip (gradient_clip_val), runs (GPipeStrategy kwargs per run). Every rank
 writes ``run{k}_rank{r}.pt``: the losses and total gradient norms its module recorded (the last stage's are
 the step's), the DTensor parameters its stage held as training started, its mesh coordinate, and the whole
-trained ``state_dict`` after fit.
+trained ``state_dict`` after fit and
+the whole model's output on the first batch after fit (``after_fit``: plain layers, run in this process).
 """
 
 import json
@@ -39,6 +40,7 @@ for k, run in enumerate(spec["runs"]):
         "coordinate": model.device_mesh.get_coordinate(),
         "stage": trainer.strategy.stage_index,
         "state": {n: t.detach().clone() for n, t in model.state_dict().items()},
+        "after_fit": model(next(iter(llama_data()))[0]).detach(),  # the whole model, plain, on this process
     }
     torch.save(record, out / f"run{k}_rank{trainer.global_rank}.pt")
 print(f"worker rank {os.environ.get('LOCAL_RANK', '0')} done")

@@ -68,6 +68,7 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     reference = _one_device()
     assert min(reference.norms) > CLIP  # clipping acts on every step
     expected = reference.state_dict()
+    after_fit = reference(next(iter(llama_data()))[0]).detach()
     for ranks in results:
         _check_placement(ranks, stages=2, replicas=1, tensors=2)
         for rank in (0, 1):  # both tensor-parallel ranks of the last stage compute the loss
@@ -77,6 +78,7 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
         for record in ranks:  # every rank: the same total norm, the whole trained model after fit
             assert max(abs(a - b) / b for a, b in zip(record["norms"], reference.norms)) <= 1e-5
             assert max_diff(record["state"], expected) <= 1e-5
+            assert (record["after_fit"] - after_fit).abs().max() <= 1e-5  # the plan is off after fit
 
 
 @pytest.mark.slow
