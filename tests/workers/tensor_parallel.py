@@ -6,6 +6,7 @@ writes ``run{k}_rank{r}.pt``: the losses and total gradient norms its module rec
 the step's), the DTensor parameters its stage held as training started, its mesh coordinate, and the whole
 trained ``state_dict`` after fit and
 the whole model's output on the first batch after fit (``after_fit``: plain layers, run in this process).
+At the end of training each run saves ``run{k}.ckpt`` (its ``checkpoint_format``).
 """
 
 import json
@@ -23,6 +24,18 @@ from tests.models import trainer_kwargs
 torch.set_num_threads(1)
 spec = json.loads(Path(sys.argv[1]).read_text())
 out = Path(spec["out"])
+
+
+class SaveAtTrainEnd(pl.Callback):
+    """``trainer.save_checkpoint`` at the end of training, while every stage holds its parallelized layers."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+
+
 for k, run in enumerate(spec["runs"]):
     pl.seed_everything(0, verbose=False)
     model = Llama()
@@ -30,6 +43,7 @@ for k, run in enumerate(spec["runs"]):
         strategy=lightning_gpipe.GPipeStrategy(**run),
         devices=spec["devices"],
         gradient_clip_val=spec["clip"],
+        callbacks=[SaveAtTrainEnd(out / f"run{k}.ckpt")],
         **trainer_kwargs(spec["steps"]),
     )
     trainer.fit(model, llama_data(steps=spec["steps"]))

@@ -7,6 +7,7 @@ import json
 import pytest
 import pytorch_lightning as pl
 import torch
+from torch.distributed.checkpoint import format_utils
 from torch.utils.data import DistributedSampler
 
 from tests._harness import check, run_ranks
@@ -32,12 +33,12 @@ def _job(
     ]
 
 
-def _one_device(batch: int = 8, order: list[int] | None = None, steps: int = STEPS) -> Llama:
+def _one_device(batch: int = 8, order: list[int] | None = None, steps: int = STEPS, with_optimizer=False):
     pl.seed_everything(0, verbose=False)
     model = Llama()
     trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(STEPS))
     trainer.fit(model, llama_data(batch, steps, order))
-    return model
+    return (model, trainer.optimizers[0].state_dict()) if with_optimizer else model
 
 
 def _step_losses(losses: list[float]) -> list[float]:
@@ -63,9 +64,12 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     """K = 2 × T = 2 (4 processes): under gpipe the cut falls between ``Up`` and ``Down``, so a ``Shard(-1)``
     DTensor travels between the stages; under 1f1b it falls after the first block (a plain tensor)."""
     mesh = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
-    runs = [{**mesh, "balance": [4, 4]}, {**mesh, "balance": [2, 6], "schedule": "1f1b"}]
+    runs = [
+        {**mesh, "balance": [4, 4]},
+        {**mesh, "balance": [2, 6], "schedule": "1f1b", "checkpoint_format": "sharded"},
+    ]
     results = _job(tmp_path, 4, runs)
-    reference = _one_device()
+    reference, optimizer = _one_device(with_optimizer=True)
     assert min(reference.norms) > CLIP  # clipping acts on every step
     expected = reference.state_dict()
     after_fit = reference(next(iter(llama_data()))[0]).detach()
@@ -79,6 +83,16 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
             assert max(abs(a - b) / b for a, b in zip(record["norms"], reference.norms)) <= 1e-5
             assert max_diff(record["state"], expected) <= 1e-5
             assert (record["after_fit"] - after_fit).abs().max() <= 1e-5  # the plan is off after fit
+    # saved at the end of training, the stages parallelized: whole tensors, model and Adam state
+    full = torch.load(tmp_path / "run0.ckpt", weights_only=False)
+    assert max_diff(full["state_dict"], expected) <= 1e-5
+    (saved,) = full["optimizer_states"]
+    for i, state in optimizer["state"].items():
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert (saved["state"][i][field] - state[field]).abs().max() <= 1e-5
+    format_utils.dcp_to_torch_save(tmp_path / "run1.ckpt", tmp_path / "sharded.pt")
+    sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)["model"]
+    assert max_diff(sharded, expected) <= 1e-5
 
 
 @pytest.mark.slow
