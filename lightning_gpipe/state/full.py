@@ -9,12 +9,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_gpipe._lightning import distributed_is_initialized, optimizer_to_device
 from lightning_gpipe.partition.cut import PLACEHOLDER, key_prefix
 from lightning_gpipe.partition.tied import Tied, alias_tied_state
+from lightning_gpipe.state.dtensors import full_tensors, shard_like
 from lightning_gpipe.state.materialize import has_meta
 from lightning_gpipe.state.optimizer import (
     NAMES_KEY,
@@ -31,7 +31,6 @@ __all__ = [
     "FORMATS",
     "broadcast_from_first_replica",
     "check_format",
-    "full_tensors",
     "gather_sequential_state",
     "load_optimizer_states",
     "merged_optimizer_state",
@@ -64,19 +63,6 @@ def broadcast_from_first_replica(stage: nn.Module, layout: Layout, rank: int, gr
     with torch.no_grad():
         for tensor in stage.state_dict().values():
             dist.broadcast(tensor, src=src, group=group)
-
-
-def full_tensors(obj: Any) -> Any:
-    """``obj`` with every ``DTensor`` in its nested dicts, lists and tuples replaced by its whole tensor
-    (``DTensor.full_tensor()``: a collective that every rank of the tensor's mesh must call, in the same
-    order); other values as they are (tensor parallelism, issue 42)."""
-    if isinstance(obj, DTensor):
-        return obj.full_tensor()
-    if isinstance(obj, dict):
-        return {k: full_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(full_tensors(v) for v in obj)
-    return obj
 
 
 def gather_sequential_state(
@@ -247,5 +233,10 @@ def load_optimizer_states(
         )
         if read is not None:
             local["state"] = {i: read(v) for i, v in local["state"].items()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        local["state"] = {  # a DTensor parameter's states: its shards (tensor parallelism)
+            i: {k: shard_like(v, params[i]) for k, v in fields.items()}
+            for i, fields in local["state"].items()
+        }
         optimizer.load_state_dict(local)
         optimizer_to_device(optimizer, device)

@@ -31,6 +31,7 @@ from torch import Tensor
 from lightning_gpipe._compat import checkpoint_offset
 from lightning_gpipe._lightning import load_module_state, migrate_checkpoint
 from lightning_gpipe.errors import CheckpointError
+from lightning_gpipe.state.dtensors import shard_like
 from lightning_gpipe.state.optimizer import NAMES_KEY
 from lightning_gpipe.state.unpickler import refusal
 
@@ -383,8 +384,8 @@ def load_model_state(
     Entries still unread (meta tensors of ``lazy``) are read one at a time straight into the module's tensors.
     """
     if partitioned:
-        wanted = set(module.state_dict())
-        state_dict = {k: v for k, v in state_dict.items() if k in wanted}
+        wanted = module.state_dict()  # a DTensor entry takes its shard of the whole tensor (tensor parallel)
+        state_dict = {k: shard_like(v, wanted[k]) for k, v in state_dict.items() if k in wanted}
     if lazy is not None and any(True for _ in meta_tensors(state_dict)):
         target = module.state_dict()
         if not strict:
