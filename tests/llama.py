@@ -138,10 +138,13 @@ class Llama(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
-def llama_data(batch: int = 8, steps: int = 4, order: list[int] | None = None) -> DataLoader:
-    """``batch × steps`` random sequences of ``LENGTH`` token ids (seeded), in ``order`` when given."""
+def llama_data(
+    batch: int = 8, steps: int = 4, order: list[int] | None = None, samples: int | None = None
+) -> DataLoader:
+    """``samples`` (default ``batch × steps``) random sequences of ``LENGTH`` token ids (seeded), in
+    ``order`` (indices, repeats allowed) when given."""
     g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, VOCAB, (batch * steps, LENGTH), generator=g)
+    ids = torch.randint(0, VOCAB, (samples or batch * steps, LENGTH), generator=g)
     if order is not None:
         ids = ids[order]
     return DataLoader(TensorDataset(ids), batch_size=batch)

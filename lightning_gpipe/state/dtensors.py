@@ -9,12 +9,13 @@ tensor when loading, with no communication (every rank holds the whole tensor it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["full_tensors", "shard_like"]
+__all__ = ["full_tensors", "read_shard_into", "shard_like"]
 
 
 def full_tensors(obj: Any) -> Any:
@@ -33,13 +34,29 @@ def full_tensors(obj: Any) -> Any:
 def shard_like(value: Any, target: Any) -> Any:
     """``value`` (a whole tensor) as a ``DTensor`` placed as ``target`` is, this rank's shard taken from it
     (``distribute_tensor(..., src_data_rank=None)``: no communication); ``value`` as it is where ``target``
-    is no ``DTensor``, ``value`` is one already, or the shapes differ (the load then says so)."""
+    is no ``DTensor``, ``value`` is one already or still on the meta device (a lazily read checkpoint entry:
+    :func:`read_shard_into`), or the shapes differ (the load then says so)."""
     if (
         not isinstance(target, DTensor)
         or not isinstance(value, Tensor)
         or isinstance(value, DTensor)
+        or value.is_meta
         or value.shape != target.shape
     ):
         return value
     local = value.to(device=target.to_local().device, dtype=target.dtype)
     return distribute_tensor(local, target.device_mesh, target.placements, src_data_rank=None)
+
+
+def read_shard_into(
+    read_into: Callable[[Tensor, Tensor], None],
+    read: Callable[[Tensor], Tensor],
+    entry: Tensor,
+    target: Tensor,
+) -> None:
+    """``read_into(entry, target)``, or for a ``DTensor`` target its shard of the whole tensor ``read(entry)``
+    (a lazily read checkpoint entry, :class:`lightning_gpipe.state.loading.LazyCheckpoint`)."""
+    if isinstance(target, DTensor):
+        target.copy_(shard_like(read(entry) if entry.is_meta else entry, target))
+    else:
+        read_into(entry, target)

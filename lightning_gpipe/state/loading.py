@@ -15,6 +15,7 @@ its own stage's tensors plus one tensor being read, never the whole model.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -31,7 +32,7 @@ from torch import Tensor
 from lightning_gpipe._compat import checkpoint_offset
 from lightning_gpipe._lightning import load_module_state, migrate_checkpoint
 from lightning_gpipe.errors import CheckpointError
-from lightning_gpipe.state.dtensors import shard_like
+from lightning_gpipe.state.dtensors import read_shard_into, shard_like
 from lightning_gpipe.state.optimizer import NAMES_KEY
 from lightning_gpipe.state.unpickler import refusal
 
@@ -390,6 +391,6 @@ def load_model_state(
         target = module.state_dict()
         if not strict:
             target = {k: v for k, v in target.items() if k in state_dict}
-        copy_into(target, state_dict, lazy.read_into)
+        copy_into(target, state_dict, functools.partial(read_shard_into, lazy.read_into, lazy.read))
         return
     module.load_state_dict(state_dict, strict=strict)

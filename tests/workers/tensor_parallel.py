@@ -6,7 +6,9 @@ writes ``run{k}_rank{r}.pt``: the losses and total gradient norms its module rec
 the step's), the DTensor parameters its stage held as training started, its mesh coordinate, and the whole
 trained ``state_dict`` after fit and
 the whole model's output on the first batch after fit (``after_fit``: plain layers, run in this process).
-At the end of training each run saves ``run{k}.ckpt`` (its ``checkpoint_format``).
+At the end of training each run saves ``run{k}.ckpt`` (its ``checkpoint_format``); with ``resume`` (Trainer
+overrides: ``max_steps``, ``max_epochs``) a new module fits on from it (``resumed_losses``, ``resumed_norms``,
+``resumed_state``).
 """
 
 import json
@@ -56,5 +58,15 @@ for k, run in enumerate(spec["runs"]):
         "state": {n: t.detach().clone() for n, t in model.state_dict().items()},
         "after_fit": model(next(iter(llama_data()))[0]).detach(),  # the whole model, plain, on this process
     }
+    if spec.get("resume"):  # a new module fit on from the checkpoint, to the step and epoch limits given
+        model = Llama()
+        kwargs = {**trainer_kwargs(spec["steps"]), **spec["resume"]}
+        strategy = lightning_gpipe.GPipeStrategy(**run)
+        trainer = pl.Trainer(
+            strategy=strategy, devices=spec["devices"], gradient_clip_val=spec["clip"], **kwargs
+        )
+        trainer.fit(model, llama_data(steps=spec["steps"]), ckpt_path=str(out / f"run{k}.ckpt"))
+        record["resumed_losses"], record["resumed_norms"] = model.losses, model.norms
+        record["resumed_state"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
     torch.save(record, out / f"run{k}_rank{trainer.global_rank}.pt")
 print(f"worker rank {os.environ.get('LOCAL_RANK', '0')} done")

@@ -18,11 +18,9 @@ from tests.models import trainer_kwargs
 CLIP, STEPS = 0.05, 4
 
 
-def _job(
-    tmp_path, devices: int, runs: list[dict], steps: int = STEPS, timeout: float = 280
-) -> list[list[dict]]:
+def _job(tmp_path, devices: int, runs: list[dict], steps: int = STEPS, timeout: float = 280, **extra):
     """tests/workers/tensor_parallel.py over ``devices`` ranks; per run, every rank's record."""
-    spec = {"devices": devices, "out": str(tmp_path), "steps": steps, "clip": CLIP, "runs": runs}
+    spec = {"devices": devices, "out": str(tmp_path), "steps": steps, "clip": CLIP, "runs": runs, **extra}
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
     for result in run_ranks("tests/workers/tensor_parallel.py", devices, str(path), timeout=timeout):
@@ -33,11 +31,12 @@ def _job(
     ]
 
 
-def _one_device(batch: int = 8, order: list[int] | None = None, steps: int = STEPS, with_optimizer=False):
+def _one_device(batch=8, order=None, samples=None, steps=STEPS, with_optimizer=False):
+    """The module trained on one device for ``steps`` steps of ``batch`` (``samples`` in ``order``)."""
     pl.seed_everything(0, verbose=False)
     model = Llama()
-    trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(STEPS))
-    trainer.fit(model, llama_data(batch, steps, order))
+    trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(steps))
+    trainer.fit(model, llama_data(batch, steps, order, samples))
     return (model, trainer.optimizers[0].state_dict()) if with_optimizer else model
 
 
@@ -99,15 +98,30 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
 @pytest.mark.timeout(400)
 def test_pipeline_by_data_by_tensor_parallel_matches_one_device(tmp_path):
     """K = 2 × D = 2 × T = 2 (8 processes, replicated data parallel): each replica trains on its
-    DistributedSampler shard; one device trains on both shards' batches together."""
+    DistributedSampler shard; one device trains on both shards' batches together. Resumed from the full
+    checkpoint saved at the end of epoch 0 (whole model and Adam state, loaded into the DTensor shards), a new
+    module trains epoch 1 as one device trains both epochs."""
     runs = [{"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}]
-    (ranks,) = _job(tmp_path, 8, runs, steps=2 * STEPS, timeout=380)
+    resume = {"max_steps": -1, "max_epochs": 2}  # from the checkpoint at the end of epoch 0: epoch 1
+    (ranks,) = _job(tmp_path, 8, runs, steps=2 * STEPS, timeout=380, resume=resume)
     _check_placement(ranks, stages=2, replicas=2, tensors=2)
-    shards = [list(DistributedSampler(range(8 * 2 * STEPS), num_replicas=2, rank=d, seed=0)) for d in (0, 1)]
-    order = [i for s in range(STEPS) for d in (0, 1) for i in shards[d][s * 8 : (s + 1) * 8]]
-    reference = _one_device(batch=16, order=order, steps=STEPS)
-    losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[4]["losses"])]  # replica 0, replica 1
-    assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5
-    for record in ranks:
-        assert max(abs(a - b) / b for a, b in zip(record["norms"], reference.norms)) <= 1e-5
-        assert max_diff(record["state"], reference.state_dict()) <= 1e-5
+    order = []
+    for epoch in (0, 1):  # DDP's shards: every step, replica 0's batch of 8, then replica 1's
+        shards = []
+        for d in (0, 1):
+            sampler = DistributedSampler(range(8 * 2 * STEPS), num_replicas=2, rank=d, seed=0)
+            sampler.set_epoch(epoch)
+            shards.append(list(sampler))
+        order += [i for s in range(STEPS) for d in (0, 1) for i in shards[d][s * 8 : (s + 1) * 8]]
+    reference = _one_device(batch=16, order=order[: 16 * STEPS], samples=8 * 2 * STEPS)
+    resumed = _one_device(batch=16, order=order, samples=8 * 2 * STEPS, steps=2 * STEPS)  # both epochs
+    for prefix, expected in (("", reference), ("resumed_", resumed)):
+        replicas = zip(ranks[0][f"{prefix}losses"], ranks[4][f"{prefix}losses"])  # replica 0, replica 1
+        losses = [(a + b) / 2 for a, b in replicas]
+        tail = expected.losses[-len(losses) :]  # resumed: epoch 1's steps
+        assert len(losses) == STEPS
+        assert max(abs(a - b) for a, b in zip(losses, tail)) <= 1e-5
+        for record in ranks:
+            norms = record[f"{prefix}norms"]
+            assert max(abs(a - b) / b for a, b in zip(norms, expected.norms[-len(norms) :])) <= 1e-5
+            assert max_diff(record[f"{prefix}state"], expected.state_dict()) <= 1e-5
