@@ -95,6 +95,28 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_interleaved_and_zero_bubble_schedules_by_tensor_parallel_match_one_device(tmp_path):
+    """K = 2 × T = 2 under interleaved_1f1b (4 parts, 2 per stage: the ``Up`` → ``SiLU`` cut sends a DTensor
+    from the last stage back to the first) and zb_h1 (input and weight gradients apart)."""
+    mesh = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
+    runs = [
+        {**mesh, "schedule": "interleaved_1f1b", "balance": [2, 2, 2, 2]},
+        {**mesh, "schedule": "zb_h1", "balance": [4, 4]},
+    ]
+    results = _job(tmp_path, 4, runs)
+    reference = _one_device()
+    for ranks in results:
+        _check_placement(ranks, stages=2, replicas=1, tensors=2)
+        losses = _step_losses(ranks[0]["losses"])
+        assert len(losses) == STEPS
+        assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5
+        for record in ranks:
+            assert max(abs(a - b) / b for a, b in zip(record["norms"], reference.norms)) <= 1e-5
+            assert max_diff(record["state"], reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_pipeline_by_data_by_tensor_parallel_matches_one_device(tmp_path):
     """K = 2 × D = 2 × T = 2 (8 processes, replicated data parallel): each replica trains on its
