@@ -3,18 +3,26 @@ shape through the message codec, and is rebuilt over the receiving stage's mesh 
 received leaf; on a one-process Gloo group (the multi-process exchange: tests/distributed/strategy/
 test_tensor_parallel.py)."""
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
 from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
 
 from lightning_gpipe.engine.dtensor_wire import MARK, from_wire, to_wire
 from lightning_gpipe.engine.microbatch import flatten, unflatten
+from lightning_gpipe.engine.stage import StageDone
 from lightning_gpipe.errors import PipelineUsageError
+from lightning_gpipe.partition.build import build_stage
+from lightning_gpipe.transport.layout import Layout
 from lightning_gpipe.transport.wire import decode_structure, encode_structure
+from tests.fakes import FakeNetwork, FakeP2P
 
 
 @pytest.fixture
@@ -90,3 +98,49 @@ def test_a_placement_that_cannot_travel_is_refused_naming_it(mesh):
         PipelineUsageError, match=r"placement _Odd\(\).*Shard\(dim\), Replicate\(\) and Partial"
     ):
         to_wire(odd)
+
+
+class PlainP2P(FakeP2P):
+    """The fake transport, refusing what ``torch.distributed``'s point-to-point operations cannot carry: a
+    tensor subclass such as ``DTensor`` (its local shard would travel under its global shape's header)."""
+
+    def send(self, tensors, dst, **kwargs):
+        assert all(type(t) is torch.Tensor for t in tensors), [type(t).__name__ for t in tensors]
+        super().send(tensors, dst, **kwargs)
+
+
+def test_a_dtensor_output_crosses_stages_through_the_executor_as_on_one_device(mesh):
+    """Two stages in one process (tests/fakes.py): stage 0 ends in a colwise Linear whose output stays a
+    ``Shard(-1)`` DTensor, stage 1 starts with a rowwise Linear that takes it; loss and gradients equal the
+    plain Sequential's, under fill-drain with recompute."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 6), nn.GELU(), nn.Linear(6, 3))
+    seq = copy.deepcopy(plain)
+    parallelize_module(seq[0], mesh, ColwiseParallel(use_local_output=False))
+    parallelize_module(seq[2], mesh, RowwiseParallel())
+    x, y = torch.randn(8, 4), torch.randn(8, 3)
+    network, stages = FakeNetwork(), []
+    for j in range(2):
+        stage = build_stage(
+            seq, [1, 2], Layout(2, 2), Layout(2, 2).rank(0, j), 4, "except_last", torch.device("cpu")
+        )
+        stage.p2p, stage.timeline, stage.executor.tensor_mesh = (
+            PlainP2P(network, stage.topology.ranks[j]),
+            None,
+            mesh,
+        )
+        stages.append(stage)
+    assert stages[0].run_step(stages[0], True, x) is StageDone
+    out = stages[1].run_step(stages[1], True, x)
+    loss = nn.functional.mse_loss(out, y)
+    assert stages[1].share_outcome(loss, None, training=True) is not None
+    assert stages[0].share_outcome(None, None, training=True) is not None
+    loss.backward()
+    for stage in reversed(stages):
+        stage.backward()
+    expected = nn.functional.mse_loss(plain(x), y)
+    expected.backward()
+    assert torch.allclose(loss, expected, atol=1e-6)
+    for (name, p), q in zip(seq.named_parameters(), plain.parameters()):
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        assert torch.allclose(grad, q.grad, atol=1e-6), name
