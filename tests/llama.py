@@ -15,7 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 pl = importlib.import_module(os.environ.get("GPIPE_TEST_LIGHTNING", "pytorch_lightning"))
@@ -101,6 +106,7 @@ class Llama(pl.LightningModule):
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.dtensor_parameters = 0  # on this rank's stage, as training starts
+        self.dtensor_outputs = 0  # calls of the Sequential in training_step that returned a DTensor
 
     def parallelize_stage(self, stage: nn.Module, tp_mesh) -> None:
         for layer in stage.children():
@@ -136,6 +142,31 @@ class Llama(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+
+class ShardedLogits(Llama):
+    """The head colwise too, its logits left a ``Shard(-1)`` DTensor: the last stage's output is a DTensor,
+    and the loss is taken over the sharded logits under ``loss_parallel``, its backward too (as
+    ``loss_parallel`` requires)."""
+
+    def parallelize_stage(self, stage: nn.Module, tp_mesh) -> None:
+        super().parallelize_stage(stage, tp_mesh)
+        for layer in stage.children():
+            if isinstance(layer, nn.Linear) and layer.out_features == VOCAB:
+                parallelize_module(layer, tp_mesh, ColwiseParallel(use_local_output=False))
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        logits = self(ids)
+        self.dtensor_outputs += isinstance(logits, DTensor)
+        with loss_parallel():
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        self.losses.append(loss.full_tensor().item() if isinstance(loss, DTensor) else loss.item())
+        return loss
+
+    def backward(self, loss, *args, **kwargs) -> None:
+        with loss_parallel():
+            loss.backward(*args, **kwargs)
 
 
 def llama_data(

@@ -1,7 +1,8 @@
 """Worker: fit tests.llama.Llama under GPipeStrategy with tensor parallelism, once per run in a JSON spec.
 
 Usage: python tests/workers/tensor_parallel.py SPEC.json, started once per rank with RANK/WORLD_SIZE set.
-Spec keys: devices, out, steps, clip (gradient_clip_val), runs (GPipeStrategy kwargs per run). Every rank
+Spec keys: devices, out, steps, clip (gradient_clip_val), runs (GPipeStrategy kwargs per run; "model":
+"llama" (default) or "sharded_logits", the module of that run). Every rank
 writes ``run{k}_rank{r}.pt``: the losses and total gradient norms its module recorded (the last stage's are
 the step's), the DTensor parameters its stage held as training started, its mesh coordinate, and the whole
 trained ``state_dict`` after fit and
@@ -20,7 +21,7 @@ import pytorch_lightning as pl
 import torch
 
 import lightning_gpipe
-from tests.llama import Llama, llama_data
+from tests.llama import Llama, ShardedLogits, llama_data
 from tests.models import trainer_kwargs
 
 torch.set_num_threads(1)
@@ -38,9 +39,12 @@ class SaveAtTrainEnd(pl.Callback):
         trainer.save_checkpoint(self.path)
 
 
+MODELS = {"llama": Llama, "sharded_logits": ShardedLogits}
 for k, run in enumerate(spec["runs"]):
+    run = dict(run)
+    make = MODELS[run.pop("model", "llama")]
     pl.seed_everything(0, verbose=False)
-    model = Llama()
+    model = make()
     trainer = pl.Trainer(
         strategy=lightning_gpipe.GPipeStrategy(**run),
         devices=spec["devices"],
@@ -53,13 +57,14 @@ for k, run in enumerate(spec["runs"]):
         "losses": model.losses,
         "norms": model.norms,
         "dtensor_parameters": model.dtensor_parameters,
+        "dtensor_outputs": model.dtensor_outputs,
         "coordinate": model.device_mesh.get_coordinate(),
         "stage": trainer.strategy.stage_index,
         "state": {n: t.detach().clone() for n, t in model.state_dict().items()},
         "after_fit": model(next(iter(llama_data()))[0]).detach(),  # the whole model, plain, on this process
     }
     if spec.get("resume"):  # a new module fit on from the checkpoint, to the step and epoch limits given
-        model = Llama()
+        model = make()
         kwargs = {**trainer_kwargs(spec["steps"]), **spec["resume"]}
         strategy = lightning_gpipe.GPipeStrategy(**run)
         trainer = pl.Trainer(

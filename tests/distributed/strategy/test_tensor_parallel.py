@@ -96,18 +96,22 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_interleaved_and_zero_bubble_schedules_by_tensor_parallel_match_one_device(tmp_path):
+def test_other_schedules_and_sharded_logits_by_tensor_parallel_match_one_device(tmp_path):
     """K = 2 × T = 2 under interleaved_1f1b (4 parts, 2 per stage: the ``Up`` → ``SiLU`` cut sends a DTensor
-    from the last stage back to the first) and zb_h1 (input and weight gradients apart)."""
+    from the last stage back to the first) and zb_h1 (input and weight gradients apart); and with the last
+    stage's output a DTensor (sharded logits, the loss under ``loss_parallel``), under gpipe and 1f1b."""
     mesh = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
     runs = [
         {**mesh, "schedule": "interleaved_1f1b", "balance": [2, 2, 2, 2]},
         {**mesh, "schedule": "zb_h1", "balance": [4, 4]},
+        {**mesh, "balance": [4, 4], "model": "sharded_logits"},
+        {**mesh, "balance": [4, 4], "model": "sharded_logits", "schedule": "1f1b"},
     ]
     results = _job(tmp_path, 4, runs)
     reference = _one_device()
-    for ranks in results:
+    for run, ranks in zip(runs, results):
         _check_placement(ranks, stages=2, replicas=1, tensors=2)
+        assert (ranks[0]["dtensor_outputs"] > 0) == ("model" in run)  # the sharded logits reach the step
         losses = _step_losses(ranks[0]["losses"])
         assert len(losses) == STEPS
         assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5
