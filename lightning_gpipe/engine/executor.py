@@ -30,6 +30,7 @@ from lightning_gpipe.engine import aux_losses as aux
 from lightning_gpipe.engine import backward_split as input_first
 from lightning_gpipe.engine import recompute
 from lightning_gpipe.engine.batchnorm import no_accumulate
+from lightning_gpipe.engine.dtensor_wire import from_wire, to_wire
 from lightning_gpipe.engine.microbatch import flatten, scatter, unflatten
 from lightning_gpipe.engine.plan import ColumnPlan, StepRun, release
 from lightning_gpipe.engine.rng import StageGenerator
@@ -86,9 +87,8 @@ class ColumnExecutor:
         self.p2p = p2p
         self.schedule = schedule
         self.generator = generator
-        self.timeline: Any = (
-            None  # a lightning_gpipe.tools.timeline.Timeline (anything with span(kind, i, u))
-        )
+        self.timeline: Any = None  # a tools.timeline.Timeline (anything with span(kind, i, u))
+        self.tensor_mesh: Any = None  # the tensor-parallel mesh DTensors arrive on (.dtensor_wire)
         self.compiled: list[Any] | None = None  # per virtual stage, its layers compiled
         self.received_skips: list[tuple[str, int]] = []  # (name, source stage), for inspection and tests
         self._plans: dict[Any, ColumnPlan] = {}
@@ -107,15 +107,19 @@ class ColumnExecutor:
 
     def local_forward(self, input: Any, store: MicroBatchStore | None = None, virtual_stage: int = 0) -> Any:
         """Virtual stage ``virtual_stage``'s layers (all of this stage's without virtual stages) applied
-        in order, as ``nn.Sequential`` would, with ``store`` for skips."""
-        compiled = self.compiled
+        in order, as ``nn.Sequential`` would, with ``store`` for skips; DTensors in what comes from or goes
+        to another stage travel as :mod:`.dtensor_wire` says."""
+        compiled, top, u = self.compiled, self.topology, virtual_stage
+        if not (top.is_first and u == 0):  # DTensors travel as local tensors and placements
+            input = from_wire(input, self.tensor_mesh)
         with use_store(store if store is not None else MicroBatchStore()):
             if compiled is not None:
-                return compiled[virtual_stage](input)
-            for name in self.virtual_layers[virtual_stage]:
-                call = self.calls.get(name)
-                input = self.layers[name](input) if call is None else call(self.layers[name], input)
-        return input
+                input = compiled[u](input)
+            else:
+                for name in self.virtual_layers[u]:
+                    call = self.calls.get(name)
+                    input = self.layers[name](input) if call is None else call(self.layers[name], input)
+        return input if top.is_last and u == self.virtual_stages - 1 else to_wire(input)
 
     def start(self, input: Any, train: bool, micro: int | None) -> StepRun:
         """A new run at the step's first call: M from the split (first stage) or the first message;

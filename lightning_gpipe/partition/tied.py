@@ -171,13 +171,14 @@ def new_tied_groups(tied: Sequence[Tied], stage_module: nn.Module, layout: Layou
     stage = layout.stage_of(rank)
     local = dict(stage_module.named_parameters())
     params = []
+    mine = (layout.replica_of(rank), layout.tensor_of(rank))
     for t in tied:
-        for replica in range(layout.replicas):
-            ranks = [layout.rank(replica, s) for s in t.stages]
+        for replica, tensor in ((d, k) for d in range(layout.replicas) for k in range(layout.tensors)):
+            ranks = [layout.rank(replica, s, tensor) for s in t.stages]
             key = (id(dist.group.WORLD), tuple(ranks))
             if key not in _GROUPS:
                 _GROUPS[key] = dist.new_group(sorted(ranks))
-            if replica == layout.replica_of(rank) and stage in t.stages:
+            if (replica, tensor) == mine and stage in t.stages:
                 params.append((t, local[t.local_name(stage)], _GROUPS[key], ranks[0]))
     return TiedGroups(params)
 

@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from lightning_gpipe._lightning import distributed_is_initialized, optimizer_to_device
 from lightning_gpipe.partition.cut import PLACEHOLDER, key_prefix
 from lightning_gpipe.partition.tied import Tied, alias_tied_state
+from lightning_gpipe.state.dtensors import full_tensors, shard_like
 from lightning_gpipe.state.materialize import has_meta
 from lightning_gpipe.state.optimizer import (
     NAMES_KEY,
@@ -58,7 +59,7 @@ def broadcast_from_first_replica(stage: nn.Module, layout: Layout, rank: int, gr
     stage's replicas."""
     if layout.replicas == 1:
         return
-    src = layout.rank(0, layout.stage_of(rank))
+    src = layout.rank(0, layout.stage_of(rank), layout.tensor_of(rank))
     with torch.no_grad():
         for tensor in stage.state_dict().values():
             dist.broadcast(tensor, src=src, group=group)
@@ -67,14 +68,15 @@ def broadcast_from_first_replica(stage: nn.Module, layout: Layout, rank: int, gr
 def gather_sequential_state(
     stage: nn.Module, layout: Layout, rank: int, to_all: bool, tied: Sequence[Tied] = ()
 ) -> dict[str, Tensor]:
-    """The pipelined Sequential's full ``state_dict`` (keys relative to it, CPU) from replica 0's stages.
+    """The pipelined Sequential's full ``state_dict`` (keys relative to it, CPU) from replica 0's stages
+    (``DTensor`` entries whole, from tensor-parallel rank 0).
 
     Every rank must call it. With ``to_all`` every rank receives it; else rank 0 does and the
     others get ``{}``. Every key of a ``tied`` parameter holds one tensor, its owner stage's
     (saved once, as the plain module's shared parameter is).
     """
-    local = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
-    mine = local if layout.replica_of(rank) == 0 else {}
+    local = {k: v.detach().cpu() for k, v in full_tensors(stage.state_dict()).items()}
+    mine = local if layout.replica_of(rank) == 0 and layout.tensor_of(rank) == 0 else {}
     parts: list[Any] = [None] * layout.world_size
     if to_all:
         dist.all_gather_object(parts, mine)
@@ -156,7 +158,8 @@ def merged_optimizer_state(
     order: Sequence[str] | None = None,
     tied_aliases: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
-    """On rank 0: one optimizer ``state_dict`` over the whole model, merged from replica 0's stages.
+    """On rank 0: one optimizer ``state_dict`` over the whole model, merged from replica 0's stages
+    (``DTensor`` states whole, from tensor-parallel rank 0).
 
     It has the layout a single optimizer over the plain module's parameters would have (see
     :mod:`lightning_gpipe.state.optimizer`), plus the parameter names, so it loads back into any
@@ -173,12 +176,14 @@ def merged_optimizer_state(
     copies = {k for k, v in (tied_aliases or {}).items() if v is not None}
     names = group_names(optimizer, _names_by_id(module), missing=PLACEHOLDER)
     names = [[PLACEHOLDER if n in copies else n for n in group] for group in names]  # dropped below
-    mine = (layout.stage_of(rank), tensors_to_cpu(optimizer.state_dict()), names)
+    mine = (layout.stage_of(rank), tensors_to_cpu(full_tensors(optimizer.state_dict())), names)
     parts: list[Any] = [mine]
     if distributed_is_initialized() and layout.world_size > 1:
         parts = [None] * layout.world_size
         dist.gather_object(
-            mine if layout.replica_of(rank) == 0 else None, parts if rank == 0 else None, dst=0
+            mine if layout.replica_of(rank) == 0 and layout.tensor_of(rank) == 0 else None,
+            parts if rank == 0 else None,
+            dst=0,
         )
         if rank != 0:
             return {}
@@ -228,5 +233,10 @@ def load_optimizer_states(
         )
         if read is not None:
             local["state"] = {i: read(v) for i, v in local["state"].items()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        local["state"] = {  # a DTensor parameter's states: its shards (tensor parallelism)
+            i: {k: shard_like(v, params[i]) for k, v in fields.items()}
+            for i, fields in local["state"].items()
+        }
         optimizer.load_state_dict(local)
         optimizer_to_device(optimizer, device)

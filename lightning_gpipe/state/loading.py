@@ -15,6 +15,7 @@ its own stage's tensors plus one tensor being read, never the whole model.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import sys
@@ -31,6 +32,7 @@ from torch import Tensor
 from lightning_gpipe._compat import checkpoint_offset
 from lightning_gpipe._lightning import load_module_state, migrate_checkpoint
 from lightning_gpipe.errors import CheckpointError
+from lightning_gpipe.state.dtensors import read_shard_into, shard_like
 from lightning_gpipe.state.optimizer import NAMES_KEY
 from lightning_gpipe.state.unpickler import refusal
 
@@ -383,12 +385,12 @@ def load_model_state(
     Entries still unread (meta tensors of ``lazy``) are read one at a time straight into the module's tensors.
     """
     if partitioned:
-        wanted = set(module.state_dict())
-        state_dict = {k: v for k, v in state_dict.items() if k in wanted}
+        wanted = module.state_dict()  # a DTensor entry takes its shard of the whole tensor (tensor parallel)
+        state_dict = {k: shard_like(v, wanted[k]) for k, v in state_dict.items() if k in wanted}
     if lazy is not None and any(True for _ in meta_tensors(state_dict)):
         target = module.state_dict()
         if not strict:
             target = {k: v for k, v in target.items() if k in state_dict}
-        copy_into(target, state_dict, lazy.read_into)
+        copy_into(target, state_dict, functools.partial(read_shard_into, lazy.read_into, lazy.read))
         return
     module.load_state_dict(state_dict, strict=strict)

@@ -48,7 +48,8 @@ def stage_tensors(layers: Sequence[tuple[str, nn.Module]]) -> list[tuple[str, Te
 def send_rank0_state(
     stages: Sequence[Sequence[tuple[str, nn.Module]]], layout: Layout, rank: int, p2p: P2P
 ) -> None:
-    """Give stage ``s`` of replica 0 rank 0's values of its layers' tensors, for every ``s``.
+    """Give stage ``s`` of replica 0 rank 0's values of its layers' tensors, for every ``s``, on each of its
+    tensor-parallel ranks (each takes the whole stage; the user's plan shards it after the cut).
 
     Every rank of replica 0 calls this; the other replicas return at once.
 
@@ -62,12 +63,14 @@ def send_rank0_state(
         ValueError: on a receiving rank, when its stage's tensors differ in number, shape or dtype
             from rank 0's (the module is built differently there).
     """
-    if layout.stages == 1 or layout.replica_of(rank) != 0:
+    if layout.stages * layout.tensors == 1 or layout.replica_of(rank) != 0:
         return
     if rank == 0:
-        for s in range(layout.stages - 1):  # the last stage is rank 0's own
+        for s, k in ((s, k) for s in range(layout.stages) for k in range(layout.tensors)):
+            dst = layout.rank(0, s, k)
+            if dst == 0:  # the last stage is rank 0's own
+                continue
             tensors = stage_tensors(stages[s])
-            dst = layout.rank(0, s)
             p2p.send([torch.tensor([len(tensors)], device=p2p.device)], dst)
             for _, t in tensors:
                 p2p.send([t.detach().to(p2p.device)], dst)

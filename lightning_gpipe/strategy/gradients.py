@@ -1,5 +1,11 @@
 """Gradients across processes: tied copies summed, data-parallel all-reduce, global-norm clipping over
-all stages."""
+all stages and tensor-parallel ranks.
+
+Under tensor parallelism (issue 42, item 3) a gradient may be a ``DTensor``: the data-parallel all-reduce
+averages each rank's local shard (the same shard on every replica), and the global norm counts a sharded
+gradient's shards on every tensor-parallel rank and a replicated gradient (a ``Replicate`` DTensor or a
+plain tensor, equal on the stage's tensor-parallel ranks) once, on tensor-parallel rank 0.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +15,23 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim import Optimizer
 
 from lightning_gpipe._compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_gpipe.partition.tied import TiedGroups, norm_parameters, sum_tied_gradients
+from lightning_gpipe.transport.groups import Groups
 
 BUCKET_BYTES = 25 * 2**20
+
+
+def local(t: Tensor) -> Tensor:
+    """``t``'s local tensor if it is a ``DTensor`` (sharing its storage), else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sharded(t: Tensor) -> bool:
+    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
 
 
 def allreduce_gradients(
@@ -32,7 +49,7 @@ def allreduce_gradients(
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grads.append(p.grad)
+        grads.append(local(p.grad))
     buckets: list[list[Tensor]] = []
     size, key = 0, None
     for g in grads:
@@ -54,31 +71,43 @@ def allreduce_gradients(
 
 
 def global_grad_norm(
-    params: Iterable[Tensor], norm_type: float, group: object, device: torch.device
+    params: Iterable[Tensor],
+    norm_type: float,
+    group: object,
+    device: torch.device,
+    tensor_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
-    """The ``norm_type``-norm of the gradients of all stages of a pipeline (``group``).
+    """The ``norm_type``-norm of the gradients of all stages of a pipeline (``group``) and, with
+    ``tensor_group`` (the stage's tensor-parallel ranks, two or more), of all their tensor-parallel ranks.
 
-    Each stage reduces its own gradients, then one all-reduce combines the stages (sum of
-    ``p``-th powers, or max for ``inf``). Stages with no gradients take part with 0.
+    Each rank reduces its own gradients (with ``tensor_group``: the local shards of sharded ones, and
+    replicated ones on its rank 0 only), then all-reduces combine the tensor-parallel ranks and the stages
+    (sum of ``p``-th powers, or max for ``inf``). Ranks with no gradients take part with 0.
     """
     grads = [p.grad for p in params if p.grad is not None]
+    if tensor_group is not None:
+        first = dist.get_rank(tensor_group) == 0
+        grads = [local(g) for g in grads if first or _sharded(g)]
+    groups = [group] if tensor_group is None else [tensor_group, group]
     norm_type = float(norm_type)
     if math.isinf(norm_type):
-        local = (
+        local_max = (
             torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros(())
         )
-        total = local.to(device)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        total = local_max.to(device)
+        for g in groups:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=g)
         return total
-    local = (
+    powers = (
         torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads])
         .pow(norm_type)
         .sum()
         if grads
         else torch.zeros(())
     )
-    total = local.to(device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    total = powers.to(device)
+    for g in groups:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=g)
     return total.pow(1.0 / norm_type)
 
 
@@ -89,6 +118,7 @@ def clip_grad_norm_(
     group: object,
     device: torch.device,
     counted: Iterable[Tensor] | None = None,
+    tensor_group: dist.ProcessGroup | None = None,
 ) -> Tensor:
     """Clip gradients by the global norm over all stages, like ``torch.nn.utils.clip_grad_norm_`` on
     one device.
@@ -97,16 +127,17 @@ def clip_grad_norm_(
         counted: the parameters whose gradients make up this stage's share of the norm (default:
             ``params``); a tied parameter's copy on a stage that does not own it is left out, so
             it counts once (:mod:`lightning_gpipe.partition.tied`). Every one of ``params`` is scaled.
+        tensor_group: the stage's tensor-parallel ranks (two or more), as in :func:`global_grad_norm`.
 
     Returns:
         The total norm before clipping.
     """
     params = list(params)
-    total = global_grad_norm(params if counted is None else counted, norm_type, group, device)
+    total = global_grad_norm(params if counted is None else counted, norm_type, group, device, tensor_group)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+            local(p.grad).detach().mul_(coef.to(p.grad.device, p.grad.dtype))
     return total
 
 
@@ -126,14 +157,16 @@ def clip_optimizer_gradients(
     optimizer: Optimizer,
     max_norm: float,
     norm_type: float,
-    group: object,
+    groups: Groups,
     device: torch.device,
     tied_groups: TiedGroups | None = None,
     stage: int = 0,
 ) -> Tensor:
     """``gradient_clip_algorithm="norm"``: :func:`clip_grad_norm_` over ``optimizer``'s parameters, the norm
-    taken over every stage's gradients together (``group``: the pipeline's ranks), a tied parameter counted
-    once (on its owner stage, ``stage`` being this one). Returns the total norm before clipping."""
+    taken over every stage's gradients together (``groups.pipeline``) and every tensor-parallel rank's
+    (``groups.tensor``), a tied parameter counted once (on its owner stage, ``stage`` being this one).
+    Returns the total norm before clipping."""
     params = [p for param_group in optimizer.param_groups for p in param_group["params"]]
     counted = norm_parameters(params, tied_groups, stage)
-    return clip_grad_norm_(params, float(max_norm), norm_type, group, device, counted)
+    tensor = groups.tensor if groups.tensor is not None and dist.get_world_size(groups.tensor) > 1 else None
+    return clip_grad_norm_(params, float(max_norm), norm_type, groups.pipeline, device, counted, tensor)

@@ -69,9 +69,9 @@ def share_over_pipeline(
     after ``arrive(operation, ranks)``: all of the pipeline's ranks must come. Nothing with one stage."""
     if layout.stages == 1 or not distributed_is_initialized():
         return
-    replica = layout.replica_of(rank)
-    src = layout.rank(replica, layout.stages - 1)
-    arrive(f"sharing epoch metrics over pipeline {replica}", layout.pipeline_ranks(replica))
+    replica, tensor = layout.replica_of(rank), layout.tensor_of(rank)
+    src = layout.rank(replica, layout.stages - 1, tensor)
+    arrive(f"sharing epoch metrics over pipeline {replica}", layout.pipeline_ranks(replica, tensor))
     share_last_stage_metrics(trainer, src, group, device)
 
 

@@ -43,6 +43,7 @@ from lightning_gpipe.state.materialize import check_nothing_meta, check_stage_on
 from lightning_gpipe.state.start_state import start_stage
 from lightning_gpipe.strategy import batch_norm, microstep
 from lightning_gpipe.strategy.balance_spec import check_balance_spec, choose_balance, log_choice, profiled
+from lightning_gpipe.strategy.tensor_parallel import unparallelize
 from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.transport.layout import Layout
 from lightning_gpipe.transport.p2p import Lanes
@@ -241,6 +242,7 @@ class Pipelined:
         if gather and not self.stage_only:
             arrive("gathering the model's state (end of fit)")
             full = state.gather_sequential_state(self.stage, layout, rank, to_all=True, tied=self.tied)
+        unparallelize(self.stage)  # the plain layers the gathered state loads into
         if isinstance(self.installed.sequential, PlanChain):
             plan.uninstall(self.installed, full)
         else:

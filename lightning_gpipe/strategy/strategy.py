@@ -27,9 +27,8 @@ from lightning_gpipe.state import loading, materialize
 from lightning_gpipe.strategy import callbacks, checkpoints, launcher, metrics, microstep, pipelined
 
 from lightning_gpipe.strategy import optimizer_setup, precision, process_group, signals, steps  # isort: skip
-from lightning_gpipe.strategy import whole_model  # isort: skip
+from lightning_gpipe.strategy import gradients, tensor_parallel, whole_model  # isort: skip
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of, register_names
-from lightning_gpipe.strategy.gradients import clip_optimizer_gradients
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, check_arguments, partition_model
 from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.tools.trace import publish
@@ -224,6 +223,7 @@ class _GPipeStrategyLogic(_Base):
 
     def check_model(self, model: pl.LightningModule) -> tuple[str, nn.Sequential, list[int]]:
         """Raise before any process starts if the model cannot be cut or run (:meth:`.check_model`)."""
+        tensor_parallel.check_model(model, self.layout.tensors)  # T > 1 needs the user's plan
         return self._pipelined.check_model(model, self._stage_spec, self.layout.stages)
 
     @override
@@ -250,6 +250,7 @@ class _GPipeStrategyLogic(_Base):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._pipelined.start_equal(layout, rank, self._groups.data)
+        tensor_parallel.parallelize(self._module, self._pipelined.running, self._groups.mesh, layout.tensors)
         metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
 
     def _attach_to_trainer(self, trainer: pl.Trainer) -> None:  # undone by _detach_from_trainer
@@ -265,11 +266,10 @@ class _GPipeStrategyLogic(_Base):
         optimizer_setup.setup_single_optimizer(self, setup, configuring(self.root_device))
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
+        """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's and tensor rank's."""
         assert self._groups is not None
-        group, tied, device = self._groups.pipeline, self._pipelined.tied_groups, self.root_device
-        norm, stage = self.gradient_clip_norm_type, self.stage_index
-        self.last_grad_norm = clip_optimizer_gradients(optimizer, clip_val, norm, group, device, tied, stage)
+        args = (self.gradient_clip_norm_type, self._groups, self.root_device, self._pipelined.tied_groups)
+        self.last_grad_norm = gradients.clip_optimizer_gradients(optimizer, clip_val, *args, self.stage_index)
 
     @override
     def model_to_device(self) -> None:

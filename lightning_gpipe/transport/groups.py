@@ -88,11 +88,11 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 
 
 def from_last_stage(obj: Any, layout: Layout, rank: int, group: Any) -> Any:
-    """``obj`` of ``rank``'s pipeline's last stage, on every stage of the pipeline (``group``;
-    tensors on CPU)."""
+    """``obj`` of ``rank``'s pipeline's last stage, on every stage of the pipeline (``group``: one
+    tensor-parallel rank's; tensors on CPU)."""
     if layout.stages == 1 or group is None or not initialized():
         return obj
-    src = layout.rank(layout.replica_of(rank), layout.stages - 1)
+    src = layout.rank(layout.replica_of(rank), layout.stages - 1, layout.tensor_of(rank))
     shared = broadcast_object(tensors_to_cpu(obj) if rank == src else None, src, group)
     return obj if rank == src else shared
 

@@ -8,6 +8,7 @@ from torch import nn
 import lightning_gpipe
 from lightning_gpipe import GPipeStrategy, PartitionError
 from tests.gpt import GPT
+from tests.llama import Llama
 from tests.models import Net, make_data, trainer_kwargs
 
 
@@ -62,7 +63,6 @@ def test_registered_strategy_name():
             r"data_parallel_size must be an integer >= 1, 'auto' or None \(got 2.0\)",
         ),
         ({"tensor_parallel_size": "2"}, r"tensor_parallel_size must be an integer >= 1, 'auto' or None"),
-        ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 is not supported yet.*What works"),
         ({"data_parallel": "fsdp"}, r"data_parallel='fsdp' is not supported yet.*data_parallel='replicate'"),
         (
             {"data_parallel": "zero"},
@@ -172,6 +172,21 @@ class Manual(Net):
     def __init__(self):
         super().__init__("mlp")
         self.automatic_optimization = False
+
+
+def test_tensor_parallel_without_a_plan_is_refused_before_spawn():
+    """T > 1 needs the module's parallelize_stage hook (issue 42, item 3): refused at fit, no process started,
+    the message naming the size, the hook and the plan to write; a module with the hook passes the check."""
+    trainer = pl.Trainer(strategy=GPipeStrategy(tensor_parallel_size=2), devices=4, **trainer_kwargs(1))
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=2 needs a tensor-parallel plan: Net has no "
+        r"parallelize_stage\(self, stage, tp_mesh\) method.*parallelize_module.*ColwiseParallel.*"
+        r"RowwiseParallel.*or set tensor_parallel_size=1",
+    ):
+        trainer.fit(Net("mlp"), make_data("mlp", 10, 1))
+    assert trainer.strategy.launcher.procs == []
+    trainer.strategy.check_model(Llama())  # has the hook: cut as usual
 
 
 def test_manual_optimization_is_refused_before_spawn():

@@ -18,7 +18,7 @@ from lightning_gpipe.transport.mesh import check, layout_of, mesh_sizes
         (4, None, 4, None, (1, 4, 1)),
         (6, 3, 2, None, (3, 2, 1)),
         (6, 3, 2, 1, (3, 2, 1)),
-        (8, 2, None, 2, (2, 2, 2)),  # the arithmetic of T > 1 (refused by check, not by the sizes)
+        (8, 2, None, 2, (2, 2, 2)),
         (8, None, 2, 2, (2, 2, 2)),
         (8, None, None, 2, (4, 1, 2)),
         (1, None, None, None, (1, 1, 1)),
@@ -73,11 +73,9 @@ def test_a_size_that_is_not_a_positive_integer_is_refused(name, bad):
 
 
 @pytest.mark.parametrize("tensor", [2, 4])
-def test_tensor_parallel_is_refused_as_not_supported_yet(tensor):
-    with pytest.raises(
-        ValueError, match=rf"tensor_parallel_size={tensor} is not supported yet.*What works.*"
-    ):
-        check(2, None, tensor, "replicate")
+def test_tensor_parallel_sizes_are_kept(tensor):
+    """T > 1 is built (issue 42, item 3); the plan it needs is checked with the module (test_errors.py)."""
+    assert check(2, None, tensor, "replicate") == (2, None, tensor, "replicate")
 
 
 def test_fsdp_is_refused_as_not_supported_yet_and_an_unknown_mode_as_unknown():

@@ -1,0 +1,153 @@
+"""Pipeline × tensor parallel (issue 42, item 3): a Llama-style model parallelized by its own plan on each
+stage (``parallelize_stage``), trained with Adam and global-norm clipping, equals the same module trained on
+one device: losses, total gradient norms and weights after 4 steps, fp32, within 1e-5."""
+
+import json
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.distributed.checkpoint import format_utils
+from torch.utils.data import DistributedSampler
+
+from tests._harness import check, run_ranks
+from tests.conftest import max_diff
+from tests.llama import Llama, llama_data
+from tests.models import trainer_kwargs
+
+CLIP, STEPS = 0.05, 4
+
+
+def _job(tmp_path, devices: int, runs: list[dict], steps: int = STEPS, timeout: float = 280, **extra):
+    """tests/workers/tensor_parallel.py over ``devices`` ranks; per run, every rank's record."""
+    spec = {"devices": devices, "out": str(tmp_path), "steps": steps, "clip": CLIP, "runs": runs, **extra}
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    for result in run_ranks("tests/workers/tensor_parallel.py", devices, str(path), timeout=timeout):
+        check(result)
+    return [
+        [torch.load(tmp_path / f"run{k}_rank{r}.pt", weights_only=False) for r in range(devices)]
+        for k in range(len(runs))
+    ]
+
+
+def _one_device(batch=8, order=None, samples=None, steps=STEPS, with_optimizer=False):
+    """The module trained on one device for ``steps`` steps of ``batch`` (``samples`` in ``order``)."""
+    pl.seed_everything(0, verbose=False)
+    model = Llama()
+    trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(steps))
+    trainer.fit(model, llama_data(batch, steps, order, samples))
+    return (model, trainer.optimizers[0].state_dict()) if with_optimizer else model
+
+
+def _step_losses(losses: list[float]) -> list[float]:
+    """Per step: under 1f1b ``training_step`` runs per micro-batch (2 of 4 samples, as many tokens): their
+    mean."""
+    if len(losses) == 2 * STEPS:
+        return [(a + b) / 2 for a, b in zip(losses[::2], losses[1::2])]
+    return losses
+
+
+def _check_placement(ranks: list[dict], stages: int, replicas: int, tensors: int) -> None:
+    """Rank ``(d·K + (K-1-s))·T + t`` holds stage ``s``'s tensor-parallel shard ``t`` of replica ``d``,
+    its stage's parameters DTensors."""
+    for rank, record in enumerate(ranks):
+        d, s, t = rank // (stages * tensors), record["stage"], rank % tensors
+        assert rank == (d * stages + (stages - 1 - s)) * tensors + t
+        assert list(record["coordinate"]) == [stages - 1 - s, d, t]
+        assert record["dtensor_parameters"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
+    """K = 2 × T = 2 (4 processes): under gpipe the cut falls between ``Up`` and ``Down``, so a ``Shard(-1)``
+    DTensor travels between the stages; under 1f1b it falls after the first block (a plain tensor)."""
+    mesh = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
+    runs = [
+        {**mesh, "balance": [4, 4]},
+        {**mesh, "balance": [2, 6], "schedule": "1f1b", "checkpoint_format": "sharded"},
+    ]
+    results = _job(tmp_path, 4, runs)
+    reference, optimizer = _one_device(with_optimizer=True)
+    assert min(reference.norms) > CLIP  # clipping acts on every step
+    expected = reference.state_dict()
+    after_fit = reference(next(iter(llama_data()))[0]).detach()
+    for ranks in results:
+        _check_placement(ranks, stages=2, replicas=1, tensors=2)
+        for rank in (0, 1):  # both tensor-parallel ranks of the last stage compute the loss
+            losses = _step_losses(ranks[rank]["losses"])
+            assert len(losses) == STEPS
+            assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5
+        for record in ranks:  # every rank: the same total norm, the whole trained model after fit
+            assert max(abs(a - b) / b for a, b in zip(record["norms"], reference.norms)) <= 1e-5
+            assert max_diff(record["state"], expected) <= 1e-5
+            assert (record["after_fit"] - after_fit).abs().max() <= 1e-5  # the plan is off after fit
+    # saved at the end of training, the stages parallelized: whole tensors, model and Adam state
+    full = torch.load(tmp_path / "run0.ckpt", weights_only=False)
+    assert max_diff(full["state_dict"], expected) <= 1e-5
+    (saved,) = full["optimizer_states"]
+    for i, state in optimizer["state"].items():
+        for field in ("exp_avg", "exp_avg_sq"):
+            assert (saved["state"][i][field] - state[field]).abs().max() <= 1e-5
+    format_utils.dcp_to_torch_save(tmp_path / "run1.ckpt", tmp_path / "sharded.pt")
+    sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)["model"]
+    assert max_diff(sharded, expected) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_other_schedules_and_sharded_logits_by_tensor_parallel_match_one_device(tmp_path):
+    """K = 2 × T = 2 under interleaved_1f1b (4 parts, 2 per stage: the ``Up`` → ``SiLU`` cut sends a DTensor
+    from the last stage back to the first) and zb_h1 (input and weight gradients apart); and with the last
+    stage's output a DTensor (sharded logits, the loss under ``loss_parallel``), under gpipe and 1f1b."""
+    mesh = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
+    runs = [
+        {**mesh, "schedule": "interleaved_1f1b", "balance": [2, 2, 2, 2]},
+        {**mesh, "schedule": "zb_h1", "balance": [4, 4]},
+        {**mesh, "balance": [4, 4], "model": "sharded_logits"},
+        {**mesh, "balance": [4, 4], "model": "sharded_logits", "schedule": "1f1b"},
+    ]
+    results = _job(tmp_path, 4, runs)
+    reference = _one_device()
+    for run, ranks in zip(runs, results):
+        _check_placement(ranks, stages=2, replicas=1, tensors=2)
+        assert (ranks[0]["dtensor_outputs"] > 0) == ("model" in run)  # the sharded logits reach the step
+        losses = _step_losses(ranks[0]["losses"])
+        assert len(losses) == STEPS
+        assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5
+        for record in ranks:
+            assert max(abs(a - b) / b for a, b in zip(record["norms"], reference.norms)) <= 1e-5
+            assert max_diff(record["state"], reference.state_dict()) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pipeline_by_data_by_tensor_parallel_matches_one_device(tmp_path):
+    """K = 2 × D = 2 × T = 2 (8 processes, replicated data parallel): each replica trains on its
+    DistributedSampler shard; one device trains on both shards' batches together. Resumed from the full
+    checkpoint saved at the end of epoch 0 (whole model and Adam state, loaded into the DTensor shards), a new
+    module trains epoch 1 as one device trains both epochs."""
+    runs = [{"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}]
+    resume = {"max_steps": -1, "max_epochs": 2}  # from the checkpoint at the end of epoch 0: epoch 1
+    (ranks,) = _job(tmp_path, 8, runs, steps=2 * STEPS, timeout=380, resume=resume)
+    _check_placement(ranks, stages=2, replicas=2, tensors=2)
+    order = []
+    for epoch in (0, 1):  # DDP's shards: every step, replica 0's batch of 8, then replica 1's
+        shards = []
+        for d in (0, 1):
+            sampler = DistributedSampler(range(8 * 2 * STEPS), num_replicas=2, rank=d, seed=0)
+            sampler.set_epoch(epoch)
+            shards.append(list(sampler))
+        order += [i for s in range(STEPS) for d in (0, 1) for i in shards[d][s * 8 : (s + 1) * 8]]
+    reference = _one_device(batch=16, order=order[: 16 * STEPS], samples=8 * 2 * STEPS)
+    resumed = _one_device(batch=16, order=order, samples=8 * 2 * STEPS, steps=2 * STEPS)  # both epochs
+    for prefix, expected in (("", reference), ("resumed_", resumed)):
+        replicas = zip(ranks[0][f"{prefix}losses"], ranks[4][f"{prefix}losses"])  # replica 0, replica 1
+        losses = [(a + b) / 2 for a, b in replicas]
+        tail = expected.losses[-len(losses) :]  # resumed: epoch 1's steps
+        assert len(losses) == STEPS
+        assert max(abs(a - b) for a, b in zip(losses, tail)) <= 1e-5
+        for record in ranks:
+            norms = record[f"{prefix}norms"]
+            assert max(abs(a - b) / b for a, b in zip(norms, expected.norms[-len(norms) :])) <= 1e-5
+            assert max_diff(record[f"{prefix}state"], expected.state_dict()) <= 1e-5
