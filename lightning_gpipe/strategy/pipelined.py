@@ -274,10 +274,14 @@ class Pipelined:
     @contextlib.contextmanager
     def configuring(self, device: torch.device) -> Iterator[None]:
         """Inside: ``configure_optimizers`` runs over the stage: an empty parameter if none is trainable
-        (:func:`.partition.add_placeholder_parameter`), other stages' layers empty
+        (:func:`.partition.add_placeholder_parameter`; under a plan, the root's:
+        :func:`lightning_gpipe.partition.plan.add_placeholder_parameter`), other stages' layers empty
         (``PipelineStage.__getitem__``)."""
-        assert self.stage is not None
-        partition.add_placeholder_parameter(self.stage, device)
+        assert self.stage is not None and self.installed is not None
+        if isinstance(self.installed.sequential, PlanChain):  # the stage is not in the model: its root is
+            plan.add_placeholder_parameter(self.installed, device)
+        else:
+            partition.add_placeholder_parameter(self.stage, device)
         self.stage.configuring = True
         try:
             yield
