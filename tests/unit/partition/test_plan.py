@@ -511,6 +511,29 @@ def test_a_model_built_on_meta_materializes_only_its_stage(j):
     assert all(t.is_meta for n, t in chain.state_dict().items() if n not in held)
 
 
+@pytest.mark.parametrize("j", [0, 1])
+def test_a_meta_model_installed_stage_only_names_its_tied_parameter_once(j):
+    """``Pipelined.install`` of the GPT built on the meta device (head tied to the embedding): after this
+    stage is materialized the head's and the embedding's tensors are no longer one, but the model's
+    parameter names (which a one-device optimizer state is read by, in order) still list the tied
+    parameter once, as the plain class does."""
+    with torch.device("meta"):
+        model = GPT()
+    checked = _chain(model, balance=[3, 4])
+    pipe, layout = Pipelined(), Layout(2, 2)
+
+    def build(chain, balance):
+        return build_stage(chain, balance, layout, layout.rank(0, j), 4, "except_last", CPU)
+
+    pipe.install(model, checked, [3, 4], layout, layout.rank(0, j), CPU, lambda seq, b: b, build)
+    head, embed = checked[1]._modules["head"].weight, checked[1]._modules["embed"].tok.weight
+    assert pipe.stage_only and head is not embed and (head.is_meta, embed.is_meta) == (j == 0, j == 1)
+    assert pipe.plain_names == [n for n, _ in GPT().named_parameters()]
+    assert pipe.tied_aliases() == (
+        {"embed.tok.weight": None} if j == 0 else {"head.weight": "embed.tok.weight"}
+    )
+
+
 def test_a_step_that_uses_the_parts_directly_is_told_to_call_the_model():
     """A stage's model holds only its parts: using one (``self.blocks``) raises, saying to call the model."""
     model = GPT()
