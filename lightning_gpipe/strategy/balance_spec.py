@@ -207,9 +207,13 @@ def sample_micro_batch(
             handle.remove()
             restore_logging(model)
         if not captured:
+            what = "the pipelined Sequential"
+            if isinstance(seq, PlanChain):
+                root = f"self.{seq.root_name}" if seq.root_name else "self"
+                what = f"{root}(...), whose forward is the plan's chain,"
             raise ValueError(
-                f"balance={how!r} needs a sample input: {step} did not call the pipelined "
-                "Sequential on the first batch; set LightningModule.example_input_array"
+                f"balance={how!r} needs a sample input: {step} did not call {what} on the first batch; "
+                "set LightningModule.example_input_array"
             )
         sample = captured[0]
     tensors, is_tuple = as_tensors(sample, "the sample input for balancing")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import pytorch_lightning as pl
 import torch
 
@@ -54,3 +55,22 @@ def test_every_balancer_cuts_a_plan_model_and_the_cut_trains_like_one_device(mon
         torch.testing.assert_close(loss, expected.detach(), **TIGHT)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **TIGHT, msg=name)
+
+
+class CallsForward(GPT):
+    """Calls its forward directly in ``training_step``: no module call for the profiler to see."""
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.forward(ids).sum()
+
+
+def test_a_step_that_never_calls_the_plans_root_is_told_how_to_give_a_sample(monkeypatch):
+    model = CallsForward()
+    _, chain, _ = plan.check_model(model, plan.check_plan(PLAN), None, None, 2, 1)
+    model.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    monkeypatch.setattr(balance_spec, "running_loop_data", lambda trainer: ("training_step", gpt_data()))
+    with pytest.raises(
+        ValueError, match=r"training_step did not call self\(\.\.\.\), whose forward is the plan's"
+    ):
+        balance_spec.sample_micro_batch(model, chain, "time", 4, CPU, lambda batch: batch)
