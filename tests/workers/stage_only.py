@@ -17,6 +17,9 @@ Spec keys: out, kind, size (transformer or Llama config sizes), seed, batch, ste
   construction, layers in ``configure_model``) or ``"load_from"`` (``lightning_gpipe.
   load_from_checkpoint(LazyNet, load_from)``); ``ckpt`` resumes with ``ckpt_path=``.
 
+``gpt_memory`` (sizes of :class:`tests.gpt.GPT`) runs :func:`gpt_memory` alone: the peak RSS of a
+stage-only built plan model against the whole model's.
+
 ``gpt`` (``{"save_steps", "steps"}``) adds, in the same processes after that fit, the nanoGPT-style
 model of :mod:`tests.gpt` pipelined by ``plan=PLAN`` (:func:`gpt_runs`): one device trains ``save_steps``
 and saves ``gpt_one.ckpt``, then trains from it by Lightning's ``load_from_checkpoint`` (run
@@ -166,6 +169,50 @@ def gpt_runs(gpt, devices):
     fit("load_from", stage_only, steps - save, balance=[3, 4])
     for run, path in (("resume_one", one), ("resume_full", full), ("resume_sharded", sharded)):
         fit(run, on_meta, steps, ckpt_path=path, balance="parameters")
+
+
+class GPTMemory(Callback):
+    """The peak RSS growth through setup (at ``on_fit_start``) of a stage-only built plan model, and how
+    many of its parameters this rank holds real."""
+
+    def __init__(self, baseline):
+        self.baseline = baseline
+
+    def on_fit_start(self, trainer, pl_module):
+        record["setup_mb"] = peak() - self.baseline
+        record["held"] = sum(p.numel() for p in pl_module.parameters() if not p.is_meta)
+
+
+def gpt_memory(size, devices):
+    """``spec["gpt_memory"]``: the nanoGPT-style model of :mod:`tests.gpt` at ``size``; one device builds it
+    eagerly (``whole_mb``: what that raised the peak RSS by), ``devices`` ranks build it under
+    ``Trainer.init_module(empty_init=True)`` and cut it by ``plan=PLAN`` (``balance="parameters"``); both
+    train 2 steps."""
+    loader = gpt_data(batch=4, steps=2, vocab=size["vocab"], length=size["length"])
+    kwargs = {**trainer_kwargs(2), "max_epochs": 1}
+    gc.collect()
+    baseline = reset_peak()
+    if devices == 1:
+        pl.seed_everything(seed, verbose=False)
+        model = GPT(size=size)
+        record["whole_mb"] = peak() - baseline
+        record["held"] = sum(p.numel() for p in model.parameters())
+        pl.Trainer(devices=1, **kwargs).fit(model, loader)
+        record["losses"] = model.losses
+        torch.save(record, out / f"{spec['name']}_rank0.pt")
+        return
+    strategy = lightning_gpipe.GPipeStrategy(plan=PLAN, chunks=2, balance="parameters")
+    trainer = pl.Trainer(strategy=strategy, devices=devices, callbacks=[GPTMemory(baseline)], **kwargs)
+    with trainer.init_module(empty_init=True):
+        model = GPT(size=size)
+    trainer.fit(model, loader)
+    record["losses"] = model.losses
+    torch.save(record, out / f"{spec['name']}_rank{trainer.global_rank}.pt")
+
+
+if "gpt_memory" in spec:
+    gpt_memory(spec["gpt_memory"], spec["devices"])
+    sys.exit(0)
 
 
 def data():

@@ -1,6 +1,7 @@
 """The large-model path: built on the meta device, each rank materializes, loads and holds only its stage."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -221,4 +222,29 @@ def test_48m_llama_plan_model_over_two_stages_holds_half_and_trains_like_one_dev
         f"whole model: +{whole:.0f} MB; ranks: "
         + ", ".join(f"setup +{r['setup_mb']:.0f} MB ({r['setup_mb'] / whole:.2f})" for r in ranks)
         + f"; layers per rank {[len(r['real_layers']) for r in ranks]}"
+    )
+
+
+GPT_60M = {"vocab": 256, "length": 16, "dim": 768, "heads": 12, "depth": 8}
+
+
+@pytest.mark.slow  # about 1 min on 2 cores: run with `python -m pytest -q -m slow`
+@pytest.mark.timeout(900)
+def test_60m_nanogpt_plan_model_built_stage_only_holds_under_0_6_of_the_whole(stage_job):
+    """The nanoGPT-style ``ModuleList`` model of :mod:`tests.gpt` at 57 M float32 parameters (head tied to
+    the embedding), pipelined by ``plan=`` and built under ``init_module(empty_init=True)`` over 2 stages
+    (``balance="parameters"``): each rank's peak RSS growth through setup stays under 0.6 x what building
+    the whole model costs one process, the ranks' real parameters are the model's (the tied one on both),
+    and 2 steps train to finite losses (issue 39 item 4)."""
+    reference = stage_job("gpt_ref", 1, reference=True, gpt_memory=GPT_60M, kind="mlp", steps=2)[0]
+    ranks = stage_job("gpt_pipe", 2, gpt_memory=GPT_60M, kind="mlp", steps=2)
+    whole, tied = reference["whole_mb"], GPT_60M["vocab"] * GPT_60M["dim"]
+    assert whole > 200, f"the whole model raised the peak RSS by {whole:.0f} MB only"
+    for record in ranks:
+        assert record["setup_mb"] < 0.6 * whole, (record["setup_mb"], whole)
+    assert sum(r["held"] for r in ranks) == reference["held"] + tied
+    assert len(ranks[0]["losses"]) == 2 and all(math.isfinite(v) for v in ranks[0]["losses"])
+    print(
+        f"whole model: +{whole:.0f} MB; ranks: "
+        + ", ".join(f"setup +{r['setup_mb']:.0f} MB ({r['setup_mb'] / whole:.2f})" for r in ranks)
     )
