@@ -19,43 +19,47 @@ PLAN = ["embed", "blocks", "norm", "head"]
 
 
 class Embed(nn.Module):
-    """Token plus position embedding: ``(N, T)`` ids → ``(N, T, DIM)``."""
+    """Token plus position embedding: ``(N, T)`` ids → ``(N, T, dim)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = VOCAB, length: int = LENGTH, dim: int = DIM) -> None:
         super().__init__()
-        self.tok = nn.Embedding(VOCAB, DIM)
-        self.pos = nn.Embedding(LENGTH, DIM)
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(length, dim)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
 
 
 class Block(nn.Module):
-    """Pre-norm causal self-attention and MLP: ``(N, T, DIM)`` → ``(N, T, DIM)``."""
+    """Pre-norm causal self-attention and MLP: ``(N, T, dim)`` → ``(N, T, dim)``."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM, heads: int = HEADS) -> None:
         super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
-        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
-        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+        self.dim, self.heads = dim, heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(n, t, 3, HEADS, DIM // HEADS).permute(2, 0, 3, 1, 4)
+        n, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(n, t, DIM))
+        x = x + self.proj(y.transpose(1, 2).reshape(n, t, d))
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(pl.LightningModule):
-    """The forward is the chain ``head(norm(blocks(embed(idx))))``; the loss is next-token cross-entropy."""
+    """The forward is the chain ``head(norm(blocks(embed(idx))))``; the loss is next-token cross-entropy.
+    ``size`` overrides the sizes (``vocab``, ``length``, ``dim``, ``heads``, ``depth``)."""
 
-    def __init__(self, lr: float = 0.2, tied: bool = True) -> None:
+    def __init__(self, lr: float = 0.2, tied: bool = True, size: dict | None = None) -> None:
         super().__init__()
-        self.embed = Embed()
-        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
-        self.norm = nn.LayerNorm(DIM)
-        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        sizes = {"vocab": VOCAB, "length": LENGTH, "dim": DIM, "heads": HEADS, "depth": DEPTH, **(size or {})}
+        self.vocab, dim = sizes["vocab"], sizes["dim"]
+        self.embed = Embed(sizes["vocab"], sizes["length"], dim)
+        self.blocks = nn.ModuleList(Block(dim, sizes["heads"]) for _ in range(sizes["depth"]))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, sizes["vocab"], bias=False)
         if tied:
             self.head.weight = self.embed.tok.weight
         self.lr = lr
@@ -70,7 +74,7 @@ class GPT(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         (ids,) = batch
         logits = self(ids)
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, self.vocab), ids[:, 1:].reshape(-1))
         self.losses.append(loss.item())
         return loss
 
@@ -78,8 +82,8 @@ class GPT(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-def gpt_data(batch: int = 8, steps: int = 4) -> DataLoader:
+def gpt_data(batch: int = 8, steps: int = 4, vocab: int = VOCAB, length: int = LENGTH) -> DataLoader:
     g = torch.Generator().manual_seed(3)
     return DataLoader(
-        TensorDataset(torch.randint(0, VOCAB, (batch * steps, LENGTH), generator=g)), batch_size=batch
+        TensorDataset(torch.randint(0, vocab, (batch * steps, length), generator=g)), batch_size=batch
     )

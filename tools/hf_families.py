@@ -1,5 +1,6 @@
 """The table of docs/models.md: every causal-LM family with a pipeline plan in the installed
-transformers, and whether ``causal_lm`` cuts it exactly or refuses it (and why).
+transformers, and those ``causal_lm`` cuts by a built-in plan, and whether it cuts each exactly or
+refuses it (and why).
 
 Run: ``python tools/hf_families.py`` prints the Markdown table; ``--write`` puts it in docs/models.md,
 between its ``<!-- families: begin -->`` and ``<!-- families: end -->`` lines (CPU, no download).
@@ -20,6 +21,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from lightning_gpipe.integrations.transformers import (
     UnsupportedModelError,
+    builtin_plan_families,
     causal_lm,
     plan_families,
     shrink_config,
@@ -51,14 +53,19 @@ BEGIN, END = "<!-- families: begin -->", "<!-- families: end -->"
 
 def table() -> str:
     """The Markdown table and a line counting the exact families."""
-    families = plan_families()
-    rows, exact = [], 0
-    for model_type, class_name in families:
+    families, builtin = plan_families(), builtin_plan_families()
+    rows, exact, builtin_exact = [], 0, 0
+    for model_type, class_name in sorted(families + builtin):
         verdict = status(model_type, class_name)
-        exact += verdict == "exact"
+        if (model_type, class_name) in builtin:
+            builtin_exact += verdict == "exact"
+            verdict += " (built-in plan: its config has none)"
+        else:
+            exact += verdict == "exact"
         rows.append(f"| `{model_type}` | `{class_name}` | {verdict.replace('|', '/')} |")
     head = (
-        f"transformers {transformers.__version__}: {exact} of {len(families)} families with a plan are exact."
+        f"transformers {transformers.__version__}: {exact} of {len(families)} families with a plan are "
+        f"exact; {builtin_exact} of {len(builtin)} families without one are exact by a built-in plan."
     )
     return "\n".join([head, "", "| family | class | status |", "|---|---|---|", *rows])
 

@@ -403,9 +403,12 @@ def key_prefix(name: str) -> str:
     return name + "." if name else ""
 
 
-def plain_parameter_names(installed: Installed) -> list[str]:
-    """The user's Sequential's parameter names as the model names them, in model order."""
-    return [key_prefix(installed.name) + n for n, _ in installed.sequential.named_parameters()]
+def plain_parameter_names(name: str, seq: nn.Module) -> list[str]:
+    """The parameter names of the pipelined Sequential ``seq`` (at ``name``) as the model names them, in
+    model order, a parameter shared by several layers once, under its first name (as a one-device
+    optimizer holds it). Taken before a stage is materialized: that ends a tie's sharing with the other
+    stages' layers, which stay on the meta device."""
+    return [key_prefix(name) + n for n, _ in seq.named_parameters()]
 
 
 PLACEHOLDER = "_gpipe_placeholder"

@@ -23,16 +23,26 @@ import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_gpipe._compat import children
 from lightning_gpipe.engine.batchnorm import defer_batch_norms, restore_batch_norms
 from lightning_gpipe.errors import PartitionError
-from lightning_gpipe.partition.cut import Installed, check_cut
+from lightning_gpipe.partition import cut
+from lightning_gpipe.partition.cut import PLACEHOLDER, Installed, check_cut
 from lightning_gpipe.partition.plan_chain import PlanChain, Step
 from lightning_gpipe.partition.stage_items import StageItems, part_elsewhere
 
-__all__ = ["check_model", "check_plan", "find_root", "install", "uninstall", "whole"]
+__all__ = [
+    "add_placeholder_parameter",
+    "check_model",
+    "check_plan",
+    "find_root",
+    "install",
+    "uninstall",
+    "whole",
+]
 
 FIX = "docs/models.md shows how to turn a forward into a chain"
 
@@ -208,6 +218,23 @@ def uninstall(installed: Installed, state: dict[str, Any] | None = None) -> Plan
     if state is not None:
         chain.root.load_state_dict(state)
     return chain
+
+
+def add_placeholder_parameter(installed: Installed, device: torch.device) -> None:
+    """A stage without trainable parameters (a reshaping part alone, or all frozen) gives the plan's root
+    an empty one, as :func:`.cut.add_placeholder_parameter` gives a Sequential's stage, so that
+    ``configure_optimizers`` over ``self.parameters()`` builds there too.
+
+    It is held by a submodule ``_gpipe_placeholder`` of the root, which never reaches a ``state_dict``,
+    a checkpoint or a merged optimizer state, and goes with the stage at :func:`uninstall`.
+    """
+    chain = installed.sequential
+    assert isinstance(chain, PlanChain)
+    if any(p.requires_grad for p in chain.root.parameters()):
+        return
+    holder = nn.Module()
+    cut.add_placeholder_parameter(holder, device)
+    children(chain.root)[PLACEHOLDER] = holder
 
 
 @contextlib.contextmanager

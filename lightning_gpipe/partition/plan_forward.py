@@ -13,7 +13,7 @@ from lightning_gpipe.errors import PipelineUsageError
 from lightning_gpipe.partition.plan_chain import PlanChain
 from lightning_gpipe.partition.probe import Probe
 
-__all__ = ["PlanForward", "check_forward"]
+__all__ = ["PlanForward", "chain_input", "check_forward"]
 
 
 class PlanForward:
@@ -38,12 +38,24 @@ class PlanForward:
             check_forward(self.chain, args, kwargs)
             self.checked = True
         chain = self.chain
-        arguments = _arguments(self.signature, chain.root, args, kwargs)
+        out = self.stage(chain_input(chain, args, kwargs, self.signature))
         if chain.entry is None:
-            return self.stage(next(iter(arguments.values())))
-        out = self.stage({n: arguments[n] for n in chain.entry})  # in the order the parts take them
+            return out
         result = chain.result or []
         return out[result[0]] if len(result) == 1 else tuple(out[n] for n in result)
+
+
+def chain_input(
+    chain: PlanChain, args: tuple, kwargs: dict, signature: inspect.Signature | None = None
+) -> Any:
+    """What the chain's first layer takes from a call ``root(*args, **kwargs)``: a list plan's, the
+    forward's first argument; a dict plan's, the forward's arguments its parts name, as a dict in the
+    order the parts take them (``signature``: the root's ``forward``'s, else read here)."""
+    signature = signature or inspect.signature(type(chain.root).forward)
+    arguments = _arguments(signature, chain.root, args, kwargs)
+    if chain.entry is None:
+        return next(iter(arguments.values()))
+    return {n: arguments[n] for n in chain.entry}
 
 
 def _arguments(signature: inspect.Signature, root: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

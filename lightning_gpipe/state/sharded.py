@@ -2,13 +2,16 @@
 
 Keys are the user's parameter names, so a directory written by K stages loads into any number of
 stages. Lightning's other checkpoint entries (loops, callbacks, hyperparameters) go to
-:data:`META_FILE`, written by rank 0.
+:data:`META_FILE`, written by rank 0. A parameter tied across stages (GPT-2's head and embedding) has
+its optimizer state under its first name in the model (``embed.tok.weight``), on every stage holding a
+copy (``aliases``), so the state does not depend on which stage saved it, or whether the model was
+whole then (after ``fit``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +57,30 @@ _FLAT = _flat_options()
 SHARDED_KEY = "gpipe_sharded"
 
 
+def _renamed(flat: dict[str, Any], aliases: Mapping[str, str | None]) -> dict[str, Any]:
+    """A flattened optimizer state (``state.<name>.<key>``, ``param_groups.<name>.<key>``) with each
+    ``name`` in ``aliases`` replaced by its value (``None``: kept)."""
+    heads = {
+        f"{part}.{name}.": f"{part}.{other}."
+        for name, other in aliases.items()
+        if other and other != name
+        for part in ("state", "param_groups")
+    }
+    if not heads:
+        return flat
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        head = next((h for h in heads if key.startswith(h)), None)
+        out[heads[head] + key[len(head) :] if head is not None else key] = value
+    return out
+
+
 def save_sharded(
-    checkpoint: dict[str, Any], path: str | os.PathLike, module: nn.Module, optimizers: Sequence[Optimizer]
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    aliases: Mapping[str, str | None] | None = None,
 ) -> None:
     """Write a checkpoint directory: every stage its own shard, no gather to one process.
 
@@ -65,7 +90,8 @@ def save_sharded(
     rank 0 last. All ranks must call this (one process may, without process groups). The
     directory appears atomically: everything is written to ``<path>.tmp-<id>`` beside it and
     committed by renames (:func:`lightning_gpipe.state.atomic.commit`), so a crash at any point
-    leaves the previous checkpoint loadable; copies an interrupted save left are removed.
+    leaves the previous checkpoint loadable; copies an interrupted save left are removed. ``aliases``:
+    this stage's names of tied copies → the name their optimizer state is saved under.
 
     Raises:
         RuntimeError: rank 0 failed to write or commit (its own error on rank 0).
@@ -78,7 +104,9 @@ def save_sharded(
         dist.broadcast_object_list(staged, src=0)
     state = {
         "model": {k: v for k, v in module.state_dict().items()},
-        "optimizers": [get_optimizer_state_dict(module, opt, options=_FLAT) for opt in optimizers],
+        "optimizers": [
+            _renamed(get_optimizer_state_dict(module, o, options=_FLAT), aliases or {}) for o in optimizers
+        ],
     }
     dcp.save(state, checkpoint_id=str(staged[0]))
     error: BaseException | None = None
@@ -118,6 +146,7 @@ def load_sharded(
     weights_only: bool | None = None,
     expected: Shapes | None = None,
     strict: bool = True,
+    aliases: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
     """Read a checkpoint directory into this rank's stage (any stage count): a Lightning checkpoint dict.
 
@@ -129,6 +158,8 @@ def load_sharded(
     Args:
         expected: the whole model's keys and shapes (default: ``module``'s).
         strict: the keys must be equal (:func:`.check.check_state_fits`).
+        aliases: this stage's names of tied copies → the name their optimizer state is saved under
+            (:func:`save_sharded`); the states come back under this stage's names.
 
     Raises:
         UnsafeCheckpointError: a file holds objects the safe unpickler refuses (the message names
@@ -152,13 +183,15 @@ def load_sharded(
     check_state_fits(saved, model, strict, path, type(module).__name__)
     state: dict[str, Any] = {"model": module.state_dict()}
     if optimizers:
-        state["optimizers"] = [get_optimizer_state_dict(module, opt, options=_FLAT) for opt in optimizers]
+        flat = [get_optimizer_state_dict(module, opt, options=_FLAT) for opt in optimizers]
+        state["optimizers"] = [_renamed(opt, aliases or {}) for opt in flat]
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(reader, allow_partial_load=not strict))
     except CheckpointException as err:
         raise _failure(err, path) from None
+    back = {saved: name for name, saved in (aliases or {}).items() if saved}
     checkpoint["state_dict"] = state["model"]
-    checkpoint["optimizer_states"] = state.get("optimizers", [])
+    checkpoint["optimizer_states"] = [_renamed(opt, back) for opt in state.get("optimizers", [])]
     return checkpoint
 
 

@@ -24,6 +24,8 @@ from torch import nn
 from lightning_gpipe._lightning import attached_trainer, running_loop_data
 from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, balance_by_time
 from lightning_gpipe.engine.microbatch import as_tensors, split
+from lightning_gpipe.partition.plan_chain import PlanChain
+from lightning_gpipe.partition.plan_forward import chain_input
 from lightning_gpipe.strategy.metrics import restore_logging, silence_logging
 
 __all__ = ["BALANCERS", "check_balance_spec", "choose_balance", "log_choice", "sample_micro_batch"]
@@ -177,10 +179,12 @@ def sample_micro_batch(
     """One micro-batch of what the pipelined Sequential receives: from ``example_input_array``,
     else captured by running the user's step on the first batch of the running loop (``fit``:
     ``training_step`` on the training data; ``validate``/``test``/``predict``: that loop's step
-    on its data) up to the Sequential's call.
+    on its data) up to the Sequential's call. A plan's chain (:class:`~lightning_gpipe.partition.
+    plan_chain.PlanChain`) is never called itself: its input is captured at the call of the module whose
+    forward is the chain (the plan's root), as the stage would take it.
 
     Raises:
-        ValueError: ``training_step`` did not call the Sequential and there is no
+        ValueError: ``training_step`` did not call the Sequential (or the plan's root) and there is no
             ``example_input_array``.
     """
     sample = model.example_input_array
@@ -189,11 +193,12 @@ def sample_micro_batch(
         batch = to_device(next(iter(loader)))
         captured: list[Any] = []
 
-        def capture(module: nn.Module, args: tuple[Any, ...]) -> None:
-            captured.append(args[0])
+        def capture(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            captured.append(chain_input(seq, args, kwargs) if isinstance(seq, PlanChain) else args[0])
             raise _Captured
 
-        handle = seq.register_forward_pre_hook(capture)
+        called = seq.root if isinstance(seq, PlanChain) else seq
+        handle = called.register_forward_pre_hook(capture, with_kwargs=True)
         silence_logging(model)  # outside the loop, Lightning refuses self.log
         try:
             with torch.no_grad(), contextlib.suppress(_Captured):
@@ -202,9 +207,13 @@ def sample_micro_batch(
             handle.remove()
             restore_logging(model)
         if not captured:
+            what = "the pipelined Sequential"
+            if isinstance(seq, PlanChain):
+                root = f"self.{seq.root_name}" if seq.root_name else "self"
+                what = f"{root}(...), whose forward is the plan's chain,"
             raise ValueError(
-                f"balance={how!r} needs a sample input: {step} did not call the pipelined "
-                "Sequential on the first batch; set LightningModule.example_input_array"
+                f"balance={how!r} needs a sample input: {step} did not call {what} on the first batch; "
+                "set LightningModule.example_input_array"
             )
         sample = captured[0]
     tensors, is_tuple = as_tensors(sample, "the sample input for balancing")

@@ -60,21 +60,22 @@ def save(
     checkpoint_io: Any,
     rank: int,
     storage_options: Any = None,
+    aliases: dict[str, str | None] | None = None,
 ) -> bool:
     """Write a checkpoint atomically, beside its path (:mod:`lightning_gpipe.state.atomic`); ``False``: the
     strategy's ``CheckpointIO`` writes it instead.
 
     ``"sharded"``: every stage writes its shard (:func:`.sharded.save_sharded`), when process groups
-    exist. ``"full"``: rank 0 writes the file with ``torch.save`` to ``<path>.tmp-<id>`` and replaces
-    ``path`` with it, when the ``CheckpointIO`` is Lightning's default (``TorchCheckpointIO``, whose own
-    atomic save stages in ``$TMPDIR`` and so truncates ``path`` first when that is another filesystem),
-    the path local and no ``storage_options`` given; a custom ``CheckpointIO`` or a remote path is
-    left to the ``CheckpointIO``.
+    exist (``aliases``: this stage's tied copies' names, :meth:`.Pipelined.tied_aliases`). ``"full"``:
+    rank 0 writes the file with ``torch.save`` to ``<path>.tmp-<id>`` and replaces ``path`` with it, when
+    the ``CheckpointIO`` is Lightning's default (``TorchCheckpointIO``, whose own atomic save stages in
+    ``$TMPDIR`` and so truncates ``path`` first when that is another filesystem), the path local and no
+    ``storage_options`` given; a custom ``CheckpointIO`` or a remote path is left to the ``CheckpointIO``.
     """
     if checkpoint_format == "sharded":
         if not distributed_is_initialized():
             return False
-        sharded.save_sharded(checkpoint, filepath, module, _unwrapped(optimizers))
+        sharded.save_sharded(checkpoint, filepath, module, _unwrapped(optimizers), aliases)
         return True
     if type(checkpoint_io) is not TorchCheckpointIO or storage_options is not None or "://" in str(filepath):
         return False
@@ -139,7 +140,8 @@ def load(
     if sharded.is_sharded(path):
         assert module is not None
         opts = _unwrapped(optimizers)
-        return sharded.load_sharded(path, module, opts, weights_only, expected, strict), None
+        aliases = pipelined.tied_aliases()
+        return sharded.load_sharded(path, module, opts, weights_only, expected, strict, aliases), None
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} does not exist")
     lazy = loading.LazyCheckpoint(path, weights_only)

@@ -104,6 +104,8 @@ class Pipelined:
             tuple[nn.Module, str, Any]
         ] = []  # the user's compiled wrappers, back after fit
         self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
+        self._plain_names: list[str] | None = None  # taken at install, while the model's ties hold
+        self._prefix = ""  # what the model's keys of the pipelined part start with
 
     @property
     def running(self) -> PipelineStage:
@@ -186,6 +188,8 @@ class Pipelined:
         # ties found before this stage's tensors replace the meta ones, which ends their sharing
         # with the other stages' (still meta) layers
         self.tied = tied.find_tied(seq, balance, layout.stages)
+        self._plain_names = partition.plain_parameter_names(name, seq)  # a tie counted once, as on one device
+        self._prefix = partition.key_prefix(name)
         start_stage(model, name, seq, balance, layout, rank, device, self.stage_only)
         stage = build(seq, balance)
         if isinstance(seq, PlanChain):  # the root holds the stage's layers and calls it as its forward
@@ -276,10 +280,14 @@ class Pipelined:
     @contextlib.contextmanager
     def configuring(self, device: torch.device) -> Iterator[None]:
         """Inside: ``configure_optimizers`` runs over the stage: an empty parameter if none is trainable
-        (:func:`.partition.add_placeholder_parameter`), other stages' layers empty
+        (:func:`.partition.add_placeholder_parameter`; under a plan, the root's:
+        :func:`lightning_gpipe.partition.plan.add_placeholder_parameter`), other stages' layers empty
         (``PipelineStage.__getitem__``)."""
-        assert self.stage is not None
-        partition.add_placeholder_parameter(self.stage, device)
+        assert self.stage is not None and self.installed is not None
+        if isinstance(self.installed.sequential, PlanChain):  # the stage is not in the model: its root is
+            plan.add_placeholder_parameter(self.installed, device)
+        else:
+            partition.add_placeholder_parameter(self.stage, device)
         self.stage.configuring = True
         try:
             yield
@@ -288,15 +296,16 @@ class Pipelined:
 
     @property
     def plain_names(self) -> list[str] | None:
-        """The user's Sequential's parameter names, in model order, while the stage is installed."""
-        return partition.plain_parameter_names(self.installed) if self.installed is not None else None
+        """The user's Sequential's parameter names, in model order, a tied parameter once (as a one-device
+        optimizer holds it), while the stage is installed (:func:`.partition.plain_parameter_names`)."""
+        return self._plain_names if self.installed is not None else None
 
     def tied_aliases(self) -> dict[str, str | None]:
         """This stage's names (in the model) of tied parameters: the owner's name, or ``None`` on the
-        owner."""
-        if self.installed is None:
+        owner. Kept after ``fit`` (until the next cut): a model built stage-only keeps its stage then."""
+        if not self.tied:
             return {}
-        prefix = partition.key_prefix(self.installed.name)
+        prefix = self._prefix
         aliases = tied.canonical_name(self.tied, self.index)
         return {prefix + k: None if v is None else prefix + v for k, v in aliases.items()}
 

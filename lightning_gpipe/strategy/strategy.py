@@ -360,7 +360,7 @@ class _GPipeStrategyLogic(_Base):
         """Write the checkpoint (``checkpoint_format``), the pipeline recorded in ``checkpoint["gpipe"]``."""
         record = (self.balance_used, self.balance, self.chunks_used, self.layout.stages, self.virtual_stages)
         checkpoint["gpipe"] = checkpoints.pipeline_record(*record)
-        io = (self.checkpoint_io, self.global_rank, storage_options)
+        io = (self.checkpoint_io, self.global_rank, storage_options, self._pipelined.tied_aliases())
         if checkpoints.save(self.checkpoint_format, checkpoint, filepath, self._module, self.optimizers, *io):
             return
         super().save_checkpoint(checkpoint, filepath, storage_options)

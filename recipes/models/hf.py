@@ -19,6 +19,7 @@ from torch import nn
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from lightning_gpipe.integrations.transformers import (
+    builtin_plan_families,
     causal_lm,
     image_classifier,
     original_state_dict,
@@ -78,19 +79,22 @@ def build_family(family: str, config: Mapping[str, Any]) -> nn.Module:
 
     Args:
         family (str): a ``config.model_type`` whose config carries a ``base_model_pp_plan``
-            (``"llama"``, ``"gemma2"``, ``"mistral"``, …; docs/models.md lists them).
+            (``"llama"``, ``"gemma2"``, ``"mistral"``, …), or one ``causal_lm`` has a built-in plan for
+            (``"stablelm"``, ``"gpt_neo"``, ``"falcon"``, …); docs/models.md lists them.
         config (Mapping[str, Any]): attributes to set on the tiny config.
 
     Returns:
         nn.Module: the ``transformers`` model (a ``PreTrainedModel``), in float32.
 
     Raises:
-        ValueError: ``family`` is not a causal LM with a pipeline plan (the message lists them).
+        ValueError: ``family`` is not a causal LM with a pipeline plan, its own or a built-in one (the
+            message lists them).
     """
-    classes = dict(plan_families())
+    classes = dict(plan_families() + builtin_plan_families())
     if family not in classes:
         raise ValueError(
-            f"model.family must be a causal-LM family with a pipeline plan (family: {family!r}); "
+            f"model.family must be a causal-LM family with a pipeline plan, its own or a built-in one "
+            f"(family: {family!r}); "
             f"one of {sorted(classes)}"
         )
     default = CONFIG_MAPPING[family]()

@@ -17,6 +17,20 @@ Spec keys: out, kind, size (transformer or Llama config sizes), seed, batch, ste
   construction, layers in ``configure_model``) or ``"load_from"`` (``lightning_gpipe.
   load_from_checkpoint(LazyNet, load_from)``); ``ckpt`` resumes with ``ckpt_path=``.
 
+``gpt_memory`` (sizes of :class:`tests.gpt.GPT`) runs :func:`gpt_memory` alone: the peak RSS of a
+stage-only built plan model against the whole model's.
+
+``gpt`` (``{"save_steps", "steps"}``) adds, in the same processes after that fit, the nanoGPT-style
+model of :mod:`tests.gpt` pipelined by ``plan=PLAN`` (:func:`gpt_runs`): one device trains ``save_steps``
+and saves ``gpt_one.ckpt``, then trains from it by Lightning's ``load_from_checkpoint`` (run
+``load_from``) and by ``ckpt_path=`` (run ``resume``); 2 stages train ``save_steps`` from the same start
+and save ``gpt_full.ckpt`` and ``gpt_sharded.ckpt`` (run ``save``), then, each rank building and loading
+only its stage, train from ``lightning_gpipe.load_from_checkpoint(GPT, gpt_one.ckpt)`` (``load_from``) and
+under ``Trainer.init_module(empty_init=True)`` with ``ckpt_path=`` each of the three checkpoints
+(``resume_one``, ``resume_full``, ``resume_sharded``). Each run's record goes to
+``gpt_{run}_rank{r}.pt``: its losses, the stage's state at ``on_train_start`` (``init``) and at the end
+(``final``), and whether every layer of the other stages stayed on the meta device (``others_meta``).
+
 Each process writes ``{name}_rank{r}.pt``: its stage's state at ``on_fit_start`` (``init``), at the
 end of training (``final``), its losses, which of the whole Sequential's layers hold real tensors
 after setup (``real_layers``, of those with parameters), and peak RSS growth in MB since just before
@@ -41,6 +55,7 @@ from pytorch_lightning.callbacks import Callback  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 from lightning_gpipe.state.materialize import has_meta, initialize  # noqa: E402
+from tests.gpt import GPT, PLAN, gpt_data  # noqa: E402
 from tests.models import LazyNet, build_lazy_layers, make_lazy_data, trainer_kwargs  # noqa: E402
 
 torch.set_num_threads(1)
@@ -98,6 +113,108 @@ if kind == "llama":  # transformers' imports and causal_lm's family check (cache
     build_lazy_layers(kind, {**size, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2})
 
 
+class GPTRecord(Callback):
+    """A plan run's record: the stage's state at ``on_train_start`` (a ``ckpt_path=`` is loaded by then) and
+    at the end, and whether the chain's layers of the other stages are still meta (each rank built and
+    loaded only its stage)."""
+
+    def __init__(self, run):
+        self.run = run
+
+    def on_train_start(self, trainer, pl_module):
+        self.run["init"] = stage_state(pl_module, "tensors")
+        installed = getattr(trainer.strategy, "_pipelined", None)
+        if installed is not None and installed.installed is not None:
+            held = set(pl_module.state_dict())
+            chain = installed.installed.sequential.state_dict()
+            self.run["others_meta"] = all(t.is_meta for k, t in chain.items() if k not in held)
+
+    def on_train_end(self, trainer, pl_module):
+        self.run["final"] = stage_state(pl_module, "tensors")
+
+
+def gpt_runs(gpt, devices):
+    """The plan runs of ``spec["gpt"]`` (module docstring), in this process; one record file per run."""
+    save, steps = gpt["save_steps"], gpt["steps"]
+    one, full, sharded = out / "gpt_one.ckpt", out / "gpt_full.ckpt", out / "gpt_sharded.ckpt"
+
+    def fit(run, make, max_steps, ckpt_path=None, save_to=None, **strategy):
+        pl.seed_everything(seed, verbose=False)
+        record = {}
+        kwargs = {**trainer_kwargs(max_steps), "max_epochs": 3, "callbacks": [GPTRecord(record)]}
+        if devices == 1:
+            trainer = pl.Trainer(devices=1, **kwargs)
+        else:
+            strategy = lightning_gpipe.GPipeStrategy(plan=PLAN, chunks=2, **strategy)
+            trainer = pl.Trainer(strategy=strategy, devices=devices, **kwargs)
+        model = make(trainer)
+        trainer.fit(model, gpt_data(), ckpt_path=ckpt_path)
+        for path in save_to or ():
+            trainer.save_checkpoint(path)
+            trainer.strategy.checkpoint_format = "sharded"  # the second one: the strategy's sharded format
+        record["losses"] = model.losses
+        torch.save(record, out / f"gpt_{run}_rank{trainer.global_rank}.pt")
+
+    def on_meta(trainer):
+        with trainer.init_module(empty_init=True):
+            return GPT()
+
+    if devices == 1:
+        fit("save", lambda trainer: GPT(), save, save_to=[one])
+        fit("load_from", lambda trainer: GPT.load_from_checkpoint(one), steps - save)
+        fit("resume", lambda trainer: GPT(), steps, ckpt_path=one)
+        return
+    fit("save", lambda trainer: GPT(), save, save_to=[full, sharded], balance="time")
+    stage_only = lambda trainer: lightning_gpipe.load_from_checkpoint(GPT, one)  # noqa: E731
+    fit("load_from", stage_only, steps - save, balance=[3, 4])
+    for run, path in (("resume_one", one), ("resume_full", full), ("resume_sharded", sharded)):
+        fit(run, on_meta, steps, ckpt_path=path, balance="parameters")
+
+
+class GPTMemory(Callback):
+    """The peak RSS growth through setup (at ``on_fit_start``) of a stage-only built plan model, and how
+    many of its parameters this rank holds real."""
+
+    def __init__(self, baseline):
+        self.baseline = baseline
+
+    def on_fit_start(self, trainer, pl_module):
+        record["setup_mb"] = peak() - self.baseline
+        record["held"] = sum(p.numel() for p in pl_module.parameters() if not p.is_meta)
+
+
+def gpt_memory(size, devices):
+    """``spec["gpt_memory"]``: the nanoGPT-style model of :mod:`tests.gpt` at ``size``; one device builds it
+    eagerly (``whole_mb``: what that raised the peak RSS by), ``devices`` ranks build it under
+    ``Trainer.init_module(empty_init=True)`` and cut it by ``plan=PLAN`` (``balance="parameters"``); both
+    train 2 steps."""
+    loader = gpt_data(batch=4, steps=2, vocab=size["vocab"], length=size["length"])
+    kwargs = {**trainer_kwargs(2), "max_epochs": 1}
+    gc.collect()
+    baseline = reset_peak()
+    if devices == 1:
+        pl.seed_everything(seed, verbose=False)
+        model = GPT(size=size)
+        record["whole_mb"] = peak() - baseline
+        record["held"] = sum(p.numel() for p in model.parameters())
+        pl.Trainer(devices=1, **kwargs).fit(model, loader)
+        record["losses"] = model.losses
+        torch.save(record, out / f"{spec['name']}_rank0.pt")
+        return
+    strategy = lightning_gpipe.GPipeStrategy(plan=PLAN, chunks=2, balance="parameters")
+    trainer = pl.Trainer(strategy=strategy, devices=devices, callbacks=[GPTMemory(baseline)], **kwargs)
+    with trainer.init_module(empty_init=True):
+        model = GPT(size=size)
+    trainer.fit(model, loader)
+    record["losses"] = model.losses
+    torch.save(record, out / f"{spec['name']}_rank{trainer.global_rank}.pt")
+
+
+if "gpt_memory" in spec:
+    gpt_memory(spec["gpt_memory"], spec["devices"])
+    sys.exit(0)
+
+
 def data():
     pl.seed_everything(seed, verbose=False)
     return make_lazy_data(kind, batch, max(steps, 1), size)
@@ -128,6 +245,8 @@ if spec.get("reference"):
             pl.Trainer(callbacks=[Record(baseline)], **plain).fit(model, data(), ckpt_path=out / "one.ckpt")
     record["losses"] = model.losses
     torch.save(record, out / f"{spec['name']}_rank0.pt")
+    if "gpt" in spec:
+        gpt_runs(spec["gpt"], 1)
     sys.exit(0)
 
 strategy = lightning_gpipe.GPipeStrategy(chunks=spec.get("chunks", 2), balance=spec.get("balance"))
@@ -157,4 +276,6 @@ trainer.fit(model, data(), ckpt_path=spec.get("ckpt"))
 record["losses"] = model.losses
 record["rss_mb"] = psutil.Process().memory_info().rss / MB
 torch.save(record, out / f"{spec['name']}_rank{trainer.global_rank}.pt")
+if "gpt" in spec:
+    gpt_runs(spec["gpt"], spec["devices"])
 print(f"worker rank {os.environ.get('LOCAL_RANK', '0')} done")

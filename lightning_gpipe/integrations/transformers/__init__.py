@@ -2,9 +2,10 @@
 parameters.
 
 - :func:`causal_lm`: a decoder-only causal LM cut by its own pipeline plan
-  (``config.base_model_pp_plan`` and the CausalLM's ``_pp_plan``; GPT-2's and Llama's layout
-  without one) → ``[embeddings, layer 0, …, layer L-1, final norm, head]``: token ids ``(N, T)``
-  or ``{"input_ids", "attention_mask", "position_ids"}`` in, logits ``(N, T, vocab)`` out. A
+  (``config.base_model_pp_plan`` and the CausalLM's ``_pp_plan``; a built-in plan for GPT-2, GPT-Neo,
+  StableLM, Falcon and GPT-BigCode, whose configs have none) → ``[embeddings, layer 0, …, layer L-1,
+  final norm, head]``: token ids ``(N, T)`` or ``{"input_ids", "attention_mask", "position_ids"}`` in,
+  logits ``(N, T, vocab)`` out. A
   family the chain cannot reproduce is refused at construction (:class:`UnsupportedModelError`).
 - :func:`image_classifier`: ``ResNetForImageClassification`` → ``[embedder, every residual
   layer of every stage, pooler, classifier]``; ``ViTForImageClassification`` → ``[embeddings,
@@ -13,8 +14,9 @@ parameters.
 - :func:`original_state_dict`: a saved ``state_dict`` of the Sequential (a checkpoint's, with
   its prefix) under the original model's keys, so that ``model.load_state_dict(...,
   strict=True)`` and ``save_pretrained`` work after training.
-- :func:`plan_families`, :func:`shrink_config`: the causal-LM families with a plan in the
-  installed transformers, and a config shrunk to a tiny model of its family (tests, docs table).
+- :func:`plan_families`, :func:`builtin_plan_families`, :func:`shrink_config`: the causal-LM families
+  with a plan in the installed transformers, those cut by a built-in plan, and a config shrunk to a
+  tiny model of its family (tests, docs table).
 
 The Sequential's layers hold the model's own submodules (no copy): training it trains the
 model. A head tied to the input embedding stays tied; over several stages the pipeline keeps the
@@ -26,13 +28,14 @@ Key-value caches are not supported (training).
 
 from lightning_gpipe.integrations.transformers.causal_lm import causal_lm
 from lightning_gpipe.integrations.transformers.errors import UnsupportedModelError
-from lightning_gpipe.integrations.transformers.families import plan_families
+from lightning_gpipe.integrations.transformers.families import builtin_plan_families, plan_families
 from lightning_gpipe.integrations.transformers.image_classifier import image_classifier
 from lightning_gpipe.integrations.transformers.self_check import shrink_config
 from lightning_gpipe.integrations.transformers.state_dict import original_state_dict
 
 __all__ = [
     "UnsupportedModelError",
+    "builtin_plan_families",
     "causal_lm",
     "image_classifier",
     "original_state_dict",

@@ -15,7 +15,8 @@ def causal_lm(model: Any) -> nn.Sequential:
 
     The parts are those the model's pipeline plan names (``config.base_model_pp_plan``: the token
     embedding, the ``ModuleList`` of layers, the final norm; the CausalLM's ``_pp_plan``: the
-    head), or GPT-2's and Llama's layout for a config without a plan. Between them the chain does
+    head), or a built-in plan for a popular family whose config has none (GPT-2, GPT-Neo, StableLM,
+    Falcon, GPT-BigCode: :data:`~.plan.INFERRED_PLANS`). Between them the chain does
     the family's arithmetic read from the config: embedding multipliers, rotary tables (the base
     model's ``rotary_emb``, per layer type where it takes one), each layer's causal, sliding-window
     or chunked mask with the padding (``transformers.masking_utils``, per ``config.layer_types``),

@@ -16,10 +16,17 @@ from lightning_gpipe.integrations.transformers.head import PlanHead
 from lightning_gpipe.integrations.transformers.masks import MASKS
 from lightning_gpipe.integrations.transformers.parts import CausalLMParts
 
-INFERRED_PLANS = {"gpt2": (("wte", "drop", "h", "ln_f"), "wpe")}
-"""Plans for families whose config has none, by ``model_type`` (the construction-time check still
-decides): the base model's part names in call order, and the absolute position embedding added
-after the first (GPT-2's ``wpe``)."""
+INFERRED_PLANS = {
+    "gpt2": (("wte", "drop", "h", "ln_f"), "wpe"),
+    "gpt_bigcode": (("wte", "drop", "h", "ln_f"), "wpe"),
+    "gpt_neo": (("wte", "drop", "h", "ln_f"), "wpe"),
+    "stablelm": (("embed_tokens", "layers", "norm"), None),
+    "falcon": (("word_embeddings", "h", "ln_f"), None),
+}
+"""Built-in plans for popular families whose config has none (transformers 5.25 gives GPT-2,
+StarCoder's GPT-BigCode, GPT-Neo, StableLM and Falcon no ``base_model_pp_plan``), by ``model_type``:
+the base model's part names in call order, and the absolute position embedding added after the first
+(GPT-2's ``wpe``). The construction-time check still decides (Falcon with ALiBi is refused there)."""
 
 MULTIPLIES_LOGITS_SCALING = frozenset({"hyperclovax"})
 """Families whose ``forward`` multiplies the logits by ``config.logits_scaling`` (Granite and the

@@ -1,6 +1,7 @@
 """The large-model path: built on the meta device, each rank materializes, loads and holds only its stage."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from lightning_gpipe.state.materialize import initialize
 from tests._harness import check, run_script
 from tests.conftest import max_diff
+from tests.gpt import GPT
 from tests.models import build_lazy_layers
 
 _REFERENCES: dict[str, dict] = {}  # one-device records shared by parametrizations of a test
@@ -53,11 +55,71 @@ def test_meta_model_materializes_only_its_stage_with_the_same_weights_for_any_st
     assert max(abs(a - b) for a, b in zip(ranks[0]["losses"], reference["losses"])) <= 1e-6
 
 
+GPT_STEPS = {"save_steps": 2, "steps": 4}
+GPT_STAGES = {
+    1: ("embed.", "blocks.0.", "blocks.1."),
+    0: ("blocks.2.", "blocks.3.", "norm.", "head."),
+}  # by rank
+
+
+_GPT_REFERENCES: dict[
+    str, dict
+] = {}  # the one-device plan runs, read before the pipelined ones overwrite "save"
+
+
+def _gpt(tmp_path, run, rank=0):
+    return torch.load(tmp_path / f"gpt_{run}_rank{rank}.pt", weights_only=False)
+
+
+def _check_gpt_runs(tmp_path):
+    """The plan model's runs of tests/workers/stage_only.py (``gpt``): 2 stages train as one device and
+    save full and sharded checkpoints under the class's keys; from the one-device checkpoint (Lightning's
+    file, read by ``lightning_gpipe.load_from_checkpoint``) and from each of the three checkpoints under
+    ``init_module(empty_init=True)`` + ``ckpt_path=``, each rank holds exactly its stage's entries, equal to
+    the file's, the other stages' layers never leave the meta device, and training on equals one device."""
+    one = torch.load(tmp_path / "gpt_one.ckpt", weights_only=True)["state_dict"]
+    full = torch.load(tmp_path / "gpt_full.ckpt", weights_only=True)["state_dict"]
+    assert list(full) == list(GPT().state_dict())
+    assert max_diff(full, one) <= 1e-5
+    saved, expected_saved = _gpt(tmp_path, "save")["losses"], _GPT_REFERENCES["save"]["losses"]
+    assert len(saved) == len(expected_saved) == 2
+    assert max(abs(a - b) for a, b in zip(saved, expected_saved)) <= 1e-5
+    for run, reference, source in (
+        ("load_from", "load_from", one),
+        ("resume_one", "resume", one),
+        ("resume_full", "resume", full),
+        ("resume_sharded", "resume", one),
+    ):
+        expected = _GPT_REFERENCES[reference]
+        for rank, prefixes in GPT_STAGES.items():
+            record = _gpt(tmp_path, run, rank)
+            assert sorted(record["init"]) == sorted(k for k in one if k.startswith(prefixes)), (run, rank)
+            assert record["others_meta"], (run, rank)
+            assert max_diff(record["init"], {k: source[k] for k in record["init"]}) <= 1e-5, (run, rank)
+            final = record["final"]
+            assert max_diff(final, {k: expected["final"][k] for k in final}) <= 1e-5, (run, rank)
+        losses = _gpt(tmp_path, run)["losses"]
+        assert len(losses) == len(expected["losses"]) > 0, run
+        assert max(abs(a - b) for a, b in zip(losses, expected["losses"])) <= 1e-5, run
+
+
 @pytest.mark.timeout(600)
 def test_load_from_checkpoint_reads_only_each_stage_and_trains_like_one_device(stage_job, tmp_path):
-    """lightning_gpipe.load_from_checkpoint over 2 stages = Lightning's load_from_checkpoint on one device."""
-    reference = stage_job("ref", 1, reference=True, save_steps=1, then="load_from", kind="mlp", steps=3)[0]
-    ranks = stage_job("pipe", 2, build="load_from", load_from=str(tmp_path / "one.ckpt"), kind="mlp", steps=3)
+    """lightning_gpipe.load_from_checkpoint over 2 stages = Lightning's load_from_checkpoint on one device.
+
+    In the same processes, the nanoGPT-style ``ModuleList`` model pipelined by ``plan=`` (head tied to the
+    embedding across the stages) loads stage-only from a one-device checkpoint and from the strategy's
+    full and sharded ones (:func:`_check_gpt_runs`; its two-stage save uses ``balance="time"``).
+    """
+    reference = stage_job(
+        "ref", 1, reference=True, save_steps=1, then="load_from", kind="mlp", steps=3, gpt=GPT_STEPS
+    )[0]
+    for run in ("save", "load_from", "resume"):
+        _GPT_REFERENCES[run] = _gpt(tmp_path, run)
+    ranks = stage_job(
+        "pipe", 2, build="load_from", load_from=str(tmp_path / "one.ckpt"), kind="mlp", steps=3, gpt=GPT_STEPS
+    )
+    _check_gpt_runs(tmp_path)
     saved = torch.load(tmp_path / "one.ckpt", weights_only=True)["state_dict"]
     for rank, layers in ((1, [0, 2]), (0, [4])):
         assert ranks[rank]["real_layers"] == layers
@@ -160,4 +222,29 @@ def test_48m_llama_plan_model_over_two_stages_holds_half_and_trains_like_one_dev
         f"whole model: +{whole:.0f} MB; ranks: "
         + ", ".join(f"setup +{r['setup_mb']:.0f} MB ({r['setup_mb'] / whole:.2f})" for r in ranks)
         + f"; layers per rank {[len(r['real_layers']) for r in ranks]}"
+    )
+
+
+GPT_60M = {"vocab": 256, "length": 16, "dim": 768, "heads": 12, "depth": 8}
+
+
+@pytest.mark.slow  # about 1 min on 2 cores: run with `python -m pytest -q -m slow`
+@pytest.mark.timeout(900)
+def test_60m_nanogpt_plan_model_built_stage_only_holds_under_0_6_of_the_whole(stage_job):
+    """The nanoGPT-style ``ModuleList`` model of :mod:`tests.gpt` at 57 M float32 parameters (head tied to
+    the embedding), pipelined by ``plan=`` and built under ``init_module(empty_init=True)`` over 2 stages
+    (``balance="parameters"``): each rank's peak RSS growth through setup stays under 0.6 x what building
+    the whole model costs one process, the ranks' real parameters are the model's (the tied one on both),
+    and 2 steps train to finite losses (issue 39 item 4)."""
+    reference = stage_job("gpt_ref", 1, reference=True, gpt_memory=GPT_60M, kind="mlp", steps=2)[0]
+    ranks = stage_job("gpt_pipe", 2, gpt_memory=GPT_60M, kind="mlp", steps=2)
+    whole, tied = reference["whole_mb"], GPT_60M["vocab"] * GPT_60M["dim"]
+    assert whole > 200, f"the whole model raised the peak RSS by {whole:.0f} MB only"
+    for record in ranks:
+        assert record["setup_mb"] < 0.6 * whole, (record["setup_mb"], whole)
+    assert sum(r["held"] for r in ranks) == reference["held"] + tied
+    assert len(ranks[0]["losses"]) == 2 and all(math.isfinite(v) for v in ranks[0]["losses"])
+    print(
+        f"whole model: +{whole:.0f} MB; ranks: "
+        + ", ".join(f"setup +{r['setup_mb']:.0f} MB ({r['setup_mb'] / whole:.2f})" for r in ranks)
     )

@@ -30,7 +30,7 @@ def test_install_replaces_the_sequential_and_uninstall_restores_it_with_state():
     stage = nn.Sequential(original[0], original[1])
     installed = install(net, "body.layers", stage, deferred_batch_norm=True)
     assert net.body.layers is stage and type(stage[1]).__name__ == "DeferredBatchNorm"
-    assert plain_parameter_names(installed) == [
+    assert plain_parameter_names(installed.name, original) == [
         "body.layers.0.weight",
         "body.layers.0.bias",
         "body.layers.1.weight",

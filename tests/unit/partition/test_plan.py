@@ -15,10 +15,14 @@ from lightning_gpipe.engine.stage import PipelineUsageError, StageDone
 from lightning_gpipe.errors import PartitionError
 from lightning_gpipe.partition import plan
 from lightning_gpipe.partition.build import build_stage
+from lightning_gpipe.partition.compiling import stage_compiler
+from lightning_gpipe.partition.cut import PLACEHOLDER
 from lightning_gpipe.partition.plan_forward import PlanForward
 from lightning_gpipe.schedule import SCHEDULES
+from lightning_gpipe.state.full import merged_optimizer_state
 from lightning_gpipe.state.materialize import check_nothing_meta, materialize_stage
 from lightning_gpipe.strategy.microstep import split_batch
+from lightning_gpipe.strategy.pipelined import Pipelined
 from lightning_gpipe.transport.layout import Layout
 from tests.fakes import Recorder, TurnNetwork, TurnP2P, in_threads
 from tests.gpt import GPT, PLAN, VOCAB, gpt_data
@@ -35,13 +39,11 @@ def _chain(model, steps=PLAN, k=2, balance=None):
     return plan.check_model(model, plan.check_plan(steps), None, balance, k, 1)
 
 
-def _stages(chain, balance, schedule, chunks=4):
+def _stages(chain, balance, schedule, chunks=4, checkpoint="except_last"):
     k, network, stages = len(balance), TurnNetwork(), []
     for j in range(k):
         rank = Layout(k, k).rank(0, j)
-        stage = build_stage(
-            chain, balance, Layout(k, k), rank, chunks, "except_last", CPU, SCHEDULES[schedule]
-        )
+        stage = build_stage(chain, balance, Layout(k, k), rank, chunks, checkpoint, CPU, SCHEDULES[schedule])
         stage.p2p, stage.timeline = TurnP2P(network, rank), Recorder(stage)
         stages.append(stage)
     return stages
@@ -103,6 +105,98 @@ def test_module_list_gpt_trains_like_one_device(schedule):
     assert model.head.weight is model.embed.tok.weight
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, **TIGHT, msg=name)
+
+
+def test_compiled_stages_of_a_list_plan_train_like_one_device():
+    """``compile=`` with a list plan: each stage's layers compiled as the strategy compiles them
+    (:func:`stage_compiler`, the eager backend), the GPT cut [3, 4] (tied head), 2 micro-batches: 2 SGD
+    steps give the one-device loss and weights within 1e-5, and the stages ran their compiled modules."""
+    torch.manual_seed(0)
+    model = GPT()
+    ref = copy.deepcopy(model)
+    _, chain, _ = _chain(model)
+    stages = _stages(chain, [3, 4], "gpipe", chunks=2, checkpoint="never")
+    compiler = stage_compiler({"backend": "eager"}, None)
+    for stage in stages:
+        stage.compile(compiler)
+    ours, theirs = model.configure_optimizers(), ref.configure_optimizers()
+    for (ids,) in list(gpt_data())[:2]:
+        ours.zero_grad()
+        theirs.zero_grad()
+        losses = _step(stages, stages, ids, "gpipe", chunks=2)
+        expected = _loss(ref(ids), ids)
+        expected.backward()
+        for loss in losses:
+            torch.testing.assert_close(loss, expected.detach(), **TIGHT)
+        ours.step()
+        theirs.step()
+    assert all(type(c).__name__ == "OptimizedModule" for s in stages for c in s.executor.compiled)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **TIGHT, msg=name)
+
+
+class Reshaped(GPT):
+    """The GPT with a part without parameters between the blocks and the norm: ``(N, T, D)`` →
+    ``(N, T, D)`` through a reshape, a stage of its own under ``balance=[5, 1, 2]``."""
+
+    def __init__(self) -> None:
+        super().__init__(tied=False)
+        self.fold = nn.Sequential(nn.Unflatten(-1, (2, -1)), nn.Flatten(-2))
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(self.fold(x)))
+
+
+RESHAPED = ["embed", "blocks", "fold", "norm", "head"]
+
+
+def test_a_plan_stage_without_parameters_gets_a_placeholder_as_a_sequentials_does():
+    """Three stages, the middle one holding only ``fold`` (no parameter): each stage installed in its own
+    copy of the model, ``configure_optimizers`` over ``self.parameters()`` builds on every stage (the
+    middle one's optimizer holds one empty parameter, as a Sequential's stage's does); one step gives the
+    one-device loss and gradients; the placeholder never reaches ``state_dict`` (a strict load of the
+    stage's part works) or the merged optimizer state's names, and it is gone after uninstalling."""
+    torch.manual_seed(0)
+    model = Reshaped()
+    ref = copy.deepcopy(model)
+    copies = [copy.deepcopy(model) for _ in range(3)]
+    chains = [_chain(c, RESHAPED, k=3, balance=[5, 1, 2])[1] for c in copies]
+    network, stages, pipes = TurnNetwork(), [], []
+    for j in range(3):
+        stage = _stages(chains[j], [5, 1, 2], "gpipe")[j]
+        stage.p2p = TurnP2P(network, Layout(3, 3).rank(0, j))
+        pipe = Pipelined()
+        pipe.stage, pipe.installed = stage, plan.install(chains[j], stage, PlanForward(chains[j], stage))
+        stages.append(stage)
+        pipes.append(pipe)
+    optimizers = []
+    for pipe, c in zip(pipes, copies):
+        with pipe.configuring(CPU):
+            optimizers.append(torch.optim.Adam(filter(lambda p: p.requires_grad, c.parameters())))
+    middle = [p for g in optimizers[1].param_groups for p in g["params"]]
+    assert len(middle) == 1 and middle[0].numel() == 0
+    assert all(PLACEHOLDER not in n for c in (copies[0], copies[2]) for n, _ in c.named_parameters())
+    assert list(copies[1].state_dict()) == []
+    copies[1].load_state_dict({}, strict=True)
+    (ids,) = next(iter(gpt_data()))
+    losses = _step(stages, copies, ids, "gpipe")
+    expected = _loss(ref(ids), ids)
+    expected.backward()
+    for loss in losses:
+        torch.testing.assert_close(loss, expected.detach(), **TIGHT)
+    grads = {n: p.grad for c in copies for n, p in c.named_parameters() if PLACEHOLDER not in n}
+    assert grads.keys() == dict(ref.named_parameters()).keys()
+    for n, p in ref.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, **TIGHT, msg=n)
+    for optimizer in optimizers:
+        optimizer.step()
+    merged = merged_optimizer_state(optimizers[1], copies[1], Layout(3, 3), Layout(3, 3).rank(0, 1))
+    assert merged["param_groups"][0]["params"] == [] and merged["state"] == {}
+    plan.uninstall(pipes[1].installed, ref.state_dict())
+    assert [n for n, _ in copies[1].named_parameters()] == [n for n, _ in ref.named_parameters()]
 
 
 def test_chain_holds_the_parts_under_the_models_own_names():
@@ -415,6 +509,29 @@ def test_a_model_built_on_meta_materializes_only_its_stage(j):
     assert held[0] == ("embed.tok.weight" if j == 0 else "blocks.2.ln1.weight")
     assert not any(t.is_meta for t in model.state_dict().values())
     assert all(t.is_meta for n, t in chain.state_dict().items() if n not in held)
+
+
+@pytest.mark.parametrize("j", [0, 1])
+def test_a_meta_model_installed_stage_only_names_its_tied_parameter_once(j):
+    """``Pipelined.install`` of the GPT built on the meta device (head tied to the embedding): after this
+    stage is materialized the head's and the embedding's tensors are no longer one, but the model's
+    parameter names (which a one-device optimizer state is read by, in order) still list the tied
+    parameter once, as the plain class does."""
+    with torch.device("meta"):
+        model = GPT()
+    checked = _chain(model, balance=[3, 4])
+    pipe, layout = Pipelined(), Layout(2, 2)
+
+    def build(chain, balance):
+        return build_stage(chain, balance, layout, layout.rank(0, j), 4, "except_last", CPU)
+
+    pipe.install(model, checked, [3, 4], layout, layout.rank(0, j), CPU, lambda seq, b: b, build)
+    head, embed = checked[1]._modules["head"].weight, checked[1]._modules["embed"].tok.weight
+    assert pipe.stage_only and head is not embed and (head.is_meta, embed.is_meta) == (j == 0, j == 1)
+    assert pipe.plain_names == [n for n, _ in GPT().named_parameters()]
+    assert pipe.tied_aliases() == (
+        {"embed.tok.weight": None} if j == 0 else {"head.weight": "embed.tok.weight"}
+    )
 
 
 def test_a_step_that_uses_the_parts_directly_is_told_to_call_the_model():

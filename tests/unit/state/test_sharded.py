@@ -1,10 +1,11 @@
 """Saved state: per-stage optimizer states merged into the plain model's, and split back for any
-stage count."""
+stage count; a sharded checkpoint's optimizer state of a tied copy under the model's name."""
 
 from collections import OrderedDict
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_gpipe.partition.cut import PLACEHOLDER, add_placeholder_parameter, cut
@@ -17,6 +18,7 @@ from lightning_gpipe.state.optimizer import (
     merge_optimizer_states,
     split_optimizer_state,
 )
+from lightning_gpipe.state.sharded import load_sharded, save_sharded, set_sharded_optimizer_states
 
 
 def _model():
@@ -117,3 +119,34 @@ def test_merge_and_split_refuse_mismatched_groups_and_unknown_parameters():
         split_optimizer_state(merged, [[first, second]])
     with pytest.raises(CheckpointError, match="no parameter names"):
         split_optimizer_state({k: v for k, v in merged.items() if k != NAMES_KEY}, [[], []])
+
+
+def _head(seed):
+    """A last stage holding a tied copy: ``head.weight`` is tied to ``embed.tok.weight`` on another stage."""
+    torch.manual_seed(seed)
+    stage = nn.Module()
+    stage.norm, stage.head = nn.LayerNorm(4), nn.Linear(4, 3, bias=False)
+    return stage, torch.optim.SGD(stage.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_a_tied_copys_optimizer_state_is_saved_and_read_under_the_models_first_name(tmp_path):
+    """The stage holding a tied copy writes its optimizer state under the name the whole model gives the
+    parameter (``embed.tok.weight``: what the owner's stage, and a whole model after ``fit``, write), so
+    every save names it alike; reading gives it back under the stage's own name, to the copy."""
+    stage, optimizer = _head(0)
+    stage.head(stage.norm(torch.randn(5, 4))).sum().backward()
+    optimizer.step()
+    aliases = {"head.weight": "embed.tok.weight"}
+    save_sharded({"epoch": 0}, tmp_path / "ckpt", stage, [optimizer], aliases)
+    saved = set(dcp.FileSystemReader(tmp_path / "ckpt").read_metadata().state_dict_metadata)
+    assert "optimizers.0.state.embed.tok.weight.momentum_buffer" in saved
+    assert "optimizers.0.param_groups.embed.tok.weight.lr" in saved
+    assert not {k for k in saved if k.startswith("optimizers.") and ".head.weight." in k}
+    assert {"model.head.weight", "optimizers.0.state.norm.weight.momentum_buffer"} <= saved
+    fresh, again = _head(1)
+    fresh.head(fresh.norm(torch.randn(5, 4))).sum().backward()
+    again.step()  # a state to overwrite
+    loaded = load_sharded(tmp_path / "ckpt", fresh, [again], aliases=aliases)
+    set_sharded_optimizer_states(fresh, [again], loaded["optimizer_states"])
+    for p, q in zip(stage.parameters(), fresh.parameters()):
+        assert torch.equal(again.state[q]["momentum_buffer"], optimizer.state[p]["momentum_buffer"])
