@@ -9,10 +9,11 @@ with Lightning's ``OnExceptionCheckpoint`` writing ``OUT/on_exception.ckpt``.
 Spec keys: out, devices, steps, strategy (GPipeStrategy kwargs), val (a validation loader of 2
 batches), every_step_checkpoint (ModelCheckpoint after every step, in OUT/ckpts), and one fault:
 
-- ``signal``: ``{"rank": r, "at": step, "name": "SIGTERM" | "SIGINT", "to": "self" | "group",
-  "during": "step" | "validation" | "save"}``: global rank ``r`` (``"all"``: every rank) sends the
-  signal to itself, or to
-  its whole process group (``os.killpg``, as SLURM or Kubernetes signal a job), once
+- ``signal``: ``{"rank": r, "at": step, "name": "SIGTERM" | "SIGINT", "to": "self" | "group" |
+  "launcher-group", "during": "step" | "validation" | "save"}``: global rank ``r`` (``"all"``: every
+  rank) sends the signal to itself, to its whole process group (``os.killpg``, as SLURM or
+  Kubernetes signal a job), or to the process group of the process that started it (torchrun's
+  agent, whose workers lead sessions of their own), once
   ``global_step == at``: at the end of that training batch, in the validation after it, or while
   the checkpoint of that step is saved.
 - ``kill_in_save``: ``{"at": step, "replace": n, "when": "before" | "after"}`` or ``{"at": step,
@@ -55,6 +56,8 @@ def _send(name: str, to: str) -> None:
     signum = getattr(signal, name)
     if to == "group":
         os.killpg(os.getpgid(0), signum)
+    elif to == "launcher-group":
+        os.killpg(os.getpgid(os.getppid()), signum)
     else:
         os.kill(os.getpid(), signum)
 

@@ -7,18 +7,27 @@ run. A rank killed with SIGKILL, during the forward or while the others wait for
 gather, is named by every survivor within seconds, whoever launched the job.
 
 The jobs (tests/workers/faults.py) train on one batch per epoch, so that every step boundary is an
-epoch's start, where Lightning resumes a plain DataLoader exactly.
+epoch's start, where Lightning resumes a plain DataLoader exactly. Each runs under one of three
+launches: ``lightning`` (one process; Lightning's launcher starts the others), ``torchrun`` (every
+rank started torchrun-style, with RANK and WORLD_SIZE set and no agent, as ``srun`` starts tasks) and
+``torchrun-agent`` (``python -m torch.distributed.run``: its agent starts the ranks, each in a session
+of its own, and passes a SIGTERM it gets on to them).
 """
 
 import json
+import os
 import signal as signals
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.run
 
-from tests._harness import run_ranks, run_script
+from tests._harness import ROOT, _env, run_ranks, run_script
 from tests.conftest import max_diff
+from tests.launch import Zygote, run_job
 from tests.models import train_single_device
 
 STEPS = 5
@@ -31,10 +40,34 @@ def _run(tmp_path, launch: str, devices: int, **spec) -> tuple[list[tuple[int, s
     path.write_text(json.dumps({"out": str(tmp_path), "devices": devices, "steps": STEPS, **spec}))
     start = time.monotonic()
     if launch == "lightning":
-        results = [run_script("tests/workers/faults.py", str(path), timeout=120)]
+        results = [run_script("tests/workers/faults.py", str(path), timeout=120, forked=True)]
+    elif launch == "torchrun-agent":  # `torchrun`, its agent forked from the tests' fork server when usable
+        run = torch.distributed.run.__file__
+        agent = [sys.executable, run, "--standalone", f"--nproc-per-node={devices}"]
+        command = [*agent, str(ROOT / "tests" / "workers" / "faults.py"), str(path)]
+        if Zygote.usable(command):
+            results = Zygote.get().run([(command, _env())], cwd=ROOT, timeout=120)
+        else:
+            results = run_job(command, cwd=ROOT, env=_env(), timeout=120)
+        _check_no_rank_left(tmp_path, devices)  # the agent's workers are not in its process group
     else:
         results = run_ranks("tests/workers/faults.py", devices, str(path), timeout=120)
     return results, time.monotonic() - start  # run_job returns once every process of the job has ended
+
+
+def _check_no_rank_left(tmp_path, devices: int) -> None:
+    """Every rank whose pid the job wrote has ended; one still running is killed and fails the test."""
+    left = []
+    for rank in range(devices):
+        pid = int((tmp_path / f"pid{rank}").read_text())
+        try:  # the pid is still this job's rank (not reused) while its command line names the job's spec
+            running = str(tmp_path / "spec.json") in Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+        except OSError:
+            running = False
+        if running:
+            os.kill(pid, signals.SIGKILL)
+            left.append(rank)
+    assert not left, f"ranks {left} were still running after the job's launcher ended"
 
 
 def _one_device(steps: int, val: bool = False, ckpt_path: str | None = None):
@@ -47,9 +80,31 @@ def _one_device(steps: int, val: bool = False, ckpt_path: str | None = None):
 
 
 _SLOW = pytest.mark.slow
-_SIGNALS = [  # (launch, the signal's spec); the Lightning launches cost some 20 s each on 2 cores
+# (launch, the signal's spec); the Lightning and torchrun-agent launches cost some 10 to 15 s each on 2 cores
+_SIGNALS = [
     pytest.param(
         "lightning", {"rank": 0, "name": "SIGTERM", "to": "self", "during": "step"}, id="sigterm-to-launcher"
+    ),
+    pytest.param(  # a rank Lightning's launcher started: the launching rank, never signalled, stops too
+        "lightning",
+        {"rank": 1, "name": "SIGTERM", "to": "self", "during": "step"},
+        id="sigterm-to-one-launched-rank",
+    ),
+    pytest.param(  # the launcher passes it on too: the launched rank gets it twice
+        "lightning",
+        {"rank": 1, "name": "SIGTERM", "to": "group", "during": "save"},
+        id="sigterm-to-process-group-in-checkpoint-save",
+    ),
+    pytest.param(  # torchrun's agent: its process group (as SLURM signals a task, Kubernetes a container's
+        "torchrun-agent",  # main process) holds the agent alone, which passes the signal on to every rank
+        {"rank": 1, "name": "SIGTERM", "to": "launcher-group", "during": "step"},
+        id="sigterm-to-torchrun-agent-and-its-process-group",
+    ),
+    pytest.param(  # one rank under torchrun's agent: the agent sees it end and signals the others again
+        "torchrun-agent",
+        {"rank": 1, "name": "SIGTERM", "to": "self", "during": "step"},
+        id="sigterm-to-one-rank-under-torchrun-agent",
+        marks=_SLOW,  # a signal to one rank is in the default suite above, started torchrun-style
     ),
     pytest.param(
         "torchrun",
@@ -60,12 +115,6 @@ _SIGNALS = [  # (launch, the signal's spec); the Lightning launches cost some 20
         "torchrun",
         {"rank": "all", "name": "SIGTERM", "to": "self", "during": "save"},
         id="sigterm-to-every-rank-in-checkpoint-save",
-    ),
-    pytest.param(  # the launcher passes it on too: the launched rank gets it twice (slow: the
-        "lightning",  # every-rank case above is the same stop, without a second Lightning launch)
-        {"rank": 1, "name": "SIGTERM", "to": "group", "during": "save"},
-        id="sigterm-to-process-group-in-checkpoint-save",
-        marks=_SLOW,
     ),
     pytest.param(
         "torchrun",
@@ -93,7 +142,10 @@ def test_signal_stops_every_rank_at_one_step_and_the_checkpoint_resumes_exactly(
     )
     code = 128 + getattr(signals, what["name"])
     output = "\n".join(out for _, out in results)
-    assert [rc for rc, _ in results] == [code] * len(results), output[-4000:]
+    if launch == "torchrun-agent":  # torch's agent ends with 1 (its SignalException, or a rank's failure)
+        assert [rc for rc, _ in results] == [1], output[-4000:]
+    else:
+        assert [rc for rc, _ in results] == [code] * len(results), output[-4000:]
     assert seconds < 60, f"the job took {seconds:.0f} s"
     for rank in range(2):
         ended = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -137,6 +189,15 @@ _KILLS = [  # (launch, devices, the kill's spec, the dead rank as named, the sur
         "rank 1 (stage 1)",
         [0, 2],
         id="launched-rank-of-3-in-checkpoint-gather",
+    ),
+    pytest.param(  # under torchrun's agent, which signals the survivor (SIGTERM) once it sees the rank end
+        "torchrun-agent",
+        2,
+        {"layer": 0, "call": 5},
+        "rank 1 (stage 0)",
+        [0],
+        id="under-torchrun-agent-in-forward",
+        marks=_SLOW,  # the default suite kills ranks started torchrun-style above
     ),
 ]
 
