@@ -27,7 +27,10 @@ after fit), shuffle (the training loader shuffles), rank0_only ({"at": batch, "c
 "SIGINT"}: only global rank 0 calls it, after writing the file "blocked" (and arranging that signal
 to itself)), fail_in ({"hook": a Callback hook name, "rank": r}: that hook raises ValueError on global
 rank r only, outside sanity checking), planted ({"kind": Net kind, "path": checkpoint}: after the
-runs, a fit(ckpt_path=path) of a fresh Net(kind), its error left to end the job), record_start_state
+runs, a fit(ckpt_path=path) of a fresh Net(kind) for 2 steps, its error (type and message, or
+None) written to refused_rank{r}.json and printed; then, in the same process, a fit of another fresh
+Net(kind) for 2 steps without a checkpoint, whose weights rank 0 saves to after_refusal.pt),
+record_start_state
 (rank 0 records the full state as training starts; every rank also records, just before fit, its
 module's state as "init_state" and its torch CPU generator state as "init_rng"). Every rank records
 its module's ``device_mesh`` after fit as "mesh" (:func:`mesh_record`). seed: the seed_everything
@@ -333,5 +336,18 @@ if spec.get("planted"):  # as a user's script would: fit(ckpt_path=...) from a p
     pl.seed_everything(0, verbose=False)
     model = Net(planted["kind"], lr=spec.get("lr", 0.1))
     trainer = trainer_for({"chunks": 2}, 2)
-    trainer.fit(model, make_data(planted["kind"], batch, 2), ckpt_path=planted["path"])
+    try:
+        trainer.fit(model, make_data(planted["kind"], batch, 2), ckpt_path=planted["path"])
+        refused = None
+    except Exception as err:  # noqa: BLE001 - recorded for the test, whatever it is
+        refused = f"{type(err).__name__}: {err}"
+        print(refused, file=sys.stderr, flush=True)
+    rank = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+    (out / f"refused_rank{rank}.json").write_text(json.dumps(refused))
+    pl.seed_everything(0, verbose=False)  # then a fit without it, in the same process
+    model = Net(planted["kind"], lr=spec.get("lr", 0.1))
+    trainer = trainer_for({"chunks": 2}, 2)
+    trainer.fit(model, make_data(planted["kind"], batch, 5))
+    if trainer.global_rank == 0:
+        torch.save(model.state_dict(), out / "after_refusal.pt")
 print(f"worker rank {os.environ.get('LOCAL_RANK', '0')} done")
