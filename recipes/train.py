@@ -16,9 +16,9 @@ the one rank 0 resolved: ``.hydra/config.yaml`` (rank 0), ``metrics.csv`` and ``
 the log files ``train.log`` (rank 0) and ``train_rank<r>.log``.
 
 ``checkpoints/last.ckpt`` is written every ``checkpoint.every_n_steps`` optimizer steps (or
-``checkpoint.every_minutes``) from the start, at each validation and at the end of training. A
-stopped job resumes into its own directory, continuing its ``metrics.csv`` and keeping its best
-checkpoint::
+``checkpoint.every_minutes``) from the start, at each validation, at the end of training and where
+``SIGTERM`` stopped the job. A stopped job resumes into its own directory, continuing its
+``metrics.csv`` and keeping its best checkpoint::
 
     python recipes/train.py hydra.run.dir=<its directory> ckpt_path=last
 """
@@ -226,7 +226,8 @@ def checkpoint_callbacks(cfg: DictConfig, output_dir: Path, monitor: str | None)
     """The job's checkpoints in ``output_dir/checkpoints``: the best by ``monitor.metric``, and
     ``last.ckpt`` at each validation, every ``checkpoint.every_n_steps`` steps or
     ``checkpoint.every_minutes`` minutes from the start (so that a job stopped before its first
-    validation can resume) and at the end of training (:class:`recipes.last_checkpoint.LastCheckpoint`).
+    validation can resume), at the end of training, and at the step where ``SIGTERM`` (or a first
+    ``SIGINT``) stopped the job (:class:`recipes.last_checkpoint.LastCheckpoint`).
 
     Both write the one ``last.ckpt`` (no ``last-v1.ckpt``), which ``ckpt_path=last`` resumes from.
 
@@ -261,9 +262,7 @@ def checkpoint_callbacks(cfg: DictConfig, output_dir: Path, monitor: str | None)
         save_last=True,
         enable_version_counter=False,
     )
-    if steps is None and minutes is None:
-        return [best]
-    interval = LastCheckpoint(
+    interval = LastCheckpoint(  # also writes last.ckpt where a signal stops the job
         dirpath=dirpath,
         enable_version_counter=False,
         every_n_train_steps=int(steps) if steps is not None else None,

@@ -6,10 +6,15 @@ command) under a hard timeout, on tiny sizes.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import importlib.util
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -19,7 +24,7 @@ import torch
 import yaml
 from omegaconf import OmegaConf
 
-from tests._harness import ROOT, check, run_script
+from tests._harness import ROOT, _env, check, run_script
 
 CONF = ROOT / "conf"
 
@@ -330,3 +335,61 @@ def test_multirun_over_schedules_trains_the_main_job_under_each(tmp_path):
         assert config["pipeline"]["schedule"] == schedule
         losses = _train_losses(sweep / job)
         assert len(losses) >= 10 and sum(losses[-4:]) < sum(losses[:4]), (schedule, losses)
+
+
+def _sigterm_when_saved(command: list[str], saved: Path, timeout: float) -> tuple[int, str]:
+    """Run ``command`` (a job Lightning's launcher starts) in a session of its own, send its launching
+    rank SIGTERM once ``saved`` exists, as a scheduler would; returns its exit code and output."""
+    log = saved.parent.parent.with_suffix(".log")
+    with log.open("w") as handle:
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=_env(), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not saved.exists() and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # whatever of the job is left (nothing, when it passed)
+    return code, log.read_text()
+
+
+@pytest.mark.slow  # about a minute on 2 cores: three launches of the recipe
+@pytest.mark.timeout(400)
+def test_a_job_stopped_by_sigterm_resumes_from_the_step_it_stopped_at_exactly(tmp_path):
+    """SIGTERM to the launching rank once the step-20 ``last.ckpt`` exists: every rank stops at one
+    step boundary after it, exits 143 and ``last.ckpt`` holds that step (recipes.last_checkpoint);
+    ``ckpt_path=last`` resumes there and ends with every logged loss and weight of a run that was
+    never stopped."""
+    common = [
+        sys.executable,
+        str(ROOT / "recipes" / "train.py"),
+        f"data.path={_corpus(tmp_path)}",
+        *TINY["transformer"],
+        *(arg for arg in FAST if not arg.startswith(("trainer.max_steps=", "trainer.val_check_interval="))),
+        "trainer.max_steps=120",
+        "model.total_steps=120",
+        "trainer.val_check_interval=40",
+        "checkpoint.every_n_steps=20",
+    ]
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    last = stopped / "checkpoints" / "last.ckpt"
+    code, out = _sigterm_when_saved([*common, f"hydra.run.dir={stopped}"], last, timeout=200)
+    assert code == 143, out[-3000:]
+    assert out.count("stopped on SIGTERM with every rank") == 2, out[-3000:]
+    step = torch.load(last, weights_only=False)["global_step"]
+    assert 20 < step < 120, step  # written where the signal stopped the job, after the interval's step 20
+    check(
+        run_script("recipes/train.py", *common[2:], f"hydra.run.dir={stopped}", "ckpt_path=last", timeout=200)
+    )
+    check(run_script("recipes/train.py", *common[2:], f"hydra.run.dir={whole}", timeout=200))
+    for key in ("train_loss", "val_loss"):
+        assert _logged(stopped, key) == _logged(whole, key), key
+    ours = torch.load(last, weights_only=False)
+    theirs = torch.load(whole / "checkpoints" / "last.ckpt", weights_only=False)
+    assert ours["global_step"] == theirs["global_step"] == 120
+    for key, value in theirs["state_dict"].items():
+        torch.testing.assert_close(ours["state_dict"][key], value, rtol=0, atol=0, msg=key)

@@ -363,8 +363,9 @@ def test_last_checkpoint_is_written_on_the_configured_interval_from_the_start(tm
         _compose("checkpoint.every_n_steps=null", "checkpoint.every_minutes=0.5"), tmp_path, None
     )
     assert timed[1]._train_time_interval.total_seconds() == 30.0
-    only = checkpoint_callbacks(_compose("checkpoint.every_n_steps=null"), tmp_path, "val_loss")
-    assert len(only) == 1
+    _, signal_only = checkpoint_callbacks(_compose("checkpoint.every_n_steps=null"), tmp_path, "val_loss")
+    assert (signal_only._every_n_train_steps, signal_only._every_n_epochs) == (0, 0)  # no interval
+    assert signal_only._train_time_interval is None
     for large in ("transformer_l_k2", "amoebanet_k2"):  # a large model's save takes seconds: by time
         _, interval = checkpoint_callbacks(_compose(f"experiment={large}"), tmp_path, "val_loss")
         assert interval._train_time_interval.total_seconds() == 600.0 and interval._every_n_train_steps == 0
