@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from tests.launch import Zygote, job_env, run_job
+from tests.launch import job_env, run_job
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,18 +25,10 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_script(
-    script: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None, forked: bool = False
+    script: str, *args: str, timeout: float = 240, env: dict[str, str] | None = None
 ) -> tuple[int, str]:
-    """Run ``python script args`` (Lightning launches the other ranks itself); kill every rank on timeout.
-
-    ``forked``: the launching rank comes forked from the tests' fork server (:class:`tests.launch.Zygote`,
-    when usable), which saves it the imports; the ranks Lightning's launcher starts are fresh
-    interpreters either way.
-    """
-    command = [sys.executable, str(ROOT / script), *args]
-    if forked and Zygote.usable(command):
-        return Zygote.get().run([(command, _env(env))], cwd=ROOT, timeout=timeout)[0]
-    return run_job(command, cwd=ROOT, env=_env(env), timeout=timeout)[0]
+    """Run ``python script args`` (Lightning launches the other ranks itself); kill every rank on timeout."""
+    return run_job([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=_env(env), timeout=timeout)[0]
 
 
 def run_ranks(

@@ -27,7 +27,7 @@ import torch.distributed.run
 
 from tests._harness import ROOT, _env, run_ranks, run_script
 from tests.conftest import max_diff
-from tests.launch import Zygote, run_job
+from tests.launch import run_job
 from tests.models import train_single_device
 
 STEPS = 5
@@ -40,15 +40,12 @@ def _run(tmp_path, launch: str, devices: int, **spec) -> tuple[list[tuple[int, s
     path.write_text(json.dumps({"out": str(tmp_path), "devices": devices, "steps": STEPS, **spec}))
     start = time.monotonic()
     if launch == "lightning":
-        results = [run_script("tests/workers/faults.py", str(path), timeout=120, forked=True)]
+        results = [run_script("tests/workers/faults.py", str(path), timeout=120)]
     elif launch == "torchrun-agent":  # `torchrun`, its agent forked from the tests' fork server when usable
         run = torch.distributed.run.__file__
         agent = [sys.executable, run, "--standalone", f"--nproc-per-node={devices}"]
         command = [*agent, str(ROOT / "tests" / "workers" / "faults.py"), str(path)]
-        if Zygote.usable(command):
-            results = Zygote.get().run([(command, _env())], cwd=ROOT, timeout=120)
-        else:
-            results = run_job(command, cwd=ROOT, env=_env(), timeout=120)
+        results = run_job(command, cwd=ROOT, env=_env(), timeout=120)
         _check_no_rank_left(tmp_path, devices)  # the agent's workers are not in its process group
     else:
         results = run_ranks("tests/workers/faults.py", devices, str(path), timeout=120)
