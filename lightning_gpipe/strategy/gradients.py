@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_gpipe._compat import flatten_dense_tensors, unflatten_dense_tensors
@@ -53,22 +54,37 @@ def allreduce_gradients(
             g.copy_(reduced)
 
 
+def _local(t: Tensor) -> Tensor:
+    """``t``'s local shard where it is a ``DTensor`` (a sharded stage's gradient, same storage), or ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _groups(group: object) -> list[object]:
+    return list(group) if isinstance(group, (list, tuple)) else [group]
+
+
 def global_grad_norm(
     params: Iterable[Tensor], norm_type: float, group: object, device: torch.device
 ) -> Tensor:
     """The ``norm_type``-norm of the gradients of all stages of a pipeline (``group``).
 
     Each stage reduces its own gradients, then one all-reduce combines the stages (sum of
-    ``p``-th powers, or max for ``inf``). Stages with no gradients take part with 0.
+    ``p``-th powers, or max for ``inf``). Stages with no gradients take part with 0. ``group`` may
+    be a list of groups, reduced over in turn: with sharded stages (``DTensor`` gradients, each
+    rank's shard counted) the pipeline's and the stage's data-parallel group, which together
+    span every shard of every stage.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     norm_type = float(norm_type)
     if math.isinf(norm_type):
         local = (
-            torch.stack([g.detach().abs().max().float() for g in grads]).max() if grads else torch.zeros(())
+            torch.stack([g.detach().abs().max().float() for g in grads if g.numel()]).max()
+            if any(g.numel() for g in grads)
+            else torch.zeros(())
         )
         total = local.to(device)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        for g in _groups(group):
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=g)
         return total
     local = (
         torch.stack([torch.linalg.vector_norm(g.detach().float(), norm_type) for g in grads])
@@ -78,7 +94,8 @@ def global_grad_norm(
         else torch.zeros(())
     )
     total = local.to(device)
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    for g in _groups(group):
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=g)
     return total.pow(1.0 / norm_type)
 
 
@@ -106,7 +123,7 @@ def clip_grad_norm_(
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
-            p.grad.detach().mul_(coef.to(p.grad.device, p.grad.dtype))
+            _local(p.grad.detach()).mul_(coef.to(p.grad.device, p.grad.dtype))
     return total
 
 

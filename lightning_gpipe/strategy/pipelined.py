@@ -41,7 +41,7 @@ from lightning_gpipe.partition.plan_forward import PlanForward
 from lightning_gpipe.schedule import SCHEDULES, check_schedule, check_virtual_stages
 from lightning_gpipe.state.materialize import check_nothing_meta, check_stage_only_balance, has_meta
 from lightning_gpipe.state.start_state import start_stage
-from lightning_gpipe.strategy import batch_norm, microstep
+from lightning_gpipe.strategy import batch_norm, microstep, sharding
 from lightning_gpipe.strategy.balance_spec import check_balance_spec, choose_balance, log_choice, profiled
 from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.transport.layout import Layout
@@ -72,6 +72,7 @@ class StageSpec:
     optimizer_state_factor: float
     timeline: bool
     plan: list[Step] | None = None
+    data_parallel: str = "replicate"
 
 
 class Pipelined:
@@ -86,6 +87,7 @@ class Pipelined:
             (:func:`lightning_gpipe.partition.tied.find_tied`).
         tied_groups: their process groups, once the processes are connected (:meth:`tie`).
         stage_only: the Sequential was built on the meta device; this rank materialized only its stage.
+        sharded: the stage wrapped with FSDP2 (``data_parallel="fsdp"``, :mod:`.sharding`), else ``None``.
         received_skips: ``(skip, source stage)`` the stage received, kept at :meth:`uninstall` (inspection).
     """
 
@@ -98,6 +100,7 @@ class Pipelined:
         self.tied: list[tied.Tied] = []
         self.tied_groups: tied.TiedGroups | None = None
         self.stage_only = False
+        self.sharded: sharding.ShardedStage | None = None
         self.received_skips: list[tuple[str, int]] | None = None
         self._uncompiled: list[
             tuple[nn.Module, str, Any]
@@ -147,6 +150,7 @@ class Pipelined:
             name, seq, checked = partition.check_model(model, spec.module_name, spec.balance, stages, v)
         if v > 1:
             partition.check_skips_within_parts(seq, checked)
+        sharding.check_ties(seq, spec.data_parallel)
         return name, seq, checked
 
     def install(
@@ -212,13 +216,21 @@ class Pipelined:
         where = f"rank {rank} runs stage {self.index}/{layout.stages}"
         log.info(f"gpipe: {where} with layers {self.stage.layer_names}")
 
-    def start_equal(self, layout: Layout, rank: int, data: Any) -> None:
+    def start_equal(self, layout: Layout, rank: int, data: Any, mesh: Any = None, mode: str = "") -> None:
         """Every replica's stage takes replica 0's weights (``data``: the stage's replicas' group), and the
-        tied copies their owner's (every rank calls this)."""
+        tied copies their owner's (every rank calls this); then, with ``mode="fsdp"``, the stage is sharded
+        over ``mesh``'s data-parallel dimension (:func:`.sharding.shard_stage`)."""
         assert self.stage is not None
         state.broadcast_from_first_replica(self.stage, layout, rank, data)
         if distributed_is_initialized():
             self.tie(layout, rank)
+        self.sharded = sharding.shard_stage(self.stage, mesh, mode)
+
+    def norm_groups(self, groups: Any) -> Any:
+        """The process groups the gradient norm is reduced over: the pipeline's; with a sharded stage, also
+        its data-parallel group (each rank holds a shard of its stage's gradients)."""
+        assert groups is not None
+        return [groups.pipeline, groups.data] if self.sharded is not None else groups.pipeline
 
     def tie(self, layout: Layout, rank: int) -> None:
         """Process groups for the tied parameters (every rank calls this); the copies start equal."""
@@ -237,6 +249,9 @@ class Pipelined:
         if self.installed is None or self.stage is None:
             return
         self.received_skips = list(self.stage.received_skips)
+        if self.sharded is not None and gather:  # whole plain parameters again (a collective)
+            self.sharded.unshard()
+        self.sharded = None
         full = None
         if gather and not self.stage_only:
             arrive("gathering the model's state (end of fit)")
@@ -324,16 +339,19 @@ def check_arguments(
     schedule: str,
     virtual_stages: int | None,
     pipeline_parallel_size: int | None,
+    data_parallel: str = "replicate",
 ) -> tuple[int | None, list[int] | str | None, str, str, int]:
     """``GPipeStrategy``'s arguments of the same names, checked: ``(chunks, balance, checkpoint, schedule,
     virtual_stages)``, ``virtual_stages`` chosen by ``schedule`` when ``None``; warns where
     ``schedule="zb_h1"`` would gain little.
 
     Raises:
-        ValueError: a bad ``chunks``, ``checkpoint``, ``schedule``, ``virtual_stages`` or ``balance``.
+        ValueError: a bad ``chunks``, ``checkpoint``, ``schedule``, ``virtual_stages`` or ``balance``; a
+            schedule sharded data parallel cannot run (:func:`.sharding.check_schedule`).
     """
     chunks = check_count("chunks", chunks) if chunks is not None else None
     checkpoint, schedule = check_mode(checkpoint), check_schedule(schedule)
+    sharding.check_schedule(data_parallel, schedule)
     v = check_virtual_stages(schedule, virtual_stages)
     microstep.warn_unsplit_backwards(schedule, checkpoint)
     return chunks, check_balance_spec(balance, pipeline_parallel_size, v), checkpoint, schedule, v

@@ -96,7 +96,7 @@ class _GPipeStrategyLogic(_Base):
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         sizes = mesh.check(pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel)
         self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size = sizes[:3]
-        valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, sizes[0])
+        valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, sizes[0], sizes[3])
         self.chunks, self.balance, self.checkpoint, self.schedule, self.virtual_stages = valid
         self.checkpoint_format, self.module_name = state.check_format(checkpoint_format), module_name
         self.gradient_clip_norm_type, self.compile = float(gradient_clip_norm_type), check_compile(compile)
@@ -192,7 +192,7 @@ class _GPipeStrategyLogic(_Base):
     def _stage_spec(self) -> StageSpec:
         return StageSpec(self.module_name, self.balance, self.chunks_used, self.checkpoint, self.schedule,
             self.virtual_stages, self.deferred_batch_norm, self.compile, self.optimizer_state_factor,
-            self.timeline, self.plan)  # fmt: skip
+            self.timeline, self.plan, self.data_parallel)  # fmt: skip
 
     @override
     def _configure_launcher(self) -> None:
@@ -249,7 +249,7 @@ class _GPipeStrategyLogic(_Base):
         assert self.model is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._pipelined.start_equal(layout, rank, self._groups.data)
+        self._pipelined.start_equal(layout, rank, self._groups.data, self._groups.mesh, self.data_parallel)
         metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
 
     def _attach_to_trainer(self, trainer: pl.Trainer) -> None:  # undone by _detach_from_trainer
@@ -266,8 +266,8 @@ class _GPipeStrategyLogic(_Base):
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's gradients together."""
-        assert self._groups is not None
-        group, tied, device = self._groups.pipeline, self._pipelined.tied_groups, self.root_device
+        piped, all_groups = self._pipelined, self._groups
+        group, tied, device = piped.norm_groups(all_groups), piped.tied_groups, self.root_device
         norm, stage = self.gradient_clip_norm_type, self.stage_index
         self.last_grad_norm = clip_optimizer_gradients(optimizer, clip_val, norm, group, device, tied, stage)
 

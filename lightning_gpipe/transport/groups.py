@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.transport.arrival import arrive
 from lightning_gpipe.transport.layout import Layout
@@ -51,7 +52,10 @@ def initialized() -> bool:
 
 
 def tensors_to_cpu(obj: Any) -> Any:
-    """Copy every tensor in a nested dict/list to CPU (for gathering with object collectives)."""
+    """Copy every tensor in a nested dict/list to CPU (for gathering with object collectives); a
+    ``DTensor`` (a sharded stage's) whole: a collective over its mesh, which every rank holding it calls."""
+    if isinstance(obj, DTensor):
+        return obj.full_tensor().detach().cpu()
     if isinstance(obj, Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):

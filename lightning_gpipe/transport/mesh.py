@@ -21,7 +21,7 @@ MESH_DIMS = ("pipeline_parallel", "data_parallel", "tensor_parallel")
 
 DATA_PARALLEL_MODES = ("replicate", "fsdp")
 
-_WORKS = "pipeline_parallel_size × data_parallel_size, data_parallel='replicate', tensor_parallel_size=1"
+_WORKS = "pipeline_parallel_size × data_parallel_size (replicated or 'fsdp'), tensor_parallel_size=1"
 
 
 def _check_size(name: str, size: Any) -> int | None:
@@ -39,8 +39,8 @@ def check(
 
     Raises:
         ValueError: a size that is not an integer ≥ 1, ``"auto"`` or ``None``; ``data_parallel`` not
-            one of :data:`DATA_PARALLEL_MODES`; ``tensor_parallel_size > 1`` or ``data_parallel="fsdp"``,
-            which are not supported yet (issue 42).
+            one of :data:`DATA_PARALLEL_MODES`; ``tensor_parallel_size > 1``, which is not supported
+            yet (issue 42).
     """
     k = _check_size("pipeline_parallel_size", pipeline_parallel_size)
     d = _check_size("data_parallel_size", data_parallel_size)
@@ -52,11 +52,6 @@ def check(
         raise ValueError(
             f"tensor_parallel_size={t} is not supported yet: stages run whole on each rank. "
             f"What works: {_WORKS}; set tensor_parallel_size=1 or leave it out"
-        )
-    if data_parallel == "fsdp":
-        raise ValueError(
-            "data_parallel='fsdp' is not supported yet: each replica holds its whole stage. "
-            f"What works: {_WORKS}; set data_parallel='replicate' (the default)"
         )
     return k, d, t, data_parallel
 

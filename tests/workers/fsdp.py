@@ -1,0 +1,88 @@
+"""Worker: a small decoder-only Transformer trained under ``GPipeStrategy(data_parallel="fsdp")``, several
+fits in one launch (issue 42, item 2).
+
+Usage: python tests/workers/fsdp.py SPEC.json (every rank, torchrun-style: ``tests._harness.run_ranks``).
+
+Spec keys: out, devices, size (``build_transformer`` sizes), batch (per replica), steps, lr, clip
+(``gradient_clip_val``), runs (GPipeStrategy kwargs per run; a run may carry ``save``: a checkpoint path to
+write after fit, and ``resume``: a path to fit from, to ``steps`` steps in all).
+
+Each rank writes ``run{k}_rank{r}.pt``: its losses (last stages), the global step, how many gradient
+reduce-scatters it ran, what its stage holds at the end of training (the class names of its blocks,
+whether its parameters are ``DTensor`` shards, their local and whole element counts, the optimizer
+state's local element count) and the class names of the Sequential's modules after fit; rank 0 also
+writes the whole trained state (the Sequential is whole again after fit).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pytorch_lightning as pl  # noqa: E402
+import torch  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import lightning_gpipe  # noqa: E402
+from tests.models import LazyNet, make_lazy_data, trainer_kwargs  # noqa: E402
+
+torch.set_num_threads(1)
+spec = json.loads(Path(sys.argv[1]).read_text())
+out = Path(spec["out"])
+reduce_scatters = [
+    0
+]  # FSDP2's gradient reductions on this rank (one per block and step, not per micro-batch)
+_reduce_scatter = torch.distributed.reduce_scatter_single
+
+
+def counted_reduce_scatter(*args, **kwargs):
+    reduce_scatters[0] += 1
+    return _reduce_scatter(*args, **kwargs)
+
+
+torch.distributed.reduce_scatter_single = counted_reduce_scatter
+
+
+class Holdings(pl.Callback):
+    """What this rank's stage and optimizer hold at the end of training."""
+
+    def __init__(self) -> None:
+        self.seen: dict = {}
+
+    def on_train_end(self, trainer, pl_module):
+        params = list(pl_module.layers.parameters())
+        state = trainer.optimizers[0].state.values()
+        tensors = [t for s in state for t in s.values() if isinstance(t, torch.Tensor) and t.dim()]
+        self.seen = {
+            "classes": [type(m).__name__ for m in pl_module.layers.children()],
+            "dtensor": [isinstance(p, DTensor) for p in params],
+            "local": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params),
+            "whole": sum(p.numel() for p in params),
+            "optimizer_local": sum((t.to_local() if isinstance(t, DTensor) else t).numel() for t in tensors),
+        }
+
+
+for k, run in enumerate(spec["runs"]):
+    run = dict(run)
+    save, resume = run.pop("save", None), run.pop("resume", None)
+    pl.seed_everything(spec.get("seed", 0), verbose=False)
+    model = LazyNet("transformer", lr=spec.get("lr", 0.01), deferred=False, size=spec["size"])
+    holdings = Holdings()
+    kwargs = {**trainer_kwargs(spec["steps"]), "gradient_clip_val": spec.get("clip")}
+    trainer = pl.Trainer(
+        strategy=lightning_gpipe.GPipeStrategy(**run), devices=spec["devices"], callbacks=[holdings], **kwargs
+    )
+    # the one-device batches, each split over the D replicas (DistributedSampler, unshuffled)
+    replicas = trainer.strategy.layout.replicas
+    data = make_lazy_data("transformer", spec["batch"], spec["steps"] * replicas, spec["size"])
+    trainer.fit(model, data, ckpt_path=resume)
+    if save:
+        trainer.save_checkpoint(save)
+    record = {"losses": model.losses, "global_step": trainer.global_step, **holdings.seen}
+    record["reduce_scatters"], reduce_scatters[0] = reduce_scatters[0], 0
+    record["after"] = [type(m).__name__ for m in model.layers.modules()]  # the whole Sequential after fit
+    if trainer.global_rank == 0:
+        record["state"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    torch.save(record, out / f"run{k}_rank{trainer.global_rank}.pt")
+print("worker done")
