@@ -29,6 +29,8 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
 
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.errors import PartitionError
@@ -112,6 +114,7 @@ class ShardedStage:
         self.virtual = [
             [b for b in self.blocks if names[id(b)] in set(layers)] for layers in stage.virtual_layers
         ]
+        self.optimizers: list[Optimizer] = []  # set once built: made whole with the stage (unshard)
         stage.executor.before_backward = self.before_backward
         stage.executor.split_backward = False  # input gradients first would reduce-scatter early
 
@@ -123,18 +126,21 @@ class ShardedStage:
             block.set_reshard_after_backward(last, recurse=False)  # type: ignore[operator]
 
     def unshard(self) -> None:
-        """Give every wrapped module its full parameters as plain tensors, its hooks and class removed.
+        """Give every wrapped module its full parameters as plain tensors, its hooks and class removed, and
+        :attr:`optimizers` those parameters with their state whole (a checkpoint saved after ``fit`` is a
+        plain stage's).
 
         A collective over the stage's data-parallel group (each ``DTensor.full_tensor()`` all-gathers).
         """
         self.stage.executor.before_backward, self.stage.executor.split_backward = None, True
+        whole: dict[nn.Parameter, nn.Parameter] = {}
         for module in [*self.blocks, self.stage]:
             state = module._get_fsdp_state()  # type: ignore[operator]
             for group in state._fsdp_param_groups:
                 for fsdp_param in group.fsdp_params:
                     sharded, info = fsdp_param.sharded_param, fsdp_param._module_info
                     full = nn.Parameter(sharded.full_tensor().detach(), requires_grad=sharded.requires_grad)
-                    info.module._parameters[info.param_name] = full
+                    info.module._parameters[info.param_name] = whole[sharded] = full
                     fsdp_param._post_load_hook_handle.remove()
                 hooks = [
                     group._module_to_pre_save_state_dict_hook_handle,
@@ -147,6 +153,23 @@ class ShardedStage:
             for key in [k for k in module.__dict__ if k.startswith("__composable_api_")]:
                 del module.__dict__[key]
             module.__class__ = _original_class(module)
+        for optimizer in self.optimizers:
+            _swap_parameters(optimizer, whole)
+
+
+def _swap_parameters(optimizer: Optimizer, whole: dict[nn.Parameter, nn.Parameter]) -> None:
+    """``optimizer`` over the ``whole`` parameters in place of their shards, its state made whole too."""
+    state = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in optimizer.state:
+                fields = optimizer.state[p].items()
+                state[whole.get(p, p)] = {
+                    k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in fields
+                }
+        group["params"] = [whole.get(p, p) for p in group["params"]]
+    optimizer.state.clear()
+    optimizer.state.update(state)
 
 
 def shard_stage(stage: PipelineStage, mesh: Any, data_parallel: str) -> ShardedStage | None:

@@ -4,8 +4,10 @@ fits in one launch (issue 42, item 2).
 Usage: python tests/workers/fsdp.py SPEC.json (every rank, torchrun-style: ``tests._harness.run_ranks``).
 
 Spec keys: out, devices, size (``build_transformer`` sizes), batch (per replica), steps, lr, clip
-(``gradient_clip_val``), runs (GPipeStrategy kwargs per run; a run may carry ``save``: a checkpoint path to
-write after fit, and ``resume``: a path to fit from, to ``steps`` steps in all).
+(``gradient_clip_val``), full_batch (the data set is one batch of ``batch`` samples per replica: every
+step is an epoch over the same samples, however many replicas share them), runs (GPipeStrategy kwargs per
+run; a run may carry ``save``: a checkpoint path to write at the end of training, the stages still
+sharded, and ``resume``: a path to fit from, to ``steps`` steps in all).
 
 Each rank writes ``run{k}_rank{r}.pt``: its losses (last stages), the global step, how many gradient
 reduce-scatters it ran, what its stage holds at the end of training (the class names of its blocks,
@@ -63,22 +65,34 @@ class Holdings(pl.Callback):
         }
 
 
+class SaveAtTrainEnd(pl.Callback):
+    """``trainer.save_checkpoint(path)`` at the end of training, while the stages are still sharded."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module):
+        trainer.save_checkpoint(self.path)
+
+
 for k, run in enumerate(spec["runs"]):
     run = dict(run)
     save, resume = run.pop("save", None), run.pop("resume", None)
     pl.seed_everything(spec.get("seed", 0), verbose=False)
     model = LazyNet("transformer", lr=spec.get("lr", 0.01), deferred=False, size=spec["size"])
     holdings = Holdings()
+    callbacks = [holdings, *([SaveAtTrainEnd(save)] if save else [])]
     kwargs = {**trainer_kwargs(spec["steps"]), "gradient_clip_val": spec.get("clip")}
+    if spec.get("full_batch"):  # every step one whole epoch: the same samples at any data-parallel size
+        kwargs["max_epochs"] = spec["steps"]
     trainer = pl.Trainer(
-        strategy=lightning_gpipe.GPipeStrategy(**run), devices=spec["devices"], callbacks=[holdings], **kwargs
+        strategy=lightning_gpipe.GPipeStrategy(**run), devices=spec["devices"], callbacks=callbacks, **kwargs
     )
-    # the one-device batches, each split over the D replicas (DistributedSampler, unshuffled)
+    # the one-device batches, each split over the D replicas (Lightning's DistributedSampler)
     replicas = trainer.strategy.layout.replicas
-    data = make_lazy_data("transformer", spec["batch"], spec["steps"] * replicas, spec["size"])
+    batches = replicas if spec.get("full_batch") else spec["steps"] * replicas
+    data = make_lazy_data("transformer", spec["batch"], batches, spec["size"])
     trainer.fit(model, data, ckpt_path=resume)
-    if save:
-        trainer.save_checkpoint(save)
     record = {"losses": model.losses, "global_step": trainer.global_step, **holdings.seen}
     record["reduce_scatters"], reduce_scatters[0] = reduce_scatters[0], 0
     record["after"] = [type(m).__name__ for m in model.layers.modules()]  # the whole Sequential after fit

@@ -8,6 +8,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from lightning_gpipe.state.safe_reader import SafeReader
+from lightning_gpipe.state.sharded import load_sharded, set_sharded_optimizer_states
 from tests._harness import check, run_ranks
 from tests.conftest import max_diff
 from tests.models import LazyNet, make_lazy_data, trainer_kwargs
@@ -39,9 +41,13 @@ def one_device(order: list[int], batch: int, steps: int = STEPS, ckpt_path: str 
     return model
 
 
-def fsdp_job(tmp_path, devices: int, runs: list[dict], batch: int, steps: int = STEPS) -> list[list[dict]]:
-    """Run tests/workers/fsdp.py over ``devices`` ranks; per run, every rank's record."""
-    spec = {"out": str(tmp_path), "devices": devices, "size": SIZE, "batch": batch, "steps": steps}
+def fsdp_job(
+    tmp_path, devices: int, runs: list[dict], batch: int, steps: int = STEPS, **extra
+) -> list[list[dict]]:
+    """Run tests/workers/fsdp.py over ``devices`` ranks (``extra``: more spec keys); per run, every rank's
+    record."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec = {"out": str(tmp_path), "devices": devices, "size": SIZE, "batch": batch, "steps": steps, **extra}
     spec.update(lr=LR, clip=CLIP, runs=runs)
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
@@ -88,3 +94,78 @@ def test_pipeline_times_fsdp_matches_single_device(tmp_path):
             assert rank["reduce_scatters"] == STEPS * blocks, schedule  # once a step, not per micro-batch
             assert rank["after"][0] == "Sequential" and not any("FSDP" in name for name in rank["after"])
         assert not any(type(t).__name__ == "DTensor" for t in ranks[0]["state"].values()), schedule
+
+
+class LoadOptimizerState(pl.Callback):
+    """Give the optimizer the state a sharded checkpoint holds (``load_sharded``'s ``optimizer_states``)."""
+
+    def __init__(self, states: list) -> None:
+        self.states = states
+
+    def on_fit_start(self, trainer, pl_module):
+        set_sharded_optimizer_states(pl_module, trainer.optimizers, self.states)
+
+
+def full_batch_one_device(steps: int, model: LazyNet | None = None, callbacks=()) -> LazyNet:
+    """One device on the whole 8-sample set each step (one epoch a step), Adam, clipped at ``CLIP``."""
+    if model is None:
+        pl.seed_everything(0, verbose=False)
+        model = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
+    kwargs = {**trainer_kwargs(steps), "max_epochs": steps, "callbacks": list(callbacks)}
+    pl.Trainer(devices=1, gradient_clip_val=CLIP, **kwargs).fit(
+        model, make_lazy_data("transformer", 8, 1, SIZE)
+    )
+    return model
+
+
+# about 40 s: three launches (4, 2 and 2 processes)
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sharded_checkpoint_saved_under_fsdp_resumes_in_other_layouts_and_loads_into_one_device(tmp_path):
+    """checkpoint_format="sharded" under K=2 × D=2 FSDP writes DTensor shards through DCP; K=2 × D=1,
+    K=1 × D=2 (FSDP alone) and the unpartitioned module (one process, no process group) each continue from
+    it as the uninterrupted one-device run does (≤ 1e-5, losses and weights). Every step trains on the
+    whole 8-sample set, so that every layout sees the same samples."""
+    fsdp = {"chunks": 2, "data_parallel": "fsdp", "checkpoint_format": "sharded"}
+    path = tmp_path / "sharded"
+    common = {"full_batch": True}
+    saved = fsdp_job(
+        tmp_path / "save", 4, [{**fsdp, "pipeline_parallel_size": 2, "save": str(path)}], 4, 2, **common
+    )
+    chunks = SafeReader(path).read_metadata().state_dict_metadata["model.layers.0.tokens.weight"].chunks
+    assert [tuple(c.sizes) for c in chunks] == [(16, 32), (16, 32)]  # the two replicas' DTensor shards
+    reference = full_batch_one_device(4)
+    assert (
+        max(
+            abs(a - b)
+            for a, b in zip(step_losses([saved[0][0]["losses"], saved[0][2]["losses"]]), reference.losses[:2])
+        )
+        <= 1e-5
+    )
+    layouts = [
+        {"pipeline_parallel_size": 2, "data_parallel_size": 1},
+        {"pipeline_parallel_size": 1, "data_parallel_size": 2},
+    ]
+    for layout in layouts:
+        batch = 8 // layout["data_parallel_size"]
+        runs = fsdp_job(
+            tmp_path / str(layout["pipeline_parallel_size"]),
+            2,
+            [{**fsdp, **layout, "resume": str(path)}],
+            batch,
+            4,
+            **common,
+        )
+        last = [rank["losses"] for rank in runs[0] if rank["losses"]]
+        assert max(abs(a - b) for a, b in zip(step_losses(last), reference.losses[2:])) <= 1e-5, layout
+        assert runs[0][0]["global_step"] == 4
+        assert max_diff(runs[0][0]["state"], reference.state_dict()) <= 1e-5, layout
+    pl.seed_everything(1, verbose=False)
+    plain = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
+    loaded = load_sharded(path, plain, [])
+    plain.load_state_dict(loaded["state_dict"])
+    assert max_diff(plain.state_dict(), full_batch_one_device(2).state_dict()) <= 1e-5
+    optimizer_states = load_sharded(path, plain, [torch.optim.Adam(plain.parameters())])["optimizer_states"]
+    full_batch_one_device(2, plain, [LoadOptimizerState(optimizer_states)])
+    assert max(abs(a - b) for a, b in zip(plain.losses, reference.losses[2:])) <= 1e-5
+    assert max_diff(plain.state_dict(), reference.state_dict()) <= 1e-5
