@@ -7,7 +7,9 @@ Spec keys: out, devices, size (``build_transformer`` sizes), batch (per replica)
 (``gradient_clip_val``), full_batch (the data set is one batch of ``batch`` samples per replica: every
 step is an epoch over the same samples, however many replicas share them), runs (GPipeStrategy kwargs per
 run; a run may carry ``save``: a checkpoint path to write at the end of training, the stages still
-sharded, and ``resume``: a path to fit from, to ``steps`` steps in all).
+sharded, and ``resume``: a path to fit from, to ``steps`` steps in all), stage_only (the layers built in
+``configure_model`` under ``Trainer.init_module(empty_init=True)``: each rank materializes its stage only;
+no trained state is written).
 
 Each rank writes ``run{k}_rank{r}.pt``: its losses (last stages), the global step, how many gradient
 reduce-scatters it ran, what its stage holds at the end of training (the class names of its blocks,
@@ -79,7 +81,6 @@ for k, run in enumerate(spec["runs"]):
     run = dict(run)
     save, resume = run.pop("save", None), run.pop("resume", None)
     pl.seed_everything(spec.get("seed", 0), verbose=False)
-    model = LazyNet("transformer", lr=spec.get("lr", 0.01), deferred=False, size=spec["size"])
     holdings = Holdings()
     callbacks = [holdings, *([SaveAtTrainEnd(save)] if save else [])]
     kwargs = {**trainer_kwargs(spec["steps"]), "gradient_clip_val": spec.get("clip")}
@@ -88,6 +89,11 @@ for k, run in enumerate(spec["runs"]):
     trainer = pl.Trainer(
         strategy=lightning_gpipe.GPipeStrategy(**run), devices=spec["devices"], callbacks=callbacks, **kwargs
     )
+    if spec.get("stage_only"):  # built on the meta device: each rank materializes its stage only
+        with trainer.init_module(empty_init=True):
+            model = LazyNet("transformer", lr=spec.get("lr", 0.01), size=spec["size"])
+    else:
+        model = LazyNet("transformer", lr=spec.get("lr", 0.01), deferred=False, size=spec["size"])
     # the one-device batches, each split over the D replicas (Lightning's DistributedSampler)
     replicas = trainer.strategy.layout.replicas
     batches = replicas if spec.get("full_batch") else spec["steps"] * replicas
@@ -96,7 +102,7 @@ for k, run in enumerate(spec["runs"]):
     record = {"losses": model.losses, "global_step": trainer.global_step, **holdings.seen}
     record["reduce_scatters"], reduce_scatters[0] = reduce_scatters[0], 0
     record["after"] = [type(m).__name__ for m in model.layers.modules()]  # the whole Sequential after fit
-    if trainer.global_rank == 0:
+    if trainer.global_rank == 0 and not spec.get("stage_only"):
         record["state"] = {n: t.detach().clone() for n, t in model.state_dict().items()}
     torch.save(record, out / f"run{k}_rank{trainer.global_rank}.pt")
 print("worker done")

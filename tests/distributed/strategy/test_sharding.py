@@ -169,3 +169,26 @@ def test_sharded_checkpoint_saved_under_fsdp_resumes_in_other_layouts_and_loads_
     full_batch_one_device(2, plain, [LoadOptimizerState(optimizer_states)])
     assert max(abs(a - b) for a, b in zip(plain.losses, reference.losses[2:])) <= 1e-5
     assert max_diff(plain.state_dict(), reference.state_dict()) <= 1e-5
+
+
+# about 60 s: four processes build and train one step of a 51 M-parameter model
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_fsdp_holds_a_quarter_of_the_parameters_and_adam_state_per_rank_at_k2_d2(tmp_path):
+    """K=2 × D=2 FSDP, stage-only construction, ``balance="parameters"``: after a training step each rank
+    holds at most 0.3 (ideal 0.25) of what one process training the whole model holds in parameters and
+    Adam state (parameters, two moments: 3 × 4 bytes a parameter), counted tensor by tensor."""
+    size = {"vocab_size": 256, "num_layers": 16, "d_model": 512, "num_heads": 8, "d_ff": 2048, "seq_len": 16}
+    run = {"chunks": 1, "pipeline_parallel_size": 2, "data_parallel_size": 2, "data_parallel": "fsdp"}
+    spec = {"size": size, "stage_only": True}
+    ranks = fsdp_job(tmp_path, 4, [{**run, "balance": "parameters"}], batch=1, steps=1, **spec)[0]
+    whole = sum(rank["whole"] for rank in ranks) // 2  # each stage's parameters, counted by its 2 replicas
+    assert whole >= 50_000_000
+    one_process = 3 * whole * 4  # bytes: parameters and Adam's two moments, fp32
+    per_rank = [(rank["local"] + rank["optimizer_local"]) * 4 for rank in ranks]
+    ratio = max(per_rank) / one_process
+    print(
+        f"parameters {whole:,}; one process {one_process / 2**20:.0f} MiB; per rank "
+        f"{[round(b / 2**20) for b in per_rank]} MiB; largest / one process {ratio:.3f}"
+    )
+    assert ratio <= 0.3
