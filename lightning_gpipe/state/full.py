@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 from lightning_gpipe._lightning import distributed_is_initialized, optimizer_to_device
 from lightning_gpipe.partition.cut import PLACEHOLDER, key_prefix
 from lightning_gpipe.partition.tied import Tied, alias_tied_state
+from lightning_gpipe.state.loading import shard_optimizer_state
 from lightning_gpipe.state.materialize import has_meta
 from lightning_gpipe.state.optimizer import (
     NAMES_KEY,
@@ -230,3 +231,4 @@ def load_optimizer_states(
             local["state"] = {i: read(v) for i, v in local["state"].items()}
         optimizer.load_state_dict(local)
         optimizer_to_device(optimizer, device)
+        shard_optimizer_state(optimizer)

@@ -27,6 +27,7 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.migration import pl_legacy_patch
 from torch import Tensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_gpipe._compat import checkpoint_offset
 from lightning_gpipe._lightning import load_module_state, migrate_checkpoint
@@ -245,7 +246,34 @@ def copy_into(
                     f"{key}: the checkpoint's tensor has shape {tuple(value.shape)}, the module's "
                     f"{tuple(tensor.shape)}"
                 )
-            read_into(value, tensor)
+            if isinstance(
+                tensor, DTensor
+            ):  # a sharded stage's: the whole tensor read, this rank's shard kept
+                whole = torch.empty(tensor.shape, dtype=tensor.dtype)
+                read_into(value, whole)
+                tensor.to_local().copy_(shard_like(whole, tensor))
+            else:
+                read_into(value, tensor)
+
+
+def shard_like(whole: Tensor, like: DTensor) -> Tensor:
+    """This rank's local part of ``whole`` placed as ``like`` is (its mesh and placements); no collective."""
+    return distribute_tensor(
+        whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None
+    ).to_local()
+
+
+def shard_optimizer_state(optimizer: Any) -> None:
+    """Every whole state tensor of a ``DTensor`` parameter (as loaded from a full checkpoint) made a
+    ``DTensor`` placed as its parameter (a sharded stage's, :mod:`lightning_gpipe.strategy.sharding`)."""
+    for p, fields in optimizer.state.items():
+        if isinstance(p, DTensor):
+            for k, v in fields.items():
+                if isinstance(v, Tensor) and not isinstance(v, DTensor) and v.shape == p.shape:
+                    local = shard_like(v.to(p.dtype), p)
+                    fields[k] = DTensor.from_local(
+                        local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
 
 
 CHECKPOINT_SOURCE = "_gpipe_checkpoint_source"  # (path, weights_only) on a module from load_from_checkpoint

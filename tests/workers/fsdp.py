@@ -7,9 +7,9 @@ Spec keys: out, devices, size (``build_transformer`` sizes), batch (per replica)
 (``gradient_clip_val``), full_batch (the data set is one batch of ``batch`` samples per replica: every
 step is an epoch over the same samples, however many replicas share them), runs (GPipeStrategy kwargs per
 run; a run may carry ``save``: a checkpoint path to write at the end of training, the stages still
-sharded, and ``resume``: a path to fit from, to ``steps`` steps in all), stage_only (the layers built in
-``configure_model`` under ``Trainer.init_module(empty_init=True)``: each rank materializes its stage only;
-no trained state is written).
+sharded, ``resume``: a path to fit from, and ``steps``: the steps in all, for this run), stage_only (the
+layers built in ``configure_model`` under ``Trainer.init_module(empty_init=True)``: each rank
+materializes its stage only; no trained state is written).
 
 Each rank writes ``run{k}_rank{r}.pt``: its losses (last stages), the global step, how many gradient
 reduce-scatters it ran, what its stage holds at the end of training (the class names of its blocks,
@@ -79,13 +79,13 @@ class SaveAtTrainEnd(pl.Callback):
 
 for k, run in enumerate(spec["runs"]):
     run = dict(run)
-    save, resume = run.pop("save", None), run.pop("resume", None)
+    save, resume, steps = run.pop("save", None), run.pop("resume", None), run.pop("steps", spec["steps"])
     pl.seed_everything(spec.get("seed", 0), verbose=False)
     holdings = Holdings()
     callbacks = [holdings, *([SaveAtTrainEnd(save)] if save else [])]
-    kwargs = {**trainer_kwargs(spec["steps"]), "gradient_clip_val": spec.get("clip")}
+    kwargs = {**trainer_kwargs(steps), "gradient_clip_val": spec.get("clip")}
     if spec.get("full_batch"):  # every step one whole epoch: the same samples at any data-parallel size
-        kwargs["max_epochs"] = spec["steps"]
+        kwargs["max_epochs"] = steps
     trainer = pl.Trainer(
         strategy=lightning_gpipe.GPipeStrategy(**run), devices=spec["devices"], callbacks=callbacks, **kwargs
     )
@@ -96,7 +96,7 @@ for k, run in enumerate(spec["runs"]):
         model = LazyNet("transformer", lr=spec.get("lr", 0.01), deferred=False, size=spec["size"])
     # the one-device batches, each split over the D replicas (Lightning's DistributedSampler)
     replicas = trainer.strategy.layout.replicas
-    batches = replicas if spec.get("full_batch") else spec["steps"] * replicas
+    batches = replicas if spec.get("full_batch") else steps * replicas
     data = make_lazy_data("transformer", spec["batch"], batches, spec["size"])
     trainer.fit(model, data, ckpt_path=resume)
     record = {"losses": model.losses, "global_step": trainer.global_step, **holdings.seen}

@@ -124,42 +124,33 @@ def full_batch_one_device(steps: int, model: LazyNet | None = None, callbacks=()
 def test_sharded_checkpoint_saved_under_fsdp_resumes_in_other_layouts_and_loads_into_one_device(tmp_path):
     """checkpoint_format="sharded" under K=2 × D=2 FSDP writes DTensor shards through DCP; K=2 × D=1,
     K=1 × D=2 (FSDP alone) and the unpartitioned module (one process, no process group) each continue from
-    it as the uninterrupted one-device run does (≤ 1e-5, losses and weights). Every step trains on the
-    whole 8-sample set, so that every layout sees the same samples."""
+    it as the uninterrupted one-device run does (≤ 1e-5, losses and weights); so do the two FSDP layouts
+    from a full checkpoint (one file) saved under K=2 × D=2 FSDP. Every step trains on the whole 8-sample
+    set, so that every layout sees the same samples."""
     fsdp = {"chunks": 2, "data_parallel": "fsdp", "checkpoint_format": "sharded"}
-    path = tmp_path / "sharded"
-    common = {"full_batch": True}
+    path, full = tmp_path / "sharded", tmp_path / "full.ckpt"
+    common, as_full = {"full_batch": True}, {"checkpoint_format": "full"}
+    saves = [{**fsdp, "save": str(path)}, {**fsdp, **as_full, "save": str(full)}]
     saved = fsdp_job(
-        tmp_path / "save", 4, [{**fsdp, "pipeline_parallel_size": 2, "save": str(path)}], 4, 2, **common
+        tmp_path / "save", 4, [{**s, "pipeline_parallel_size": 2} for s in saves], 4, 2, **common
     )
     chunks = SafeReader(path).read_metadata().state_dict_metadata["model.layers.0.tokens.weight"].chunks
     assert [tuple(c.sizes) for c in chunks] == [(16, 32), (16, 32)]  # the two replicas' DTensor shards
     reference = full_batch_one_device(4)
-    assert (
-        max(
-            abs(a - b)
-            for a, b in zip(step_losses([saved[0][0]["losses"], saved[0][2]["losses"]]), reference.losses[:2])
-        )
-        <= 1e-5
-    )
-    layouts = [
-        {"pipeline_parallel_size": 2, "data_parallel_size": 1},
-        {"pipeline_parallel_size": 1, "data_parallel_size": 2},
-    ]
-    for layout in layouts:
-        batch = 8 // layout["data_parallel_size"]
-        runs = fsdp_job(
-            tmp_path / str(layout["pipeline_parallel_size"]),
-            2,
-            [{**fsdp, **layout, "resume": str(path)}],
-            batch,
-            4,
-            **common,
-        )
-        last = [rank["losses"] for rank in runs[0] if rank["losses"]]
-        assert max(abs(a - b) for a, b in zip(step_losses(last), reference.losses[2:])) <= 1e-5, layout
-        assert runs[0][0]["global_step"] == 4
-        assert max_diff(runs[0][0]["state"], reference.state_dict()) <= 1e-5, layout
+    for ranks in saved:
+        first = step_losses([ranks[0]["losses"], ranks[2]["losses"]])
+        assert max(abs(a - b) for a, b in zip(first, reference.losses[:2])) <= 1e-5
+    for k, d in [(2, 1), (1, 2)]:
+        layout = {"pipeline_parallel_size": k, "data_parallel_size": d}
+        resumes = [
+            {**fsdp, **layout, "resume": str(path)},
+            {**fsdp, **layout, **as_full, "resume": str(full)},
+        ]
+        for ranks in fsdp_job(tmp_path / f"k{k}", 2, resumes, 8 // d, 4, **common):
+            last = [rank["losses"] for rank in ranks if rank["losses"]]
+            assert max(abs(a - b) for a, b in zip(step_losses(last), reference.losses[2:])) <= 1e-5, layout
+            assert ranks[0]["global_step"] == 4
+            assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, layout
     pl.seed_everything(1, verbose=False)
     plain = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
     loaded = load_sharded(path, plain, [])
