@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -152,6 +153,7 @@ class ShardedStage:
             state._post_forward_hook_handle.remove()
             for key in [k for k in module.__dict__ if k.startswith("__composable_api_")]:
                 del module.__dict__[key]
+            _module_state_mapping.pop(module, None)  # fully_shard may wrap it again (a later fit)
             module.__class__ = _original_class(module)
         for optimizer in self.optimizers:
             _swap_parameters(optimizer, whole)

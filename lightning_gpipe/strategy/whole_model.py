@@ -34,7 +34,7 @@ from torch import nn
 
 from lightning_gpipe.engine.aux_losses import set_reducer
 from lightning_gpipe.strategy.pipelined import Pipelined
-from lightning_gpipe.transport.groups import close_at_exit
+from lightning_gpipe.transport.groups import close_at_exit, tensors_to_cpu
 
 __all__ = ["WholeParameters", "attach"]
 
@@ -122,9 +122,9 @@ class WholeParameters:
             mine = self._own()
             device = next(iter(self.pipelined.running.parameters()), torch.empty(0)).device  # the copies'
             gathered: list[Any] = [None] * dist.get_world_size(self.group)
+            # a sharded stage's DTensors go whole (a collective over its replicas, which all run this)
             payload = {
-                n: (p.detach().cpu(), None if p.grad is None else p.grad.detach().cpu(), p.requires_grad)
-                for n, p in mine.items()
+                n: (tensors_to_cpu(p), tensors_to_cpu(p.grad), p.requires_grad) for n, p in mine.items()
             }
             dist.all_gather_object(gathered, payload, group=self.group)
             found: dict[str, nn.Parameter] = {}

@@ -183,3 +183,32 @@ def test_fsdp_holds_a_quarter_of_the_parameters_and_adam_state_per_rank_at_k2_d2
         f"{[round(b / 2**20) for b in per_rank]} MiB; largest / one process {ratio:.3f}"
     )
     assert ratio <= 0.3
+
+
+# about 25 s: one launch of four fits
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_equals_replicate_with_accumulation_mixed_precision_validation_and_predict(gpipe_job):
+    """tests.models.Net under K=2 × D=2, sharded and replicated, with ``accumulate_grad_batches=2``, and again
+    under ``bf16-mixed``, each with clipping, validation, ``trainer.predict`` and a gradient hook that reads
+    ``self.named_parameters()`` (the whole model's, gathered): the same losses, validation loss, gradient
+    norms, predictions and trained weights."""
+    runs = []
+    for extra in ({"accumulate_grad_batches": 2}, {"precision": "bf16-mixed"}):
+        for mode in ("fsdp", "replicate"):
+            runs.append({"chunks": 2, "pipeline_parallel_size": 2, "data_parallel": mode, "trainer": extra})
+    results, _ = gpipe_job(
+        "mlp",
+        4,
+        runs,
+        steps=3,
+        val=True,
+        predict=True,
+        trainer={"gradient_clip_val": 0.05},
+        record_grads=True,
+    )
+    for sharded, replicated in (results[0:2], results[2:4]):
+        assert sharded["losses"] == replicated["losses"] and sharded["norms"] == replicated["norms"]
+        assert sharded["callback_metrics"] == replicated["callback_metrics"]
+        assert all(torch.equal(a, b) for a, b in zip(sharded["predictions"], replicated["predictions"]))
+        assert max_diff(sharded["state"], replicated["state"]) <= 1e-6
