@@ -25,6 +25,7 @@ tensors and its own class, so that the user's Sequential is whole and unwrapped 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
@@ -101,6 +102,9 @@ class ShardedStage:
     """
 
     def __init__(self, stage: PipelineStage, mesh: Any) -> None:
+        # the last stage's outputs reach the user detached (PipelineStage.forward): an in-place op on them
+        # cannot drop FSDP's pre-backward hook, which FSDP warns of for every view a block returns
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
         self.stage = stage
         names = {id(m): n for n, m in stage.named_children()}
         self.blocks = _blocks(stage)

@@ -53,7 +53,7 @@ class _GPipeStrategyLogic(_Base):
         schedule: ``"gpipe"`` (``training_step`` per batch), ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``.
         virtual_stages: virtual stages per stage v (``None``: 2 under ``"interleaved_1f1b"``, else 1).
         module_name: the Sequential's path (``None``: found); plan: the parts in call order (:mod:`.plan`).
-        pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel: K·D·T = W (mesh).
+        *_parallel_size: K·D·T = W (mesh); data_parallel: ``"replicate"`` or ``"fsdp"`` (:mod:`.sharding`).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: the Trainer's.
         process_group_backend, timeout: ``"gloo"``/``"nccl"`` (``None``: by device), its timeout.
         timeline, timeline_dir: record every stage's spans, log ``pipeline/bubble``, write a trace there.
