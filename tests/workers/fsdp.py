@@ -11,7 +11,8 @@ sharded, ``resume``: a path to fit from, and ``steps``: the steps in all, for th
 layers built in ``configure_model`` under ``Trainer.init_module(empty_init=True)``: each rank
 materializes its stage only; no trained state is written).
 
-Each rank writes ``run{k}_rank{r}.pt``: its losses (last stages), the global step, how many gradient
+Each rank writes ``run{k}_rank{r}.pt``: its losses (last stages), the global step, the gradient norm
+before clipping of every step, how many gradient
 reduce-scatters it ran, what its stage holds at the end of training (the class names of its blocks,
 whether its parameters are ``DTensor`` shards, their local and whole element counts, the optimizer
 state's local element count) and the class names of the Sequential's modules after fit; rank 0 also
@@ -49,10 +50,16 @@ torch.distributed.reduce_scatter_single = counted_reduce_scatter
 
 
 class Holdings(pl.Callback):
-    """What this rank's stage and optimizer hold at the end of training."""
+    """What this rank's stage and optimizer hold at the end of training; every step's gradient norm before
+    clipping (``GPipeStrategy.last_grad_norm``)."""
 
     def __init__(self) -> None:
         self.seen: dict = {}
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.strategy.last_grad_norm is not None:
+            self.norms.append(float(trainer.strategy.last_grad_norm))
 
     def on_train_end(self, trainer, pl_module):
         params = list(pl_module.layers.parameters())
@@ -99,7 +106,12 @@ for k, run in enumerate(spec["runs"]):
     batches = replicas if spec.get("full_batch") else steps * replicas
     data = make_lazy_data("transformer", spec["batch"], batches, spec["size"])
     trainer.fit(model, data, ckpt_path=resume)
-    record = {"losses": model.losses, "global_step": trainer.global_step, **holdings.seen}
+    record = {
+        "losses": model.losses,
+        "global_step": trainer.global_step,
+        "norms": holdings.norms,
+        **holdings.seen,
+    }
     record["reduce_scatters"], reduce_scatters[0] = reduce_scatters[0], 0
     record["after"] = [type(m).__name__ for m in model.layers.modules()]  # the whole Sequential after fit
     if trainer.global_rank == 0 and not spec.get("stage_only"):

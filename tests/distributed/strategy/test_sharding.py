@@ -29,12 +29,25 @@ def replicas_order(replicas: int, batch: int, steps: int) -> list[int]:
     return [i for s in range(steps) for shard in shards for i in shard[s * batch : (s + 1) * batch]]
 
 
+class GradNorms(pl.Callback):
+    """The gradient norm of the whole model before clipping, every step (one device)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+
 def one_device(order: list[int], batch: int, steps: int = STEPS, ckpt_path: str | None = None) -> LazyNet:
     """The reference: the same module (seed 0) on one device, Adam, clipped at ``CLIP``, the worker's samples
-    in ``order``, ``batch`` a step."""
+    in ``order``, ``batch`` a step; its gradient norms before clipping in ``model.norms``."""
     pl.seed_everything(0, verbose=False)
     model = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
-    trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(steps))
+    norms = GradNorms()
+    model.norms = norms.norms
+    trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, callbacks=[norms], **trainer_kwargs(steps))
     x, y = make_lazy_data("transformer", batch, len(order) // batch, SIZE).dataset.tensors
     data = DataLoader(TensorDataset(x[order], y[order]), batch_size=batch)
     trainer.fit(model, data, ckpt_path=ckpt_path)
@@ -86,6 +99,10 @@ def test_pipeline_times_fsdp_matches_single_device(tmp_path):
         assert len(losses) == STEPS, schedule
         assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5, schedule
         assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, schedule
+        assert min(reference.norms) > CLIP  # every step clipped, by the whole model's norm on every rank
+        assert all(max(abs(a - b) for a, b in zip(r["norms"], reference.norms)) <= 1e-5 for r in ranks), (
+            schedule
+        )
         for rank in ranks:
             assert all(rank["dtensor"]) and rank["classes"][0].startswith("FSDP"), schedule
             assert rank["local"] * 2 == rank["whole"], schedule  # every dimension 0 here is even
