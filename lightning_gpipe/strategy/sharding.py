@@ -3,8 +3,8 @@ data-parallel dimension, gradients reduce-scattered once per step.
 
 With ``GPipeStrategy(data_parallel="fsdp")`` every child of the stage that holds parameters (a block) is
 wrapped with :func:`torch.distributed.fsdp.fully_shard` over ``mesh["data_parallel"]``, then the stage
-itself, as the root (``torchtitan``'s order: per block, so a block's all-gather overlaps its neighbour's
-compute). Its parameters become ``DTensor`` shards (dimension 0 over the D replicas of the stage); the
+itself, as the root (``torchtitan``'s order: each block gathered and reduced in a collective of its own).
+Its parameters become ``DTensor`` shards (dimension 0 over the D replicas of the stage); the
 optimizer, built after the cut, holds the shards and their state, so parameters, gradients and optimizer
 state per rank are about 1/(K·D) of the model's.
 
@@ -12,7 +12,9 @@ Each micro-batch's backward would reduce-scatter its gradients; only the last ba
 stage in a step does (:meth:`ShardedStage.before_backward`): the earlier ones accumulate the unsharded
 gradients (FSDP2's ``set_requires_gradient_sync(False)``, its ``no_sync``) and keep the gathered
 parameters for the next micro-batch (``set_reshard_after_backward(False)``). The reduce-scatter averages
-over the replicas, as the replicated mode's all-reduce does, which is skipped.
+over the replicas, as the replicated mode's all-reduce does, which is skipped. No backward is split into
+input and weight gradients (``executor.split_backward``): FSDP2 reduces a block's gradients once its input
+gradient is computed, which is also why ``schedule="zb_h1"`` is refused (:func:`check_schedule`).
 
 The stage's forward is not the root's hooked forward: the stage calls its blocks micro-batch by
 micro-batch, and non-last stages leave their forward by an exception (``StageDone``), so the root's
@@ -20,7 +22,8 @@ forward hooks are removed and its lazy initialization run at wrapping; each bloc
 root of its own calls (FSDP2's path for a submodule run alone).
 
 At teardown :meth:`ShardedStage.unshard` gives every wrapped module its full parameters back as plain
-tensors and its own class, so that the user's Sequential is whole and unwrapped after ``fit``.
+tensors and its own class, and the optimizer those parameters with whole state, so that the user's
+Sequential is whole and unwrapped after ``fit`` (and a checkpoint saved then is a plain stage's).
 """
 
 from __future__ import annotations
