@@ -225,6 +225,11 @@ def test_fsdp_equals_replicate_with_accumulation_mixed_precision_validation_and_
         record_grads=True,
     )
     for sharded, replicated in (results[0:2], results[2:4]):
+        assert (
+            len(sharded["norms"]) >= 1
+            and sharded["predictions"]
+            and "val_loss" in sharded["callback_metrics"]
+        )
         assert sharded["losses"] == replicated["losses"] and sharded["norms"] == replicated["norms"]
         assert sharded["callback_metrics"] == replicated["callback_metrics"]
         assert all(torch.equal(a, b) for a, b in zip(sharded["predictions"], replicated["predictions"]))
