@@ -78,11 +78,8 @@ def test_tensor_parallel_sizes_are_kept(tensor):
     assert check(2, None, tensor, "replicate") == (2, None, tensor, "replicate")
 
 
-def test_fsdp_is_refused_as_not_supported_yet_and_an_unknown_mode_as_unknown():
-    with pytest.raises(
-        ValueError, match=r"data_parallel='fsdp' is not supported yet.*data_parallel='replicate'"
-    ):
-        check(2, 2, None, "fsdp")
+def test_fsdp_is_a_mode_and_an_unknown_mode_is_refused():
+    assert check(2, 2, None, "fsdp") == (2, 2, None, "fsdp")
     with pytest.raises(
         ValueError, match=r"data_parallel must be one of 'replicate', 'fsdp' \(data_parallel: 'ddp'\)"
     ):
