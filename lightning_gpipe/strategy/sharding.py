@@ -16,6 +16,12 @@ over the replicas, as the replicated mode's all-reduce does, which is skipped. N
 input and weight gradients (``executor.split_backward``): FSDP2 reduces a block's gradients once its input
 gradient is computed, which is also why ``schedule="zb_h1"`` is refused (:func:`check_schedule`).
 
+With ``tensor_parallel_size`` > 1 the user's plan has run on the stage first
+(:mod:`lightning_gpipe.strategy.tensor_parallel`), as torchtitan composes them: ``fully_shard`` over
+``mesh["data_parallel"]`` meets ``DTensor`` parameters over ``mesh["tensor_parallel"]`` (dimensions of one
+mesh, which FSDP2 requires) and shards them again, into 2-D ``DTensor`` parameters over both dimensions; one
+the plan left alone is sharded over the data-parallel dimension only.
+
 The stage's forward is not the root's hooked forward: the stage calls its blocks micro-batch by
 micro-batch, and non-last stages leave their forward by an exception (``StageDone``), so the root's
 forward hooks are removed and its lazy initialization run at wrapping; each block runs as the forward

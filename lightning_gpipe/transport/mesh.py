@@ -37,9 +37,8 @@ def check(
 
     Raises:
         ValueError: a size that is not an integer ≥ 1, ``"auto"`` or ``None``; ``data_parallel`` not
-            one of :data:`DATA_PARALLEL_MODES`; ``data_parallel="fsdp"`` with ``tensor_parallel_size > 1``
-            (not supported yet). ``tensor_parallel_size > 1`` needs the module's plan, checked with the
-            module (:func:`lightning_gpipe.strategy.tensor_parallel.check_model`).
+            one of :data:`DATA_PARALLEL_MODES`. ``tensor_parallel_size > 1`` needs the module's plan,
+            checked with the module (:func:`lightning_gpipe.strategy.tensor_parallel.check_model`).
     """
     k = _check_size("pipeline_parallel_size", pipeline_parallel_size)
     d = _check_size("data_parallel_size", data_parallel_size)
@@ -47,12 +46,6 @@ def check(
     if data_parallel not in DATA_PARALLEL_MODES:
         modes = ", ".join(map(repr, DATA_PARALLEL_MODES))
         raise ValueError(f"data_parallel must be one of {modes} (data_parallel: {data_parallel!r})")
-    if data_parallel == "fsdp" and t is not None and t > 1:
-        raise ValueError(
-            f"data_parallel='fsdp' with tensor_parallel_size={t} is not supported yet. What works: "
-            "pipeline_parallel_size × data_parallel_size × tensor_parallel_size with "
-            "data_parallel='replicate', or data_parallel='fsdp' with tensor_parallel_size=1"
-        )
     return k, d, t, data_parallel
 
 

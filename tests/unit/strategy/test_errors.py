@@ -64,10 +64,6 @@ def test_registered_strategy_name():
         ),
         ({"tensor_parallel_size": "2"}, r"tensor_parallel_size must be an integer >= 1, 'auto' or None"),
         (
-            {"data_parallel": "fsdp", "tensor_parallel_size": 2},
-            r"data_parallel='fsdp' with tensor_parallel_size=2 is not supported yet.*What works",
-        ),
-        (
             {"data_parallel": "fsdp", "schedule": "zb_h1"},
             r"schedule='zb_h1' cannot run with data_parallel='fsdp'.*use schedule='1f1b'",
         ),
