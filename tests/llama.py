@@ -106,6 +106,7 @@ class Llama(pl.LightningModule):
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.dtensor_parameters = 0  # on this rank's stage, as training starts
+        self.dtensor_mesh_dims = 0  # the most mesh dimensions of one of them (2: FSDP × TP)
         self.dtensor_outputs = 0  # calls of the Sequential in training_step that returned a DTensor
 
     def parallelize_stage(self, stage: nn.Module, tp_mesh) -> None:
@@ -128,7 +129,9 @@ class Llama(pl.LightningModule):
         return loss
 
     def on_train_start(self) -> None:
-        self.dtensor_parameters = sum(isinstance(p, DTensor) for p in self.parameters())
+        dtensors = [p for p in self.parameters() if isinstance(p, DTensor)]
+        self.dtensor_parameters = len(dtensors)
+        self.dtensor_mesh_dims = max((p.device_mesh.ndim for p in dtensors), default=0)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         if self.trainer.world_size == 1:  # Lightning clips after this hook

@@ -94,6 +94,9 @@ class ColumnExecutor:
         self._plans: dict[Any, ColumnPlan] = {}
         self.declared_aux = False  # whether the last training step's forwards declared aux losses
         self._modules_of: dict[int, list[list[Any]]] = {}  # per virtual stage (_submodules)
+        # FSDP (lightning_gpipe.strategy.sharding): called before each B (virtual stage, the step's last B?)
+        self.before_backward: Callable[[int, bool], None] | None = None
+        self.split_backward = True  # False: no B split into input and weight gradients (FSDP reduces early)
 
     @property
     def virtual_stages(self) -> int:
@@ -236,6 +239,8 @@ class ColumnExecutor:
         elif action.kind == "F":
             self._forward_one(action, run)
         elif action.kind == "B":
+            if self.before_backward is not None:
+                self.before_backward(action.virtual_stage, run.last_backward(action.virtual_stage))
             self._backward_one(action, run)
         else:
             self._weights_one(action, run)
@@ -359,18 +364,13 @@ class ColumnExecutor:
             elif grads:  # the gradient of a skip this stage sent on comes straight back
                 y_grad, dy = [*y_grad, run.skips_out[key][t.skip]], [*dy, *grads]
         sends = run.plan.sends[action]
-        sources = [  # per send, the tensors whose gradients it carries
-            [
-                x
-                for x in (run.inputs[key] if t.skip is None else (run.skips_in[key][t.skip],))
-                if x.requires_grad
-            ]
-            for t in sends
-        ]
+        sent = [run.inputs[key] if t.skip is None else (run.skips_in[key][t.skip],) for t in sends]
+        sources = [[x for x in xs if x.requires_grad] for xs in sent]  # per send, what its gradients are of
         layers = self._virtual_modules(u)
         errors = partial(self._naming_errors, "backward", i, run.inputs[key])
         deferred = key in run.plan.deferred  # this column runs W i: B i is the input gradient only
-        wanted = bool(y_grad) and (deferred or action == run.plan.input_first) and any(sources)
+        split_here = self.split_backward and (deferred or action == run.plan.input_first)
+        wanted = split_here and bool(y_grad) and any(sources)
         if wanted:
             recomputed = recompute.recomputes(self.checkpoint_mode, i, run.chunks)
             wanted = input_first.splits(layers, recomputed, compiled=self.compiled is not None)

@@ -207,3 +207,10 @@ class StepRun:
     @property
     def done(self) -> bool:
         return self.pos == len(self.plan.column)
+
+    def last_backward(self, virtual_stage: int) -> bool:
+        """Whether no ``B`` of ``virtual_stage`` follows the cursor's action in the column."""
+        return not any(
+            isinstance(a, Action) and a.kind == "B" and a.virtual_stage == virtual_stage
+            for a in self.plan.column[self.pos + 1 :]
+        )

@@ -118,6 +118,9 @@ def run(
 
 
 _MODULE_INTERNALS = frozenset(nn.Module().__dict__)  # hooks, _parameters, _buffers, _modules, training ...
+# torch's composable APIs (fully_shard) keep their state in the module's __dict__ under keys starting so:
+# the wrapper's state, not the module's, kept as it is
+_COMPOSABLE = "__composable_api_state_key"
 _ATOMS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
 _local = threading.local()
 
@@ -234,7 +237,7 @@ class ForwardState:
                 if buf is not None:
                     slots.append(_Slot(owner, name, True, buf, copy_of(buf)))
             for name, value in owner.__dict__.items():
-                if name in _MODULE_INTERNALS or isinstance(value, nn.Module):
+                if name in _MODULE_INTERNALS or name.startswith(_COMPOSABLE) or isinstance(value, nn.Module):
                     continue
                 if isinstance(value, Tensor):  # in an autograd graph: kept by reference
                     slots.append(

@@ -75,7 +75,7 @@ def gather_sequential_state(
     others get ``{}``. Every key of a ``tied`` parameter holds one tensor, its owner stage's
     (saved once, as the plain module's shared parameter is).
     """
-    local = {k: v.detach().cpu() for k, v in full_tensors(stage.state_dict()).items()}
+    local = tensors_to_cpu(full_tensors(stage.state_dict()))  # DTensors whole: every rank calls
     mine = local if layout.replica_of(rank) == 0 and layout.tensor_of(rank) == 0 else {}
     parts: list[Any] = [None] * layout.world_size
     if to_all:

@@ -50,6 +50,23 @@ from lightning_gpipe.strategy.pipelined import Pipelined
 _PATCHED = "_gpipe_patched"  # names of the instance attributes set on a callback, to remove at teardown
 
 
+def refuse_with_shards(callback: Any, module: nn.Module, namespace: str) -> None:
+    """Refuse a callback that cannot work on sharded stages (``data_parallel="fsdp"``, :mod:`.sharding`).
+
+    Raises:
+        ValueError: weight averaging (it keeps a plain copy of the model that the sharded parameters
+            would be copied into) or ``ModelPruning`` (it re-parametrizes the parameters FSDP shards).
+    """
+    if next(module_copies(callback, module), None) is not None or _is(
+        callback, pl.callbacks.ModelPruning, namespace
+    ):
+        raise ValueError(
+            f"{type(callback).__name__} cannot run with data_parallel='fsdp': it keeps or re-parametrizes "
+            "the model's parameters, which FSDP shards over the replicas; use data_parallel='replicate' "
+            "with it, or leave the callback out"
+        )
+
+
 def _is(callback: Any, klass: type, namespace: str) -> bool:
     return isinstance(callback, lightning_class(klass, namespace))
 
@@ -91,6 +108,8 @@ def adapt_callbacks(
     callbacks = pl.callbacks
     refuse_tuners(trainer.callbacks, namespace)  # type: ignore[attr-defined]
     for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if pipelined.sharded is not None:
+            refuse_with_shards(callback, module, namespace)
         for copy in module_copies(callback, module):
             parent_name, _, attr = seq_name.rpartition(".")
             parent = copy.get_submodule(parent_name) if parent_name else copy

@@ -1,10 +1,13 @@
 """Gradients across processes: tied copies summed, data-parallel all-reduce, global-norm clipping over
-all stages and tensor-parallel ranks.
+all stages, their sharded data-parallel ranks and their tensor-parallel ranks.
 
-Under tensor parallelism (issue 42, item 3) a gradient may be a ``DTensor``: the data-parallel all-reduce
-averages each rank's local shard (the same shard on every replica), and the global norm counts a sharded
-gradient's shards on every tensor-parallel rank and a replicated gradient (a ``Replicate`` DTensor or a
-plain tensor, equal on the stage's tensor-parallel ranks) once, on tensor-parallel rank 0.
+Under sharded data parallelism (``data_parallel="fsdp"``, issue 42 item 2) and tensor parallelism (item 3)
+a gradient may be a ``DTensor``. The replicated data-parallel all-reduce averages each rank's local shard
+(the same shard on every replica). The global norm is reduced over the stage's *peer* groups (the
+data-parallel group under fsdp, the tensor-parallel group when T > 1), then the pipeline: each rank counts
+a gradient's local part once per copy, i.e. only where it is rank 0 of every peer dimension the gradient is
+replicated over (a ``Replicate`` placement, or a peer dimension outside the DTensor's mesh, or a plain
+tensor), so that every element of every whole gradient is counted exactly once.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate
 from torch.optim import Optimizer
 
 from lightning_gpipe._compat import flatten_dense_tensors, unflatten_dense_tensors
@@ -30,8 +33,20 @@ def local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _sharded(t: Tensor) -> bool:
-    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+def _counted_here(t: Tensor, peers: list[tuple[str, dist.ProcessGroup]]) -> bool:
+    """Whether this rank counts ``t``'s local part in the global norm: it is rank 0 of every peer dimension
+    ``t`` is replicated over (its ``Replicate`` placements; a dimension outside its mesh)."""
+    mesh = t.device_mesh if isinstance(t, DTensor) else None
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    for name, group in peers:
+        if name in names:
+            assert isinstance(t, DTensor) and mesh is not None
+            dim = names.index(name)
+            if isinstance(t.placements[dim], Replicate) and mesh.get_local_rank(dim) != 0:
+                return False
+        elif dist.get_rank(group) != 0:
+            return False
+    return True
 
 
 def allreduce_gradients(
@@ -75,20 +90,20 @@ def global_grad_norm(
     norm_type: float,
     group: object,
     device: torch.device,
-    tensor_group: dist.ProcessGroup | None = None,
+    peers: list[tuple[str, dist.ProcessGroup]] | None = None,
 ) -> Tensor:
-    """The ``norm_type``-norm of the gradients of all stages of a pipeline (``group``) and, with
-    ``tensor_group`` (the stage's tensor-parallel ranks, two or more), of all their tensor-parallel ranks.
+    """The ``norm_type``-norm of the gradients of all stages of a pipeline (``group``) and of all the stage's
+    ``peers``: ``(mesh dimension name, process group)`` for each dimension over which a stage's gradients
+    are sharded or replicated (``"data_parallel"`` under fsdp, ``"tensor_parallel"`` when T > 1).
 
-    Each rank reduces its own gradients (with ``tensor_group``: the local shards of sharded ones, and
-    replicated ones on its rank 0 only), then all-reduces combine the tensor-parallel ranks and the stages
-    (sum of ``p``-th powers, or max for ``inf``). Ranks with no gradients take part with 0.
+    Each rank reduces the local parts of the gradients it counts (module docstring), then all-reduces
+    combine the peers and the stages (sum of ``p``-th powers, or max for ``inf``). Ranks with no gradients
+    take part with 0.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    if tensor_group is not None:
-        first = dist.get_rank(tensor_group) == 0
-        grads = [local(g) for g in grads if first or _sharded(g)]
-    groups = [group] if tensor_group is None else [tensor_group, group]
+    peers = peers or []
+    grads = [local(p.grad) for p in params if p.grad is not None and _counted_here(p.grad, peers)]
+    grads = [g for g in grads if g.numel()]
+    groups = [g for _, g in peers] + [group]
     norm_type = float(norm_type)
     if math.isinf(norm_type):
         local_max = (
@@ -118,7 +133,7 @@ def clip_grad_norm_(
     group: object,
     device: torch.device,
     counted: Iterable[Tensor] | None = None,
-    tensor_group: dist.ProcessGroup | None = None,
+    peers: list[tuple[str, dist.ProcessGroup]] | None = None,
 ) -> Tensor:
     """Clip gradients by the global norm over all stages, like ``torch.nn.utils.clip_grad_norm_`` on
     one device.
@@ -127,13 +142,13 @@ def clip_grad_norm_(
         counted: the parameters whose gradients make up this stage's share of the norm (default:
             ``params``); a tied parameter's copy on a stage that does not own it is left out, so
             it counts once (:mod:`lightning_gpipe.partition.tied`). Every one of ``params`` is scaled.
-        tensor_group: the stage's tensor-parallel ranks (two or more), as in :func:`global_grad_norm`.
+        peers: the stage's sharded or replicated dimensions, as in :func:`global_grad_norm`.
 
     Returns:
         The total norm before clipping.
     """
     params = list(params)
-    total = global_grad_norm(params if counted is None else counted, norm_type, group, device, tensor_group)
+    total = global_grad_norm(params if counted is None else counted, norm_type, group, device, peers)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for p in params:
         if p.grad is not None:
@@ -153,6 +168,17 @@ def synchronize_gradients(
         allreduce_gradients(params, group, replicas)
 
 
+def norm_peers(groups: Groups, sharded: bool) -> list[tuple[str, dist.ProcessGroup]]:
+    """The stage's peer groups for the global norm (:func:`global_grad_norm`): its data-parallel group when
+    the stage is ``sharded`` (fsdp), its tensor-parallel group when it has two ranks or more."""
+    peers = []
+    if sharded and groups.data is not None and dist.get_world_size(groups.data) > 1:
+        peers.append(("data_parallel", groups.data))
+    if groups.tensor is not None and dist.get_world_size(groups.tensor) > 1:
+        peers.append(("tensor_parallel", groups.tensor))
+    return peers
+
+
 def clip_optimizer_gradients(
     optimizer: Optimizer,
     max_norm: float,
@@ -161,12 +187,13 @@ def clip_optimizer_gradients(
     device: torch.device,
     tied_groups: TiedGroups | None = None,
     stage: int = 0,
+    sharded: bool = False,
 ) -> Tensor:
     """``gradient_clip_algorithm="norm"``: :func:`clip_grad_norm_` over ``optimizer``'s parameters, the norm
-    taken over every stage's gradients together (``groups.pipeline``) and every tensor-parallel rank's
-    (``groups.tensor``), a tied parameter counted once (on its owner stage, ``stage`` being this one).
-    Returns the total norm before clipping."""
+    taken over every stage's gradients together (``groups.pipeline``), every shard of a ``sharded`` stage's
+    (``groups.data``) and every tensor-parallel rank's (``groups.tensor``), a tied parameter counted once (on
+    its owner stage, ``stage`` being this one). Returns the total norm before clipping."""
     params = [p for param_group in optimizer.param_groups for p in param_group["params"]]
     counted = norm_parameters(params, tied_groups, stage)
-    tensor = groups.tensor if groups.tensor is not None and dist.get_world_size(groups.tensor) > 1 else None
-    return clip_grad_norm_(params, float(max_norm), norm_type, groups.pipeline, device, counted, tensor)
+    peers = norm_peers(groups, sharded)
+    return clip_grad_norm_(params, float(max_norm), norm_type, groups.pipeline, device, counted, peers)

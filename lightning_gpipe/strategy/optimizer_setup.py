@@ -80,6 +80,10 @@ def setup_single_optimizer(
         with configuring:
             setup()
         counted.append(len(strategy.optimizers))
+        # a sharded stage (lightning_gpipe.strategy.sharding) makes their shards whole with its own (teardown)
+        sharded = getattr(getattr(strategy, "_pipelined", None), "sharded", None)
+        if sharded is not None:
+            sharded.optimizers = list(strategy.optimizers)
     except Exception as err:  # noqa: BLE001 - agreed with the other ranks below
         error = _explained(err, where)
     finally:

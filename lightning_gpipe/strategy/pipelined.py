@@ -41,7 +41,7 @@ from lightning_gpipe.partition.plan_forward import PlanForward
 from lightning_gpipe.schedule import SCHEDULES, check_schedule, check_virtual_stages
 from lightning_gpipe.state.materialize import check_nothing_meta, check_stage_only_balance, has_meta
 from lightning_gpipe.state.start_state import start_stage
-from lightning_gpipe.strategy import batch_norm, microstep
+from lightning_gpipe.strategy import batch_norm, microstep, sharding, tensor_parallel
 from lightning_gpipe.strategy.balance_spec import check_balance_spec, choose_balance, log_choice, profiled
 from lightning_gpipe.strategy.tensor_parallel import unparallelize
 from lightning_gpipe.tools.timeline import Timeline
@@ -73,6 +73,7 @@ class StageSpec:
     optimizer_state_factor: float
     timeline: bool
     plan: list[Step] | None = None
+    data_parallel: str = "replicate"
 
 
 class Pipelined:
@@ -87,6 +88,7 @@ class Pipelined:
             (:func:`lightning_gpipe.partition.tied.find_tied`).
         tied_groups: their process groups, once the processes are connected (:meth:`tie`).
         stage_only: the Sequential was built on the meta device; this rank materialized only its stage.
+        sharded: the stage wrapped with FSDP2 (``data_parallel="fsdp"``, :mod:`.sharding`), else ``None``.
         received_skips: ``(skip, source stage)`` the stage received, kept at :meth:`uninstall` (inspection).
     """
 
@@ -99,6 +101,7 @@ class Pipelined:
         self.tied: list[tied.Tied] = []
         self.tied_groups: tied.TiedGroups | None = None
         self.stage_only = False
+        self.sharded: sharding.ShardedStage | None = None
         self.received_skips: list[tuple[str, int]] | None = None
         self._uncompiled: list[
             tuple[nn.Module, str, Any]
@@ -150,6 +153,7 @@ class Pipelined:
             name, seq, checked = partition.check_model(model, spec.module_name, spec.balance, stages, v)
         if v > 1:
             partition.check_skips_within_parts(seq, checked)
+        sharding.check_ties(seq, spec.data_parallel)
         return name, seq, checked
 
     def install(
@@ -217,13 +221,18 @@ class Pipelined:
         where = f"rank {rank} runs stage {self.index}/{layout.stages}"
         log.info(f"gpipe: {where} with layers {self.stage.layer_names}")
 
-    def start_equal(self, layout: Layout, rank: int, data: Any) -> None:
-        """Every replica's stage takes replica 0's weights (``data``: the stage's replicas' group), and the
-        tied copies their owner's (every rank calls this)."""
+    def start_equal(self, layout: Layout, rank: int, groups: Any, module: Any, mode: str) -> None:
+        """Every replica's stage takes replica 0's weights (``groups.data``: the stage's replicas' group), the
+        tied copies their owner's, then the user's tensor-parallel plan runs on the stage
+        (:func:`.tensor_parallel.parallelize`) and, with ``mode="fsdp"``, the stage is sharded over the mesh's
+        data-parallel dimension (:func:`.sharding.shard_stage`), in torchtitan's order. Every rank calls this.
+        """
         assert self.stage is not None
-        state.broadcast_from_first_replica(self.stage, layout, rank, data)
+        state.broadcast_from_first_replica(self.stage, layout, rank, groups.data)
         if distributed_is_initialized():
             self.tie(layout, rank)
+        tensor_parallel.parallelize(module, self.running, groups.mesh, layout.tensors)
+        self.sharded = sharding.shard_stage(self.stage, groups.mesh, mode)
 
     def tie(self, layout: Layout, rank: int) -> None:
         """Process groups for the tied parameters (every rank calls this); the copies start equal."""
@@ -242,6 +251,9 @@ class Pipelined:
         if self.installed is None or self.stage is None:
             return
         self.received_skips = list(self.stage.received_skips)
+        if self.sharded is not None and gather:  # whole plain parameters again (a collective)
+            self.sharded.unshard()
+        self.sharded = None
         full = None
         if gather and not self.stage_only:
             arrive("gathering the model's state (end of fit)")
@@ -335,16 +347,19 @@ def check_arguments(
     schedule: str,
     virtual_stages: int | None,
     pipeline_parallel_size: int | None,
+    data_parallel: str = "replicate",
 ) -> tuple[int | None, list[int] | str | None, str, str, int]:
     """``GPipeStrategy``'s arguments of the same names, checked: ``(chunks, balance, checkpoint, schedule,
     virtual_stages)``, ``virtual_stages`` chosen by ``schedule`` when ``None``; warns where
     ``schedule="zb_h1"`` would gain little.
 
     Raises:
-        ValueError: a bad ``chunks``, ``checkpoint``, ``schedule``, ``virtual_stages`` or ``balance``.
+        ValueError: a bad ``chunks``, ``checkpoint``, ``schedule``, ``virtual_stages`` or ``balance``; a
+            schedule sharded data parallel cannot run (:func:`.sharding.check_schedule`).
     """
     chunks = check_count("chunks", chunks) if chunks is not None else None
     checkpoint, schedule = check_mode(checkpoint), check_schedule(schedule)
+    sharding.check_schedule(data_parallel, schedule)
     v = check_virtual_stages(schedule, virtual_stages)
     microstep.warn_unsplit_backwards(schedule, checkpoint)
     return chunks, check_balance_spec(balance, pipeline_parallel_size, v), checkpoint, schedule, v

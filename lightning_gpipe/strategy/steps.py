@@ -106,7 +106,8 @@ def drain(
     timeline: Timeline | None,
 ) -> None:
     """After the user's loss backward: the backward drain of the stage ``pipelined`` holds; once per optimizer
-    step, the gradients synchronized over tied copies and the data-parallel ``replicas`` (group ``data``).
+    step, the gradients synchronized over tied copies and the data-parallel ``replicas`` (group ``data``;
+    a sharded stage's are reduce-scattered by FSDP, :mod:`.sharding`).
 
     ``micro_steps``: the gradients its calls made join the parameters' (``None``: one call per batch);
     ``timeline`` ends the step (``None``: no recording).
@@ -117,6 +118,7 @@ def drain(
         check_aux_with_num_items(stage.executor.declared_aux, stage.step_gradient_scale)
         micro_steps.deposit(stage.step_gradient_scale)  # the gradients the step's micro-batch calls made
     if not accumulating(module):  # once per optimizer step, before clipping and the step
+        replicas = replicas if pipelined.sharded is None else 1  # FSDP reduce-scatters them itself
         synchronize_gradients(stage.parameters(), pipelined.tied_groups, data, replicas)
     if timeline is not None:
         timeline.end_step()

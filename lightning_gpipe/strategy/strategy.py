@@ -52,7 +52,7 @@ class _GPipeStrategyLogic(_Base):
         schedule: ``"gpipe"`` (``training_step`` per batch), ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``.
         virtual_stages: virtual stages per stage v (``None``: 2 under ``"interleaved_1f1b"``, else 1).
         module_name: the Sequential's path (``None``: found); plan: the parts in call order (:mod:`.plan`).
-        pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel: K·D·T = W (mesh).
+        *_parallel_size: K·D·T = W (mesh); data_parallel: ``"replicate"`` or ``"fsdp"`` (:mod:`.sharding`).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin: the Trainer's.
         process_group_backend, timeout: ``"gloo"``/``"nccl"`` (``None``: by device), its timeout.
         timeline, timeline_dir: record every stage's spans, log ``pipeline/bubble``, write a trace there.
@@ -95,7 +95,7 @@ class _GPipeStrategyLogic(_Base):
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         sizes = mesh.check(pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel)
         self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size = sizes[:3]
-        valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, sizes[0])
+        valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, sizes[0], sizes[3])
         self.chunks, self.balance, self.checkpoint, self.schedule, self.virtual_stages = valid
         self.checkpoint_format, self.module_name = state.check_format(checkpoint_format), module_name
         self.gradient_clip_norm_type, self.compile = float(gradient_clip_norm_type), check_compile(compile)
@@ -191,7 +191,7 @@ class _GPipeStrategyLogic(_Base):
     def _stage_spec(self) -> StageSpec:
         return StageSpec(self.module_name, self.balance, self.chunks_used, self.checkpoint, self.schedule,
             self.virtual_stages, self.deferred_batch_norm, self.compile, self.optimizer_state_factor,
-            self.timeline, self.plan)  # fmt: skip
+            self.timeline, self.plan, self.data_parallel)  # fmt: skip
 
     @override
     def _configure_launcher(self) -> None:
@@ -249,8 +249,7 @@ class _GPipeStrategyLogic(_Base):
         assert self.model is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._pipelined.start_equal(layout, rank, self._groups.data)
-        tensor_parallel.parallelize(self._module, self._pipelined.running, self._groups.mesh, layout.tensors)
+        self._pipelined.start_equal(layout, rank, self._groups, self._module, self.data_parallel)
         metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
 
     def _attach_to_trainer(self, trainer: pl.Trainer) -> None:  # undone by _detach_from_trainer
@@ -266,10 +265,11 @@ class _GPipeStrategyLogic(_Base):
         optimizer_setup.setup_single_optimizer(self, setup, configuring(self.root_device))
 
     def _clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """``gradient_clip_algorithm="norm"``: clip by the norm over every stage's and tensor rank's."""
+        """``gradient_clip_algorithm="norm"``: clip by the norm over every stage, shard and tensor rank."""
         assert self._groups is not None
-        args = (self.gradient_clip_norm_type, self._groups, self.root_device, self._pipelined.tied_groups)
-        self.last_grad_norm = gradients.clip_optimizer_gradients(optimizer, clip_val, *args, self.stage_index)
+        tied, sharded = self._pipelined.tied_groups, self._pipelined.sharded is not None
+        args = (self.gradient_clip_norm_type, self._groups, self.root_device, tied, self.stage_index, sharded)
+        self.last_grad_norm = gradients.clip_optimizer_gradients(optimizer, clip_val, *args)
 
     @override
     def model_to_device(self) -> None:

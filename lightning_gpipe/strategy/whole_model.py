@@ -33,8 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.engine.aux_losses import set_reducer
+from lightning_gpipe.state.dtensors import full_tensors
 from lightning_gpipe.strategy.pipelined import Pipelined
-from lightning_gpipe.transport.groups import close_at_exit
+from lightning_gpipe.transport.groups import close_at_exit, tensors_to_cpu
 
 __all__ = ["WholeParameters", "attach"]
 
@@ -122,10 +123,9 @@ class WholeParameters:
             mine = self._own()
             device = next(iter(self.pipelined.running.parameters()), torch.empty(0)).device  # the copies'
             gathered: list[Any] = [None] * dist.get_world_size(self.group)
-            payload = {
-                n: (p.detach().cpu(), None if p.grad is None else p.grad.detach().cpu(), p.requires_grad)
-                for n, p in mine.items()
-            }
+            # a DTensor (sharded or tensor-parallel stage) goes whole: a collective every rank runs
+            whole = {n: tensors_to_cpu(full_tensors((p, p.grad))) for n, p in mine.items()}
+            payload = {n: (*whole[n], p.requires_grad) for n, p in mine.items()}
             dist.all_gather_object(gathered, payload, group=self.group)
             found: dict[str, nn.Parameter] = {}
             for part in gathered:

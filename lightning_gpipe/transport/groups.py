@@ -51,7 +51,8 @@ def initialized() -> bool:
 
 
 def tensors_to_cpu(obj: Any) -> Any:
-    """Copy every tensor in a nested dict/list to CPU (for gathering with object collectives)."""
+    """Copy every tensor in a nested dict/list to CPU (for gathering with object collectives); a ``DTensor``
+    must be made whole first (:func:`lightning_gpipe.state.dtensors.full_tensors`)."""
     if isinstance(obj, Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):

@@ -21,8 +21,6 @@ MESH_DIMS = ("pipeline_parallel", "data_parallel", "tensor_parallel")
 
 DATA_PARALLEL_MODES = ("replicate", "fsdp")
 
-_WORKS = "pipeline_parallel_size × data_parallel_size × tensor_parallel_size with data_parallel='replicate'"
-
 
 def _check_size(name: str, size: Any) -> int | None:
     if size is None or size == "auto":
@@ -39,9 +37,8 @@ def check(
 
     Raises:
         ValueError: a size that is not an integer ≥ 1, ``"auto"`` or ``None``; ``data_parallel`` not
-            one of :data:`DATA_PARALLEL_MODES`; ``data_parallel="fsdp"`` (not supported yet, issue 42).
-            ``tensor_parallel_size > 1`` needs the module's plan, checked with the module
-            (:func:`lightning_gpipe.strategy.tensor_parallel.check_model`).
+            one of :data:`DATA_PARALLEL_MODES`. ``tensor_parallel_size > 1`` needs the module's plan,
+            checked with the module (:func:`lightning_gpipe.strategy.tensor_parallel.check_model`).
     """
     k = _check_size("pipeline_parallel_size", pipeline_parallel_size)
     d = _check_size("data_parallel_size", data_parallel_size)
@@ -49,11 +46,6 @@ def check(
     if data_parallel not in DATA_PARALLEL_MODES:
         modes = ", ".join(map(repr, DATA_PARALLEL_MODES))
         raise ValueError(f"data_parallel must be one of {modes} (data_parallel: {data_parallel!r})")
-    if data_parallel == "fsdp":
-        raise ValueError(
-            "data_parallel='fsdp' is not supported yet: each replica holds its whole stage. "
-            f"What works: {_WORKS}; set data_parallel='replicate' (the default)"
-        )
     return k, d, t, data_parallel
 
 

@@ -57,6 +57,7 @@ for k, run in enumerate(spec["runs"]):
         "losses": model.losses,
         "norms": model.norms,
         "dtensor_parameters": model.dtensor_parameters,
+        "dtensor_mesh_dims": model.dtensor_mesh_dims,
         "dtensor_outputs": model.dtensor_outputs,
         "coordinate": model.device_mesh.get_coordinate(),
         "stage": trainer.strategy.stage_index,

@@ -20,7 +20,8 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
     exactly the shard DDP's replica draws (computed here independently), and the one-device
     reference trains on the concatenation of what the replicas saw. The mesh is given three ways (K
     alone, D alone, all three sizes): every rank's ``self.device_mesh`` is the same 2 × 2 × 1 mesh,
-    placed as the layout's formula says (issue 42).
+    placed as the layout's formula says (issue 42); and so with the stages sharded over the replicas
+    (``data_parallel="fsdp"``).
     """
     mesh = {"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 1}
     results, _ = gpipe_job(
@@ -30,6 +31,7 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
             {"chunks": 2, "pipeline_parallel_size": 2},
             {"chunks": 2, "data_parallel_size": 2, "schedule": "1f1b"},
             {"chunks": 2, **mesh, "data_parallel": "replicate", "schedule": "zb_h1", "checkpoint": "never"},
+            {"chunks": 2, **mesh, "data_parallel": "fsdp", "schedule": "1f1b"},  # sharded stages (issue 42)
         ],
         steps=-1,
         batch=5,
@@ -38,7 +40,7 @@ def test_pipeline_times_data_parallel_matches_single_device(gpipe_job):
         net={"indexed": True, "sync_dist": True},
     )
     for r, calls in zip(
-        results, (1, 2, 2)
+        results, (1, 2, 2, 2)
     ):  # schedule="1f1b" and "zb_h1": training_step once per micro-batch (3 + 2 samples)
         ranks = r["ranks"]  # replica 0: ranks 0 (last stage), 1 (first); replica 1: ranks 2, 3
         seen = [[sum(rank["indices"][s * calls : (s + 1) * calls], []) for s in range(6)] for rank in ranks]

@@ -131,14 +131,7 @@ def test_pipeline_by_data_by_tensor_parallel_matches_one_device(tmp_path):
     resume = {"max_steps": -1, "max_epochs": 2}  # from the checkpoint at the end of epoch 0: epoch 1
     (ranks,) = _job(tmp_path, 8, runs, steps=2 * STEPS, timeout=380, resume=resume)
     _check_placement(ranks, stages=2, replicas=2, tensors=2)
-    order = []
-    for epoch in (0, 1):  # DDP's shards: every step, replica 0's batch of 8, then replica 1's
-        shards = []
-        for d in (0, 1):
-            sampler = DistributedSampler(range(8 * 2 * STEPS), num_replicas=2, rank=d, seed=0)
-            sampler.set_epoch(epoch)
-            shards.append(list(sampler))
-        order += [i for s in range(STEPS) for d in (0, 1) for i in shards[d][s * 8 : (s + 1) * 8]]
+    order = _two_replica_order(2)
     reference = _one_device(batch=16, order=order[: 16 * STEPS], samples=8 * 2 * STEPS)
     resumed = _one_device(batch=16, order=order, samples=8 * 2 * STEPS, steps=2 * STEPS)  # both epochs
     for prefix, expected in (("", reference), ("resumed_", resumed)):
@@ -151,3 +144,60 @@ def test_pipeline_by_data_by_tensor_parallel_matches_one_device(tmp_path):
             norms = record[f"{prefix}norms"]
             assert max(abs(a - b) / b for a, b in zip(norms, expected.norms[-len(norms) :])) <= 1e-5
             assert max_diff(record[f"{prefix}state"], expected.state_dict()) <= 1e-5
+
+
+def _two_replica_order(epochs: int) -> list[int]:
+    """The samples one device takes to equal D = 2 replicas under DDP's sampler: every step, replica 0's batch
+    of 8, then replica 1's, for ``epochs`` epochs of ``STEPS`` steps over ``8 × 2 × STEPS`` samples."""
+    order = []
+    for epoch in range(epochs):
+        shards = []
+        for d in (0, 1):
+            sampler = DistributedSampler(range(8 * 2 * STEPS), num_replicas=2, rank=d, seed=0)
+            sampler.set_epoch(epoch)
+            shards.append(list(sampler))
+        order += [i for s in range(STEPS) for d in (0, 1) for i in shards[d][s * 8 : (s + 1) * 8]]
+    return order
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_pipeline_by_fsdp_by_tensor_parallel_matches_one_device(tmp_path):
+    """K = 2 × D = 2 × T = 2 with ``data_parallel="fsdp"`` (8 processes): the plan's DTensors sharded again
+    over the data-parallel dimension (2-D DTensors), under gpipe (a ``Shard(-1)`` DTensor crossing the cut),
+    1f1b and interleaved_1f1b; losses, clipped norms and weights equal one device's on both replicas'
+    batches. Resumed from the checkpoint saved at the end of epoch 0 (full, whole tensors loaded into the
+    2-D shards; under 1f1b sharded, through DCP), a new module trains epoch 1 as one device trains both
+    epochs."""
+    mesh = {"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
+    runs = [
+        {**mesh, "data_parallel": "fsdp", "balance": [4, 4]},
+        {
+            **mesh,
+            "data_parallel": "fsdp",
+            "balance": [2, 6],
+            "schedule": "1f1b",
+            "checkpoint_format": "sharded",
+        },
+        {**mesh, "data_parallel": "fsdp", "balance": [2, 2, 2, 2], "schedule": "interleaved_1f1b"},
+    ]
+    resume = {"max_steps": -1, "max_epochs": 2}
+    results = _job(tmp_path, 8, runs, steps=2 * STEPS, timeout=480, resume=resume)
+    order = _two_replica_order(2)
+    reference = _one_device(batch=16, order=order[: 16 * STEPS], samples=8 * 2 * STEPS)
+    resumed = _one_device(batch=16, order=order, samples=8 * 2 * STEPS, steps=2 * STEPS)  # both epochs
+    assert min(reference.norms) > CLIP  # clipping acts on every step
+    for ranks in results:
+        _check_placement(ranks, stages=2, replicas=2, tensors=2)
+        assert all(record["dtensor_mesh_dims"] == 2 for record in ranks)  # FSDP × TP: 2-D DTensors
+        for prefix, expected in (("", reference), ("resumed_", resumed)):
+            replicas = zip(
+                _step_losses(ranks[0][f"{prefix}losses"]), _step_losses(ranks[4][f"{prefix}losses"])
+            )
+            losses = [(a + b) / 2 for a, b in replicas]
+            assert len(losses) == STEPS
+            assert max(abs(a - b) for a, b in zip(losses, expected.losses[-STEPS:])) <= 1e-5
+            for record in ranks:
+                norms = record[f"{prefix}norms"]
+                assert max(abs(a - b) / b for a, b in zip(norms, expected.norms[-len(norms) :])) <= 1e-5
+                assert max_diff(record[f"{prefix}state"], expected.state_dict()) <= 1e-5

@@ -354,3 +354,40 @@ def test_an_error_in_a_stages_layers_names_the_stage_the_micro_batch_and_the_sha
     assert "stage 0 (layers 0..1) failed in forward of micro-batch 0 on input from the batch" in message
     assert "of shape [(2, 17) float32]; its first layer (Linear) expects (*, 16)" in message
     assert isinstance(info.value.__cause__, RuntimeError)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_before_backward_marks_each_stages_last_backward_of_the_step(k):
+    """Sharded data parallel (lightning_gpipe.strategy.sharding) reduces gradients on a stage's last backward
+    of the step only: the executor calls ``before_backward(virtual stage, last)`` before every B, ``last`` on
+    the column's final B (micro-batch 0 under fill-drain); with ``split_backward=False`` the gradients
+    still equal the unpartitioned model's."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    network, stages, calls = FakeNetwork(), [], {}
+    for j in range(k):
+        rank = Layout(k, k).rank(0, j)
+        stage = build_stage(
+            seq, uniform_balance(3, k), Layout(k, k), rank, 4, "except_last", torch.device("cpu")
+        )
+        stage.p2p = FakeP2P(network, rank)
+        stage.executor.split_backward = False
+        calls[j] = []
+        stage.executor.before_backward = lambda u, last, j=j: calls[j].append((u, last))
+        stages.append(stage)
+    out = None
+    for stage in stages:
+        result = stage.run_step(stage, True, x)
+        out = result if stage.topology.is_last else out
+    loss = nn.functional.mse_loss(out, y)
+    for stage in reversed(stages):
+        stage.share_outcome(loss if stage.topology.is_last else None, None, training=True)
+    loss.backward()
+    for stage in reversed(stages):
+        stage.backward()
+    assert all(calls[j] == [(0, False)] * 3 + [(0, True)] for j in range(k))
+    seq.zero_grad()
+    nn.functional.mse_loss(seq(x), y).backward()
+    got = {n: p.grad for stage in stages for n, p in stage.named_parameters()}
+    assert max((got[n] - p.grad).abs().max().item() for n, p in seq.named_parameters()) <= 1e-6

@@ -42,3 +42,23 @@ def test_tuners_are_refused_with_a_clear_error(finder):
     refuse_tuners([pl.callbacks.LearningRateMonitor()], namespace)
     with pytest.raises(ValueError, match=rf"{finder} is not supported under the gpipe strategy .*one-device"):
         refuse_tuners([getattr(pl.callbacks, finder)()], namespace)
+
+
+def test_weight_averaging_and_pruning_are_refused_on_sharded_stages_and_other_callbacks_pass():
+    """data_parallel="fsdp" (issue 42): a callback holding a copy of the model (weight averaging) or pruning
+    it cannot work on DTensor shards; the error names the callback and the fix. Others pass."""
+    from lightning_gpipe.strategy.callbacks import refuse_with_shards
+
+    class Averaging(pl.Callback):  # as WeightAveraging keeps its averaged copy
+        def __init__(self, model):
+            self.average_model = type(model)("mlp")
+
+    model = Net("mlp")
+    for callback in (Averaging(model), pl.callbacks.ModelPruning("l1_unstructured")):
+        with pytest.raises(
+            ValueError,
+            match=rf"{type(callback).__name__} cannot run with data_parallel='fsdp'.*"
+            "use data_parallel='replicate'",
+        ):
+            refuse_with_shards(callback, model, "pytorch_lightning")
+    refuse_with_shards(pl.callbacks.LearningRateMonitor(), model, "pytorch_lightning")

@@ -63,7 +63,10 @@ def test_registered_strategy_name():
             r"data_parallel_size must be an integer >= 1, 'auto' or None \(got 2.0\)",
         ),
         ({"tensor_parallel_size": "2"}, r"tensor_parallel_size must be an integer >= 1, 'auto' or None"),
-        ({"data_parallel": "fsdp"}, r"data_parallel='fsdp' is not supported yet.*data_parallel='replicate'"),
+        (
+            {"data_parallel": "fsdp", "schedule": "zb_h1"},
+            r"schedule='zb_h1' cannot run with data_parallel='fsdp'.*use schedule='1f1b'",
+        ),
         (
             {"data_parallel": "zero"},
             r"data_parallel must be one of 'replicate', 'fsdp' \(data_parallel: 'zero'\)",
@@ -118,6 +121,19 @@ def test_the_size_left_out_is_inferred_from_the_devices(sizes, expected):
 def test_parameters_outside_sequential_raise_before_spawn():
     message = _fit_before_spawn(OutsideParams())
     assert "no nn.Sequential holding all of its parameters" in message and "module_name" in message
+
+
+def test_fsdp_with_parameters_outside_the_sequential_or_tied_across_layers_is_refused_before_spawn():
+    """data_parallel="fsdp" (issue 42): FSDP shards the stages' layers; a parameter outside them, or one
+    shared by two layers, is refused before any process starts, saying what to do."""
+    fsdp = {"data_parallel": "fsdp", "pipeline_parallel_size": 2}
+    message = _fit_before_spawn(OutsideParams(), module_name="layers", **fsdp)
+    assert "parameters outside the pipelined nn.Sequential 'layers': scale" in message
+    message = _fit_before_spawn(Net("tied"), **fsdp)
+    assert (
+        "data_parallel='fsdp' cannot shard a parameter shared by two layers (0.weight is 4.weight)" in message
+    )
+    assert "data_parallel='replicate'" in message
 
 
 def test_parameters_outside_named_sequential_are_listed():

@@ -72,17 +72,16 @@ def test_a_size_that_is_not_a_positive_integer_is_refused(name, bad):
         check(*sizes.values(), "replicate")
 
 
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
 @pytest.mark.parametrize("tensor", [2, 4])
-def test_tensor_parallel_sizes_are_kept(tensor):
-    """T > 1 is built (issue 42, item 3); the plan it needs is checked with the module (test_errors.py)."""
-    assert check(2, None, tensor, "replicate") == (2, None, tensor, "replicate")
+def test_tensor_parallel_sizes_are_kept(tensor, mode):
+    """T > 1 is built (issue 42, item 3), with either data-parallel mode; the plan it needs is checked with
+    the module (test_errors.py)."""
+    assert check(2, None, tensor, mode) == (2, None, tensor, mode)
 
 
-def test_fsdp_is_refused_as_not_supported_yet_and_an_unknown_mode_as_unknown():
-    with pytest.raises(
-        ValueError, match=r"data_parallel='fsdp' is not supported yet.*data_parallel='replicate'"
-    ):
-        check(2, 2, None, "fsdp")
+def test_fsdp_is_a_mode_and_an_unknown_mode_is_refused():
+    assert check(2, 2, None, "fsdp") == (2, 2, None, "fsdp")
     with pytest.raises(
         ValueError, match=r"data_parallel must be one of 'replicate', 'fsdp' \(data_parallel: 'ddp'\)"
     ):

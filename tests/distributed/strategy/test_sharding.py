@@ -1,0 +1,236 @@
+"""Sharded data parallel per stage (``data_parallel="fsdp"``, issue 42 item 2) equals one device (CPU, Gloo,
+hard timeouts)."""
+
+import json
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_gpipe.state.safe_reader import SafeReader
+from lightning_gpipe.state.sharded import load_sharded, set_sharded_optimizer_states
+from tests._harness import check, run_ranks
+from tests.conftest import max_diff
+from tests.models import LazyNet, make_lazy_data, trainer_kwargs
+
+SIZE = {"vocab_size": 32, "num_layers": 4, "d_model": 32, "num_heads": 2, "d_ff": 64, "seq_len": 16}
+LR, CLIP, STEPS = 0.001, 0.1, 4
+
+
+def replicas_order(replicas: int, batch: int, steps: int) -> list[int]:
+    """The sample order one device sees where ``replicas`` replicas take ``batch`` samples a step each: step
+    s's batch is every replica's s-th batch, concatenated. With D > 1 Lightning's DistributedSampler
+    shuffles as under DDP (seed 0, epoch 0), computed here independently."""
+    n = replicas * batch * steps
+    shards = [list(DistributedSampler(range(n), replicas, r, shuffle=True, seed=0)) for r in range(replicas)]
+    if replicas == 1:
+        shards = [list(range(n))]
+    return [i for s in range(steps) for shard in shards for i in shard[s * batch : (s + 1) * batch]]
+
+
+class GradNorms(pl.Callback):
+    """The gradient norm of the whole model before clipping, every step (one device)."""
+
+    def __init__(self) -> None:
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+
+def one_device(order: list[int], batch: int, steps: int = STEPS, ckpt_path: str | None = None) -> LazyNet:
+    """The reference: the same module (seed 0) on one device, Adam, clipped at ``CLIP``, the worker's samples
+    in ``order``, ``batch`` a step; its gradient norms before clipping in ``model.norms``."""
+    pl.seed_everything(0, verbose=False)
+    model = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
+    norms = GradNorms()
+    model.norms = norms.norms
+    trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, callbacks=[norms], **trainer_kwargs(steps))
+    x, y = make_lazy_data("transformer", batch, len(order) // batch, SIZE).dataset.tensors
+    data = DataLoader(TensorDataset(x[order], y[order]), batch_size=batch)
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return model
+
+
+def fsdp_job(
+    tmp_path, devices: int, runs: list[dict], batch: int, steps: int = STEPS, **extra
+) -> list[list[dict]]:
+    """Run tests/workers/fsdp.py over ``devices`` ranks (``extra``: more spec keys); per run, every rank's
+    record."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec = {"out": str(tmp_path), "devices": devices, "size": SIZE, "batch": batch, "steps": steps, **extra}
+    spec.update(lr=LR, clip=CLIP, runs=runs)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    for result in run_ranks("tests/workers/fsdp.py", devices, str(path), timeout=240):
+        check(result)
+    return [
+        [torch.load(tmp_path / f"run{k}_rank{r}.pt", weights_only=False) for r in range(devices)]
+        for k in range(len(runs))
+    ]
+
+
+def step_losses(losses_by_replica: list[list[float]], calls: int = 1) -> list[float]:
+    """Per step, the mean of the replicas' losses (each over its share of the batch), ``calls`` losses a step
+    on each (schedules other than gpipe: ``training_step`` once per micro-batch, of equal sizes here)."""
+    steps = [
+        [sum(losses[k : k + calls]) / calls for k in range(0, len(losses), calls)]
+        for losses in losses_by_replica
+    ]
+    return [sum(step) / len(step) for step in zip(*steps)]
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_times_fsdp_matches_single_device(tmp_path):
+    """K=2 stages × D=2 FSDP replicas (4 processes): gpipe, 1f1b and interleaved_1f1b, each 4 steps of Adam
+    with gradient clipping by the global norm, equal one device on the concatenated batch (≤ 1e-5 on the
+    losses and the trained weights). Each rank holds half its stage's parameters and optimizer state, as
+    DTensor shards; each block's gradients are reduce-scattered once a step, not once per micro-batch; and
+    after fit the Sequential is whole and unwrapped again."""
+    mesh = {"chunks": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2, "data_parallel": "fsdp"}
+    schedules = ["gpipe", "1f1b", "interleaved_1f1b"]
+    runs = fsdp_job(tmp_path, 4, [{**mesh, "schedule": s} for s in schedules], batch=4)
+    reference = one_device(replicas_order(2, 4, STEPS), batch=8)
+    for schedule, ranks in zip(schedules, runs):
+        # ranks 0 and 2 run the last stage of replicas 0 and 1 (the layout's formula)
+        losses = step_losses([ranks[0]["losses"], ranks[2]["losses"]], 1 if schedule == "gpipe" else 2)
+        assert len(losses) == STEPS, schedule
+        assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5, schedule
+        assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, schedule
+        assert min(reference.norms) > CLIP  # every step clipped, by the whole model's norm on every rank
+        assert all(max(abs(a - b) for a, b in zip(r["norms"], reference.norms)) <= 1e-5 for r in ranks), (
+            schedule
+        )
+        for rank in ranks:
+            assert all(rank["dtensor"]) and rank["classes"][0].startswith("FSDP"), schedule
+            assert rank["local"] * 2 == rank["whole"], schedule  # every dimension 0 here is even
+            assert rank["optimizer_local"] == 2 * rank["local"], schedule  # Adam: two moments per shard
+            blocks = sum(name.startswith("FSDP") for name in rank["classes"])
+            assert rank["reduce_scatters"] == STEPS * blocks, schedule  # once a step, not per micro-batch
+            assert rank["after"][0] == "Sequential" and not any("FSDP" in name for name in rank["after"])
+        assert not any(type(t).__name__ == "DTensor" for t in ranks[0]["state"].values()), schedule
+
+
+class LoadOptimizerState(pl.Callback):
+    """Give the optimizer the state a sharded checkpoint holds (``load_sharded``'s ``optimizer_states``)."""
+
+    def __init__(self, states: list) -> None:
+        self.states = states
+
+    def on_fit_start(self, trainer, pl_module):
+        set_sharded_optimizer_states(pl_module, trainer.optimizers, self.states)
+
+
+def full_batch_one_device(steps: int, model: LazyNet | None = None, callbacks=()) -> LazyNet:
+    """One device on the whole 8-sample set each step (one epoch a step), Adam, clipped at ``CLIP``."""
+    if model is None:
+        pl.seed_everything(0, verbose=False)
+        model = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
+    kwargs = {**trainer_kwargs(steps), "max_epochs": steps, "callbacks": list(callbacks)}
+    pl.Trainer(devices=1, gradient_clip_val=CLIP, **kwargs).fit(
+        model, make_lazy_data("transformer", 8, 1, SIZE)
+    )
+    return model
+
+
+# about 40 s: three launches (4, 2 and 2 processes)
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_sharded_checkpoint_saved_under_fsdp_resumes_in_other_layouts_and_loads_into_one_device(tmp_path):
+    """checkpoint_format="sharded" under K=2 × D=2 FSDP writes DTensor shards through DCP; K=2 × D=1,
+    K=1 × D=2 (FSDP alone) and the unpartitioned module (one process, no process group) each continue from
+    it as the uninterrupted one-device run does (≤ 1e-5, losses and weights); so do the two FSDP layouts
+    from a full checkpoint (one file) saved under K=2 × D=2 FSDP. Every step trains on the whole 8-sample
+    set, so that every layout sees the same samples."""
+    fsdp = {"chunks": 2, "data_parallel": "fsdp", "checkpoint_format": "sharded"}
+    path, full = tmp_path / "sharded", tmp_path / "full.ckpt"
+    common, as_full = {"full_batch": True}, {"checkpoint_format": "full"}
+    saves = [{**fsdp, "save": str(path)}, {**fsdp, **as_full, "save": str(full)}]
+    saved = fsdp_job(
+        tmp_path / "save", 4, [{**s, "pipeline_parallel_size": 2} for s in saves], 4, 2, **common
+    )
+    chunks = SafeReader(path).read_metadata().state_dict_metadata["model.layers.0.tokens.weight"].chunks
+    assert [tuple(c.sizes) for c in chunks] == [(16, 32), (16, 32)]  # the two replicas' DTensor shards
+    reference = full_batch_one_device(4)
+    for ranks in saved:
+        first = step_losses([ranks[0]["losses"], ranks[2]["losses"]])
+        assert max(abs(a - b) for a, b in zip(first, reference.losses[:2])) <= 1e-5
+    for k, d in [(2, 1), (1, 2)]:
+        layout = {"pipeline_parallel_size": k, "data_parallel_size": d}
+        resumes = [
+            {**fsdp, **layout, "resume": str(path)},
+            {**fsdp, **layout, **as_full, "resume": str(full)},
+        ]
+        for ranks in fsdp_job(tmp_path / f"k{k}", 2, resumes, 8 // d, 4, **common):
+            last = [rank["losses"] for rank in ranks if rank["losses"]]
+            assert max(abs(a - b) for a, b in zip(step_losses(last), reference.losses[2:])) <= 1e-5, layout
+            assert ranks[0]["global_step"] == 4
+            assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, layout
+    pl.seed_everything(1, verbose=False)
+    plain = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
+    loaded = load_sharded(path, plain, [])
+    plain.load_state_dict(loaded["state_dict"])
+    assert max_diff(plain.state_dict(), full_batch_one_device(2).state_dict()) <= 1e-5
+    optimizer_states = load_sharded(path, plain, [torch.optim.Adam(plain.parameters())])["optimizer_states"]
+    full_batch_one_device(2, plain, [LoadOptimizerState(optimizer_states)])
+    assert max(abs(a - b) for a, b in zip(plain.losses, reference.losses[2:])) <= 1e-5
+    assert max_diff(plain.state_dict(), reference.state_dict()) <= 1e-5
+
+
+# about 60 s: four processes build and train one step of a 51 M-parameter model
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_fsdp_holds_a_quarter_of_the_parameters_and_adam_state_per_rank_at_k2_d2(tmp_path):
+    """K=2 × D=2 FSDP, stage-only construction, ``balance="parameters"``: after a training step each rank
+    holds at most 0.3 (ideal 0.25) of what one process training the whole model holds in parameters and
+    Adam state (parameters, two moments: 3 × 4 bytes a parameter), counted tensor by tensor."""
+    size = {"vocab_size": 256, "num_layers": 16, "d_model": 512, "num_heads": 8, "d_ff": 2048, "seq_len": 16}
+    run = {"chunks": 1, "pipeline_parallel_size": 2, "data_parallel_size": 2, "data_parallel": "fsdp"}
+    spec = {"size": size, "stage_only": True}
+    ranks = fsdp_job(tmp_path, 4, [{**run, "balance": "parameters"}], batch=1, steps=1, **spec)[0]
+    whole = sum(rank["whole"] for rank in ranks) // 2  # each stage's parameters, counted by its 2 replicas
+    assert whole >= 50_000_000
+    one_process = 3 * whole * 4  # bytes: parameters and Adam's two moments, fp32
+    per_rank = [(rank["local"] + rank["optimizer_local"]) * 4 for rank in ranks]
+    ratio = max(per_rank) / one_process
+    print(
+        f"parameters {whole:,}; one process {one_process / 2**20:.0f} MiB; per rank "
+        f"{[round(b / 2**20) for b in per_rank]} MiB; largest / one process {ratio:.3f}"
+    )
+    assert ratio <= 0.3
+
+
+# about 25 s: one launch of four fits
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fsdp_equals_replicate_with_accumulation_mixed_precision_validation_and_predict(gpipe_job):
+    """tests.models.Net under K=2 × D=2, sharded and replicated, with ``accumulate_grad_batches=2``, and again
+    under ``bf16-mixed``, each with clipping, validation, ``trainer.predict`` and a gradient hook that reads
+    ``self.named_parameters()`` (the whole model's, gathered): the same losses, validation loss, gradient
+    norms, predictions and trained weights."""
+    runs = []
+    for extra in ({"accumulate_grad_batches": 2}, {"precision": "bf16-mixed"}):
+        for mode in ("fsdp", "replicate"):
+            runs.append({"chunks": 2, "pipeline_parallel_size": 2, "data_parallel": mode, "trainer": extra})
+    results, _ = gpipe_job(
+        "mlp",
+        4,
+        runs,
+        steps=3,
+        val=True,
+        predict=True,
+        trainer={"gradient_clip_val": 0.05},
+        record_grads=True,
+    )
+    for sharded, replicated in (results[0:2], results[2:4]):
+        assert (
+            len(sharded["norms"]) >= 1
+            and sharded["predictions"]
+            and "val_loss" in sharded["callback_metrics"]
+        )
+        assert sharded["losses"] == replicated["losses"] and sharded["norms"] == replicated["norms"]
+        assert sharded["callback_metrics"] == replicated["callback_metrics"]
+        assert all(torch.equal(a, b) for a, b in zip(sharded["predictions"], replicated["predictions"]))
+        assert max_diff(sharded["state"], replicated["state"]) <= 1e-6
