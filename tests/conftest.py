@@ -2,6 +2,9 @@ import json
 
 import pytest
 import torch
+import torch.distributed as dist
+from lightning_fabric.plugins.environments.lightning import find_free_network_port
+from torch.distributed.device_mesh import DeviceMesh
 
 from tests._harness import check, run_ranks
 
@@ -35,6 +38,17 @@ def gpipe_job(tmp_path):
         return results, grads
 
     return run
+
+
+@pytest.fixture
+def mesh():
+    """A one-rank ``"tensor_parallel"`` mesh on a Gloo process group of this process (DTensors in process)."""
+    store = dist.TCPStore("127.0.0.1", find_free_network_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield DeviceMesh("cpu", [0], mesh_dim_names=("tensor_parallel",))
+    finally:
+        dist.destroy_process_group()
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -7,10 +7,7 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
-from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import Placement
@@ -23,16 +20,6 @@ from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.transport.layout import Layout
 from lightning_gpipe.transport.wire import decode_structure, encode_structure
 from tests.fakes import FakeNetwork, FakeP2P
-
-
-@pytest.fixture
-def mesh():
-    store = dist.TCPStore("127.0.0.1", find_free_network_port(), 1, True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", [0], mesh_dim_names=("tensor_parallel",))
-    finally:
-        dist.destroy_process_group()
 
 
 def _travel(value):

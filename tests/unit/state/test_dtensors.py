@@ -1,27 +1,13 @@
 """Saved state of a tensor-parallel stage (issue 42, item 3): whole tensors out, each rank's shard back in;
 on a one-process Gloo group (the multi-process save: tests/distributed/strategy/test_tensor_parallel.py)."""
 
-import pytest
 import torch
-import torch.distributed as dist
-from lightning_fabric.plugins.environments.lightning import find_free_network_port
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
 from lightning_gpipe.state.dtensors import full_tensors, shard_like
 from lightning_gpipe.state.loading import load_model_state
-
-
-@pytest.fixture
-def mesh():
-    store = dist.TCPStore("127.0.0.1", find_free_network_port(), 1, True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield DeviceMesh("cpu", [0], mesh_dim_names=("tensor_parallel",))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_full_tensors_makes_every_dtensor_whole_in_nested_state(mesh):
