@@ -1,6 +1,6 @@
 """Hugging Face ``transformers`` models built from a config (never downloaded), and back from a checkpoint.
 
-The recipes' ``HFLanguageModel`` and ``HFImageClassifier`` (:mod:`recipes.modules`) build the
+The recipes' ``HFLanguageModel`` and ``HFImageClassifier`` (:mod:`recipes.hf_modules`) build the
 model with :func:`build_hf` and train the ``nn.Sequential`` that
 :mod:`lightning_gpipe.integrations.transformers` makes of it; :func:`hf_from_checkpoint` turns a
 checkpoint of such a job back into the ``transformers`` model, ready for ``save_pretrained``.
@@ -146,7 +146,7 @@ def hf_from_checkpoint(path: str | os.PathLike) -> nn.Module:
     if missing:
         raise KeyError(
             f"checkpoint has no {missing} hyperparameters (file: {os.fspath(path)}); "
-            "it must come from recipes.modules.HFLanguageModel or HFImageClassifier"
+            "it must come from recipes.hf_modules.HFLanguageModel or HFImageClassifier"
         )
     if hparams.get(FAMILY_KEY):
         model = build_family(hparams[FAMILY_KEY], hparams[CONFIG_KEY])

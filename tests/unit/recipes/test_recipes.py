@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ from hydra.utils import get_class, instantiate
 from lightning_gpipe import GPipeStrategy
 from recipes.last_checkpoint import LastCheckpoint
 from recipes.train import build_data, build_strategy, checkpoint_callbacks, num_devices, summary
-from tests._harness import ROOT
+from tests._harness import ROOT, _env
+from tests.launch import run_job
 
 CONF = ROOT / "conf"
 
@@ -40,7 +42,7 @@ needs_transformers = pytest.mark.skipif(
 )
 
 
-# Hugging Face transformers models built from config (recipes.modules.HFLanguageModel / HFImageClassifier)
+# Hugging Face transformers models built from config (recipes.hf_modules.HFLanguageModel / HFImageClassifier)
 HF_MODELS = ["gpt2", "llama", "resnet", "vit"]
 
 
@@ -381,3 +383,25 @@ def test_last_checkpoint_is_written_on_the_configured_interval_from_the_start(tm
 def test_bad_checkpoint_interval_is_an_error_naming_the_key(overrides, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         checkpoint_callbacks(_compose(*overrides), tmp_path, "val_loss")
+
+
+_WITHOUT_TRANSFORMERS = """
+import sys
+sys.modules["transformers"] = None  # as where the [models] extra is not installed: its import fails
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+import recipes.train  # noqa: F401
+with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
+    cfg = compose(config_name="train", overrides=["model.num_layers=2", "model.d_model=16", "model.d_ff=32"])
+model = instantiate(cfg.model)
+print("built", type(model).__name__, sum(p.numel() for p in model.parameters()))
+"""
+
+
+def test_the_main_job_needs_no_transformers(tmp_path):
+    """The README's first command installs the ``[recipes]`` extra only: the default recipe and its model
+    import and build with ``transformers`` missing (the ``HF`` modules live apart, in recipes.hf_modules)."""
+    script = tmp_path / "without_transformers.py"
+    script.write_text(_WITHOUT_TRANSFORMERS)
+    rc, out = run_job([sys.executable, str(script), str(CONF)], cwd=ROOT, env=_env(), timeout=120)[0]
+    assert rc == 0 and "built LanguageModel" in out, out[-3000:]
