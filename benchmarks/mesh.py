@@ -33,8 +33,8 @@ Commands, from the repository root (``--small``: tiny sizes, the code paths in s
     python -m benchmarks.mesh --device cpu --small --rows single pp2_tp2
     python -m benchmarks.mesh --device cuda        # 4 ranks need 4 GPUs (NCCL: one GPU per rank)
 
-Writes ``mesh.csv`` and ``mesh.md`` under ``--out`` (default: ``$OUT`` if set, else
-``benchmarks/results/mesh``) and prints the markdown table.
+Writes ``mesh.csv``, ``mesh.md`` and ``mesh.json`` (every rank's record per row) under ``--out``
+(default: ``$OUT`` if set, else ``benchmarks/results/mesh``) and prints the markdown table.
 """
 
 from __future__ import annotations
@@ -122,21 +122,20 @@ def _trial(spec: dict[str, Any]) -> None:
         def configure_model(self) -> None:
             if self.layers is not None:
                 return
-            if kind == "gpipe":  # the strategy's init context: meta, each rank materializes its stage
-                self.layers = build_llama(**dims)
+            if kind != "model_parallel":  # the strategy's init context: the device (single) or meta
+                self.layers = build_llama(**dims)  # (gpipe: each rank materializes its stage only)
                 return
-            with torch.device("meta" if kind == "model_parallel" else "cpu"):
+            with torch.device("meta"):  # Lightning materializes the shards after this hook
                 self.layers = build_llama(**dims)
-            if kind == "model_parallel":  # Lightning materializes the shards after this hook
-                mesh = self.device_mesh
-                blocks = [m for m in self.layers if isinstance(m, LlamaBlock)]
-                if d > 1:
-                    for block in blocks:
-                        fully_shard(block, mesh=mesh["data_parallel"])
-                    fully_shard(self.layers, mesh=mesh["data_parallel"])
-                else:
-                    for block in blocks:
-                        parallelize_module(block, mesh["tensor_parallel"], LLAMA_BLOCK_PLAN)
+            mesh = self.device_mesh
+            blocks = [m for m in self.layers if isinstance(m, LlamaBlock)]
+            if d > 1:
+                for block in blocks:
+                    fully_shard(block, mesh=mesh["data_parallel"])
+                fully_shard(self.layers, mesh=mesh["data_parallel"])
+            else:
+                for block in blocks:
+                    parallelize_module(block, mesh["tensor_parallel"], LLAMA_BLOCK_PLAN)
 
         def parallelize_stage(self, stage: torch.nn.Module, tp_mesh: Any) -> None:
             for layer in stage.children():
@@ -288,7 +287,8 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every row of ``args.rows``, one after another; the table written after each."""
     size = SIZES["small" if args.small else args.device]
     whole_state = 3 * 4 * parameters(size)  # fp32 parameters and Adam's two moments, one process
-    rows = []
+    rows: list[dict[str, Any]] = []
+    raw: dict[str, list[dict[str, Any]] | None] = {}
     for name in args.rows:
         kind, k, d, t, data_parallel = ROWS[name]
         spec = {
@@ -308,6 +308,7 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
             "mesh": f"{k}×{d}×{t}",
             "processes": k * d * t,
         }
+        raw[name] = records
         if records is None:
             rows.append({**row, "error": error})
         else:
@@ -329,6 +330,7 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
                 }
             )
         _write(args, size, rows)  # after every row: a run cut short keeps the rows it finished
+        (Path(args.out) / "mesh.json").write_text(json.dumps(raw))
     print((Path(args.out) / "mesh.md").read_text(), flush=True)
     return rows
 
