@@ -95,7 +95,7 @@ fi
 echo "== 4/4 mesh rows: $MESH_ROWS"
 # shellcheck disable=SC2086
 timeout "$MESH_T" python -m benchmarks.mesh --device "$DEVICE" $SMALL --rows $MESH_ROWS --timeout "$MESH_ROW" \
-  --out "$RESULTS/mesh" || echo "mesh: did not finish within $MESH_T s (rows done: $RESULTS/mesh/mesh.md)"
+  --out "$RESULTS/mesh" || echo "mesh: failed or did not finish within $MESH_T s (rows done: $RESULTS/mesh/mesh.md)"
 
 {
   echo "# gpu.sh results ($DEVICE${SMALL:+, small sizes}), $(($(date +%s) - START)) s"

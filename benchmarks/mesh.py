@@ -22,7 +22,9 @@ samples per step.
 
 Per row: samples/s (the global batch over the median step, the step's time being the slowest rank's,
 after ``--warmup`` steps), per rank the peak memory (CPU: growth of the resident set's peak, ``VmHWM``,
-from just before ``fit``, as :mod:`benchmarks.capacity` measures it; CUDA:
+from just before ``fit``, as :mod:`benchmarks.capacity` measures it, with glibc's mmap threshold fixed
+at ``--mmap-threshold`` so that a freed block of FSDP's all-gathers or of the gradients goes back to
+the system and the peak follows what is alive rather than what glibc's heap kept; CUDA:
 ``torch.cuda.max_memory_allocated``) and the bytes of parameters and of Adam's state it holds at the
 end of training (a ``DTensor``'s local shard). ``state_vs_single`` is the largest rank's parameters
 plus optimizer state over the one-process figure (3 × 4 bytes a parameter).
@@ -259,8 +261,12 @@ def run_row(spec: dict[str, Any], work: Path, timeout: float) -> tuple[list[dict
     path = work / "spec.json"
     path.write_text(json.dumps(spec))
     command = [sys.executable, "-m", "benchmarks.mesh", "trial", str(path)]
+    threshold = spec.get("mmap_threshold", 0)
+    extra = {"MALLOC_MMAP_THRESHOLD_": str(threshold)} if threshold and spec["device"] == "cpu" else {}
     try:
-        ((code, output),) = run_job(command, env=job_env(threads=spec["threads"]), cwd=ROOT, timeout=timeout)
+        ((code, output),) = run_job(
+            command, env=job_env(threads=spec["threads"], extra=extra), cwd=ROOT, timeout=timeout
+        )
     except JobTimeout:
         return None, f"timed out after {timeout:.0f} s"
     _, k, d, t, _ = ROWS[spec["row"]]
@@ -299,6 +305,7 @@ def table(args: argparse.Namespace) -> list[dict[str, Any]]:
             "chunks": args.chunks,
             "schedule": args.schedule,
             "threads": args.threads,
+            "mmap_threshold": args.mmap_threshold,
         }
         print(f"== {name}: {LABELS[name]}", flush=True)
         records, error = run_row(spec, Path(args.out) / "work" / name, args.timeout)
@@ -360,6 +367,8 @@ def _write(args: argparse.Namespace, size: dict[str, int], rows: list[dict[str, 
         writer.writeheader()
         writer.writerows(rows)
     memory = "max_memory_allocated" if args.device == "cuda" else "peak RSS growth over fit"
+    if args.device == "cpu" and args.mmap_threshold:
+        memory += f", MALLOC_MMAP_THRESHOLD_={args.mmap_threshold}"
     lines = [
         f"mesh: {args.device}, Llama-style {size['depth']} blocks, dim={size['dim']} hidden={size['hidden']} "
         f"heads={size['heads']} vocab={size['vocab']} seq_len={size['seq_len']}, "
@@ -389,6 +398,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timed", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=128 * 1024,
+        help="CPU: glibc's MALLOC_MMAP_THRESHOLD_ in bytes for every rank (default: 131072; 0: glibc's "
+        "own, which rises as large blocks are freed and leaves them in the heap, counted in the peak RSS)",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per row")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "benchmarks/results/mesh"))
     args = parser.parse_args(argv)
