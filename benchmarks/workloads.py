@@ -6,6 +6,10 @@
 LM with ``num_layers`` blocks). Used by the driver (:mod:`benchmarks.benchmark`: profiling,
 capacity) and by every run of the worker (:mod:`benchmarks.worker`), so that all runs train the
 same model on the same data.
+
+:func:`build_llama` is the Llama-style model of :mod:`benchmarks.mesh` (RMSNorm, attention with
+q/k/v/o projections, a SwiGLU MLP per block) and :data:`LLAMA_BLOCK_PLAN` its blocks' standard
+colwise/rowwise tensor-parallel plan.
 """
 
 from __future__ import annotations
@@ -16,8 +20,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-__all__ = ["Batch", "LinearGELU", "build_model", "loss_fn", "make_batches", "summed_loss_fn"]
+__all__ = [
+    "LLAMA_BLOCK_PLAN",
+    "Batch",
+    "LinearGELU",
+    "LlamaAttention",
+    "LlamaBlock",
+    "SwiGLU",
+    "build_llama",
+    "build_model",
+    "loss_fn",
+    "make_batches",
+    "summed_loss_fn",
+]
 
 Batch = tuple[Tensor, Tensor]
 
@@ -31,6 +48,77 @@ class LinearGELU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.gelu(self.linear(x))
+
+
+class LlamaAttention(nn.Module):
+    """Causal self-attention with q/k/v/o projections (no bias), ``(N, T, dim)`` → ``(N, T, dim)``.
+
+    The heads are ``dim // head_dim`` on one device; under tensor parallelism (q/k/v colwise) a rank
+    holds its share of them, hence the ``-1`` in the view.
+    """
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        q, k, v = (p(x).view(n, t, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(n, t, -1))
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` (no bias), ``(N, T, dim)`` → ``(N, T, dim)``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate, self.up = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    """A pre-norm Transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``, RMSNorm."""
+
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = nn.RMSNorm(dim), LlamaAttention(dim, heads)
+        self.mlp_norm, self.mlp = nn.RMSNorm(dim), SwiGLU(dim, hidden)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+def _llama_plan() -> dict[str, Any]:
+    colwise = ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up")
+    return {
+        **{name: ColwiseParallel() for name in colwise},
+        "attn.o": RowwiseParallel(),
+        "mlp.down": RowwiseParallel(),
+    }
+
+
+LLAMA_BLOCK_PLAN: dict[str, Any] = _llama_plan()
+"""The standard tensor-parallel plan of a :class:`LlamaBlock`: q/k/v, gate and up colwise; o and
+down rowwise (Megatron-LM's split, one all-reduce per attention and per MLP)."""
+
+
+def build_llama(vocab: int, dim: int, heads: int, hidden: int, depth: int) -> nn.Sequential:
+    """``[Embedding(vocab, dim), depth × LlamaBlock, RMSNorm, Linear(dim, vocab)]``: ids ``(N, T)``
+    → logits ``(N, T, vocab)``; ``dim`` must be a multiple of ``heads``."""
+    if dim % heads:
+        raise ValueError(f"dim={dim} is not a multiple of heads={heads}; choose dim = heads × head size")
+    return nn.Sequential(
+        nn.Embedding(vocab, dim),
+        *(LlamaBlock(dim, heads, hidden) for _ in range(depth)),
+        nn.RMSNorm(dim),
+        nn.Linear(dim, vocab, bias=False),
+    )
 
 
 def build_model(model: dict[str, Any]) -> nn.Sequential:
