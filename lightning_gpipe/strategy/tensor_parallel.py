@@ -12,7 +12,9 @@ plan), and the mesh is the 1-D ``tensor_parallel`` slice of ``self.device_mesh``
 ``torch.distributed.tensor.parallel.parallelize_module`` to the stage's layers, as Lightning's
 ``ModelParallelStrategy`` users do to their model in ``configure_model``. It runs before the optimizers
 are made, so they hold the ``DTensor`` parameters. A model without the hook is refused before any
-process starts (:func:`check_model`).
+process starts (:func:`check_model`). A hook that raises, or that parallelizes a module outside the stage (a
+part on another stage, an attribute the stage does not hold), is refused with the rank's layers and the
+fix named (:func:`apply_plan`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.engine.stage import PipelineStage
+from lightning_gpipe.errors import PipelineUsageError
 
-__all__ = ["HOOK", "check_model", "parallelize", "unparallelize"]
+__all__ = ["HOOK", "apply_plan", "check_model", "parallelize", "unparallelize"]
 
 _ADDED: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, set[int], set[int]]]]
 _ADDED = weakref.WeakKeyDictionary()  # per stage: (module, pre-hook ids, hook ids) its plan added
@@ -59,21 +62,73 @@ def parallelize(model: nn.Module, stage: PipelineStage, mesh: Any, tensor_parall
         return
     check_model(model, tensor_parallel_size)
     tp_mesh = mesh["tensor_parallel"]
-    before = {m: (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in stage.modules()}
-    getattr(model, HOOK)(stage, tp_mesh)
+    _ADDED[stage] = apply_plan(model, stage, tp_mesh)
     stage.executor.tensor_mesh = tp_mesh
-    _ADDED[stage] = [  # what the plan added: taken off with the plan at the end of fit
+
+
+def apply_plan(
+    model: nn.Module, stage: nn.Module, tp_mesh: Any
+) -> list[tuple[nn.Module, set[int], set[int]]]:
+    """Call ``model.parallelize_stage(stage, tp_mesh)`` and return what it added: per module of ``stage``,
+    ``(module, forward pre-hook ids, forward hook ids)``.
+
+    Raises:
+        PipelineUsageError: the hook raised (chained), or it parallelized a module of ``model`` outside
+            ``stage`` (a ``DTensor`` parameter or a forward hook there); the message names the rank's
+            layers and says to apply the plan to ``stage``'s layers, as the model's attributes hold only
+            this stage's layers (a part on another stage is empty here).
+    """
+    inside = {id(m) for m in stage.modules()}
+    modules = [*stage.modules(), *(m for m in model.modules() if id(m) not in inside)]
+    before = {m: (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in modules}
+    try:
+        getattr(model, HOOK)(stage, tp_mesh)
+    except Exception as err:
+        raise PipelineUsageError(
+            f"{type(model).__name__}.{HOOK}(stage, tp_mesh) raised {type(err).__name__}: {err}. "
+            f"{_where(stage)}"
+        ) from err
+    touched = [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if id(m) not in inside
+        and (
+            set(m._forward_pre_hooks) != before.get(m, (set(), set()))[0]
+            or set(m._forward_hooks) != before.get(m, (set(), set()))[1]
+            or any(isinstance(p, DTensor) for p in m.parameters(recurse=False))
+        )
+    ]
+    if touched:
+        raise PipelineUsageError(
+            f"{type(model).__name__}.{HOOK}(stage, tp_mesh) parallelized {', '.join(touched)}, outside "
+            f"this rank's stage. {_where(stage)}"
+        )
+    return [
         (m, set(m._forward_pre_hooks) - pre, set(m._forward_hooks) - post)
         for m, (pre, post) in before.items()
+        if id(m) in inside
     ]
+
+
+def _where(stage: nn.Module) -> str:
+    """The rank's layers, and where the plan must go."""
+    layers = ", ".join(name for name, _ in stage.named_children()) or "none"
+    return (
+        f"On this rank the stage holds the layers {layers}, and the model's attributes hold only these (a "
+        "part on another stage is empty here): apply the plan to the stage's layers, e.g. for layer in "
+        "stage.children(): if isinstance(layer, Block): parallelize_module(layer, tp_mesh, plan)"
+    )
 
 
 def unparallelize(stage: PipelineStage) -> None:
     """Take the plan off ``stage``'s layers: every ``DTensor`` parameter becomes a plain parameter of its
     global shape (uninitialized: the gathered state is loaded into it next,
     :meth:`lightning_gpipe.strategy.pipelined.Pipelined.uninstall`) and the forward hooks the plan added are
-    removed, so that the user's Sequential runs on one device after fit. Nothing without a plan."""
+    removed, so that the user's Sequential runs on one device after fit, and the next ``fit``, ``validate``,
+    ``test`` or ``predict`` applies the plan again (``distribute_module`` refuses a module it has marked).
+    Nothing without a plan."""
     for module, pre, post in _ADDED.pop(stage, ()):
+        module.__dict__.pop("_distribute_module_applied", None)  # torch's mark of a distributed module
         for key in pre:
             del module._forward_pre_hooks[key]
         for key in post:
