@@ -19,6 +19,7 @@ fix named (:func:`apply_plan`).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -72,6 +73,9 @@ def apply_plan(
     """Call ``model.parallelize_stage(stage, tp_mesh)`` and return what it added: per module of ``stage``,
     ``(module, forward pre-hook ids, forward hook ids)``.
 
+    Warns when the stage holds no ``DTensor`` parameter after the hook (a plan whose names match none of
+    the stage's modules): each tensor-parallel rank then computes the whole stage.
+
     Raises:
         PipelineUsageError: the hook raised (chained), or it parallelized a module of ``model`` outside
             ``stage`` (a ``DTensor`` parameter or a forward hook there); the message names the rank's
@@ -102,6 +106,15 @@ def apply_plan(
         raise PipelineUsageError(
             f"{type(model).__name__}.{HOOK}(stage, tp_mesh) parallelized {', '.join(touched)}, outside "
             f"this rank's stage. {_where(stage)}"
+        )
+    if not any(isinstance(p, DTensor) for p in stage.parameters()):
+        layers = ", ".join(name for name, _ in stage.named_children()) or "none"
+        warnings.warn(
+            f"{type(model).__name__}.{HOOK}(stage, tp_mesh) left every parameter of this rank's stage "
+            f"(layers {layers}) plain: each of its tensor-parallel ranks holds and computes the whole "
+            "stage. Check the plan's module names against the stage's layers (parallelize_module warns "
+            "of keys it cannot resolve)",
+            stacklevel=2,
         )
     return [
         (m, set(m._forward_pre_hooks) - pre, set(m._forward_hooks) - post)

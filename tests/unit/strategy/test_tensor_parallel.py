@@ -43,6 +43,9 @@ class Model(nn.Module):
         self.stage.add_module("head", self.head)
 
     def parallelize_stage(self, stage, tp_mesh):
+        if self.how == "none":  # names that match none of the stage's modules
+            parallelize_module(stage, tp_mesh, {"lm_head": ColwiseParallel()})
+            return
         if self.how == "raise":
             raise RuntimeError("my plan is broken")
         parallelize_module(self.head, tp_mesh, ColwiseParallel())
@@ -94,3 +97,10 @@ def test_the_plan_taken_off_after_a_run_applies_again_for_the_next(tp_mesh):
         assert not isinstance(model.head.weight, DTensor) and not model.head._forward_hooks
         model.head.load_state_dict(state)  # the gathered state, as Pipelined.uninstall loads it
     torch.testing.assert_close(model.head(x), expected)
+
+
+def test_a_plan_that_shards_nothing_on_the_stage_warns_naming_its_layers(tp_mesh):
+    model = Model("none")
+    with pytest.warns(UserWarning, match=r"left every parameter of this rank's stage \(layers head\) plain"):
+        apply_plan(model, model.stage, tp_mesh)
+    assert not isinstance(model.head.weight, DTensor)
