@@ -158,6 +158,14 @@ def test_balance_sum_mismatch_raises_before_spawn():
     assert "to 5, e.g. balance=[3, 2], or a balancer" in message
 
 
+def test_a_balance_that_does_not_cover_a_plans_chain_names_the_chain_before_spawn():
+    message = _fit_before_spawn(GPT(tied=False), plan=["embed", "blocks", "norm", "head"], balance=[3, 3])
+    assert (
+        "balance=[3, 3] places 6 layers but the plan's chain embed → blocks[0..3] → norm → head (a "
+        "ModuleList's items one layer each) has 7" in message
+    )
+
+
 def test_balance_length_must_match_stages():
     message = _fit_before_spawn(Net("mlp"), devices=2, balance=[1, 1, 3])
     assert "balance has 3 stages but the pipeline has 2" in message
