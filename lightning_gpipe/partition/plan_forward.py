@@ -91,8 +91,8 @@ def check_forward(chain: PlanChain, args: tuple, kwargs: dict) -> None:
     try:
         for training in (True, False):
             calls, returned, outside = _on_stand_ins(chain, args, kwargs, training)
-            mode = "training" if training else "evaluation"
-            _check_calls(chain, calls, returned, arguments, mode, outside)
+            described = "training" if training else "evaluation"
+            _check_calls(chain, calls, returned, arguments, described, outside)
     finally:
         for module, mode in modes:
             module.training = mode
