@@ -19,6 +19,7 @@ fix named (:func:`apply_plan`).
 
 from __future__ import annotations
 
+import inspect
 import warnings
 import weakref
 from typing import Any
@@ -40,12 +41,23 @@ HOOK = "parallelize_stage"
 
 
 def check_model(model: nn.Module, tensor_parallel_size: int) -> None:
-    """Raise if ``tensor_parallel_size`` > 1 and ``model`` has no :data:`HOOK` method.
+    """Raise if ``tensor_parallel_size`` > 1 and ``model`` has no :data:`HOOK` method, or one that cannot
+    be called with ``(stage, tp_mesh)``.
 
     Raises:
-        ValueError: the message names the size and shows the hook to write.
+        ValueError: the message names the size (or the hook's signature) and shows the hook to write.
     """
-    if tensor_parallel_size > 1 and not callable(getattr(model, HOOK, None)):
+    hook = getattr(model, HOOK, None)
+    if tensor_parallel_size > 1 and callable(hook):
+        try:
+            inspect.signature(hook).bind(None, None)
+        except TypeError:
+            raise ValueError(
+                f"{type(model).__name__}.{HOOK}{inspect.signature(hook)} cannot be called as "
+                f"{HOOK}(stage, tp_mesh): the strategy passes the rank's stage and the 1-D tensor-parallel "
+                f"mesh; define it as def {HOOK}(self, stage, tp_mesh)"
+            ) from None
+    if tensor_parallel_size > 1 and not callable(hook):
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} needs a tensor-parallel plan: "
             f"{type(model).__name__} has no {HOOK}(self, stage, tp_mesh) method. Define it to apply "

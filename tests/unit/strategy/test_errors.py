@@ -197,6 +197,22 @@ def test_tensor_parallel_without_a_plan_is_refused_before_spawn():
     trainer.strategy.check_model(Llama())  # has the hook: cut as usual
 
 
+class OneArgumentPlan(Llama):
+    def parallelize_stage(self, stage):  # the mesh forgotten
+        pass
+
+
+def test_a_parallelize_stage_that_cannot_take_stage_and_mesh_is_refused_before_spawn():
+    trainer = pl.Trainer(strategy=GPipeStrategy(tensor_parallel_size=2), devices=4, **trainer_kwargs(1))
+    with pytest.raises(
+        ValueError,
+        match=r"OneArgumentPlan.parallelize_stage\(stage\) cannot be called as parallelize_stage\(stage, "
+        r"tp_mesh\).*def parallelize_stage\(self, stage, tp_mesh\)",
+    ):
+        trainer.fit(OneArgumentPlan(), make_data("mlp", 10, 1))
+    assert trainer.strategy.launcher.procs == []
+
+
 def test_manual_optimization_is_refused_before_spawn():
     trainer = pl.Trainer(strategy=GPipeStrategy(), devices=2, **trainer_kwargs(1))
     with pytest.raises(ValueError, match="manual optimization"):
