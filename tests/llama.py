@@ -90,7 +90,8 @@ class Down(nn.Linear):
 
 
 class Llama(pl.LightningModule):
-    """``[embedding, block, block, Up, SiLU, Down, RMSNorm, head]``; next-token cross-entropy, Adam.
+    """``[embedding, block, block, Up, SiLU, Down, RMSNorm, head]``; next-token cross-entropy, Adam; the
+    validation loss recorded per batch.
 
     Records on the last stage the step losses and the strategy's total gradient norm before clipping;
     on one device the total norm of the gradients before Lightning clips them.
@@ -108,6 +109,7 @@ class Llama(pl.LightningModule):
         self.dtensor_parameters = 0  # on this rank's stage, as training starts
         self.dtensor_mesh_dims = 0  # the most mesh dimensions of one of them (2: FSDP × TP)
         self.dtensor_outputs = 0  # calls of the Sequential in training_step that returned a DTensor
+        self.val_losses: list[float] = []  # validation_step's, on the last stage
 
     def parallelize_stage(self, stage: nn.Module, tp_mesh) -> None:
         for layer in stage.children():
@@ -127,6 +129,12 @@ class Llama(pl.LightningModule):
         loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
         self.losses.append(loss.item())
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        (ids,) = batch
+        logits = self(ids)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        self.val_losses.append(loss.item())
 
     def on_train_start(self) -> None:
         dtensors = [p for p in self.parameters() if isinstance(p, DTensor)]

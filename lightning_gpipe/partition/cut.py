@@ -114,7 +114,7 @@ def check_cut(model: Any, name: str, seq: Any, balance: Any, stages: int, v: int
     parts = stages * v
     if isinstance(balance, list):
         check_stages(len(seq), len(balance))
-        balance = check_balance(balance, len(seq), parts, v)
+        balance = check_balance(balance, len(seq), parts, v, getattr(seq, "described", None))
         check_tied_parameters(seq, balance, stages)
     else:
         check_stages(len(seq), parts)
@@ -154,13 +154,19 @@ def _even(num_layers: int, parts: int) -> list[int]:
 
 
 def check_balance(
-    balance: Sequence[int], num_layers: int, stages: int | None = None, virtual_stages: int = 1
+    balance: Sequence[int],
+    num_layers: int,
+    stages: int | None = None,
+    virtual_stages: int = 1,
+    chain: str | None = None,
 ) -> list[int]:
     """Validate a balance list (layers per stage; with virtual stages, per part).
 
     Args:
         stages: the number of entries the balance must have (stages × virtual stages).
         virtual_stages: virtual stages per stage v, for the message.
+        chain: a plan's chain as it names it (``embed → blocks[0..3] → norm → head``), for the message;
+            ``None`` for an ``nn.Sequential``.
 
     Raises:
         PartitionError: an entry is not a positive integer, the sum differs from ``num_layers``,
@@ -175,8 +181,13 @@ def check_balance(
     if sum(balance) != num_layers:
         parts = stages or len(balance)
         hint = f", e.g. balance={_even(num_layers, parts)}" if parts <= num_layers else ""
+        holder = (
+            f"the plan's chain {chain} (a ModuleList's items one layer each)"
+            if chain
+            else "the nn.Sequential"
+        )
         raise PartitionError(
-            f"balance={balance} places {sum(balance)} layers but the nn.Sequential has {num_layers}: give "
+            f"balance={balance} places {sum(balance)} layers but {holder} has {num_layers}: give "
             f'layers per stage that add up to {num_layers}{hint}, or a balancer (balance="uniform", '
             '"parameters", "time", "memory")'
         )

@@ -90,15 +90,17 @@ def check_forward(chain: PlanChain, args: tuple, kwargs: dict) -> None:
     modes = [(m, m.training) for m in root.modules()]
     try:
         for training in (True, False):
-            calls, returned = _on_stand_ins(chain, args, kwargs, training)
-            _check_calls(chain, calls, returned, arguments, "training" if training else "evaluation")
+            calls, returned, outside = _on_stand_ins(chain, args, kwargs, training)
+            described = "training" if training else "evaluation"
+            _check_calls(chain, calls, returned, arguments, described, outside)
     finally:
         for module, mode in modes:
             module.training = mode
 
 
-def _on_stand_ins(chain: PlanChain, args: tuple, kwargs: dict, training: bool) -> tuple[list, Any]:
-    """The forward's calls of the parts' stand-ins and what it returned, in ``training`` mode."""
+def _on_stand_ins(chain: PlanChain, args: tuple, kwargs: dict, training: bool) -> tuple[list, Any, list[str]]:
+    """The forward's calls of the parts' stand-ins, what it returned, and the root's submodules outside
+    the plan that it called, in ``training`` mode."""
     root = chain.root
     calls: list[tuple[str, tuple, dict, Any]] = []
     probes: dict[str, Any] = {}
@@ -118,26 +120,39 @@ def _on_stand_ins(chain: PlanChain, args: tuple, kwargs: dict, training: bool) -
     held.clear()
     held.update((k, probes.get(k, v)) for k, v in (chain.original or {}).items())
     root.train(training)
+    outside: list[str] = []  # the submodules outside plan= that the forward calls
+    watched = [
+        module.register_forward_pre_hook(lambda *_, name=name: outside.append(name))
+        for name, module in (chain.original or {}).items()
+        if name not in probes and isinstance(module, nn.Module)
+    ]
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             returned = type(root).forward(root, *args, **kwargs)
     except Exception as err:  # noqa: BLE001 - any failure of the forward on stand-ins refuses it
         mode = "training" if training else "evaluation"
         _refuse(
-            chain, f"run with stand-ins for the parts in {mode} mode, it raised {type(err).__name__}: {err}"
+            chain,
+            f"run with stand-ins for the parts in {mode} mode, it raised {type(err).__name__}: {err}",
+            outside,
         )
     finally:
+        for handle in watched:
+            handle.remove()
         held.clear()
         held.update(staged)
-    return calls, returned
+    return calls, returned, outside
 
 
-def _check_calls(chain: PlanChain, calls: list, returned: Any, arguments: dict[str, Any], mode: str) -> None:
-    """Refuse unless ``calls`` (the stand-ins' record) and ``returned`` are the chain's."""
+def _check_calls(
+    chain: PlanChain, calls: list, returned: Any, arguments: dict[str, Any], mode: str, outside: list[str]
+) -> None:
+    """Refuse unless ``calls`` (the stand-ins' record) and ``returned`` are the chain's; ``outside``: the
+    root's submodules outside the plan that the forward called (named in the refusal)."""
     expected = list(chain.layer_parts)
     called = [name for name, _, _, _ in calls]
     if called != expected:
-        _refuse(chain, f"in {mode} mode it calls {called or 'no part'}, the chain is {expected}")
+        _refuse(chain, f"in {mode} mode it calls {called or 'no part'}, the chain is {expected}", outside)
     env = dict(arguments) if chain.entry is not None else {}
     previous: Any = None
     for k, (name, a, kw, out) in enumerate(calls):
@@ -146,18 +161,24 @@ def _check_calls(chain: PlanChain, calls: list, returned: Any, arguments: dict[s
             sources = [previous] if k else list(arguments.values())
             what = f"the output of {calls[k - 1][0]!r}" if k else "one of the forward's arguments"
             if not (len(given) == 1 and any(given[0] is v for v in sources)):
-                _refuse(chain, f"in {mode} mode {name!r} is called with something other than {what} alone")
+                _refuse(
+                    chain,
+                    f"in {mode} mode {name!r} is called with something other than {what} alone",
+                    outside,
+                )
             previous = out
         else:
             inputs = chain.calls[name].inputs
             given = list(a) + [kw[n] for n in inputs[len(a) :] if n in kw]
             if len(given) != len(inputs) or any(g is not env.get(n) for g, n in zip(given, inputs)):
-                _refuse(chain, f"{name!r} is not called with {inputs} (positionally, in that order)")
+                _refuse(chain, f"{name!r} is not called with {inputs} (positionally, in that order)", outside)
             outs = chain.calls[name].outputs
             env.update(zip(outs, (out,) if len(outs) == 1 else out))
     if chain.entry is None:
         if returned is not previous:
-            _refuse(chain, f"in {mode} mode it returns something other than the output of {called[-1]!r}")
+            _refuse(
+                chain, f"in {mode} mode it returns something other than the output of {called[-1]!r}", outside
+            )
         return
     result = chain.result or []
     wanted = env[result[0]] if len(result) == 1 else tuple(env[n] for n in result)
@@ -166,13 +187,18 @@ def _check_calls(chain: PlanChain, calls: list, returned: Any, arguments: dict[s
         and all(r is w for r, w in zip(returned, wanted))
     )  # fmt: skip
     if not same:
-        _refuse(chain, f"it returns something other than {result}")
+        _refuse(chain, f"it returns something other than {result}", outside)
 
 
-def _refuse(chain: PlanChain, detail: str) -> None:
+def _refuse(chain: PlanChain, detail: str, outside: list[str]) -> None:
+    """Raise the refusal with ``detail``; ``outside``: the root's submodules outside plan= that the forward
+    calls (an activation between two parts, say), named as parts to add. Those it never calls (a
+    torchmetrics metric, a loss module) are not named."""
     cls = type(chain.root).__name__
-    others = [k for k in chain.original or {} if k not in chain.parts]
-    hint = f" ({cls}'s submodules outside plan=: {', '.join(others)}; name them in plan= in call order)"
+    others = list(dict.fromkeys(outside))
+    hint = (
+        f" ({cls}.forward calls submodules outside plan=: {', '.join(others)}; name them in plan= in order)"
+    )
     raise PipelineUsageError(
         f"{cls}.forward is not the chain that plan= names ({chain.described}): {detail}"
         f"{hint if others else ''}. Under plan= the stages run the parts in that order, each on the previous "

@@ -32,6 +32,7 @@ from lightning_gpipe.strategy.pipelined import Pipelined
 from lightning_gpipe.transport.layout import Layout
 
 __all__ = [
+    "fitting",
     "load",
     "load_model_state",
     "load_optimizer_states",
@@ -139,7 +140,7 @@ def load(
     expected = whole_model_shapes(pipelined, module) if module is not None else None
     if sharded.is_sharded(path):
         assert module is not None
-        opts = _unwrapped(optimizers)
+        opts = _unwrapped(optimizers) if fitting(module) else []  # test/validate/predict: weights only
         aliases = pipelined.tied_aliases()
         return sharded.load_sharded(path, module, opts, weights_only, expected, strict, aliases), None
     if not path.is_file():
@@ -219,6 +220,18 @@ def load_model_state(
     ``lazy``: the full file :func:`load` opened, if any."""
     partitioned = pipelined.stage is not None
     loading.load_model_state(module, checkpoint["state_dict"], strict, lazy, partitioned)
+
+
+def fitting(module: nn.Module) -> bool:
+    """Whether ``module``'s trainer is fitting (or it has none): only ``fit`` restores optimizer states.
+
+    Under ``validate``, ``test`` or ``predict`` after a ``fit`` the strategy still holds that fit's
+    optimizers, over the parameters the stage had then; a tensor-parallel stage has new ones (its plan
+    is applied anew), so a sharded checkpoint read for their states fails (``KeyError`` in
+    ``get_optimizer_state_dict``). Those runs read the model's weights alone, as Lightning restores them.
+    """
+    trainer = getattr(module, "_trainer", None)
+    return trainer is None or getattr(trainer.state.fn, "value", "fit") == "fit"
 
 
 def _unwrapped(optimizers: Sequence[Any]) -> list[Optimizer]:

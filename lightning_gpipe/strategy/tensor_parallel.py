@@ -12,11 +12,15 @@ plan), and the mesh is the 1-D ``tensor_parallel`` slice of ``self.device_mesh``
 ``torch.distributed.tensor.parallel.parallelize_module`` to the stage's layers, as Lightning's
 ``ModelParallelStrategy`` users do to their model in ``configure_model``. It runs before the optimizers
 are made, so they hold the ``DTensor`` parameters. A model without the hook is refused before any
-process starts (:func:`check_model`).
+process starts (:func:`check_model`). A hook that raises, or that parallelizes a module outside the stage (a
+part on another stage, an attribute the stage does not hold), is refused with the rank's layers and the
+fix named (:func:`apply_plan`).
 """
 
 from __future__ import annotations
 
+import inspect
+import warnings
 import weakref
 from typing import Any
 
@@ -25,8 +29,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.engine.stage import PipelineStage
+from lightning_gpipe.errors import PipelineUsageError
 
-__all__ = ["HOOK", "check_model", "parallelize", "unparallelize"]
+__all__ = ["HOOK", "apply_plan", "check_model", "parallelize", "unparallelize"]
 
 _ADDED: weakref.WeakKeyDictionary[nn.Module, list[tuple[nn.Module, set[int], set[int]]]]
 _ADDED = weakref.WeakKeyDictionary()  # per stage: (module, pre-hook ids, hook ids) its plan added
@@ -36,12 +41,23 @@ HOOK = "parallelize_stage"
 
 
 def check_model(model: nn.Module, tensor_parallel_size: int) -> None:
-    """Raise if ``tensor_parallel_size`` > 1 and ``model`` has no :data:`HOOK` method.
+    """Raise if ``tensor_parallel_size`` > 1 and ``model`` has no :data:`HOOK` method, or one that cannot
+    be called with ``(stage, tp_mesh)``.
 
     Raises:
-        ValueError: the message names the size and shows the hook to write.
+        ValueError: the message names the size (or the hook's signature) and shows the hook to write.
     """
-    if tensor_parallel_size > 1 and not callable(getattr(model, HOOK, None)):
+    hook = getattr(model, HOOK, None)
+    if tensor_parallel_size > 1 and callable(hook):
+        try:
+            inspect.signature(hook).bind(None, None)
+        except TypeError:
+            raise ValueError(
+                f"{type(model).__name__}.{HOOK}{inspect.signature(hook)} cannot be called as "
+                f"{HOOK}(stage, tp_mesh): the strategy passes the rank's stage and the 1-D tensor-parallel "
+                f"mesh; define it as def {HOOK}(self, stage, tp_mesh)"
+            ) from None
+    if tensor_parallel_size > 1 and not callable(hook):
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} needs a tensor-parallel plan: "
             f"{type(model).__name__} has no {HOOK}(self, stage, tp_mesh) method. Define it to apply "
@@ -59,21 +75,85 @@ def parallelize(model: nn.Module, stage: PipelineStage, mesh: Any, tensor_parall
         return
     check_model(model, tensor_parallel_size)
     tp_mesh = mesh["tensor_parallel"]
-    before = {m: (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in stage.modules()}
-    getattr(model, HOOK)(stage, tp_mesh)
+    _ADDED[stage] = apply_plan(model, stage, tp_mesh)
     stage.executor.tensor_mesh = tp_mesh
-    _ADDED[stage] = [  # what the plan added: taken off with the plan at the end of fit
+
+
+def apply_plan(
+    model: nn.Module, stage: nn.Module, tp_mesh: Any
+) -> list[tuple[nn.Module, set[int], set[int]]]:
+    """Call ``model.parallelize_stage(stage, tp_mesh)`` and return what it added: per module of ``stage``,
+    ``(module, forward pre-hook ids, forward hook ids)``.
+
+    Warns when the stage holds no ``DTensor`` parameter after the hook (a plan whose names match none of
+    the stage's modules): each tensor-parallel rank then computes the whole stage.
+
+    Raises:
+        PipelineUsageError: the hook raised (chained), or it parallelized a module of ``model`` outside
+            ``stage`` (a ``DTensor`` parameter or a forward hook there); the message names the rank's
+            layers and says to apply the plan to ``stage``'s layers, as the model's attributes hold only
+            this stage's layers (a part on another stage is empty here).
+    """
+    inside = {id(m) for m in stage.modules()}
+    modules = [*stage.modules(), *(m for m in model.modules() if id(m) not in inside)]
+    before = {m: (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in modules}
+    try:
+        getattr(model, HOOK)(stage, tp_mesh)
+    except Exception as err:
+        raise PipelineUsageError(
+            f"{type(model).__name__}.{HOOK}(stage, tp_mesh) raised {type(err).__name__}: {err}. "
+            f"{_where(stage)}"
+        ) from err
+    touched = [
+        name or type(model).__name__
+        for name, m in model.named_modules()
+        if id(m) not in inside
+        and (
+            set(m._forward_pre_hooks) != before.get(m, (set(), set()))[0]
+            or set(m._forward_hooks) != before.get(m, (set(), set()))[1]
+            or any(isinstance(p, DTensor) for p in m.parameters(recurse=False))
+        )
+    ]
+    if touched:
+        raise PipelineUsageError(
+            f"{type(model).__name__}.{HOOK}(stage, tp_mesh) parallelized {', '.join(touched)}, outside "
+            f"this rank's stage. {_where(stage)}"
+        )
+    if not any(isinstance(p, DTensor) for p in stage.parameters()):
+        layers = ", ".join(name for name, _ in stage.named_children()) or "none"
+        warnings.warn(
+            f"{type(model).__name__}.{HOOK}(stage, tp_mesh) left every parameter of this rank's stage "
+            f"(layers {layers}) plain: each of its tensor-parallel ranks holds and computes the whole "
+            "stage. Check the plan's module names against the stage's layers (parallelize_module warns "
+            "of keys it cannot resolve)",
+            stacklevel=2,
+        )
+    return [
         (m, set(m._forward_pre_hooks) - pre, set(m._forward_hooks) - post)
         for m, (pre, post) in before.items()
+        if id(m) in inside
     ]
+
+
+def _where(stage: nn.Module) -> str:
+    """The rank's layers, and where the plan must go."""
+    layers = ", ".join(name for name, _ in stage.named_children()) or "none"
+    return (
+        f"On this rank the stage holds the layers {layers}, and the model's attributes hold only these (a "
+        "part on another stage is empty here): apply the plan to the stage's layers, e.g. for layer in "
+        "stage.children(): if isinstance(layer, Block): parallelize_module(layer, tp_mesh, plan)"
+    )
 
 
 def unparallelize(stage: PipelineStage) -> None:
     """Take the plan off ``stage``'s layers: every ``DTensor`` parameter becomes a plain parameter of its
     global shape (uninitialized: the gathered state is loaded into it next,
     :meth:`lightning_gpipe.strategy.pipelined.Pipelined.uninstall`) and the forward hooks the plan added are
-    removed, so that the user's Sequential runs on one device after fit. Nothing without a plan."""
+    removed, so that the user's Sequential runs on one device after fit, and the next ``fit``, ``validate``,
+    ``test`` or ``predict`` applies the plan again (``distribute_module`` refuses a module it has marked).
+    Nothing without a plan."""
     for module, pre, post in _ADDED.pop(stage, ()):
+        module.__dict__.pop("_distribute_module_applied", None)  # torch's mark of a distributed module
         for key in pre:
             del module._forward_pre_hooks[key]
         for key in post:

@@ -9,7 +9,8 @@ trained ``state_dict`` after fit and
 the whole model's output on the first batch after fit (``after_fit``: plain layers, run in this process).
 At the end of training each run saves ``run{k}.ckpt`` (its ``checkpoint_format``); with ``resume`` (Trainer
 overrides: ``max_steps``, ``max_epochs``) a new module fits on from it (``resumed_losses``, ``resumed_norms``,
-``resumed_state``).
+``resumed_state``). With ``validate``, ``trainer.validate(ckpt_path=run{k}.ckpt)`` on the first batch
+after fit, with the same trainer and module (``val_losses``).
 """
 
 import json
@@ -64,6 +65,9 @@ for k, run in enumerate(spec["runs"]):
         "state": {n: t.detach().clone() for n, t in model.state_dict().items()},
         "after_fit": model(next(iter(llama_data()))[0]).detach(),  # the whole model, plain, on this process
     }
+    if spec.get("validate"):  # the same trainer and module, from the checkpoint saved at the end of training
+        trainer.validate(model, llama_data(steps=1), ckpt_path=str(out / f"run{k}.ckpt"), verbose=False)
+        record["val_losses"] = model.val_losses
     if spec.get("resume"):  # a new module fit on from the checkpoint, to the step and epoch limits given
         model = make()
         kwargs = {**trainer_kwargs(spec["steps"]), **spec["resume"]}

@@ -61,18 +61,26 @@ def _check_placement(ranks: list[dict], stages: int, replicas: int, tensors: int
 @pytest.mark.timeout(300)
 def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     """K = 2 × T = 2 (4 processes): under gpipe the cut falls between ``Up`` and ``Down``, so a ``Shard(-1)``
-    DTensor travels between the stages; under 1f1b it falls after the first block (a plain tensor)."""
+    DTensor travels between the stages; under 1f1b it falls after the first block (a plain tensor). Each
+    trainer then validates from its checkpoint (full, then sharded), the plan applied again, as one device
+    does."""
     mesh = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
     runs = [
         {**mesh, "balance": [4, 4]},
         {**mesh, "balance": [2, 6], "schedule": "1f1b", "checkpoint_format": "sharded"},
     ]
-    results = _job(tmp_path, 4, runs)
+    results = _job(tmp_path, 4, runs, validate=True)
     reference, optimizer = _one_device(with_optimizer=True)
     assert min(reference.norms) > CLIP  # clipping acts on every step
     expected = reference.state_dict()
     after_fit = reference(next(iter(llama_data()))[0]).detach()
+    pl.Trainer(devices=1, **trainer_kwargs(STEPS)).validate(reference, llama_data(steps=1), verbose=False)
     for ranks in results:
+        # validate after fit, the same trainer, from the full (run 0) and sharded (run 1) checkpoints saved at
+        # the end of training: the plan is applied again (torch refuses a marked module) and the weights
+        # alone are read (fit's optimizers hold the parameters the plan has since replaced)
+        for rank in (0, 1):
+            assert abs(ranks[rank]["val_losses"][0] - reference.val_losses[0]) <= 1e-5
         _check_placement(ranks, stages=2, replicas=1, tensors=2)
         for rank in (0, 1):  # both tensor-parallel ranks of the last stage compute the loss
             losses = _step_losses(ranks[rank]["losses"])

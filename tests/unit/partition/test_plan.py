@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 
 from lightning_gpipe.engine.stage import PipelineUsageError, StageDone
@@ -476,6 +477,34 @@ def test_a_forward_that_is_not_the_chain_is_refused_at_its_first_call(cls, steps
         stage.run_step(model, True, *[ids] * args)
     assert not any(m.training for m in model.modules())
     assert "docs/models.md" in str(err.value) and "position embedding" in str(err.value)
+
+
+class ScalesWithMetrics(Scales):
+    """Submodules the forward never calls, outside the plan: a loss module and a torchmetrics metric."""
+
+    def __init__(self):
+        super().__init__()
+        self.criterion = nn.CrossEntropyLoss()
+        self.val_mse = torchmetrics.MeanSquaredError()
+
+
+@pytest.mark.parametrize(("cls", "named"), [(ScalesWithMetrics, None), (Dropped, "drop")])
+def test_the_refusal_names_as_parts_only_the_submodules_the_forward_calls(cls, named):
+    """A metric or a loss module outside plan= is not a part to add; a dropout called between parts is."""
+    model = cls()
+    model.head.weight = nn.Parameter(torch.randn(VOCAB, 16))
+    _, chain, _ = _chain(model, PLAN)
+    stage = _stages(chain, [3, len(chain) - 3], "gpipe")[1]
+    plan.install(chain, stage, PlanForward(chain, stage))
+    (ids,) = next(iter(gpt_data()))
+    with pytest.raises(PipelineUsageError) as err:
+        stage.run_step(model, True, ids)
+    text = str(err.value)
+    assert "criterion" not in text and "val_mse" not in text
+    if named is None:
+        assert "outside plan=" not in text
+    else:
+        assert f"calls submodules outside plan=: {named}; name them in plan=" in text
 
 
 def test_the_chain_check_computes_nothing_and_passes_the_gpt():

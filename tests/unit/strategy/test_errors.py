@@ -174,6 +174,14 @@ def test_balance_sum_mismatch_raises_before_spawn():
     assert "to 5, e.g. balance=[3, 2], or a balancer" in message
 
 
+def test_a_balance_that_does_not_cover_a_plans_chain_names_the_chain_before_spawn():
+    message = _fit_before_spawn(GPT(tied=False), plan=["embed", "blocks", "norm", "head"], balance=[3, 3])
+    assert (
+        "balance=[3, 3] places 6 layers but the plan's chain embed → blocks[0..3] → norm → head (a "
+        "ModuleList's items one layer each) has 7" in message
+    )
+
+
 def test_balance_length_must_match_stages():
     message = _fit_before_spawn(Net("mlp"), devices=2, balance=[1, 1, 3])
     assert "balance has 3 stages but the pipeline has 2" in message
@@ -203,6 +211,22 @@ def test_tensor_parallel_without_a_plan_is_refused_before_spawn():
         trainer.fit(Net("mlp"), make_data("mlp", 10, 1))
     assert trainer.strategy.launcher.procs == []
     trainer.strategy.check_model(Llama())  # has the hook: cut as usual
+
+
+class OneArgumentPlan(Llama):
+    def parallelize_stage(self, stage):  # the mesh forgotten
+        pass
+
+
+def test_a_parallelize_stage_that_cannot_take_stage_and_mesh_is_refused_before_spawn():
+    trainer = pl.Trainer(strategy=GPipeStrategy(tensor_parallel_size=2), devices=4, **trainer_kwargs(1))
+    with pytest.raises(
+        ValueError,
+        match=r"OneArgumentPlan.parallelize_stage\(stage\) cannot be called as parallelize_stage\(stage, "
+        r"tp_mesh\).*def parallelize_stage\(self, stage, tp_mesh\)",
+    ):
+        trainer.fit(OneArgumentPlan(), make_data("mlp", 10, 1))
+    assert trainer.strategy.launcher.procs == []
 
 
 def test_manual_optimization_is_refused_before_spawn():
