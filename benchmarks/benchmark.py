@@ -146,6 +146,7 @@ COLUMNS = [
     "vs_peer_alternating_blocks",
     "latency_gloo_s",
     "vs_peer_alternating_ci",
+    "vs_peer_alternating_cpu_stages",
     "peer_schedule",
 ]
 
@@ -342,6 +343,11 @@ def _row(
         else None,
         "vs_peer_alternating_blocks": "|".join(f"{b:.3f}" for b in result["block_ratios"])
         if result.get("block_ratios")
+        else None,
+        "vs_peer_alternating_cpu_stages": "|".join(
+            f"{_median(r['cpu_block_ratios']):.3f}" for r in stage_results
+        )
+        if all(r.get("cpu_block_ratios") for r in stage_results)
         else None,
     }
 
@@ -692,7 +698,9 @@ def format_paired(rows: list[dict[str, Any]]) -> str:
         f"(median over {len(str(row.get('vs_peer_alternating_blocks', '')).split('|'))} blocks, "
         "its 95 % interval "
         f"{str(row.get('vs_peer_alternating_ci') or '–').replace('|', '–')}; "
-        f"per block {str(row.get('vs_peer_alternating_blocks', '')).replace('|', ', ')})"
+        f"per block {str(row.get('vs_peer_alternating_blocks', '')).replace('|', ', ')}; "
+        "CPU per step, the peer's over ours, by stage: "
+        f"{str(row.get('vs_peer_alternating_cpu_stages') or '–').replace('|', ', ')})"
         for row in rows
         if row.get("vs_peer_alternating") not in (None, "")
     ]

@@ -289,36 +289,42 @@ class Alternation:
         self.ours: list[list[float]] = []  # per block, the timed steps' seconds
         self.peers: list[list[float]] = []
         self.windows: dict[str, list[list[list[float]]]] = {"ours": [], "peer": []}  # per block, per step
+        self.cpu: dict[str, list[list[float]]] = {"ours": [], "peer": []}  # per block, CPU seconds per step
         self.steps = 0
         self.mark = 0.0
+        self.cpu_mark = 0.0
 
     def start(self) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         self.peer = Peer(self.spec, rank, world, dist.new_group(backend="gloo"), ours_layout=True)
-        self.mark = time.perf_counter()
+        self.mark, self.cpu_mark = time.perf_counter(), time.process_time()
 
     def after_ours(self, x: Tensor, y: Tensor) -> None:
         assert self.peer is not None
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.steps += 1
         at = (self.steps - 1) % self.block
         if at == 0:
             self.ours.append([])
             self.windows["ours"].append([])
+            self.cpu["ours"].append([])
         else:
             self.ours[-1].append(now - self.mark)
             self.windows["ours"][-1].append([self.mark, now])
-        self.mark = now
+            self.cpu["ours"][-1].append(cpu - self.cpu_mark)
+        self.mark, self.cpu_mark = now, cpu
         if at == self.block - 1:
-            times, spans = [], []
+            times, spans, cpus = [], [], []
             for _ in range(self.block):
                 self.peer.step(x, y)
-                now, last = time.perf_counter(), self.mark
+                now, last, cpu = time.perf_counter(), self.mark, time.process_time()
                 times.append(now - last)
                 spans.append([last, now])
-                self.mark = now
+                cpus.append(cpu - self.cpu_mark)
+                self.mark, self.cpu_mark = now, cpu
             self.peers.append(times[1:])
             self.windows["peer"].append(spans[1:])
+            self.cpu["peer"].append(cpus[1:])
 
     def result(self) -> dict[str, Any]:
         first = -(-self.spec["warmup"] // self.block)  # blocks holding warm-up steps
@@ -328,6 +334,10 @@ class Alternation:
             "step_s": [t for b in ours for t in b],
             "peer_step_s": [t for b in peers for t in b],
             "block_ratios": [_median(p) / _median(o) for o, p in zip(ours, peers)],
+            "cpu_block_ratios": [  # this process's CPU seconds per step, the peer's over ours
+                _median(p) / _median(o)
+                for o, p in zip(self.cpu["ours"][first : len(self.peers)], self.cpu["peer"][first:])
+            ],
             "turn_windows": windows,
         }
 
