@@ -12,9 +12,27 @@ Each micro-batch's backward would reduce-scatter its gradients; only the last ba
 stage in a step does (:meth:`ShardedStage.before_backward`): the earlier ones accumulate the unsharded
 gradients (FSDP2's ``set_requires_gradient_sync(False)``, its ``no_sync``) and keep the gathered
 parameters for the next micro-batch (``set_reshard_after_backward(False)``). The reduce-scatter averages
-over the replicas, as the replicated mode's all-reduce does, which is skipped. No backward is split into
-input and weight gradients (``executor.split_backward``): FSDP2 reduces a block's gradients once its input
-gradient is computed, which is also why ``schedule="zb_h1"`` is refused (:func:`check_schedule`).
+over the replicas, as the replicated mode's all-reduce does, which is skipped. These schedules run no
+backward split into input and weight gradients (``executor.split_backward``): FSDP2 reduces a block's
+gradients once its input gradient is computed.
+
+``schedule="zb_h1"`` splits every backward (``B`` the input gradient, ``W`` the weight gradients later,
+:mod:`lightning_gpipe.engine.backward_split`), so no backward reduces (``split=True``): every ``B`` and
+``W`` accumulates into the unsharded gradients, and once the step's column has run its last ``W``
+(``PipelineStage.after_backward``) :meth:`ShardedStage.reduce` reduce-scatters each block's gradients
+itself, as ``torch.distributed.pipelining`` does for its zero-bubble schedules with FSDP
+(``_PipelineStageBase.perform_reduce_grad``): FSDP2's ``post_backward`` of each parameter group with
+the reduction on, then its root's final callback. A ``W`` runs on the parameters its ``B`` gathered, after
+forwards of later micro-batches: from a virtual stage's first ``B`` of a step to the reduce its blocks
+stay gathered (``set_reshard_after_forward(False)``; torchtitan keeps them gathered through the whole
+step under pipeline parallelism), sharded again after it.
+
+A parameter tied across stages (GPT-2's embedding and LM head, :mod:`lightning_gpipe.partition.tied`) is a
+separate parameter on each stage holding it, sharded there on its own; with the same shape on every stage
+each replica holds the same rows of every copy, so the tied gradients are summed over the stages holding
+them shard by shard (``sum_tied_gradients`` on the local shards, after the reduce-scatter), as under
+``"replicate"``. A parameter shared by two layers of one stage is refused (:func:`check_ties`): FSDP2 shards
+each block on its own and would make it two parameters.
 
 With ``tensor_parallel_size`` > 1 the user's plan has run on the stage first
 (:mod:`lightning_gpipe.strategy.tensor_parallel`), as torchtitan composes them: ``fully_shard`` over
@@ -42,53 +60,46 @@ from torch.distributed._composable_state import _module_state_mapping
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.optim import Optimizer
 
+from lightning_gpipe._compat import children
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.errors import PartitionError
 from lightning_gpipe.state.dtensors import full_tensors
+from lightning_gpipe.transport.layout import layer_stages
 
-__all__ = ["FSDP", "ShardedStage", "check_schedule", "check_ties", "shard_stage"]
+__all__ = ["FSDP", "ShardedStage", "check_ties", "shard_stage"]
 
 FSDP = "fsdp"
 
 
-def check_schedule(data_parallel: str, schedule: str) -> None:
-    """Refuse what FSDP cannot run, before any process starts.
+def check_ties(seq: nn.Module, data_parallel: str, balance: Any, stages: int) -> None:
+    """Refuse a parameter shared by two layers of one stage under ``data_parallel="fsdp"``.
+
+    FSDP shards each block (layer) of a stage on its own; a parameter two of its blocks share would be
+    sharded twice, as two parameters. Layers on different stages hold separate copies anyway, kept equal
+    (:mod:`lightning_gpipe.partition.tied`), and a tie inside one layer is fine.
+
+    Args:
+        balance: layers per part (K·v entries with virtual stages); anything else (a balancer's name,
+            ``None``) checks nothing: the strategy checks again once the balance is chosen.
+        stages: the pipeline stages K.
 
     Raises:
-        ValueError: ``schedule="zb_h1"`` with ``data_parallel="fsdp"``: its split backward computes a
-            block's input gradient before its weight gradients, but FSDP2 reduce-scatters a block's
-            gradients when its input gradient is computed.
+        PartitionError: a parameter held by two layers of one stage, naming both, the stage and the fix.
     """
-    if data_parallel == FSDP and schedule == "zb_h1":
-        raise ValueError(
-            "schedule='zb_h1' cannot run with data_parallel='fsdp': zb_h1 computes a block's input "
-            "gradient before its weight gradients, and FSDP reduce-scatters a block's gradients as soon as "
-            "its input gradient is computed; use schedule='1f1b' or 'interleaved_1f1b' with fsdp, or "
-            "data_parallel='replicate' with zb_h1"
-        )
-
-
-def check_ties(seq: nn.Module, data_parallel: str) -> None:
-    """Refuse parameters shared by two layers of the pipelined Sequential under ``data_parallel="fsdp"``.
-
-    FSDP shards each block's parameters on its own; a parameter shared by two blocks (a tied embedding
-    and head) would be sharded twice. A tie inside one layer is fine.
-
-    Raises:
-        PartitionError: a parameter held by two layers, naming both and the fix.
-    """
-    if data_parallel != FSDP:
+    if data_parallel != FSDP or not isinstance(balance, list):
         return
-    owner: dict[int, str] = {}
-    for name, layer in seq.named_children():
+    stage_of = layer_stages(balance, stages)
+    owner: dict[int, tuple[int, str]] = {}
+    for k, (name, layer) in enumerate(children(seq).items()):
         for pname, p in layer.named_parameters():
-            first = owner.setdefault(id(p), f"{name}.{pname}")
-            if not first.startswith(f"{name}."):
+            first, first_name = owner.setdefault(id(p), (k, f"{name}.{pname}"))
+            if first != k and stage_of[first] == stage_of[k]:
                 raise PartitionError(
-                    f"data_parallel='fsdp' cannot shard a parameter shared by two layers ({first} is "
-                    f"{name}.{pname}): each layer is sharded on its own. Untie them (give the second layer "
-                    "its own parameter), or use data_parallel='replicate', which keeps tied parameters "
-                    "across stages equal"
+                    f"data_parallel='fsdp' cannot shard a parameter shared by two layers of one stage "
+                    f"({first_name} is {name}.{pname}, both on stage {stage_of[k]} with balance {balance}): "
+                    "FSDP shards each layer on its own, which would untie them. Choose a balance that puts "
+                    "the two layers on different stages (their copies are then kept equal), give the second "
+                    "layer its own parameter, or use data_parallel='replicate'"
                 )
 
 
@@ -108,13 +119,15 @@ class ShardedStage:
     Args:
         stage: this rank's stage (its children are the blocks; virtual stages name theirs).
         mesh: the data-parallel dimension of the strategy's mesh (``mesh["data_parallel"]``).
+        split: the schedule splits backwards into input and weight gradients (``zb_h1``): no backward
+            reduces, :meth:`reduce` does once the step's column has run (module docstring).
     """
 
-    def __init__(self, stage: PipelineStage, mesh: Any) -> None:
+    def __init__(self, stage: PipelineStage, mesh: Any, split: bool = False) -> None:
         # the last stage's outputs reach the user detached (PipelineStage.forward): an in-place op on them
         # cannot drop FSDP's pre-backward hook, which FSDP warns of for every view a block returns
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(.*\) returned a view tensor")
-        self.stage = stage
+        self.stage, self.split = stage, split
         names = {id(m): n for n, m in stage.named_children()}
         self.blocks = _blocks(stage)
         for block in self.blocks:
@@ -130,14 +143,45 @@ class ShardedStage:
         ]
         self.optimizers: list[Optimizer] = []  # set once built: made whole with the stage (unshard)
         stage.executor.before_backward = self.before_backward
-        stage.executor.split_backward = False  # input gradients first would reduce-scatter early
+        stage.executor.split_backward = split  # unsplit, input gradients first would reduce-scatter early
+        if split:
+            stage.after_backward = self.reduce
+            self._reduce_on(False)
 
     def before_backward(self, virtual_stage: int, last: bool) -> None:
         """Before a micro-batch's backward through ``virtual_stage``'s blocks: gradients reduce-scattered and
-        parameters resharded only when it is the ``last`` of the step's backwards there."""
+        parameters resharded only when it is the ``last`` of the step's backwards there.
+
+        With ``split`` nothing reduces; the blocks are gathered (an all-gather over the data-parallel group
+        where they are sharded), so that the backward is split over the parameters the forward used, and stay
+        gathered through later forwards until :meth:`reduce`, for the ``W`` that follows."""
         for block in self.virtual[virtual_stage]:
-            block.set_requires_gradient_sync(last, recurse=False)  # type: ignore[operator]
-            block.set_reshard_after_backward(last, recurse=False)  # type: ignore[operator]
+            if self.split:
+                block.set_reshard_after_forward(False, recurse=False)  # type: ignore[operator]
+                block.unshard()  # type: ignore[operator]
+            else:
+                block.set_requires_gradient_sync(last, recurse=False)  # type: ignore[operator]
+                block.set_reshard_after_backward(last, recurse=False)  # type: ignore[operator]
+
+    def _reduce_on(self, on: bool) -> None:
+        """Every block's gradients reduce-scattered and parameters resharded at its post-backward, or not."""
+        for block in self.blocks:
+            block.set_requires_gradient_sync(on, recurse=False)  # type: ignore[operator]
+            block.set_reshard_after_backward(on, recurse=False)  # type: ignore[operator]
+
+    def reduce(self) -> None:
+        """With ``split``, after a training step's column (its last ``W``): every block's accumulated
+        gradients reduce-scattered into its sharded gradients and its parameters resharded (FSDP2's
+        ``post_backward`` of each parameter group, then its root's final callback, as
+        ``torch.distributed.pipelining``'s ``perform_reduce_grad``). A collective over the data-parallel
+        group, in the same block order on every replica."""
+        self._reduce_on(True)
+        for block in reversed(self.blocks):  # the backward's order
+            block.set_reshard_after_forward(True, recurse=False)  # type: ignore[operator]
+            for group in block._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+                group.post_backward()
+        self.stage._get_fsdp_state()._root_post_backward_final_callback()  # type: ignore[operator]
+        self._reduce_on(False)
 
     def unshard(self) -> None:
         """Give every wrapped module its full parameters as plain tensors, its hooks and class removed, and
@@ -147,6 +191,7 @@ class ShardedStage:
         A collective over the stage's data-parallel group (each ``DTensor.full_tensor()`` all-gathers).
         """
         self.stage.executor.before_backward, self.stage.executor.split_backward = None, True
+        self.stage.after_backward = None
         whole: dict[nn.Parameter, nn.Parameter] = {}
         for module in [*self.blocks, self.stage]:
             state = module._get_fsdp_state()  # type: ignore[operator]
@@ -184,9 +229,12 @@ def _swap_parameters(optimizer: Optimizer, whole: dict[nn.Parameter, nn.Paramete
     optimizer.state.update(state)
 
 
-def shard_stage(stage: PipelineStage, mesh: Any, data_parallel: str) -> ShardedStage | None:
+def shard_stage(
+    stage: PipelineStage, mesh: Any, data_parallel: str, schedule: str = "1f1b"
+) -> ShardedStage | None:
     """Wrap ``stage`` with FSDP2 over ``mesh["data_parallel"]`` when ``data_parallel="fsdp"``
-    (:class:`ShardedStage`); ``None`` otherwise or without a mesh (one process)."""
+    (:class:`ShardedStage`, its backwards split under ``schedule="zb_h1"``); ``None`` otherwise or without a
+    mesh (one process)."""
     if data_parallel != FSDP or mesh is None:
         return None
-    return ShardedStage(stage, mesh["data_parallel"])
+    return ShardedStage(stage, mesh["data_parallel"], split=schedule == "zb_h1")

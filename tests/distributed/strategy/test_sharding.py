@@ -40,11 +40,14 @@ class GradNorms(pl.Callback):
         self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
 
-def one_device(order: list[int], batch: int, steps: int = STEPS, ckpt_path: str | None = None) -> LazyNet:
-    """The reference: the same module (seed 0) on one device, Adam, clipped at ``CLIP``, the worker's samples
-    in ``order``, ``batch`` a step; its gradient norms before clipping in ``model.norms``."""
+def one_device(
+    order: list[int], batch: int, steps: int = STEPS, ckpt_path: str | None = None, tied: bool = False
+) -> LazyNet:
+    """The reference: the same module (seed 0; ``tied``: its LM head tied to its token embedding) on one
+    device, Adam, clipped at ``CLIP``, the worker's samples in ``order``, ``batch`` a step; its gradient norms
+    before clipping in ``model.norms``."""
     pl.seed_everything(0, verbose=False)
-    model = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
+    model = LazyNet("transformer", lr=LR, deferred=False, size={**SIZE, "tied": tied})
     norms = GradNorms()
     model.norms = norms.norms
     trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, callbacks=[norms], **trainer_kwargs(steps))
@@ -84,33 +87,42 @@ def step_losses(losses_by_replica: list[list[float]], calls: int = 1) -> list[fl
 
 @pytest.mark.timeout(300)
 def test_pipeline_times_fsdp_matches_single_device(tmp_path):
-    """K=2 stages × D=2 FSDP replicas (4 processes): gpipe, 1f1b and interleaved_1f1b, each 4 steps of Adam
-    with gradient clipping by the global norm, equal one device on the concatenated batch (≤ 1e-5 on the
-    losses and the trained weights). Each rank holds half its stage's parameters and optimizer state, as
-    DTensor shards; each block's gradients are reduce-scattered once a step, not once per micro-batch; and
-    after fit the Sequential is whole and unwrapped again."""
+    """K=2 stages × D=2 FSDP replicas (4 processes): gpipe, 1f1b, interleaved_1f1b and zb_h1 (every backward
+    split into input and weight gradients, the gradients reduce-scattered after the step's last weight
+    pass), and 1f1b with the LM head tied to the token embedding across the two stages (GPT-2's tie: each
+    stage's copy sharded on its own, the tied gradients summed shard by shard), each 4 steps of Adam with
+    gradient clipping by the global norm, equal one device on the concatenated batch (≤ 1e-5 on the losses
+    and the trained weights). Each rank holds half its stage's parameters and optimizer state, as DTensor
+    shards; each block's gradients are reduce-scattered once a step, not once per micro-batch; and after
+    fit the Sequential is whole and unwrapped again."""
     mesh = {"chunks": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2, "data_parallel": "fsdp"}
-    schedules = ["gpipe", "1f1b", "interleaved_1f1b"]
-    runs = fsdp_job(tmp_path, 4, [{**mesh, "schedule": s} for s in schedules], batch=4)
-    reference = one_device(replicas_order(2, 4, STEPS), batch=8)
-    for schedule, ranks in zip(schedules, runs):
+    schedules = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "1f1b"]
+    extra = [{}, {}, {}, {"checkpoint": "never"}, {"tied": True}]  # zb_h1 splits unrecomputed backwards only
+    runs = fsdp_job(tmp_path, 4, [{**mesh, "schedule": s, **e} for s, e in zip(schedules, extra)], batch=4)
+    references = {tied: one_device(replicas_order(2, 4, STEPS), batch=8, tied=tied) for tied in (False, True)}
+    for schedule, e, ranks in zip(schedules, extra, runs):
+        reference, what = references[bool(e.get("tied"))], (schedule, e)
         # ranks 0 and 2 run the last stage of replicas 0 and 1 (the layout's formula)
         losses = step_losses([ranks[0]["losses"], ranks[2]["losses"]], 1 if schedule == "gpipe" else 2)
-        assert len(losses) == STEPS, schedule
-        assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5, schedule
-        assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, schedule
+        assert len(losses) == STEPS, what
+        assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5, what
+        assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, what
         assert min(reference.norms) > CLIP  # every step clipped, by the whole model's norm on every rank
-        assert all(max(abs(a - b) for a, b in zip(r["norms"], reference.norms)) <= 1e-5 for r in ranks), (
-            schedule
-        )
+        assert all(max(abs(a - b) for a, b in zip(r["norms"], reference.norms)) <= 1e-5 for r in ranks), what
         for rank in ranks:
-            assert all(rank["dtensor"]) and rank["classes"][0].startswith("FSDP"), schedule
-            assert rank["local"] * 2 == rank["whole"], schedule  # every dimension 0 here is even
-            assert rank["optimizer_local"] == 2 * rank["local"], schedule  # Adam: two moments per shard
+            assert all(rank["dtensor"]) and rank["classes"][0].startswith("FSDP"), what
+            assert rank["local"] * 2 == rank["whole"], what  # every dimension 0 here is even
+            assert rank["optimizer_local"] == 2 * rank["local"], what  # Adam: two moments per shard
             blocks = sum(name.startswith("FSDP") for name in rank["classes"])
-            assert rank["reduce_scatters"] == STEPS * blocks, schedule  # once a step, not per micro-batch
+            assert rank["reduce_scatters"] == STEPS * blocks, what  # once a step, not per micro-batch
             assert rank["after"][0] == "Sequential" and not any("FSDP" in name for name in rank["after"])
-        assert not any(type(t).__name__ == "DTensor" for t in ranks[0]["state"].values()), schedule
+        # zb_h1 splits the last stage's backwards (its input needs a gradient), one a micro-batch; others none
+        split = STEPS * mesh["chunks"] if schedule == "zb_h1" else 0
+        assert [rank["weight_passes"] for rank in ranks] == [split, 0, split, 0], what
+        assert not any(type(t).__name__ == "DTensor" for t in ranks[0]["state"].values()), what
+    tied = references[True].state_dict()
+    assert tied["layers.0.tokens.weight"].data_ptr() == tied["layers.6.weight"].data_ptr()  # tied reference
+    assert not torch.equal(tied["layers.0.tokens.weight"], references[False].state_dict()["layers.6.weight"])
 
 
 class LoadOptimizerState(pl.Callback):

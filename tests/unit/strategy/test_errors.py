@@ -7,6 +7,7 @@ from torch import nn
 
 import lightning_gpipe
 from lightning_gpipe import GPipeStrategy, PartitionError
+from lightning_gpipe.strategy import sharding
 from tests.gpt import GPT
 from tests.llama import Llama
 from tests.models import Net, make_data, trainer_kwargs
@@ -64,10 +65,6 @@ def test_registered_strategy_name():
         ),
         ({"tensor_parallel_size": "2"}, r"tensor_parallel_size must be an integer >= 1, 'auto' or None"),
         (
-            {"data_parallel": "fsdp", "schedule": "zb_h1"},
-            r"schedule='zb_h1' cannot run with data_parallel='fsdp'.*use schedule='1f1b'",
-        ),
-        (
             {"data_parallel": "zero"},
             r"data_parallel must be one of 'replicate', 'fsdp' \(data_parallel: 'zero'\)",
         ),
@@ -123,17 +120,21 @@ def test_parameters_outside_sequential_raise_before_spawn():
     assert "no nn.Sequential holding all of its parameters" in message and "module_name" in message
 
 
-def test_fsdp_with_parameters_outside_the_sequential_or_tied_across_layers_is_refused_before_spawn():
+def test_fsdp_with_parameters_outside_the_sequential_or_tied_within_a_stage_is_refused_before_spawn():
     """data_parallel="fsdp" (issue 42): FSDP shards the stages' layers; a parameter outside them, or one
-    shared by two layers, is refused before any process starts, saying what to do."""
+    shared by two layers of one stage (FSDP would shard it twice, as two parameters), is refused before any
+    process starts, saying what to do. Tied across stages (the embedding on stage 0, the head on stage 1) it
+    passes: each stage shards its own copy."""
     fsdp = {"data_parallel": "fsdp", "pipeline_parallel_size": 2}
     message = _fit_before_spawn(OutsideParams(), module_name="layers", **fsdp)
     assert "parameters outside the pipelined nn.Sequential 'layers': scale" in message
-    message = _fit_before_spawn(Net("tied"), **fsdp)
+    message = _fit_before_spawn(Net("tied"), data_parallel="fsdp", pipeline_parallel_size=1)
     assert (
-        "data_parallel='fsdp' cannot shard a parameter shared by two layers (0.weight is 4.weight)" in message
+        "data_parallel='fsdp' cannot shard a parameter shared by two layers of one stage (0.weight is "
+        "4.weight, both on stage 0 with balance [5])" in message
     )
-    assert "data_parallel='replicate'" in message
+    assert "on different stages" in message and "data_parallel='replicate'" in message
+    sharding.check_ties(Net("tied").layers, "fsdp", [3, 2], 2)  # across stages: no error
 
 
 def test_parameters_outside_named_sequential_are_listed():
