@@ -227,18 +227,22 @@ def test_fsdp_holds_a_quarter_of_the_parameters_and_adam_state_per_rank_at_k2_d2
     assert ratio <= 0.3
 
 
-# about 25 s: one launch of four fits
+# about 10 s: one launch of six fits
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_equals_replicate_with_accumulation_mixed_precision_validation_and_predict(gpipe_job):
-    """tests.models.Net under K=2 × D=2, sharded and replicated, with ``accumulate_grad_batches=2``, and again
-    under ``bf16-mixed``, each with clipping, validation, ``trainer.predict`` and a gradient hook that reads
-    ``self.named_parameters()`` (the whole model's, gathered): the same losses, validation loss, gradient
-    norms, predictions and trained weights."""
+    """tests.models.Net under K=2 × D=2, sharded and replicated, with ``accumulate_grad_batches=2``, again
+    under ``bf16-mixed``, and with ``accumulate_grad_batches=2`` under ``schedule="zb_h1"`` (split
+    backwards, the gradients reduce-scattered after each batch's last weight pass), each with clipping,
+    validation, ``trainer.predict`` and a gradient hook that reads ``self.named_parameters()`` (the whole
+    model's, gathered): the same losses, validation loss, gradient norms, predictions and trained weights."""
     runs = []
-    for extra in ({"accumulate_grad_batches": 2}, {"precision": "bf16-mixed"}):
+    zb_h1 = {"schedule": "zb_h1", "checkpoint": "never"}
+    accumulate, bf16 = {"accumulate_grad_batches": 2}, {"precision": "bf16-mixed"}
+    for extra, schedule in ((accumulate, {}), (bf16, {}), (accumulate, zb_h1)):
         for mode in ("fsdp", "replicate"):
-            runs.append({"chunks": 2, "pipeline_parallel_size": 2, "data_parallel": mode, "trainer": extra})
+            run = {"chunks": 2, "pipeline_parallel_size": 2, "data_parallel": mode, "trainer": extra}
+            runs.append({**run, **schedule})
     results, _ = gpipe_job(
         "mlp",
         4,
@@ -249,7 +253,7 @@ def test_fsdp_equals_replicate_with_accumulation_mixed_precision_validation_and_
         trainer={"gradient_clip_val": 0.05},
         record_grads=True,
     )
-    for sharded, replicated in (results[0:2], results[2:4]):
+    for sharded, replicated in (results[0:2], results[2:4], results[4:6]):
         assert (
             len(sharded["norms"]) >= 1
             and sharded["predictions"]
