@@ -1,9 +1,10 @@
-"""Sharded data parallel per stage (issue 42, item 2): each stage's blocks sharded with FSDP2 over the mesh's
-data-parallel dimension, gradients reduce-scattered once per step.
+"""Sharded data parallel per stage (issue 42, items 2 and 4): each stage's blocks sharded with FSDP2 over the
+mesh's data-parallel dimension, gradients reduce-scattered once per step, under every schedule.
 
 With ``GPipeStrategy(data_parallel="fsdp")`` every child of the stage that holds parameters (a block) is
-wrapped with :func:`torch.distributed.fsdp.fully_shard` over ``mesh["data_parallel"]``, then the stage
-itself, as the root (``torchtitan``'s order: each block gathered and reduced in a collective of its own).
+wrapped with :func:`torch.distributed.fsdp.fully_shard` over ``mesh["data_parallel"]`` (blocks sharing a
+parameter together), then the stage itself, as the root (``torchtitan``'s order: each block gathered and
+reduced in a collective of its own).
 Its parameters become ``DTensor`` shards (dimension 0 over the D replicas of the stage); the
 optimizer, built after the cut, holds the shards and their state, so parameters, gradients and optimizer
 state per rank are about 1/(K·D) of the model's.
@@ -31,8 +32,9 @@ A parameter tied across stages (GPT-2's embedding and LM head, :mod:`lightning_g
 separate parameter on each stage holding it, sharded there on its own; with the same shape on every stage
 each replica holds the same rows of every copy, so the tied gradients are summed over the stages holding
 them shard by shard (``sum_tied_gradients`` on the local shards, after the reduce-scatter), as under
-``"replicate"``. A parameter shared by two layers of one stage is refused (:func:`check_ties`): FSDP2 shards
-each block on its own and would make it two parameters.
+``"replicate"``. Blocks of one stage that share a parameter are wrapped together, as one FSDP2 group
+(``fully_shard([a, b])``, the parameter sharded once); in two virtual stages of one stage they are refused
+(:func:`check_ties`).
 
 With ``tensor_parallel_size`` > 1 the user's plan has run on the stage first
 (:mod:`lightning_gpipe.strategy.tensor_parallel`), as torchtitan composes them: ``fully_shard`` over
@@ -64,7 +66,7 @@ from lightning_gpipe._compat import children
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.errors import PartitionError
 from lightning_gpipe.state.dtensors import full_tensors
-from lightning_gpipe.transport.layout import layer_stages
+from lightning_gpipe.transport.layout import layer_parts, layer_stages
 
 __all__ = ["FSDP", "ShardedStage", "check_ties", "shard_stage"]
 
@@ -72,11 +74,15 @@ FSDP = "fsdp"
 
 
 def check_ties(seq: nn.Module, data_parallel: str, balance: Any, stages: int) -> None:
-    """Refuse a parameter shared by two layers of one stage under ``data_parallel="fsdp"``.
+    """Refuse, under ``data_parallel="fsdp"``, a parameter shared by layers in two virtual stages of one
+    stage.
 
-    FSDP shards each block (layer) of a stage on its own; a parameter two of its blocks share would be
-    sharded twice, as two parameters. Layers on different stages hold separate copies anyway, kept equal
-    (:mod:`lightning_gpipe.partition.tied`), and a tie inside one layer is fine.
+    Layers on different stages hold separate copies, each sharded on its own and kept equal
+    (:mod:`lightning_gpipe.partition.tied`); layers of one part (one stage, or one virtual stage) that share
+    a parameter are wrapped as one FSDP2 group (``fully_shard([a, b])``). Such a group runs its forward
+    as one pass over its modules (its post-backward hook registered at the first module's input, its
+    pre-backward hook at the last one's output); two virtual stages of a stage interleave other
+    micro-batches between the two layers, so the group would lose its hooks.
 
     Args:
         balance: layers per part (K·v entries with virtual stages); anything else (a balancer's name,
@@ -84,28 +90,47 @@ def check_ties(seq: nn.Module, data_parallel: str, balance: Any, stages: int) ->
         stages: the pipeline stages K.
 
     Raises:
-        PartitionError: a parameter held by two layers of one stage, naming both, the stage and the fix.
+        PartitionError: a parameter held by layers in two parts of one stage, naming both, the stage and
+            the fix.
     """
     if data_parallel != FSDP or not isinstance(balance, list):
         return
-    stage_of = layer_stages(balance, stages)
+    stage_of, part_of = layer_stages(balance, stages), layer_parts(balance)
     owner: dict[int, tuple[int, str]] = {}
     for k, (name, layer) in enumerate(children(seq).items()):
         for pname, p in layer.named_parameters():
             first, first_name = owner.setdefault(id(p), (k, f"{name}.{pname}"))
-            if first != k and stage_of[first] == stage_of[k]:
+            if stage_of[first] == stage_of[k] and part_of[first] != part_of[k]:
+                parts = f"parts {part_of[first]} and {part_of[k]}, both on stage {stage_of[k]}"
                 raise PartitionError(
-                    f"data_parallel='fsdp' cannot shard a parameter shared by two layers of one stage "
-                    f"({first_name} is {name}.{pname}, both on stage {stage_of[k]} with balance {balance}): "
-                    "FSDP shards each layer on its own, which would untie them. Choose a balance that puts "
-                    "the two layers on different stages (their copies are then kept equal), give the second "
-                    "layer its own parameter, or use data_parallel='replicate'"
+                    "data_parallel='fsdp' cannot shard a parameter shared by two virtual stages of one "
+                    f"stage ({first_name} is {name}.{pname}: {parts} with balance {balance}): FSDP shards "
+                    "the layers sharing it as one group, whose forward cannot interleave with other "
+                    "micro-batches. Choose a balance that puts the two layers in one part or on different "
+                    "stages, give the second layer its own parameter, or use data_parallel='replicate'"
                 )
 
 
 def _blocks(stage: nn.Module) -> list[nn.Module]:
     """The stage's children that hold parameters, in order."""
     return [m for m in stage.children() if next(m.parameters(), None) is not None]
+
+
+def _tie_groups(blocks: list[nn.Module]) -> list[list[nn.Module]]:
+    """``blocks`` in groups that share no parameter with one another (blocks sharing one, a tie inside the
+    stage, in one group), each in stage order, ordered by their first block."""
+    group_of = list(range(len(blocks)))  # each block's group: the first block it is tied to, transitively
+    seen: dict[int, int] = {}  # parameter id -> the first block holding it
+    for k, block in enumerate(blocks):
+        for p in block.parameters():
+            first = group_of[seen.setdefault(id(p), k)]
+            if first != group_of[k]:
+                merged = group_of[k]
+                group_of = [first if g == merged else g for g in group_of]
+    groups: dict[int, list[nn.Module]] = {}
+    for k, block in enumerate(blocks):
+        groups.setdefault(group_of[k], []).append(block)
+    return list(groups.values())
 
 
 def _original_class(module: nn.Module) -> type:
@@ -130,8 +155,8 @@ class ShardedStage:
         self.stage, self.split = stage, split
         names = {id(m): n for n, m in stage.named_children()}
         self.blocks = _blocks(stage)
-        for block in self.blocks:
-            fully_shard(block, mesh=mesh)
+        for group in _tie_groups(self.blocks):  # blocks sharing a parameter: one FSDP2 group
+            fully_shard(group if len(group) > 1 else group[0], mesh=mesh)
         fully_shard(stage, mesh=mesh)
         root = stage._get_fsdp_state()  # type: ignore[operator]
         root._pre_forward_hook_handle.remove()  # the stage's calls are not one forward (module docs)
@@ -176,12 +201,18 @@ class ShardedStage:
         ``torch.distributed.pipelining``'s ``perform_reduce_grad``). A collective over the data-parallel
         group, in the same block order on every replica."""
         self._reduce_on(True)
-        for block in reversed(self.blocks):  # the backward's order
+        for block in self.blocks:
             block.set_reshard_after_forward(True, recurse=False)  # type: ignore[operator]
-            for group in block._get_fsdp_state()._fsdp_param_groups:  # type: ignore[operator]
+        for state in reversed(self._states()[:-1]):  # the blocks' (the root holds none), backward's order
+            for group in state._fsdp_param_groups:
                 group.post_backward()
         self.stage._get_fsdp_state()._root_post_backward_final_callback()  # type: ignore[operator]
         self._reduce_on(False)
+
+    def _states(self) -> list[Any]:
+        """The FSDP2 states of the blocks (one for blocks wrapped together), then the stage's, in order."""
+        states = [m._get_fsdp_state() for m in [*self.blocks, self.stage]]  # type: ignore[operator]
+        return list({id(state): state for state in states}.values())
 
     def unshard(self) -> None:
         """Give every wrapped module its full parameters as plain tensors, its hooks and class removed, and
@@ -193,13 +224,16 @@ class ShardedStage:
         self.stage.executor.before_backward, self.stage.executor.split_backward = None, True
         self.stage.after_backward = None
         whole: dict[nn.Parameter, nn.Parameter] = {}
-        for module in [*self.blocks, self.stage]:
-            state = module._get_fsdp_state()  # type: ignore[operator]
+        for state in self._states():
             for group in state._fsdp_param_groups:
                 for fsdp_param in group.fsdp_params:
                     sharded, info = fsdp_param.sharded_param, fsdp_param._module_info
                     full = nn.Parameter(full_tensors(sharded).detach(), requires_grad=sharded.requires_grad)
-                    info.module._parameters[info.param_name] = whole[sharded] = full
+                    whole[sharded] = full
+                    places = [(info.module, info.param_name)]
+                    places += list(zip(info.shared_modules, info.shared_param_names))  # a tie within a group
+                    for owner, name in places:
+                        owner._parameters[name] = full
                     fsdp_param._post_load_hook_handle.remove()
                 hooks = [
                     group._module_to_pre_save_state_dict_hook_handle,
@@ -209,6 +243,7 @@ class ShardedStage:
                     handle.remove()
             state._pre_forward_hook_handle.remove()
             state._post_forward_hook_handle.remove()
+        for module in [*self.blocks, self.stage]:
             for key in [k for k in module.__dict__ if k.startswith("__composable_api_")]:
                 del module.__dict__[key]
             _module_state_mapping.pop(module, None)  # fully_shard may wrap it again (a later fit)

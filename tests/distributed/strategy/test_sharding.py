@@ -158,8 +158,9 @@ def test_sharded_checkpoint_saved_under_fsdp_resumes_in_other_layouts_and_loads_
     K=1 × D=2 (FSDP alone) and the unpartitioned module (one process, no process group) each continue from
     it as the uninterrupted one-device run does (≤ 1e-5, losses and weights); so do the two FSDP layouts
     from a full checkpoint (one file) saved under K=2 × D=2 FSDP. A model whose LM head is tied to its token
-    embedding across the two stages saves sharded under K=2 × D=2 FSDP and resumes under K=2 × D=1 as the
-    tied one-device run continues. Every step trains on the whole 8-sample set, so that every layout sees
+    embedding across the two stages saves sharded under K=2 × D=2 FSDP and resumes under K=2 × D=1 and under
+    K=1 × D=2 (the embedding and the head in one stage, sharded as one FSDP2 group) as the tied one-device
+    run continues. Every step trains on the whole 8-sample set, so that every layout sees
     the same samples."""
     fsdp = {"chunks": 2, "data_parallel": "fsdp", "checkpoint_format": "sharded"}
     path, full, tied = tmp_path / "sharded", tmp_path / "full.ckpt", tmp_path / "tied"
@@ -184,14 +185,15 @@ def test_sharded_checkpoint_saved_under_fsdp_resumes_in_other_layouts_and_loads_
             {**fsdp, **layout, "resume": str(path)},
             {**fsdp, **layout, **as_full, "resume": str(full)},
         ]
-        if k == 2:  # a tie inside one stage (K=1) is refused under fsdp
-            resumes.append({**fsdp, **layout, "resume": str(tied), "tied": True})
+        resumes.append({**fsdp, **layout, "resume": str(tied), "tied": True})  # K=1: tied in one group
         runs = fsdp_job(tmp_path / f"k{k}", 2, resumes, 8 // d, 4, **common)
         for ranks, reference in zip(runs, [references[0], references[0], references[1]]):
             last = [rank["losses"] for rank in ranks if rank["losses"]]
             assert max(abs(a - b) for a, b in zip(step_losses(last), reference.losses[2:])) <= 1e-5, layout
             assert ranks[0]["global_step"] == 4
             assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, layout
+        if k == 1:  # 7 blocks, the embedding and the head one group: 6 reduce-scatters a step, 2 steps
+            assert len(runs[2][0]["classes"]) == 7 and runs[2][0]["reduce_scatters"] == 2 * 6
     reference = references[0]
     pl.seed_everything(1, verbose=False)
     plain = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
