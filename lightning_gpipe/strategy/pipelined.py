@@ -182,7 +182,7 @@ class Pipelined:
 
         Raises:
             PartitionError: parameters shared by layers on different stages are buffers; under
-                ``data_parallel="fsdp"`` a parameter shared by two layers of one stage
+                ``data_parallel="fsdp"`` a parameter shared by two virtual stages of one stage
                 (:func:`.sharding.check_ties`, the chosen balance).
             ValueError: a model built on the meta device with a balancer that measures it.
         """
