@@ -721,10 +721,15 @@ def build_lazy_layers(kind: str, size: dict | None = None) -> nn.Sequential:
 
         config = {k: v for k, v in (size or {}).items() if k != "seq_len"}
         return causal_lm(LlamaForCausalLM(LlamaConfig(**config)))
-    if kind == "transformer":
+    if kind == "transformer":  # size["tied"]: the LM head's weight is the token embedding's (GPT-2's tie)
         from recipes.models.transformer import build_transformer
 
-        return build_transformer(**(size or {}))
+        sizes = dict(size or {})
+        tied = sizes.pop("tied", False)
+        layers = build_transformer(**sizes)
+        if tied:
+            layers[-1].weight = layers[0].tokens.weight
+        return layers
     return build_layers(kind)
 
 

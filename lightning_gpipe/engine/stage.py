@@ -155,6 +155,8 @@ class PipelineStage(nn.Sequential):
         # the factor the step's gradients take (lightning_gpipe.strategy.step_outputs), shared in the outcome
         self.step_gradient_scale = 1.0
         self.micro_weights: list[float] = []  # one call per micro-batch: each one's share of the batch
+        # FSDP under zb_h1 (lightning_gpipe.strategy.sharding): called once a training step's column has run
+        self.after_backward: Callable[[], None] | None = None
 
     @property
     def p2p(self) -> P2P:
@@ -337,6 +339,8 @@ class PipelineStage(nn.Sequential):
         self.executor.advance(run)
         if run.done:
             self._run = None
+            if run.train and self.after_backward is not None:
+                self.after_backward()
 
     # -- the step outcome --------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe._compat import children
 from lightning_gpipe.transport.layout import Layout, layer_stages
@@ -44,6 +45,7 @@ __all__ = [
     "forget_tied_groups",
     "new_tied_groups",
     "norm_parameters",
+    "rebind_tied",
     "sum_tied_gradients",
 ]
 
@@ -191,11 +193,24 @@ def broadcast_tied(groups: TiedGroups) -> None:
 
 
 def sum_tied_gradients(groups: TiedGroups) -> None:
-    """Replace each copy's ``.grad`` by the sum over the holding stages (a missing one counts as zeros)."""
+    """Replace each copy's ``.grad`` by the sum over the holding stages (a missing one counts as zeros).
+
+    A sharded copy (``DTensor``, ``data_parallel="fsdp"``) sums its local shard: every holding stage's
+    copy has the same shape and is sharded the same way over the replicas, so the ranks of one group
+    (one replica) hold the same rows of it."""
     for _, p, group, _ in groups.params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM, group=group)
+        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+
+
+def rebind_tied(groups: TiedGroups, stage_module: nn.Module, stage: int) -> TiedGroups:
+    """``groups`` with each local parameter replaced by the one ``stage_module`` (this rank's ``stage``)
+    holds under its name now: the sharded parameter once FSDP has wrapped the stage, which replaces the
+    module's parameters."""
+    local = dict(stage_module.named_parameters())
+    return TiedGroups([(t, local[t.local_name(stage)], group, owner) for t, _, group, owner in groups.params])
 
 
 def norm_parameters(params: Iterable[Tensor], groups: TiedGroups | None, stage: int) -> list[Tensor]:

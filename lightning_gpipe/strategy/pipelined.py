@@ -153,7 +153,7 @@ class Pipelined:
             name, seq, checked = partition.check_model(model, spec.module_name, spec.balance, stages, v)
         if v > 1:
             partition.check_skips_within_parts(seq, checked)
-        sharding.check_ties(seq, spec.data_parallel)
+        sharding.check_ties(seq, spec.data_parallel, checked, stages)
         return name, seq, checked
 
     def install(
@@ -168,6 +168,7 @@ class Pipelined:
         build: Callable[[nn.Sequential, list[int]], PipelineStage],
         deferred_batch_norm: bool = False,
         compile: bool | dict[str, Any] = False,
+        data_parallel: str = "replicate",
     ) -> PipelineStage:
         """Cut the user's Sequential and put this rank's stage in its place; return the stage.
 
@@ -177,10 +178,12 @@ class Pipelined:
             choose: ``(sequential, balance) -> balance``: the balance the stages are cut with
                 (:func:`lightning_gpipe.strategy.balance_spec.choose_balance`).
             build: ``(sequential, balance) -> stage``: this rank's stage of the cut Sequential.
-            deferred_batch_norm, compile: as ``GPipeStrategy``'s arguments.
+            deferred_batch_norm, compile, data_parallel: as ``GPipeStrategy``'s arguments.
 
         Raises:
-            PartitionError: parameters shared by layers on different stages are buffers.
+            PartitionError: parameters shared by layers on different stages are buffers; under
+                ``data_parallel="fsdp"`` a parameter shared by two virtual stages of one stage
+                (:func:`.sharding.check_ties`, the chosen balance).
             ValueError: a model built on the meta device with a balancer that measures it.
         """
         name, seq, balance = checked
@@ -189,6 +192,7 @@ class Pipelined:
             check_stage_only_balance(spec)
         balance = choose(seq, balance)
         partition.check_tied_parameters(seq, balance, layout.stages)
+        sharding.check_ties(seq, data_parallel, balance, layout.stages)
         # ties found before this stage's tensors replace the meta ones, which ends their sharing
         # with the other stages' (still meta) layers
         self.tied = tied.find_tied(seq, balance, layout.stages)
@@ -221,18 +225,21 @@ class Pipelined:
         where = f"rank {rank} runs stage {self.index}/{layout.stages}"
         log.info(f"gpipe: {where} with layers {self.stage.layer_names}")
 
-    def start_equal(self, layout: Layout, rank: int, groups: Any, module: Any, mode: str) -> None:
+    def start_equal(self, layout: Layout, rank: int, groups: Any, module: Any, spec: StageSpec) -> None:
         """Every replica's stage takes replica 0's weights (``groups.data``: the stage's replicas' group), the
         tied copies their owner's, then the user's tensor-parallel plan runs on the stage
-        (:func:`.tensor_parallel.parallelize`) and, with ``mode="fsdp"``, the stage is sharded over the mesh's
-        data-parallel dimension (:func:`.sharding.shard_stage`), in torchtitan's order. Every rank calls this.
+        (:func:`.tensor_parallel.parallelize`) and, with ``spec.data_parallel="fsdp"``, the stage is sharded
+        over the mesh's data-parallel dimension (:func:`.sharding.shard_stage`), in torchtitan's order; the
+        tied copies are then its shards (:func:`.tied.rebind_tied`). Every rank calls this.
         """
         assert self.stage is not None
         state.broadcast_from_first_replica(self.stage, layout, rank, groups.data)
         if distributed_is_initialized():
             self.tie(layout, rank)
         tensor_parallel.parallelize(module, self.running, groups.mesh, layout.tensors)
-        self.sharded = sharding.shard_stage(self.stage, groups.mesh, mode)
+        self.sharded = sharding.shard_stage(self.stage, groups.mesh, spec.data_parallel, spec.schedule)
+        if self.sharded is not None and self.tied_groups is not None:
+            self.tied_groups = tied.rebind_tied(self.tied_groups, self.stage, self.index)
 
     def tie(self, layout: Layout, rank: int) -> None:
         """Process groups for the tied parameters (every rank calls this); the copies start equal."""
@@ -347,19 +354,16 @@ def check_arguments(
     schedule: str,
     virtual_stages: int | None,
     pipeline_parallel_size: int | None,
-    data_parallel: str = "replicate",
 ) -> tuple[int | None, list[int] | str | None, str, str, int]:
     """``GPipeStrategy``'s arguments of the same names, checked: ``(chunks, balance, checkpoint, schedule,
     virtual_stages)``, ``virtual_stages`` chosen by ``schedule`` when ``None``; warns where
     ``schedule="zb_h1"`` would gain little.
 
     Raises:
-        ValueError: a bad ``chunks``, ``checkpoint``, ``schedule``, ``virtual_stages`` or ``balance``; a
-            schedule sharded data parallel cannot run (:func:`.sharding.check_schedule`).
+        ValueError: a bad ``chunks``, ``checkpoint``, ``schedule``, ``virtual_stages`` or ``balance``.
     """
     chunks = check_count("chunks", chunks) if chunks is not None else None
     checkpoint, schedule = check_mode(checkpoint), check_schedule(schedule)
-    sharding.check_schedule(data_parallel, schedule)
     v = check_virtual_stages(schedule, virtual_stages)
     microstep.warn_unsplit_backwards(schedule, checkpoint)
     return chunks, check_balance_spec(balance, pipeline_parallel_size, v), checkpoint, schedule, v
@@ -400,7 +404,7 @@ def partition_model(
     norms = batch_norm.batch_norms(checked[1])
     stage = pipelined.install(
         model, checked, spec.balance, layout, rank, device, choose, build,
-        deferred_batch_norm=spec.deferred_batch_norm, compile=spec.compile,
+        deferred_batch_norm=spec.deferred_batch_norm, compile=spec.compile, data_parallel=spec.data_parallel,
     )  # fmt: skip
     batch_norm.keep_two_samples(stage, norms, spec.chunks)
     timeline = None

@@ -95,7 +95,7 @@ class _GPipeStrategyLogic(_Base):
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         sizes = mesh.check(pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel)
         self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size = sizes[:3]
-        valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, sizes[0], sizes[3])
+        valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, sizes[0])
         self.chunks, self.balance, self.checkpoint, self.schedule, self.virtual_stages = valid
         self.checkpoint_format, self.module_name = state.check_format(checkpoint_format), module_name
         self.gradient_clip_norm_type, self.compile = float(gradient_clip_norm_type), check_compile(compile)
@@ -249,7 +249,7 @@ class _GPipeStrategyLogic(_Base):
         assert self.model is not None and self._groups is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._pipelined.start_equal(layout, rank, self._groups, self._module, self.data_parallel)
+        self._pipelined.start_equal(layout, rank, self._groups, self._module, self._stage_spec)
         metrics.metrics_on_last_stage(self.lightning_module, self._groups.last_stage_data, self.is_last_stage)
 
     def _attach_to_trainer(self, trainer: pl.Trainer) -> None:  # undone by _detach_from_trainer

@@ -7,16 +7,17 @@ Spec keys: out, devices, size (``build_transformer`` sizes), batch (per replica)
 (``gradient_clip_val``), full_batch (the data set is one batch of ``batch`` samples per replica: every
 step is an epoch over the same samples, however many replicas share them), runs (GPipeStrategy kwargs per
 run; a run may carry ``save``: a checkpoint path to write at the end of training, the stages still
-sharded, ``resume``: a path to fit from, and ``steps``: the steps in all, for this run), stage_only (the
+sharded, ``resume``: a path to fit from, ``steps``: the steps in all, for this run, and ``tied``: the model's
+LM head tied to its token embedding, ``build_lazy_layers``), stage_only (the
 layers built in ``configure_model`` under ``Trainer.init_module(empty_init=True)``: each rank
 materializes its stage only; no trained state is written).
 
 Each rank writes ``run{k}_rank{r}.pt``: its losses (last stages), the global step, the gradient norm
-before clipping of every step, how many gradient
-reduce-scatters it ran, what its stage holds at the end of training (the class names of its blocks,
-whether its parameters are ``DTensor`` shards, their local and whole element counts, the optimizer
-state's local element count) and the class names of the Sequential's modules after fit; rank 0 also
-writes the whole trained state (the Sequential is whole again after fit).
+before clipping of every step, how many gradient reduce-scatters and split backwards' weight passes it
+ran, what its stage holds at the end of training (the class names of its blocks, whether its parameters
+are ``DTensor`` shards, their local and whole element counts, the optimizer state's local element count)
+and the class names of the Sequential's modules after fit; rank 0 also writes the whole trained state
+(the Sequential is whole again after fit).
 """
 
 import json
@@ -30,6 +31,7 @@ import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
+from lightning_gpipe.engine.backward_split import Split  # noqa: E402
 from tests.models import LazyNet, make_lazy_data, trainer_kwargs  # noqa: E402
 
 torch.set_num_threads(1)
@@ -47,6 +49,16 @@ def counted_reduce_scatter(*args, **kwargs):
 
 
 torch.distributed.reduce_scatter_single = counted_reduce_scatter
+weight_passes = [0]  # backwards split into input and weight gradients whose weight pass ran (zb_h1)
+_weights = Split.weights
+
+
+def counted_weights(self):
+    weight_passes[0] += 1
+    return _weights(self)
+
+
+Split.weights = counted_weights
 
 
 class Holdings(pl.Callback):
@@ -87,6 +99,7 @@ class SaveAtTrainEnd(pl.Callback):
 for k, run in enumerate(spec["runs"]):
     run = dict(run)
     save, resume, steps = run.pop("save", None), run.pop("resume", None), run.pop("steps", spec["steps"])
+    size = {**spec["size"], "tied": run.pop("tied", False)}
     pl.seed_everything(spec.get("seed", 0), verbose=False)
     holdings = Holdings()
     callbacks = [holdings, *([SaveAtTrainEnd(save)] if save else [])]
@@ -98,9 +111,9 @@ for k, run in enumerate(spec["runs"]):
     )
     if spec.get("stage_only"):  # built on the meta device: each rank materializes its stage only
         with trainer.init_module(empty_init=True):
-            model = LazyNet("transformer", lr=spec.get("lr", 0.01), size=spec["size"])
+            model = LazyNet("transformer", lr=spec.get("lr", 0.01), size=size)
     else:
-        model = LazyNet("transformer", lr=spec.get("lr", 0.01), deferred=False, size=spec["size"])
+        model = LazyNet("transformer", lr=spec.get("lr", 0.01), deferred=False, size=size)
     # the one-device batches, each split over the D replicas (Lightning's DistributedSampler)
     replicas = trainer.strategy.layout.replicas
     batches = replicas if spec.get("full_batch") else steps * replicas
@@ -113,6 +126,7 @@ for k, run in enumerate(spec["runs"]):
         **holdings.seen,
     }
     record["reduce_scatters"], reduce_scatters[0] = reduce_scatters[0], 0
+    record["weight_passes"], weight_passes[0] = weight_passes[0], 0
     record["after"] = [type(m).__name__ for m in model.layers.modules()]  # the whole Sequential after fit
     if trainer.global_rank == 0 and not spec.get("stage_only"):
         record["state"] = {n: t.detach().clone() for n, t in model.state_dict().items()}

@@ -40,11 +40,14 @@ class GradNorms(pl.Callback):
         self.norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
 
-def one_device(order: list[int], batch: int, steps: int = STEPS, ckpt_path: str | None = None) -> LazyNet:
-    """The reference: the same module (seed 0) on one device, Adam, clipped at ``CLIP``, the worker's samples
-    in ``order``, ``batch`` a step; its gradient norms before clipping in ``model.norms``."""
+def one_device(
+    order: list[int], batch: int, steps: int = STEPS, ckpt_path: str | None = None, tied: bool = False
+) -> LazyNet:
+    """The reference: the same module (seed 0; ``tied``: its LM head tied to its token embedding) on one
+    device, Adam, clipped at ``CLIP``, the worker's samples in ``order``, ``batch`` a step; its gradient norms
+    before clipping in ``model.norms``."""
     pl.seed_everything(0, verbose=False)
-    model = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
+    model = LazyNet("transformer", lr=LR, deferred=False, size={**SIZE, "tied": tied})
     norms = GradNorms()
     model.norms = norms.norms
     trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, callbacks=[norms], **trainer_kwargs(steps))
@@ -84,33 +87,42 @@ def step_losses(losses_by_replica: list[list[float]], calls: int = 1) -> list[fl
 
 @pytest.mark.timeout(300)
 def test_pipeline_times_fsdp_matches_single_device(tmp_path):
-    """K=2 stages × D=2 FSDP replicas (4 processes): gpipe, 1f1b and interleaved_1f1b, each 4 steps of Adam
-    with gradient clipping by the global norm, equal one device on the concatenated batch (≤ 1e-5 on the
-    losses and the trained weights). Each rank holds half its stage's parameters and optimizer state, as
-    DTensor shards; each block's gradients are reduce-scattered once a step, not once per micro-batch; and
-    after fit the Sequential is whole and unwrapped again."""
+    """K=2 stages × D=2 FSDP replicas (4 processes): gpipe, 1f1b, interleaved_1f1b and zb_h1 (every backward
+    split into input and weight gradients, the gradients reduce-scattered after the step's last weight
+    pass), and 1f1b with the LM head tied to the token embedding across the two stages (GPT-2's tie: each
+    stage's copy sharded on its own, the tied gradients summed shard by shard), each 4 steps of Adam with
+    gradient clipping by the global norm, equal one device on the concatenated batch (≤ 1e-5 on the losses
+    and the trained weights). Each rank holds half its stage's parameters and optimizer state, as DTensor
+    shards; each block's gradients are reduce-scattered once a step, not once per micro-batch; and after
+    fit the Sequential is whole and unwrapped again."""
     mesh = {"chunks": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2, "data_parallel": "fsdp"}
-    schedules = ["gpipe", "1f1b", "interleaved_1f1b"]
-    runs = fsdp_job(tmp_path, 4, [{**mesh, "schedule": s} for s in schedules], batch=4)
-    reference = one_device(replicas_order(2, 4, STEPS), batch=8)
-    for schedule, ranks in zip(schedules, runs):
+    schedules = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "1f1b"]
+    extra = [{}, {}, {}, {"checkpoint": "never"}, {"tied": True}]  # zb_h1 splits unrecomputed backwards only
+    runs = fsdp_job(tmp_path, 4, [{**mesh, "schedule": s, **e} for s, e in zip(schedules, extra)], batch=4)
+    references = {tied: one_device(replicas_order(2, 4, STEPS), batch=8, tied=tied) for tied in (False, True)}
+    for schedule, e, ranks in zip(schedules, extra, runs):
+        reference, what = references[bool(e.get("tied"))], (schedule, e)
         # ranks 0 and 2 run the last stage of replicas 0 and 1 (the layout's formula)
         losses = step_losses([ranks[0]["losses"], ranks[2]["losses"]], 1 if schedule == "gpipe" else 2)
-        assert len(losses) == STEPS, schedule
-        assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5, schedule
-        assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, schedule
+        assert len(losses) == STEPS, what
+        assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5, what
+        assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, what
         assert min(reference.norms) > CLIP  # every step clipped, by the whole model's norm on every rank
-        assert all(max(abs(a - b) for a, b in zip(r["norms"], reference.norms)) <= 1e-5 for r in ranks), (
-            schedule
-        )
+        assert all(max(abs(a - b) for a, b in zip(r["norms"], reference.norms)) <= 1e-5 for r in ranks), what
         for rank in ranks:
-            assert all(rank["dtensor"]) and rank["classes"][0].startswith("FSDP"), schedule
-            assert rank["local"] * 2 == rank["whole"], schedule  # every dimension 0 here is even
-            assert rank["optimizer_local"] == 2 * rank["local"], schedule  # Adam: two moments per shard
+            assert all(rank["dtensor"]) and rank["classes"][0].startswith("FSDP"), what
+            assert rank["local"] * 2 == rank["whole"], what  # every dimension 0 here is even
+            assert rank["optimizer_local"] == 2 * rank["local"], what  # Adam: two moments per shard
             blocks = sum(name.startswith("FSDP") for name in rank["classes"])
-            assert rank["reduce_scatters"] == STEPS * blocks, schedule  # once a step, not per micro-batch
+            assert rank["reduce_scatters"] == STEPS * blocks, what  # once a step, not per micro-batch
             assert rank["after"][0] == "Sequential" and not any("FSDP" in name for name in rank["after"])
-        assert not any(type(t).__name__ == "DTensor" for t in ranks[0]["state"].values()), schedule
+        # zb_h1 splits the last stage's backwards (its input needs a gradient), one a micro-batch; others none
+        split = STEPS * mesh["chunks"] if schedule == "zb_h1" else 0
+        assert [rank["weight_passes"] for rank in ranks] == [split, 0, split, 0], what
+        assert not any(type(t).__name__ == "DTensor" for t in ranks[0]["state"].values()), what
+    tied = references[True].state_dict()
+    assert tied["layers.0.tokens.weight"].data_ptr() == tied["layers.6.weight"].data_ptr()  # tied reference
+    assert not torch.equal(tied["layers.0.tokens.weight"], references[False].state_dict()["layers.6.weight"])
 
 
 class LoadOptimizerState(pl.Callback):
@@ -123,11 +135,14 @@ class LoadOptimizerState(pl.Callback):
         set_sharded_optimizer_states(pl_module, trainer.optimizers, self.states)
 
 
-def full_batch_one_device(steps: int, model: LazyNet | None = None, callbacks=()) -> LazyNet:
-    """One device on the whole 8-sample set each step (one epoch a step), Adam, clipped at ``CLIP``."""
+def full_batch_one_device(
+    steps: int, model: LazyNet | None = None, callbacks=(), tied: bool = False
+) -> LazyNet:
+    """One device on the whole 8-sample set each step (one epoch a step), Adam, clipped at ``CLIP``
+    (``tied``: the LM head tied to the token embedding)."""
     if model is None:
         pl.seed_everything(0, verbose=False)
-        model = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
+        model = LazyNet("transformer", lr=LR, deferred=False, size={**SIZE, "tied": tied})
     kwargs = {**trainer_kwargs(steps), "max_epochs": steps, "callbacks": list(callbacks)}
     pl.Trainer(devices=1, gradient_clip_val=CLIP, **kwargs).fit(
         model, make_lazy_data("transformer", 8, 1, SIZE)
@@ -142,19 +157,26 @@ def test_sharded_checkpoint_saved_under_fsdp_resumes_in_other_layouts_and_loads_
     """checkpoint_format="sharded" under K=2 × D=2 FSDP writes DTensor shards through DCP; K=2 × D=1,
     K=1 × D=2 (FSDP alone) and the unpartitioned module (one process, no process group) each continue from
     it as the uninterrupted one-device run does (≤ 1e-5, losses and weights); so do the two FSDP layouts
-    from a full checkpoint (one file) saved under K=2 × D=2 FSDP. Every step trains on the whole 8-sample
-    set, so that every layout sees the same samples."""
+    from a full checkpoint (one file) saved under K=2 × D=2 FSDP. A model whose LM head is tied to its token
+    embedding across the two stages saves sharded under K=2 × D=2 FSDP and resumes under K=2 × D=1 and under
+    K=1 × D=2 (the embedding and the head in one stage, sharded as one FSDP2 group) as the tied one-device
+    run continues. Every step trains on the whole 8-sample set, so that every layout sees
+    the same samples."""
     fsdp = {"chunks": 2, "data_parallel": "fsdp", "checkpoint_format": "sharded"}
-    path, full = tmp_path / "sharded", tmp_path / "full.ckpt"
+    path, full, tied = tmp_path / "sharded", tmp_path / "full.ckpt", tmp_path / "tied"
     common, as_full = {"full_batch": True}, {"checkpoint_format": "full"}
-    saves = [{**fsdp, "save": str(path)}, {**fsdp, **as_full, "save": str(full)}]
+    saves = [
+        {**fsdp, "save": str(path)},
+        {**fsdp, **as_full, "save": str(full)},
+        {**fsdp, "save": str(tied), "tied": True},
+    ]
     saved = fsdp_job(
         tmp_path / "save", 4, [{**s, "pipeline_parallel_size": 2} for s in saves], 4, 2, **common
     )
     chunks = SafeReader(path).read_metadata().state_dict_metadata["model.layers.0.tokens.weight"].chunks
     assert [tuple(c.sizes) for c in chunks] == [(16, 32), (16, 32)]  # the two replicas' DTensor shards
-    reference = full_batch_one_device(4)
-    for ranks in saved:
+    references = [full_batch_one_device(4), full_batch_one_device(4, tied=True)]
+    for ranks, reference in zip(saved, [references[0], references[0], references[1]]):
         first = step_losses([ranks[0]["losses"], ranks[2]["losses"]])
         assert max(abs(a - b) for a, b in zip(first, reference.losses[:2])) <= 1e-5
     for k, d in [(2, 1), (1, 2)]:
@@ -163,11 +185,16 @@ def test_sharded_checkpoint_saved_under_fsdp_resumes_in_other_layouts_and_loads_
             {**fsdp, **layout, "resume": str(path)},
             {**fsdp, **layout, **as_full, "resume": str(full)},
         ]
-        for ranks in fsdp_job(tmp_path / f"k{k}", 2, resumes, 8 // d, 4, **common):
+        resumes.append({**fsdp, **layout, "resume": str(tied), "tied": True})  # K=1: tied in one group
+        runs = fsdp_job(tmp_path / f"k{k}", 2, resumes, 8 // d, 4, **common)
+        for ranks, reference in zip(runs, [references[0], references[0], references[1]]):
             last = [rank["losses"] for rank in ranks if rank["losses"]]
             assert max(abs(a - b) for a, b in zip(step_losses(last), reference.losses[2:])) <= 1e-5, layout
             assert ranks[0]["global_step"] == 4
             assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, layout
+        if k == 1:  # 7 blocks, the embedding and the head one group: 6 reduce-scatters a step, 2 steps
+            assert len(runs[2][0]["classes"]) == 7 and runs[2][0]["reduce_scatters"] == 2 * 6
+    reference = references[0]
     pl.seed_everything(1, verbose=False)
     plain = LazyNet("transformer", lr=LR, deferred=False, size=SIZE)
     loaded = load_sharded(path, plain, [])
@@ -202,18 +229,22 @@ def test_fsdp_holds_a_quarter_of_the_parameters_and_adam_state_per_rank_at_k2_d2
     assert ratio <= 0.3
 
 
-# about 25 s: one launch of four fits
+# about 10 s: one launch of six fits
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_fsdp_equals_replicate_with_accumulation_mixed_precision_validation_and_predict(gpipe_job):
-    """tests.models.Net under K=2 × D=2, sharded and replicated, with ``accumulate_grad_batches=2``, and again
-    under ``bf16-mixed``, each with clipping, validation, ``trainer.predict`` and a gradient hook that reads
-    ``self.named_parameters()`` (the whole model's, gathered): the same losses, validation loss, gradient
-    norms, predictions and trained weights."""
+    """tests.models.Net under K=2 × D=2, sharded and replicated, with ``accumulate_grad_batches=2``, again
+    under ``bf16-mixed``, and with ``accumulate_grad_batches=2`` under ``schedule="zb_h1"`` (split
+    backwards, the gradients reduce-scattered after each batch's last weight pass), each with clipping,
+    validation, ``trainer.predict`` and a gradient hook that reads ``self.named_parameters()`` (the whole
+    model's, gathered): the same losses, validation loss, gradient norms, predictions and trained weights."""
     runs = []
-    for extra in ({"accumulate_grad_batches": 2}, {"precision": "bf16-mixed"}):
+    zb_h1 = {"schedule": "zb_h1", "checkpoint": "never"}
+    accumulate, bf16 = {"accumulate_grad_batches": 2}, {"precision": "bf16-mixed"}
+    for extra, schedule in ((accumulate, {}), (bf16, {}), (accumulate, zb_h1)):
         for mode in ("fsdp", "replicate"):
-            runs.append({"chunks": 2, "pipeline_parallel_size": 2, "data_parallel": mode, "trainer": extra})
+            run = {"chunks": 2, "pipeline_parallel_size": 2, "data_parallel": mode, "trainer": extra}
+            runs.append({**run, **schedule})
     results, _ = gpipe_job(
         "mlp",
         4,
@@ -224,7 +255,7 @@ def test_fsdp_equals_replicate_with_accumulation_mixed_precision_validation_and_
         trainer={"gradient_clip_val": 0.05},
         record_grads=True,
     )
-    for sharded, replicated in (results[0:2], results[2:4]):
+    for sharded, replicated in (results[0:2], results[2:4], results[4:6]):
         assert (
             len(sharded["norms"]) >= 1
             and sharded["predictions"]

@@ -173,10 +173,10 @@ def _two_replica_order(epochs: int) -> list[int]:
 def test_pipeline_by_fsdp_by_tensor_parallel_matches_one_device(tmp_path):
     """K = 2 × D = 2 × T = 2 with ``data_parallel="fsdp"`` (8 processes): the plan's DTensors sharded again
     over the data-parallel dimension (2-D DTensors), under gpipe (a ``Shard(-1)`` DTensor crossing the cut),
-    1f1b and interleaved_1f1b; losses, clipped norms and weights equal one device's on both replicas'
-    batches. Resumed from the checkpoint saved at the end of epoch 0 (full, whole tensors loaded into the
-    2-D shards; under 1f1b sharded, through DCP), a new module trains epoch 1 as one device trains both
-    epochs."""
+    1f1b, interleaved_1f1b and zb_h1 (split backwards, reduce-scattered after the last weight pass);
+    losses, clipped norms and weights equal one device's on both replicas' batches. Resumed from the
+    checkpoint saved at the end of epoch 0 (full, whole tensors loaded into the 2-D shards; under 1f1b
+    sharded, through DCP), a new module trains epoch 1 as one device trains both epochs."""
     mesh = {"pipeline_parallel_size": 2, "data_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
     runs = [
         {**mesh, "data_parallel": "fsdp", "balance": [4, 4]},
@@ -188,6 +188,7 @@ def test_pipeline_by_fsdp_by_tensor_parallel_matches_one_device(tmp_path):
             "checkpoint_format": "sharded",
         },
         {**mesh, "data_parallel": "fsdp", "balance": [2, 2, 2, 2], "schedule": "interleaved_1f1b"},
+        {**mesh, "data_parallel": "fsdp", "balance": [4, 4], "schedule": "zb_h1", "checkpoint": "never"},
     ]
     resume = {"max_steps": -1, "max_epochs": 2}
     results = _job(tmp_path, 8, runs, steps=2 * STEPS, timeout=480, resume=resume)

@@ -7,6 +7,7 @@ from torch import nn
 
 import lightning_gpipe
 from lightning_gpipe import GPipeStrategy, PartitionError
+from lightning_gpipe.strategy import sharding
 from tests.gpt import GPT
 from tests.llama import Llama
 from tests.models import Net, make_data, trainer_kwargs
@@ -64,10 +65,6 @@ def test_registered_strategy_name():
         ),
         ({"tensor_parallel_size": "2"}, r"tensor_parallel_size must be an integer >= 1, 'auto' or None"),
         (
-            {"data_parallel": "fsdp", "schedule": "zb_h1"},
-            r"schedule='zb_h1' cannot run with data_parallel='fsdp'.*use schedule='1f1b'",
-        ),
-        (
             {"data_parallel": "zero"},
             r"data_parallel must be one of 'replicate', 'fsdp' \(data_parallel: 'zero'\)",
         ),
@@ -123,17 +120,33 @@ def test_parameters_outside_sequential_raise_before_spawn():
     assert "no nn.Sequential holding all of its parameters" in message and "module_name" in message
 
 
-def test_fsdp_with_parameters_outside_the_sequential_or_tied_across_layers_is_refused_before_spawn():
+class TiedBiases(Net):
+    """Net("mlp") whose third layer's bias is its first layer's."""
+
+    def __init__(self):
+        super().__init__("mlp")
+        self.layers[2].bias = self.layers[0].bias
+
+
+def test_fsdp_with_parameters_outside_the_sequential_or_tied_across_virtual_stages_is_refused_before_spawn():
     """data_parallel="fsdp" (issue 42): FSDP shards the stages' layers; a parameter outside them, or one
-    shared by two layers, is refused before any process starts, saying what to do."""
+    shared by layers in two virtual stages of one stage (FSDP shards the layers sharing it as one group,
+    whose forward cannot interleave with other micro-batches), is refused before any process starts, saying
+    what to do. Tied across stages, or inside one part, it passes."""
     fsdp = {"data_parallel": "fsdp", "pipeline_parallel_size": 2}
     message = _fit_before_spawn(OutsideParams(), module_name="layers", **fsdp)
     assert "parameters outside the pipelined nn.Sequential 'layers': scale" in message
-    message = _fit_before_spawn(Net("tied"), **fsdp)
+    interleaved = {**fsdp, "schedule": "interleaved_1f1b", "balance": [1, 1, 1, 2]}
+    message = _fit_before_spawn(TiedBiases(), **interleaved)
     assert (
-        "data_parallel='fsdp' cannot shard a parameter shared by two layers (0.weight is 4.weight)" in message
+        "data_parallel='fsdp' cannot shard a parameter shared by two virtual stages of one stage (0.bias is "
+        "2.bias: parts 0 and 2, both on stage 0 with balance [1, 1, 1, 2])" in message
     )
-    assert "data_parallel='replicate'" in message
+    assert "in one part or on different stages" in message and "data_parallel='replicate'" in message
+    for balance, stages in (([3, 2], 2), ([5], 1)):  # across stages; one stage, one part
+        sharding.check_ties(Net("tied").layers, "fsdp", balance, stages)
+    sharding.check_ties(TiedBiases().layers, "fsdp", [3, 2], 2)  # one part of stage 0
+    sharding.check_ties(TiedBiases().layers, "replicate", [1, 1, 1, 2], 2)  # replicate: no refusal
 
 
 def test_parameters_outside_named_sequential_are_listed():
