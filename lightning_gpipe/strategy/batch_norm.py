@@ -16,7 +16,8 @@ statistics with M > 1 would need every stage to stop at every BatchNorm, which i
   naming the layer and the fixes. The check reads the layer's ``training`` flag at that call:
   BatchNorm the user put in eval mode (frozen, as in fine-tuning) trains with any M, and evaluation
   steps are never refused. It cannot be decided before the processes start or at setup (the
-  user's hooks may freeze the layers later), so it is made there.
+  user's hooks may freeze the layers later), so it is made at each forward. Training splits as
+  ``chunks`` says (no floor: a frozen BatchNorm takes micro-batches of one sample).
 - ``"micro_batch"`` (GPipe's semantics, chosen by the user): :func:`keep_two_samples` makes the
   stage split a training batch of N samples into at most ``N // 2`` micro-batches when the whole
   Sequential holds a BatchNorm (any mode: its layers' modes live on other stages and may change
