@@ -18,8 +18,8 @@ or under ``GPipeStrategy`` (tests/workers/user_code.py, every rank), and returns
   (which raise on a stage where the lists stay empty); fit over up to 5 epochs with validation each
   epoch.
 - ``"batchnorm"``: an MLP with two ``BatchNorm1d`` (issue 40, kind E) trained on batches of 12 under
-  the default chunks; its one-device reference (``strategy=None``) applies the Sequential to each
-  2-sample slice of the batch in turn, GPipe's per-micro-batch statistics.
+  the default chunks (with ``batch_norm="micro_batch"``); its one-device reference (``strategy=None``)
+  applies the Sequential to each 2-sample slice of the batch in turn, GPipe's per-micro-batch statistics.
 - ``"tokens"``: an embedding LM with padded labels (``ignore_index=-100``, 1 to 10 valid tokens per
   sequence) whose ``training_step`` returns ``{"loss": token mean, "num_items": valid tokens}`` and
   logs ``train_loss``.

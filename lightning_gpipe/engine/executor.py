@@ -81,7 +81,7 @@ class ColumnExecutor:
         self.virtual_layers = virtual_layers
         self.topology = topology
         self.chunks = chunks
-        # samples a training micro-batch holds at least where the batch has as many (2 with BatchNorm)
+        # samples a training micro-batch holds at least where the batch has as many (2: micro_batch BN)
         self.min_micro_batch = 1
         self.checkpoint_mode = checkpoint
         self.p2p = p2p

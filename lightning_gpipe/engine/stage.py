@@ -287,6 +287,12 @@ class PipelineStage(nn.Sequential):
     def ran_forward(self) -> bool:
         return self.calls > 0
 
+    @property
+    def training_micro_batches(self) -> int:
+        """M of the training step whose run is in progress (its micro-batches); 0 outside one (evaluation)."""
+        run = self._run
+        return run.chunks if run is not None and run.train else 0
+
     def forward(self, input: Any) -> Any:  # noqa: A002 - nn.Sequential's own argument name
         if not self.active:
             raise PipelineUsageError(

@@ -79,7 +79,8 @@ def sizes(batch_size: int, chunks: int, min_size: int = 1) -> list[int]:
     ``batch_size`` micro-batches when ``batch_size < chunks``: ``sizes(10, 4) == [3, 3, 2, 2]``,
     ``sizes(2, 4) == [1, 1]``. With ``min_size``, at most ``batch_size // min_size`` micro-batches
     (at least one), so that each holds ``min_size`` samples or more where the batch has as many
-    (a model with BatchNorm in training: 2; issue 40): ``sizes(12, 8, min_size=2) == [2] * 6``.
+    (a model with BatchNorm under ``batch_norm="micro_batch"``: 2; issue 40):
+    ``sizes(12, 8, min_size=2) == [2] * 6``.
 
     Raises:
         TypeError: a count is not an ``int``.

@@ -1,28 +1,67 @@
-"""BatchNorm under micro-batches: never a micro-batch of one sample, and GPipe's statistics said plainly.
+"""BatchNorm under micro-batches: as on one device, or GPipe's per-micro-batch statistics when asked.
 
 In training a BatchNorm normalizes its input by the input's own mean and variance. The pipeline
 runs each layer on one micro-batch at a time, so each micro-batch is normalized by its own
 statistics (GPipe, Huang et al. 2019, section 2.2): with M > 1 micro-batches the step differs
 from the same model on the whole batch, and a micro-batch of one sample breaks it
 (``BatchNorm1d`` raises "Expected more than 1 value per channel when training", a ``BatchNorm2d``
-normalizes each image by itself) where one device trains (issue 40, kind E).
+normalizes each image by itself) where one device trains (issue 40, kind E). Whole-batch
+statistics with M > 1 would need every stage to stop at every BatchNorm, which is ``chunks=1``.
 
-:func:`keep_two_samples` therefore makes the stage split a training batch of N samples into at
-most ``N // 2`` micro-batches when the whole Sequential holds a BatchNorm (any mode: its layers'
-modes live on other stages and may change between steps, while every stage must split alike), and
-warns once that each micro-batch is normalized by its own statistics. Evaluation steps, and models
-without BatchNorm (``GroupNorm``, ``LayerNorm``), split as before.
+``GPipeStrategy(batch_norm=...)`` (:func:`check_batch_norm`) chooses:
+
+- ``"batch"`` (the default, as on one device): :func:`refuse_training_batch_norm` makes every
+  BatchNorm of the stage raise :class:`~lightning_gpipe.errors.PipelineUsageError` at a forward in
+  training mode within a training step split into M > 1 micro-batches, before any backward,
+  naming the layer and the fixes. The check reads the layer's ``training`` flag at that call:
+  BatchNorm the user put in eval mode (frozen, as in fine-tuning) trains with any M, and evaluation
+  steps are never refused. It cannot be decided before the processes start or at setup (the
+  user's hooks may freeze the layers later), so it is made at each forward. Training splits as
+  ``chunks`` says (no floor: a frozen BatchNorm takes micro-batches of one sample).
+- ``"micro_batch"`` (GPipe's semantics, chosen by the user): :func:`keep_two_samples` makes the
+  stage split a training batch of N samples into at most ``N // 2`` micro-batches when the whole
+  Sequential holds a BatchNorm (any mode: its layers' modes live on other stages and may change
+  between steps, while every stage must split alike). No warning: the argument is the choice.
+
+Evaluation steps, and models without BatchNorm (``GroupNorm``, ``LayerNorm``), split as before.
 """
 
 from __future__ import annotations
 
-from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+from typing import Any
+
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_gpipe._compat import BatchNormBase
 from lightning_gpipe.engine.stage import PipelineStage
+from lightning_gpipe.errors import PipelineUsageError
 
-__all__ = ["batch_norms", "keep_two_samples"]
+__all__ = [
+    "BATCH_NORM_MODES",
+    "batch_norms",
+    "check_batch_norm",
+    "keep_two_samples",
+    "refuse_training_batch_norm",
+    "refusal_message",
+]
+
+BATCH_NORM_MODES = ("batch", "micro_batch")
+
+
+def check_batch_norm(value: object) -> str:
+    """Return ``value`` if it is one of :data:`BATCH_NORM_MODES` (``GPipeStrategy(batch_norm=...)``).
+
+    Raises:
+        ValueError: any other value, named, with the two choices.
+    """
+    if not isinstance(value, str) or value not in BATCH_NORM_MODES:
+        raise ValueError(
+            f"batch_norm={value!r} is not one of 'batch' (training BatchNorm as on one device: refused "
+            "when a step is split into more than one micro-batch) or 'micro_batch' (each micro-batch "
+            "normalized by its own statistics, as GPipe defines it)"
+        )
+    return value
 
 
 def batch_norms(seq: nn.Module) -> list[str]:
@@ -30,26 +69,63 @@ def batch_norms(seq: nn.Module) -> list[str]:
     return [name for name, m in seq.named_modules() if isinstance(m, BatchNormBase)]
 
 
-def keep_two_samples(stage: PipelineStage, names: list[str], chunks: int) -> None:
+def keep_two_samples(stage: PipelineStage, names: list[str]) -> None:
     """Make ``stage`` keep 2 samples or more in each training micro-batch if the whole Sequential
-    holds BatchNorm layers (``names``: :func:`batch_norms` of it, before the cut), and warn (once, on
-    rank 0) when ``chunks`` (M) > 1 splits its batches.
+    holds BatchNorm layers (``names``: :func:`batch_norms` of it, before the cut): ``"micro_batch"``.
 
     Args:
         stage: this rank's stage (its executor and the one-call-per-micro-batch split read the floor).
         names: the whole Sequential's BatchNorm layers.
-        chunks: micro-batches per mini-batch M.
     """
-    if not names:
-        return
-    stage.executor.min_micro_batch = 2
-    if chunks > 1:
-        rank_zero_warn(
-            f"the pipelined Sequential holds BatchNorm layers ({', '.join(names[:3])}"
-            f"{', ...' if len(names) > 3 else ''}): in training each of the {chunks} micro-batches is "
-            "normalized by its own mean and variance (GPipe's semantics), not by the whole batch's as on "
-            "one device, so the losses and weights differ from one device's; a batch of N is split into "
-            "at most N // 2 micro-batches so that none holds one sample. chunks=1 trains as one device "
-            "does; GroupNorm or LayerNorm do not depend on the split; deferred_batch_norm=True makes the "
-            "running statistics the whole batch's"
-        )
+    if names:
+        stage.executor.min_micro_batch = 2
+
+
+def refuse_training_batch_norm(stage: PipelineStage, prefix: str, chunks: int) -> list[RemovableHandle]:
+    """Make each BatchNorm of ``stage`` raise at a forward in training mode inside a training step
+    split into more than one micro-batch (``batch_norm="batch"``); return the hooks' handles, which
+    the strategy removes when it puts the user's Sequential back.
+
+    Args:
+        stage: this rank's stage.
+        prefix: what the user's names of the stage's layers start with (``"layers."``).
+        chunks: micro-batches per mini-batch M asked for (``GPipeStrategy.chunks_used``), named in the error.
+
+    Raises (at that forward):
+        PipelineUsageError: naming the layer, its stage, M and the fixes.
+    """
+    handles = []
+    for name, module in stage.named_modules():
+        if isinstance(module, BatchNormBase):
+            refuse = _refusal(stage, prefix + name, chunks)
+            handles.append(module.register_forward_pre_hook(refuse))
+    return handles
+
+
+def _refusal(stage: PipelineStage, name: str, chunks: int) -> Any:
+    """The forward pre-hook of BatchNorm ``name``: raises where :func:`refuse_training_batch_norm` says.
+
+    A plain function (not a ``partial``): a deep copy of the module (a callback's) keeps it as it is.
+    """
+
+    def refuse(module: nn.Module, args: Any) -> None:
+        m = stage.training_micro_batches
+        if module.training and m > 1:
+            raise PipelineUsageError(refusal_message(name, stage.topology.stage, m, chunks))
+
+    return refuse
+
+
+def refusal_message(name: str, stage: int, m: int, chunks: int) -> str:
+    """The error a training-mode BatchNorm ``name`` (on ``stage``) meets under ``m`` > 1 micro-batches of
+    a step (``chunks``: asked for) with ``batch_norm="batch"``."""
+    return (
+        f"BatchNorm layer {name!r} (stage {stage}) runs in training mode on a step split into {m} "
+        f"micro-batches (chunks={chunks}): each micro-batch would be normalized by its own mean and "
+        "variance, not by the whole batch's as on one device, so the losses and weights would differ "
+        "from one device's. Use chunks=1 (whole-batch statistics, as on one device), or GroupNorm or "
+        "LayerNorm in place of BatchNorm (they do not depend on the split), or "
+        "GPipeStrategy(batch_norm='micro_batch') to accept GPipe's per-micro-batch statistics (then "
+        "also deferred_batch_norm=True for the whole batch's running statistics). BatchNorm layers in "
+        "eval mode (frozen) train under any chunks"
+    )

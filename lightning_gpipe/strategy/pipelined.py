@@ -43,6 +43,7 @@ from lightning_gpipe.state.materialize import check_nothing_meta, check_stage_on
 from lightning_gpipe.state.start_state import start_stage
 from lightning_gpipe.strategy import batch_norm, microstep, sharding, tensor_parallel
 from lightning_gpipe.strategy.balance_spec import check_balance_spec, choose_balance, log_choice, profiled
+from lightning_gpipe.strategy.batch_norm import check_batch_norm
 from lightning_gpipe.strategy.tensor_parallel import unparallelize
 from lightning_gpipe.tools.timeline import Timeline
 from lightning_gpipe.transport.layout import Layout
@@ -74,6 +75,13 @@ class StageSpec:
     timeline: bool
     plan: list[Step] | None = None
     data_parallel: str = "replicate"
+    batch_norm: str = "batch"
+
+    @classmethod
+    def of(cls, strategy: Any) -> StageSpec:
+        """``strategy``'s arguments as they stand, ``chunks`` its ``chunks_used``."""
+        named = {f.name: getattr(strategy, f.name) for f in dataclasses.fields(cls) if f.name != "chunks"}
+        return cls(chunks=strategy.chunks_used, **named)
 
 
 class Pipelined:
@@ -109,6 +117,7 @@ class Pipelined:
         self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
         self._plain_names: list[str] | None = None  # taken at install, while the model's ties hold
         self._prefix = ""  # what the model's keys of the pipelined part start with
+        self._hooks: list[Any] = []  # the stage's BatchNorm refusals (batch_norm="batch"), off at uninstall
 
     @property
     def running(self) -> PipelineStage:
@@ -258,6 +267,9 @@ class Pipelined:
         if self.installed is None or self.stage is None:
             return
         self.received_skips = list(self.stage.received_skips)
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         if self.sharded is not None and gather:  # whole plain parameters again (a collective)
             self.sharded.unshard()
         self.sharded = None
@@ -272,6 +284,12 @@ class Pipelined:
             partition.uninstall(self.installed, full)
         partition.recompile(self._uncompiled)
         self.installed, self.stage, self._uncompiled = None, None, []
+
+    def refuse_training_batch_norm(self, chunks: int) -> None:
+        """Make the stage's BatchNorm layers refuse training under M > 1 micro-batches, named as in the
+        user's module (:func:`.batch_norm.refuse_training_batch_norm`); undone at :meth:`uninstall`."""
+        prefix = f"{self.name}." if self.name else ""
+        self._hooks = batch_norm.refuse_training_batch_norm(self.running, prefix, chunks)
 
     def refuse_uncalled(self, out: Any) -> None:
         """Raise if a training step returned a loss without calling the pipelined Sequential.
@@ -354,19 +372,22 @@ def check_arguments(
     schedule: str,
     virtual_stages: int | None,
     pipeline_parallel_size: int | None,
-) -> tuple[int | None, list[int] | str | None, str, str, int]:
+    batch_norm: str = "batch",
+) -> tuple[int | None, list[int] | str | None, str, str, int, str]:
     """``GPipeStrategy``'s arguments of the same names, checked: ``(chunks, balance, checkpoint, schedule,
-    virtual_stages)``, ``virtual_stages`` chosen by ``schedule`` when ``None``; warns where
+    virtual_stages, batch_norm)``, ``virtual_stages`` chosen by ``schedule`` when ``None``; warns where
     ``schedule="zb_h1"`` would gain little.
 
     Raises:
-        ValueError: a bad ``chunks``, ``checkpoint``, ``schedule``, ``virtual_stages`` or ``balance``.
+        ValueError: a bad ``chunks``, ``checkpoint``, ``schedule``, ``virtual_stages``, ``balance`` or
+            ``batch_norm`` (:func:`.batch_norm.check_batch_norm`).
     """
     chunks = check_count("chunks", chunks) if chunks is not None else None
     checkpoint, schedule = check_mode(checkpoint), check_schedule(schedule)
     v = check_virtual_stages(schedule, virtual_stages)
     microstep.warn_unsplit_backwards(schedule, checkpoint)
-    return chunks, check_balance_spec(balance, pipeline_parallel_size, v), checkpoint, schedule, v
+    balance = check_balance_spec(balance, pipeline_parallel_size, v)
+    return chunks, balance, checkpoint, schedule, v, check_batch_norm(batch_norm)
 
 
 def partition_model(
@@ -406,7 +427,10 @@ def partition_model(
         model, checked, spec.balance, layout, rank, device, choose, build,
         deferred_batch_norm=spec.deferred_batch_norm, compile=spec.compile, data_parallel=spec.data_parallel,
     )  # fmt: skip
-    batch_norm.keep_two_samples(stage, norms, spec.chunks)
+    if spec.batch_norm == "micro_batch":  # GPipe's per-micro-batch statistics, never of one sample
+        batch_norm.keep_two_samples(stage, norms)
+    else:  # as on one device: a training BatchNorm under M > 1 raises at its first forward
+        pipelined.refuse_training_batch_norm(spec.chunks)
     timeline = None
     if spec.timeline:
         timeline = stage.timeline = Timeline(

@@ -46,7 +46,7 @@ class _GPipeStrategyLogic(_Base):
     The logic, with no Lightning base: ``GPipeStrategy`` adds one; :mod:`._namespace`, the other namespace's.
 
     Args (the README's "GPipeStrategy arguments" says more):
-        chunks: micro-batches M per mini-batch (≥ 1); ``None``: 4·K (K stages); ≤ N, ≤ N // 2 with BatchNorm.
+        chunks: micro-batches M per mini-batch (≥ 1); ``None``: 4·K (K stages); ≤ N (see batch_norm).
         balance: layers per stage (``[3, 2]``), ``None`` (even) or a balancer's name (:mod:`.balance_spec`).
         checkpoint: re-materialization per micro-batch: ``"always"``, ``"except_last"`` or ``"never"``.
         schedule: ``"gpipe"`` (``training_step`` per batch), ``"1f1b"``, ``"interleaved_1f1b"``, ``"zb_h1"``.
@@ -59,6 +59,7 @@ class _GPipeStrategyLogic(_Base):
         gradient_clip_norm_type: the norm ``gradient_clip_val`` clips by, over all stages together.
         checkpoint_format: ``"full"`` (one Lightning checkpoint file) or ``"sharded"`` (one shard per stage).
         optimizer_state_factor: optimizer state per parameter (2.0: Adam), for ``balance="memory"``.
+        batch_norm: ``"batch"`` (training BatchNorm under M > 1 refused) or ``"micro_batch"`` (GPipe's).
         deferred_batch_norm: BatchNorm running statistics once per mini-batch (outputs stay per micro-batch).
         collective_timeout: seconds a rank waits for the others at a collective before failing.
         compile: ``torch.compile`` every stage after the cut: ``True`` or a dict of its arguments.
@@ -84,7 +85,7 @@ class _GPipeStrategyLogic(_Base):
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None, process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout, timeline: bool = False,
-        timeline_dir: str | None = None, gradient_clip_norm_type: float = 2.0,
+        timeline_dir: str | None = None, gradient_clip_norm_type: float = 2.0, batch_norm: str = "batch",
         checkpoint_format: str = "full", optimizer_state_factor: float = 2.0,
         deferred_batch_norm: bool = False, collective_timeout: float = 30.0,
         compile: bool | dict[str, Any] = False, start_method: str = "popen", weights_only: bool | None = None,
@@ -95,8 +96,8 @@ class _GPipeStrategyLogic(_Base):
         super().__init__(accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin)
         sizes = mesh.check(pipeline_parallel_size, data_parallel_size, tensor_parallel_size, data_parallel)
         self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size = sizes[:3]
-        valid = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, sizes[0])
-        self.chunks, self.balance, self.checkpoint, self.schedule, self.virtual_stages = valid
+        args = check_arguments(chunks, balance, checkpoint, schedule, virtual_stages, sizes[0], batch_norm)
+        self.chunks, self.balance, self.checkpoint, self.schedule, self.virtual_stages, self.batch_norm = args
         self.checkpoint_format, self.module_name = state.check_format(checkpoint_format), module_name
         self.gradient_clip_norm_type, self.compile = float(gradient_clip_norm_type), check_compile(compile)
         self.optimizer_state_factor, self.data_parallel = float(optimizer_state_factor), sizes[3]
@@ -189,9 +190,7 @@ class _GPipeStrategyLogic(_Base):
 
     @property
     def _stage_spec(self) -> StageSpec:
-        return StageSpec(self.module_name, self.balance, self.chunks_used, self.checkpoint, self.schedule,
-            self.virtual_stages, self.deferred_batch_norm, self.compile, self.optimizer_state_factor,
-            self.timeline, self.plan, self.data_parallel)  # fmt: skip
+        return StageSpec.of(self)
 
     @override
     def _configure_launcher(self) -> None:

@@ -144,7 +144,14 @@ def test_gpt2_and_llama_over_three_stages_train_like_one_device(tmp_path):
 IMAGE_RUNS = [
     {"family": "vit", "chunks": 4, "checkpoint": "except_last"},
     {"family": "resnet", "chunks": 1, "checkpoint": "always", "deferred_batch_norm": True},
-    {"family": "resnet", "chunks": 4, "checkpoint": "except_last", "deferred_batch_norm": True, "steps": 1},
+    {
+        "family": "resnet",
+        "chunks": 4,
+        "checkpoint": "except_last",
+        "batch_norm": "micro_batch",
+        "deferred_batch_norm": True,
+        "steps": 1,
+    },
 ]
 
 

@@ -9,8 +9,8 @@ from tests.distributed.strategy.test_step_outputs import _job
 KINDS = {
     "epoch_gpipe": {"case": "epoch", "strategy": {"chunks": 2}},
     "epoch_1f1b": {"case": "epoch", "strategy": {"chunks": 2, "schedule": "1f1b"}},
-    "batchnorm_gpipe": {"case": "batchnorm"},
-    "batchnorm_1f1b": {"case": "batchnorm", "strategy": {"schedule": "1f1b"}},
+    "batchnorm_gpipe": {"case": "batchnorm", "strategy": {"batch_norm": "micro_batch"}},
+    "batchnorm_1f1b": {"case": "batchnorm", "strategy": {"schedule": "1f1b", "batch_norm": "micro_batch"}},
 }
 
 

@@ -1,5 +1,7 @@
-"""BatchNorm under the default chunks (issue 40, kind E; CPU, Gloo, hard timeouts): batches of 12 on
-2 stages run as 6 micro-batches of 2, never of one sample, each normalized by its own statistics."""
+"""BatchNorm under the default chunks with ``batch_norm="micro_batch"`` (issue 40, kind E; CPU, Gloo, hard
+timeouts): batches of 12 on 2 stages run as 6 micro-batches of 2, never of one sample, each normalized by
+its own statistics. The default ``"batch"`` (refused at the first forward) is checked in process:
+tests/unit/strategy/test_batch_norm.py."""
 
 import pytest
 
@@ -10,8 +12,9 @@ from tests.user_code import train
 
 @pytest.mark.timeout(300)
 def test_default_chunks_keep_two_samples_per_micro_batch_under_gpipe_and_1f1b(kinds_job):
-    """An MLP with two BatchNorm1d (float64), batches of 12, chunks=None (4·K = 8, which would give
-    micro-batches 2, 2, 2, 2, 1, 1, 1, 1 and a BatchNorm1d error): under "gpipe" and "1f1b" it trains
+    """An MLP with two BatchNorm1d (float64), batch_norm="micro_batch", batches of 12, chunks=None (4·K =
+    8, which would give micro-batches 2, 2, 2, 2, 1, 1, 1, 1 and a BatchNorm1d error): under "gpipe" and
+    "1f1b" it trains
     for 4 steps, and its losses (gpipe), weights and running statistics equal one device applying
     the Sequential to each 2-sample slice of the batch (GPipe's per-micro-batch statistics)."""
     reference = train("batchnorm")

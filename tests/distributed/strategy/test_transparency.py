@@ -73,16 +73,17 @@ def _bn_stats(state):
 
 @pytest.mark.timeout(300)
 def test_deferred_batch_norm_running_stats_equal_full_batch(gpipe_job):
-    """GPipeStrategy(deferred_batch_norm=True), the glue (the strategy converts the BatchNorms and
-    commits them once per step, after the last micro-batch call under 1F1B and ZB-H1): Conv-BN-ReLU over
-    3 stages, batch 16, chunks 4: after one step the running statistics equal the one-device
-    full-batch values."""
+    """GPipeStrategy(batch_norm="micro_batch", deferred_batch_norm=True), the glue (the strategy converts
+    the BatchNorms and commits them once per step, after the last micro-batch call under 1F1B and
+    ZB-H1): Conv-BN-ReLU over 3 stages, batch 16, chunks 4: after one step the running statistics equal
+    the one-device full-batch values."""
     reference = train_single_device("cbr", 0, steps=1, batch=16)
+    micro = {"chunks": 4, "batch_norm": "micro_batch"}  # GPipe's per-micro-batch statistics, chosen
     runs = [
-        {"chunks": 4, "checkpoint": "always", "deferred_batch_norm": True},
-        {"chunks": 4, "checkpoint": "always"},
-        {"chunks": 4, "checkpoint": "always", "deferred_batch_norm": True, "schedule": "1f1b"},
-        {"chunks": 4, "checkpoint": "never", "deferred_batch_norm": True, "schedule": "zb_h1"},
+        {**micro, "checkpoint": "always", "deferred_batch_norm": True},
+        {**micro, "checkpoint": "always"},
+        {**micro, "checkpoint": "always", "deferred_batch_norm": True, "schedule": "1f1b"},
+        {**micro, "checkpoint": "never", "deferred_batch_norm": True, "schedule": "zb_h1"},
     ]
     results, _ = gpipe_job("cbr", 3, runs, steps=1, batch=16)
     deferred, plain = _bn_stats(results[0]["state"]), _bn_stats(results[1]["state"])

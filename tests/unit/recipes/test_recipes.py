@@ -115,6 +115,9 @@ def test_pipeline_config_builds_the_strategy(pipeline):
     assert isinstance(strategy, GPipeStrategy)
     assert (strategy.chunks, strategy.balance, strategy.checkpoint) == (32, [4, 3], cfg.pipeline.checkpoint)
     assert strategy.pipeline_parallel_size == cfg.pipeline.pipeline_parallel_size
+    assert (
+        strategy.batch_norm == "micro_batch"
+    )  # the recipes train BatchNorm models (AmoebaNet) as GPipe does
 
 
 def test_every_strategy_argument_is_settable_from_the_pipeline_config():
@@ -127,6 +130,7 @@ def test_every_strategy_argument_is_settable_from_the_pipeline_config():
         "pipeline.timeout.minutes=5",
         "pipeline.deferred_batch_norm=true",
         "pipeline.schedule=1f1b",
+        "pipeline.batch_norm=batch",
     )
     strategy = build_strategy(cfg.pipeline)
     assert (strategy.checkpoint_format, strategy.module_name, strategy.timeline_dir) == (
@@ -136,7 +140,7 @@ def test_every_strategy_argument_is_settable_from_the_pipeline_config():
     )
     assert strategy.timeline and strategy.deferred_batch_norm and strategy.optimizer_state_factor == 1.0
     assert strategy._timeout.total_seconds() == 300
-    assert strategy.schedule == "1f1b"
+    assert strategy.schedule == "1f1b" and strategy.batch_norm == "batch"
 
 
 @pytest.mark.parametrize(

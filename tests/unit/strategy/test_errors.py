@@ -69,6 +69,7 @@ def test_registered_strategy_name():
             r"data_parallel must be one of 'replicate', 'fsdp' \(data_parallel: 'zero'\)",
         ),
         ({"signal_grace": "30"}, r"signal_grace must be a number of seconds > 0 \(signal_grace: '30'\)"),
+        ({"batch_norm": "micro"}, r"batch_norm='micro' is not one of 'batch' .* or 'micro_batch'"),
     ],
 )
 def test_bad_strategy_arguments_raise_at_construction(kwargs, message):
