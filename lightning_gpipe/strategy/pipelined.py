@@ -232,6 +232,8 @@ class Pipelined:
         if distributed_is_initialized():
             self.tie(layout, rank)
         tensor_parallel.parallelize(module, self.running, groups.mesh, layout.tensors)
+        if self.tied_groups is not None and self.stage is not None:  # the plan may have replaced them
+            tied.rebind_tied(self.tied_groups, self.stage, layout.stage_of(rank))
         self.sharded = sharding.shard_stage(self.stage, groups.mesh, mode)
 
     def tie(self, layout: Layout, rank: int) -> None:
@@ -246,7 +248,8 @@ class Pipelined:
         """Put the user's full Sequential back, loaded with every stage's trained state when ``gather``.
 
         ``gather`` is a collective (every rank of the job calls it, after ``arrive(operation)``);
-        a model built stage-only is put back as it is (each rank holds only its stage).
+        a model built stage-only is put back as it is (each rank holds only its stage; a tensor-parallel
+        stage's parameters whole again).
         """
         if self.installed is None or self.stage is None:
             return
@@ -258,7 +261,8 @@ class Pipelined:
         if gather and not self.stage_only:
             arrive("gathering the model's state (end of fit)")
             full = state.gather_sequential_state(self.stage, layout, rank, to_all=True, tied=self.tied)
-        unparallelize(self.stage)  # the plain layers the gathered state loads into
+        # the plain layers the gathered state loads into; stage-only: the stage's own, whole
+        unparallelize(self.stage, whole=gather and self.stage_only)
         if isinstance(self.installed.sequential, PlanChain):
             plan.uninstall(self.installed, full)
         else:
