@@ -99,7 +99,8 @@ class TensorParallelGPT(GPT):
     rowwise and the head colwise too (both shard the one weight on dimension 0, the vocabulary; the head's
     logits gathered whole), else those two stay plain. Records the step losses, the strategy's total
     gradient norm (on one device: the norm before Lightning clips) and Lightning's ``grad_norm(self)`` total
-    in ``on_before_optimizer_step`` (the whole model's on every rank, issue 40)."""
+    in ``on_before_optimizer_step`` (the whole model's on every rank, issue 40); logs the epoch's mean loss
+    (``train_loss``)."""
 
     def __init__(self, tied_plan: bool = False) -> None:
         super().__init__(size={"vocab": TP_VOCAB})
@@ -107,6 +108,11 @@ class TensorParallelGPT(GPT):
         self.norms: list[float] = []
         self.hook_norms: list[float] = []
         self.dtensor_names: list[str] = []  # this rank's DTensor parameters as training starts
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)  # the epoch's mean, on every rank
+        return loss
 
     def on_train_start(self) -> None:
         self.dtensor_names = [n for n, p in self.named_parameters() if isinstance(p, DTensor)]

@@ -15,6 +15,12 @@ are made, so they hold the ``DTensor`` parameters. A model without the hook is r
 process starts (:func:`check_model`). A hook that raises, or that parallelizes a module outside the stage (a
 part on another stage, an attribute the stage does not hold), is refused with the rank's layers and the
 fix named (:func:`apply_plan`).
+
+Every other feature runs on the mesh (issue 42, item 4): a model built on the meta device materializes
+its stage on each rank before the plan shards it; parameters tied across stages are re-bound to the
+plan's ``DTensor`` parameters and their gradients summed whole (:func:`lightning_gpipe.partition.tied.
+sum_tied_gradients`); the gradient hooks see the whole model, ``DTensor`` parameters as whole copies
+(:mod:`lightning_gpipe.strategy.whole_model`); a sharded checkpoint loads into any (K, D, T) layout.
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ Spec keys: devices, out, steps, clip (gradient_clip_val), runs (GPipeStrategy kw
 embedding and head plain) or "gpt_tied_plan" (those two parallelized too), the module of that run; "build":
 "meta" builds it under ``Trainer.init_module(empty_init=True)`` (stage-only materialization); "precision":
 the Trainer's; "resume_from": the index of an earlier run whose checkpoint this run fits on from, with
-"trainer": Trainer overrides such as max_steps). Every rank
-writes ``run{k}_rank{r}.pt``: the losses, total gradient norms and ``grad_norm(self)`` totals its module
-recorded (the last stage's losses and norms are the step's), the DTensor parameters its stage held as
-training started, its mesh coordinate, and the trained ``state_dict`` after fit (the whole model's; a stage
--only build's: its stage's) and the whole model's output on the first batch after fit (``after_fit``: plain
-layers, run in this process; not for a stage-only build).
+"trainer": Trainer overrides such as max_steps). Every rank writes ``run{k}_rank{r}.pt``: the losses,
+total gradient norms and ``grad_norm(self)`` totals its module recorded (the last stage's losses and norms
+are the step's), the DTensor parameters its stage held as training started, its mesh coordinate,
+``trainer.callback_metrics`` after fit, the trained ``state_dict`` after fit (the whole model's; a
+stage-only build's: its stage's) and the whole model's output on the first batch after fit
+(``after_fit``: plain layers, run in this process; not for a stage-only build).
 At the end of training each run saves ``run{k}.ckpt`` (its ``checkpoint_format``); with ``resume`` (Trainer
 overrides: ``max_steps``, ``max_epochs``) a new module fits on from it (``resumed_losses``, ``resumed_norms``,
 ``resumed_state``). With ``validate`` (the spec's, or the run's), ``trainer.validate(ckpt_path=run{k}.ckpt)``
@@ -89,6 +89,7 @@ for k, run in enumerate(spec["runs"]):
         "dtensor_mesh_dims": getattr(model, "dtensor_mesh_dims", None),
         "dtensor_outputs": getattr(model, "dtensor_outputs", None),
         "dtensor_names": getattr(model, "dtensor_names", None),
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "coordinate": model.device_mesh.get_coordinate(),
         "stage": trainer.strategy.stage_index,
         "state": {n: t.detach().clone() for n, t in model.state_dict().items()},

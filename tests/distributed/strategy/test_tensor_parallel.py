@@ -150,7 +150,8 @@ def _check_stage_only(ranks: list[dict]) -> None:
 def _check_tied(plain: list[dict], parallel: list[dict]) -> None:
     """The GPT's head tied to its embedding across the two stages trains as on one device, the plan
     leaving both plain or sharding both (the head colwise, the embedding rowwise: the weight's vocabulary
-    dimension); the tied weight counts once in the clipped norm and in ``grad_norm(self)``."""
+    dimension); the tied weight counts once in the clipped norm and in ``grad_norm(self)``; every rank holds
+    the logged epoch loss."""
     pl.seed_everything(0, verbose=False)
     model = TensorParallelGPT()
     pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(STEPS)).fit(
@@ -169,6 +170,8 @@ def _check_tied(plain: list[dict], parallel: list[dict]) -> None:
             assert max(abs(a - b) / b for a, b in zip(record["hook_norms"], model.norms)) <= 1e-5
             assert max_diff(record["state"], model.state_dict()) <= 1e-5
             assert torch.equal(record["state"]["embed.tok.weight"], record["state"]["head.weight"])
+            logged = record["metrics"]["train_loss"]  # the epoch's mean, shared with every stage and rank
+            assert abs(logged - sum(model.losses) / STEPS) <= 1e-5
 
 
 class _LoadOptimizerState(pl.Callback):
@@ -190,8 +193,9 @@ def _check_resumed(k1_t4: list[dict], k2_d2: list[dict], path) -> None:
         losses = [record["losses"] for record in ranks if record["losses"]]
         assert losses and all(len(step) == STEPS for step in losses)
         assert max(abs(a - b) for step in losses for a, b in zip(step, both.losses[STEPS:])) <= 1e-5
-        for record in ranks:
-            assert max(abs(a - b) / b for a, b in zip(record["norms"], both.norms[STEPS:])) <= 1e-5
+        for record in ranks:  # K = 1: grad_norm(self) over the stage's DTensors whole
+            for key in ("norms", "hook_norms"):
+                assert max(abs(a - b) / b for a, b in zip(record[key], both.norms[STEPS:])) <= 1e-5
             assert max_diff(record["state"], both.state_dict()) <= 1e-5
     plain = Llama()
     plain.load_state_dict(load_sharded(path, plain, [])["state_dict"])
