@@ -151,8 +151,9 @@ class WholeParameters:
             self._copies = []
             for n, p in mine.items():  # a DTensor of this stage: a whole copy, its changes written back
                 if isinstance(p, DTensor):
-                    copy = nn.Parameter(whole[n][0].to(device), requires_grad=p.requires_grad)
-                    copy.grad = whole[n][1].to(device) if whole[n][1] is not None else None
+                    # copied: a Replicate DTensor's full_tensor() is its local tensor
+                    copy = nn.Parameter(whole[n][0].to(device, copy=True), requires_grad=p.requires_grad)
+                    copy.grad = whole[n][1].to(device, copy=True) if whole[n][1] is not None else None
                     self._copies.append((p, copy))
                     mine[n] = copy
             found.update(mine)

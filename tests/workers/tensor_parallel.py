@@ -56,8 +56,8 @@ MODELS = {
 
 
 def data(name: str):
-    """The run's training data: the Llama's or (GPT models) the GPT's, 4 batches of 8."""
-    return gpt_data(vocab=TP_VOCAB) if name.startswith("gpt") else llama_data(steps=4)
+    """The run's training data: the Llama's (``steps`` batches of 8) or (GPT models) the GPT's (4 of 8)."""
+    return gpt_data(vocab=TP_VOCAB) if name.startswith("gpt") else llama_data(steps=spec["steps"])
 
 
 for k, run in enumerate(spec["runs"]):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_gpipe.strategy.whole_model import WholeParameters
 
@@ -16,8 +16,8 @@ def _stage_with_a_dtensor(mesh):
     module = nn.Module()
     module.layers = nn.Sequential(nn.Linear(3, 2, bias=False))
     weight = module.layers[0].weight
-    dtensor = nn.Parameter(distribute_tensor(weight.detach().clone(), mesh, [Replicate()]))
-    dtensor.grad = distribute_tensor(torch.full((2, 3), 2.0), mesh, [Replicate()])
+    dtensor = nn.Parameter(distribute_tensor(weight.detach().clone(), mesh, [Shard(0)]))
+    dtensor.grad = distribute_tensor(torch.full((2, 3), 2.0), mesh, [Shard(0)])
     module.layers[0].weight = dtensor
     pipelined = SimpleNamespace(
         stages=1, installed=object(), running=module.layers, name="layers",
