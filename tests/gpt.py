@@ -95,14 +95,14 @@ def gpt_data(batch: int = 8, steps: int = 4, vocab: int = VOCAB, length: int = L
 
 class TensorParallelGPT(GPT):
     """:class:`GPT` (vocabulary 16) with a tensor-parallel plan for ``GPipeStrategy(tensor_parallel_size=T)``
-    (issue 42, item 4): each block's MLP colwise then rowwise; with ``tied_plan`` the tied token embedding
-    rowwise and the head colwise too (both shard the one weight on dimension 0, the vocabulary; the head's
-    logits gathered whole), else those two stay plain. Records the step losses, the strategy's total
-    gradient norm (on one device: the norm before Lightning clips) and Lightning's ``grad_norm(self)`` total
-    in ``on_before_optimizer_step`` (the whole model's on every rank, issue 40); logs the epoch's mean loss
-    (``train_loss``)."""
+    (issue 42, item 4): each block's MLP colwise then rowwise; with ``tied_plan="both"`` the tied token
+    embedding rowwise and the head colwise too (both shard the one weight on dimension 0, the vocabulary; the
+    head's logits gathered whole), with ``"embed"`` the embedding alone, with ``"none"`` neither. Records the
+    step losses, the strategy's total gradient norm (on one device: the norm before Lightning clips) and
+    Lightning's ``grad_norm(self)`` total in ``on_before_optimizer_step`` (the whole model's on every rank,
+    issue 40); logs the epoch's mean loss (``train_loss``)."""
 
-    def __init__(self, tied_plan: bool = False) -> None:
+    def __init__(self, tied_plan: str = "none") -> None:
         super().__init__(size={"vocab": TP_VOCAB})
         self.tied_plan = tied_plan
         self.norms: list[float] = []
@@ -121,9 +121,9 @@ class TensorParallelGPT(GPT):
         for layer in stage.children():
             if isinstance(layer, Block):
                 parallelize_module(layer, tp_mesh, {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
-            elif self.tied_plan and isinstance(layer, Embed):
+            elif self.tied_plan in ("both", "embed") and isinstance(layer, Embed):
                 parallelize_module(layer, tp_mesh, {"tok": RowwiseParallel(input_layouts=Replicate())})
-            elif self.tied_plan and isinstance(layer, nn.Linear):
+            elif self.tied_plan == "both" and isinstance(layer, nn.Linear):
                 parallelize_module(layer, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
 
     def on_before_optimizer_step(self, optimizer) -> None:

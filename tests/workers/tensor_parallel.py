@@ -3,7 +3,8 @@
 Usage: python tests/workers/tensor_parallel.py SPEC.json, started once per rank with RANK/WORLD_SIZE set.
 Spec keys: devices, out, steps, clip (gradient_clip_val), runs (GPipeStrategy kwargs per run, and: "model":
 "llama" (default), "sharded_logits", "gpt" (tests.gpt.TensorParallelGPT under ``plan=PLAN``, its tied
-embedding and head plain) or "gpt_tied_plan" (those two parallelized too), the module of that run; "build":
+embedding and head plain), "gpt_tied_plan" (those two parallelized too) or "gpt_embed_plan" (the embedding
+alone), the module of that run; "build":
 "meta" builds it under ``Trainer.init_module(empty_init=True)`` (stage-only materialization); "precision":
 the Trainer's; "resume_from": the index of an earlier run whose checkpoint this run fits on from, with
 "trainer": Trainer overrides such as max_steps). Every rank writes ``run{k}_rank{r}.pt``: the losses,
@@ -51,7 +52,8 @@ MODELS = {
     "llama": Llama,
     "sharded_logits": ShardedLogits,
     "gpt": TensorParallelGPT,
-    "gpt_tied_plan": lambda: TensorParallelGPT(tied_plan=True),
+    "gpt_tied_plan": lambda: TensorParallelGPT(tied_plan="both"),
+    "gpt_embed_plan": lambda: TensorParallelGPT(tied_plan="embed"),
 }
 
 

@@ -68,7 +68,8 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     trainer then validates from its checkpoint (full, then sharded), the plan applied again, as one device
     does. In the same processes (issue 42, item 4): the model built on the meta device (each rank
     materializes its stage, then the plan shards it); the GPT with its embedding and head tied across the
-    stages, the plan leaving them plain (``balance="time"``) or parallelizing both (``"parameters"``, 1f1b);
+    stages, the plan leaving them plain (``balance="time"``), parallelizing both (``"parameters"``, 1f1b) or
+    the embedding alone (zb_h1);
     the sharded checkpoint of the 1f1b run resumed under K = 1 × T = 4 and K = 2 × D = 2 × T = 1 (and, in
     this process, into the unpartitioned module); bf16-mixed. Every rank's ``grad_norm(self)`` in
     ``on_before_optimizer_step`` is the whole model's (issue 40)."""
@@ -84,6 +85,7 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
         {**mesh, "balance": [4, 4], "build": "meta"},
         {**mesh, "model": "gpt", "balance": "time"},
         {**mesh, "model": "gpt_tied_plan", "balance": "parameters", "schedule": "1f1b"},
+        {**mesh, "model": "gpt_embed_plan", "balance": [3, 4], "schedule": "zb_h1"},
         {"pipeline_parallel_size": 1, "tensor_parallel_size": 4, **resume},
         {"pipeline_parallel_size": 2, "data_parallel_size": 2, "chunks": 2, **resume},  # the same batches
         {**mesh, "balance": [4, 4], "precision": "bf16-mixed"},
@@ -121,9 +123,9 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)["model"]
     assert max_diff(sharded, expected) <= 1e-5
     _check_stage_only(results[2])
-    _check_tied(results[3], results[4])
-    _check_resumed(results[5], results[6], tmp_path / "run1.ckpt")
-    _check_bf16(results[7], reference)
+    _check_tied(results[3], results[4], results[5])
+    _check_resumed(results[6], results[7], tmp_path / "run1.ckpt")
+    _check_bf16(results[8], reference)
 
 
 def _check_stage_only(ranks: list[dict]) -> None:
@@ -147,24 +149,25 @@ def _check_stage_only(ranks: list[dict]) -> None:
         assert max(abs(a - b) for a, b in zip(ranks[rank]["losses"], model.losses)) <= 1e-5
 
 
-def _check_tied(plain: list[dict], parallel: list[dict]) -> None:
+def _check_tied(plain: list[dict], parallel: list[dict], embed_only: list[dict]) -> None:
     """The GPT's head tied to its embedding across the two stages trains as on one device, the plan
-    leaving both plain or sharding both (the head colwise, the embedding rowwise: the weight's vocabulary
-    dimension); the tied weight counts once in the clipped norm and in ``grad_norm(self)``; every rank holds
-    the logged epoch loss."""
+    leaving both plain, sharding both (the head colwise, the embedding rowwise: the weight's vocabulary
+    dimension) or the embedding alone (zb_h1: the copies placed differently); the tied weight counts once
+    in the clipped norm and in ``grad_norm(self)``; every rank holds the logged epoch loss."""
     pl.seed_everything(0, verbose=False)
     model = TensorParallelGPT()
     pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(STEPS)).fit(
         model, gpt_data(vocab=TP_VOCAB)
     )
     assert min(model.norms) > CLIP
-    for ranks in (plain, parallel):
+    for ranks in (plain, parallel, embed_only):
         for rank in (0, 1):
             losses = _step_losses(ranks[rank]["losses"])
             assert max(abs(a - b) for a, b in zip(losses, model.losses)) <= 1e-5
         for record in ranks:
             tied = {0: "embed.tok.weight", 1: "head.weight"}[record["stage"]]  # this stage's name of it
-            assert (tied in record["dtensor_names"]) == (ranks is parallel)
+            sharded = ranks is parallel or (ranks is embed_only and record["stage"] == 0)
+            assert (tied in record["dtensor_names"]) == sharded
             assert any(".mlp.0.weight" in name for name in record["dtensor_names"])
             assert max(abs(a - b) / b for a, b in zip(record["norms"], model.norms)) <= 1e-5
             assert max(abs(a - b) / b for a, b in zip(record["hook_norms"], model.norms)) <= 1e-5
