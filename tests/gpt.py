@@ -10,12 +10,16 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
 pl = importlib.import_module(os.environ.get("GPIPE_TEST_LIGHTNING", "pytorch_lightning"))
+grad_norm = importlib.import_module(pl.__name__ + ".utilities").grad_norm
 
 VOCAB, LENGTH, DIM, HEADS, DEPTH = 17, 8, 16, 2, 4
 PLAN = ["embed", "blocks", "norm", "head"]
+TP_VOCAB = 16  # even: T = 2 shards the tied weight evenly
 
 
 class Embed(nn.Module):
@@ -87,3 +91,48 @@ def gpt_data(batch: int = 8, steps: int = 4, vocab: int = VOCAB, length: int = L
     return DataLoader(
         TensorDataset(torch.randint(0, vocab, (batch * steps, length), generator=g)), batch_size=batch
     )
+
+
+class TensorParallelGPT(GPT):
+    """:class:`GPT` (vocabulary 16) with a tensor-parallel plan for ``GPipeStrategy(tensor_parallel_size=T)``
+    (issue 42, item 4): each block's MLP colwise then rowwise; with ``tied_plan="both"`` the tied token
+    embedding rowwise and the head colwise too (both shard the one weight on dimension 0, the vocabulary; the
+    head's logits gathered whole), with ``"embed"`` the embedding alone, with ``"none"`` neither. Records the
+    step losses, the strategy's total gradient norm (on one device: the norm before Lightning clips) and
+    Lightning's ``grad_norm(self)`` total in ``on_before_optimizer_step`` (the whole model's on every rank,
+    issue 40); logs the epoch's mean loss (``train_loss``)."""
+
+    def __init__(self, tied_plan: str = "none") -> None:
+        super().__init__(size={"vocab": TP_VOCAB})
+        self.tied_plan = tied_plan
+        self.norms: list[float] = []
+        self.hook_norms: list[float] = []
+        self.dtensor_names: list[str] = []  # this rank's DTensor parameters as training starts
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)  # the epoch's mean, on every rank
+        return loss
+
+    def on_train_start(self) -> None:
+        self.dtensor_names = [n for n, p in self.named_parameters() if isinstance(p, DTensor)]
+
+    def parallelize_stage(self, stage: nn.Module, tp_mesh) -> None:
+        for layer in stage.children():
+            if isinstance(layer, Block):
+                parallelize_module(layer, tp_mesh, {"mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()})
+            elif self.tied_plan in ("both", "embed") and isinstance(layer, Embed):
+                parallelize_module(layer, tp_mesh, {"tok": RowwiseParallel(input_layouts=Replicate())})
+            elif self.tied_plan == "both" and isinstance(layer, nn.Linear):
+                parallelize_module(layer, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.hook_norms.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
+        if self.trainer.world_size == 1:  # Lightning clips after this hook
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            self.norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        norm = getattr(self.trainer.strategy, "last_grad_norm", None)
+        if norm is not None:
+            self.norms.append(float(norm))

@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (
 from torch.utils.data import DataLoader, TensorDataset
 
 pl = importlib.import_module(os.environ.get("GPIPE_TEST_LIGHTNING", "pytorch_lightning"))
+grad_norm = importlib.import_module(pl.__name__ + ".utilities").grad_norm
 
 VOCAB, LENGTH, DIM, HEADS, HIDDEN = 23, 8, 16, 4, 32
 
@@ -41,7 +42,13 @@ BLOCK_PLAN = {
 class RMSNorm(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``1 + 0.1·N(0, 1)`` per element (also what stage-only materialization calls)."""
+        with torch.no_grad():
+            self.weight.copy_(1 + 0.1 * torch.randn(self.weight.shape))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
@@ -94,7 +101,8 @@ class Llama(pl.LightningModule):
     validation loss recorded per batch.
 
     Records on the last stage the step losses and the strategy's total gradient norm before clipping;
-    on one device the total norm of the gradients before Lightning clips them.
+    on one device the total norm of the gradients before Lightning clips them; on every rank the total
+    ``grad_norm(self)`` gives in ``on_before_optimizer_step`` (``hook_norms``).
     """
 
     def __init__(self, lr: float = 1e-2) -> None:
@@ -106,6 +114,9 @@ class Llama(pl.LightningModule):
         self.lr = lr
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self.hook_norms: list[
+            float
+        ] = []  # Lightning's grad_norm(self) total: the whole model's on every rank
         self.dtensor_parameters = 0  # on this rank's stage, as training starts
         self.dtensor_mesh_dims = 0  # the most mesh dimensions of one of them (2: FSDP × TP)
         self.dtensor_outputs = 0  # calls of the Sequential in training_step that returned a DTensor
@@ -142,6 +153,7 @@ class Llama(pl.LightningModule):
         self.dtensor_mesh_dims = max((p.device_mesh.ndim for p in dtensors), default=0)
 
     def on_before_optimizer_step(self, optimizer) -> None:
+        self.hook_norms.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))  # issue 40
         if self.trainer.world_size == 1:  # Lightning clips after this hook
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             self.norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())

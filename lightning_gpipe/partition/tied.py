@@ -9,7 +9,8 @@ group" does):
 - after the backward drain, each copy's gradient is replaced by the sum over the holding stages
   (:func:`sum_tied_gradients`), before clipping and the optimizer step, so every copy takes the
   same step the single parameter takes on one device; the global gradient norm counts the
-  parameter once (:func:`norm_parameters`);
+  parameter once (:func:`norm_parameters`); under tensor parallelism each tensor-parallel rank has its
+  groups, and a copy the plan parallelized is summed whole (issue 42, item 4);
 - saved state names it as the plain model does: the full ``state_dict`` holds every key under
   which the plain model lists it, all of them one tensor (:func:`alias_tied_state`), and the
   merged optimizer state holds it once, at its first place in model order
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_gpipe._compat import children
 from lightning_gpipe.transport.layout import Layout, layer_stages
@@ -192,25 +193,36 @@ def broadcast_tied(groups: TiedGroups) -> None:
             dist.broadcast(p.data, src=owner, group=group)
 
 
+def rebind_tied(groups: TiedGroups, stage_module: nn.Module, stage: int) -> None:
+    """Point ``groups`` at ``stage_module``'s (this rank's ``stage``) parameters again, after a
+    tensor-parallel plan or FSDP's wrapping replaced the tied layers' parameters by ``DTensor`` ones
+    (``parallelize_module`` and ``fully_shard`` register new parameters)."""
+    local = dict(stage_module.named_parameters())
+    groups.params = [(t, local[t.local_name(stage)], group, owner) for t, _, group, owner in groups.params]
+
+
 def sum_tied_gradients(groups: TiedGroups) -> None:
     """Replace each copy's ``.grad`` by the sum over the holding stages (a missing one counts as zeros).
 
-    A sharded copy (``DTensor``, ``data_parallel="fsdp"``) sums its local shard: every holding stage's
-    copy has the same shape and is sharded the same way over the replicas, so the ranks of one group
-    (one replica) hold the same rows of it."""
+    A copy sharded by FSDP alone (a ``DTensor`` over the mesh's ``data_parallel`` dimension) sums its
+    local shard: every holding stage's copy has the same shape and is sharded the same way over the
+    replicas, so the ranks of one group (one replica) hold the same rows of it. Any other ``DTensor``
+    copy (a tensor-parallel plan parallelized its layer) is summed whole: its ``full_tensor()`` (a
+    collective of its stage's tensor-parallel ranks), then this rank's shard of the sum, so that the
+    holding stages may place it differently (the embedding rowwise, the head colwise, or one of them
+    plain); the tied groups are per tensor-parallel rank (:func:`new_tied_groups`)."""
     for _, p, group, _ in groups.params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
-
-
-def rebind_tied(groups: TiedGroups, stage_module: nn.Module, stage: int) -> TiedGroups:
-    """``groups`` with each local parameter replaced by the one ``stage_module`` (this rank's ``stage``)
-    holds under its name now: the sharded parameter once FSDP has wrapped the stage, which replaces the
-    module's parameters."""
-    local = dict(stage_module.named_parameters())
-    return TiedGroups([(t, local[t.local_name(stage)], group, owner) for t, _, group, owner in groups.params])
+        grad = p.grad
+        if isinstance(grad, DTensor) and grad.device_mesh.mesh_dim_names != ("data_parallel",):
+            whole = grad.full_tensor()
+            dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=group)
+            mesh, placements = grad.device_mesh, grad.placements
+            grad.to_local().copy_(distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local())
+        else:
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
 
 
 def norm_parameters(params: Iterable[Tensor], groups: TiedGroups | None, stage: int) -> list[Tensor]:

@@ -247,8 +247,8 @@ class Pipelined:
             self.tie(layout, rank)
         tensor_parallel.parallelize(module, self.running, groups.mesh, layout.tensors)
         self.sharded = sharding.shard_stage(self.stage, groups.mesh, spec.data_parallel, spec.schedule)
-        if self.sharded is not None and self.tied_groups is not None:
-            self.tied_groups = tied.rebind_tied(self.tied_groups, self.stage, self.index)
+        if self.tied_groups is not None:  # the plan and FSDP's wrapping replace the module's parameters
+            tied.rebind_tied(self.tied_groups, self.stage, self.index)
 
     def tie(self, layout: Layout, rank: int) -> None:
         """Process groups for the tied parameters (every rank calls this); the copies start equal."""
@@ -262,7 +262,8 @@ class Pipelined:
         """Put the user's full Sequential back, loaded with every stage's trained state when ``gather``.
 
         ``gather`` is a collective (every rank of the job calls it, after ``arrive(operation)``);
-        a model built stage-only is put back as it is (each rank holds only its stage).
+        a model built stage-only is put back as it is (each rank holds only its stage; a tensor-parallel
+        stage's parameters whole again).
         """
         if self.installed is None or self.stage is None:
             return
@@ -277,7 +278,8 @@ class Pipelined:
         if gather and not self.stage_only:
             arrive("gathering the model's state (end of fit)")
             full = state.gather_sequential_state(self.stage, layout, rank, to_all=True, tied=self.tied)
-        unparallelize(self.stage)  # the plain layers the gathered state loads into
+        # the plain layers the gathered state loads into; stage-only: the stage's own, whole
+        unparallelize(self.stage, whole=gather and self.stage_only)
         if isinstance(self.installed.sequential, PlanChain):
             plan.uninstall(self.installed, full)
         else:

@@ -15,6 +15,12 @@ are made, so they hold the ``DTensor`` parameters. A model without the hook is r
 process starts (:func:`check_model`). A hook that raises, or that parallelizes a module outside the stage (a
 part on another stage, an attribute the stage does not hold), is refused with the rank's layers and the
 fix named (:func:`apply_plan`).
+
+Every other feature runs on the mesh (issue 42, item 4): a model built on the meta device materializes
+its stage on each rank before the plan shards it; parameters tied across stages are re-bound to the
+plan's ``DTensor`` parameters and their gradients summed whole (:func:`lightning_gpipe.partition.tied.
+sum_tied_gradients`); the gradient hooks see the whole model, ``DTensor`` parameters as whole copies
+(:mod:`lightning_gpipe.strategy.whole_model`); a sharded checkpoint loads into any (K, D, T) layout.
 """
 
 from __future__ import annotations
@@ -145,13 +151,19 @@ def _where(stage: nn.Module) -> str:
     )
 
 
-def unparallelize(stage: PipelineStage) -> None:
+def unparallelize(stage: PipelineStage, whole: bool = False) -> None:
     """Take the plan off ``stage``'s layers: every ``DTensor`` parameter becomes a plain parameter of its
-    global shape (uninitialized: the gathered state is loaded into it next,
-    :meth:`lightning_gpipe.strategy.pipelined.Pipelined.uninstall`) and the forward hooks the plan added are
-    removed, so that the user's Sequential runs on one device after fit, and the next ``fit``, ``validate``,
-    ``test`` or ``predict`` applies the plan again (``distribute_module`` refuses a module it has marked).
-    Nothing without a plan."""
+    global shape and the forward hooks the plan added are removed, so that the user's Sequential runs on one
+    device after fit, and the next ``fit``, ``validate``, ``test`` or ``predict`` applies the plan again
+    (``distribute_module`` refuses a module it has marked). Nothing without a plan.
+
+    Args:
+        whole: the plain parameters take the ``DTensor``'s whole value (``full_tensor()``: a collective of
+            the stage's tensor-parallel ranks, every one calling this in the same order): a model built
+            stage-only keeps its trained stage after fit. Otherwise they are left uninitialized, as the
+            gathered state is loaded into them next (:meth:`lightning_gpipe.strategy.pipelined.Pipelined.
+            uninstall`).
+    """
     for module, pre, post in _ADDED.pop(stage, ()):
         module.__dict__.pop("_distribute_module_applied", None)  # torch's mark of a distributed module
         for key in pre:
@@ -160,5 +172,8 @@ def unparallelize(stage: PipelineStage) -> None:
             del module._forward_hooks[key]
         for name, p in list(module.named_parameters(recurse=False)):
             if isinstance(p, DTensor):
-                plain = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+                if whole:
+                    plain = p.full_tensor().detach()
+                else:
+                    plain = torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
                 setattr(module, name, nn.Parameter(plain, requires_grad=p.requires_grad))

@@ -16,6 +16,12 @@ every stage's own parameters as on one device; the copies' changes are dropped w
 replicas hold equal gradients at these hooks (averaged in the backward), so one pipeline's view is
 the model's.
 
+A stage's ``DTensor`` parameters (tensor parallelism, ``data_parallel="fsdp"``) appear as plain whole
+copies too (their ``full_tensor()``, a collective of the stage's ranks), so that Lightning's
+``grad_norm(self)`` and a hand clip see one device's tensors; what the hook changes in a copy is written
+back into the parameter's shard when the hook ends and before Lightning's clipping. With one stage the view
+is on only for such parameters.
+
 Cost: the first call in a hook gathers every stage's parameters and gradients to every rank of the
 pipeline (the whole model's size, twice, for the hook's duration); a hook that never asks costs
 nothing. Other hooks and the steps see this stage's parameters (``configure_optimizers`` must).
@@ -31,9 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_gpipe.engine.aux_losses import set_reducer
-from lightning_gpipe.state.dtensors import full_tensors
+from lightning_gpipe.partition.cut import key_prefix
+from lightning_gpipe.state.dtensors import full_tensors, shard_like
 from lightning_gpipe.strategy.pipelined import Pipelined
 from lightning_gpipe.transport.groups import close_at_exit, tensors_to_cpu
 
@@ -56,6 +64,7 @@ class WholeParameters:
     def __init__(self, pipelined: Pipelined, group: Any, arrive: Callable[[str], None]) -> None:
         self.pipelined, self.group, self.arrive = pipelined, group, arrive
         self._view: list[tuple[str, nn.Parameter]] | None = None
+        self._copies: list[tuple[nn.Parameter, nn.Parameter]] = []  # (DTensor parameter, its whole copy)
         self._depth = 0
 
     def install(self, plugin: Any, module: nn.Module) -> None:
@@ -74,6 +83,7 @@ class WholeParameters:
 
         @functools.wraps(clip)
         def clip_gradients(*args: Any, **kwargs: Any) -> Any:
+            self._write_back()  # a hand change of the whole copies reaches the shards before the clip
             try:
                 return clip(*args, **kwargs)
             finally:
@@ -90,7 +100,7 @@ class WholeParameters:
     @contextlib.contextmanager
     def active(self, module: nn.Module) -> Iterator[None]:
         """Inside: ``module.parameters()`` and ``module.named_parameters()`` are the whole model's."""
-        if self.pipelined.stages < 2 or self.pipelined.installed is None:
+        if self.pipelined.installed is None or (self.pipelined.stages < 2 and not self._dtensors()):
             yield
             return
         self._depth += 1
@@ -104,6 +114,7 @@ class WholeParameters:
             if self._depth == 0:
                 module.__dict__.pop("named_parameters", None)
                 module.__dict__.pop("parameters", None)
+                self._write_back()
                 self._view = None
 
     def _named_parameters(
@@ -122,11 +133,13 @@ class WholeParameters:
             self.arrive("the whole model's parameters (parameters() in a gradient hook)")
             mine = self._own()
             device = next(iter(self.pipelined.running.parameters()), torch.empty(0)).device  # the copies'
-            gathered: list[Any] = [None] * dist.get_world_size(self.group)
             # a DTensor (sharded or tensor-parallel stage) goes whole: a collective every rank runs
             whole = {n: tensors_to_cpu(full_tensors((p, p.grad))) for n, p in mine.items()}
             payload = {n: (*whole[n], p.requires_grad) for n, p in mine.items()}
-            dist.all_gather_object(gathered, payload, group=self.group)
+            gathered: list[Any] = [payload]
+            if self.group is not None and dist.get_world_size(self.group) > 1:
+                gathered = [None] * dist.get_world_size(self.group)
+                dist.all_gather_object(gathered, payload, group=self.group)
             found: dict[str, nn.Parameter] = {}
             for part in gathered:
                 for name, (data, grad, requires_grad) in part.items():
@@ -135,10 +148,33 @@ class WholeParameters:
                     copy = nn.Parameter(data.to(device), requires_grad=requires_grad)
                     copy.grad = grad.to(device) if grad is not None else None
                     found[name] = copy
+            self._copies = []
+            for n, p in mine.items():  # a DTensor of this stage: a whole copy, its changes written back
+                if isinstance(p, DTensor):
+                    # copied: a Replicate DTensor's full_tensor() is its local tensor
+                    copy = nn.Parameter(whole[n][0].to(device, copy=True), requires_grad=p.requires_grad)
+                    copy.grad = whole[n][1].to(device, copy=True) if whole[n][1] is not None else None
+                    self._copies.append((p, copy))
+                    mine[n] = copy
             found.update(mine)
             names = self.pipelined.plain_names or []
             self._view = [(n, found[n]) for n in names if n in found]
         return self._view
+
+    def _dtensors(self) -> bool:
+        """Whether this stage holds a ``DTensor`` parameter (tensor-parallel or sharded)."""
+        return any(isinstance(p, DTensor) for p in self.pipelined.running.parameters())
+
+    def _write_back(self) -> None:
+        """Give each ``DTensor`` parameter of this stage its shard of its whole copy's value and gradient, so
+        that what the hook changed in place (a hand clip) changes the parameter, as on one device. Every rank
+        of a stage holds the same copies, so the shards agree (no communication)."""
+        with torch.no_grad():
+            for p, copy in self._copies:
+                for target, whole in ((p, copy.detach()), (p.grad, copy.grad)):
+                    if isinstance(target, DTensor) and whole is not None:
+                        target.to_local().copy_(shard_like(whole, target).to_local())
+        self._copies = []
 
     def over_stages(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` (a stage's aux losses) summed over the pipeline's stages; this process's after fit."""
@@ -156,7 +192,7 @@ class WholeParameters:
 
     def _own(self) -> dict[str, nn.Parameter]:
         """This stage's parameters by their names in the model (tied copies it does not own left out)."""
-        stage, prefix = self.pipelined.running, f"{self.pipelined.name}."
+        stage, prefix = self.pipelined.running, key_prefix(self.pipelined.name or "")  # a plan's root: ""
         aliases, names = self.pipelined.tied_aliases(), set(self.pipelined.plain_names or [])
         own = ((prefix + n, p) for n, p in stage.named_parameters())
         return {n: p for n, p in own if aliases.get(n) is None and n in names}

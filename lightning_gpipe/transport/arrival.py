@@ -50,7 +50,9 @@ def _store() -> Any:
 def arrive(operation: str, timeout: float, ranks: list[int] | None = None) -> None:
     """Wait (at most ``timeout`` seconds) until every rank of ``ranks`` (default: all) reaches ``operation``.
 
-    Every rank of ``ranks`` must call it for the same operations in the same order. Every
+    Every rank of ``ranks`` must call it for the same operations in the same order; operations are
+    numbered per rank set, so that fits of other layouts in the same processes keep the numbers agreeing
+    (a K=2 × D=2 fit, then a K=2 × T=2 one, pair rank 0 with rank 1, then with rank 2). Every
     :data:`~lightning_gpipe.transport.liveness.SILENCE_S` seconds of waiting, a rank still missing
     that has stopped beating (:mod:`lightning_gpipe.transport.liveness`) is named at
     once, rather than the user's code blamed at the timeout; one that left (it failed with an error of
@@ -64,11 +66,14 @@ def arrive(operation: str, timeout: float, ranks: list[int] | None = None) -> No
     if not dist.is_available() or not dist.is_initialized():
         return
     world, me = dist.get_world_size(), dist.get_rank()
+    # numbered per rank set: a process whose fits place it in other subsets (one pipeline of a K × D × T
+    # mesh, then another layout's) keeps the count its peers of this set keep
+    counted = operation if ranks is None else f"{operation} [{','.join(map(str, sorted(ranks)))}]"
     ranks = list(range(world)) if ranks is None else ranks
     if len(ranks) < 2:
         return
-    _counts[operation] += 1
-    key = f"gpipe/arrive/{operation}/{_counts[operation]}"
+    _counts[counted] += 1
+    key = f"gpipe/arrive/{counted}/{_counts[counted]}"
     store = _store()
     others = [r for r in ranks if r != me]
     known = liveness.known_lost(others)  # a rank found gone before: no wait

@@ -10,8 +10,11 @@ import torch
 from torch.distributed.checkpoint import format_utils
 from torch.utils.data import DistributedSampler
 
+from lightning_gpipe.state.materialize import initialize
+from lightning_gpipe.state.sharded import load_sharded, set_sharded_optimizer_states
 from tests._harness import check, run_ranks
 from tests.conftest import max_diff
+from tests.gpt import TP_VOCAB, TensorParallelGPT, gpt_data
 from tests.llama import Llama, llama_data
 from tests.models import trainer_kwargs
 
@@ -58,24 +61,42 @@ def _check_placement(ranks: list[dict], stages: int, replicas: int, tensors: int
         assert record["dtensor_parameters"] > 0
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     """K = 2 × T = 2 (4 processes): under gpipe the cut falls between ``Up`` and ``Down``, so a ``Shard(-1)``
     DTensor travels between the stages; under 1f1b it falls after the first block (a plain tensor). Each
     trainer then validates from its checkpoint (full, then sharded), the plan applied again, as one device
-    does."""
+    does. In the same processes (issue 42, item 4): the model built on the meta device (each rank
+    materializes its stage, then the plan shards it); the GPT with its embedding and head tied across the
+    stages, the plan leaving them plain (``balance="time"``), parallelizing both (``"parameters"``, 1f1b) or
+    the embedding alone (zb_h1);
+    the sharded checkpoint of the 1f1b run resumed under K = 1 × T = 4 and K = 2 × D = 2 × T = 1 (and, in
+    this process, into the unpartitioned module); bf16-mixed. Every rank's ``grad_norm(self)`` in
+    ``on_before_optimizer_step`` is the whole model's (issue 40)."""
     mesh = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
+    resume = {
+        "resume_from": 1,
+        "trainer": {"max_steps": -1, "max_epochs": 2, "use_distributed_sampler": False},
+    }
     runs = [
-        {**mesh, "balance": [4, 4]},
-        {**mesh, "balance": [2, 6], "schedule": "1f1b", "checkpoint_format": "sharded"},
-    ]
-    results = _job(tmp_path, 4, runs, validate=True)
+        {**mesh, "balance": [4, 4], "validate": True},
+        {**mesh, "balance": [2, 6], "schedule": "1f1b", "checkpoint_format": "sharded", "validate": True,
+         "trainer": {"max_steps": 2 * STEPS}},  # ends with epoch 0 (4 steps): resumed at epoch 1
+        {**mesh, "balance": [4, 4], "build": "meta"},
+        {**mesh, "model": "gpt", "balance": "time"},
+        {**mesh, "model": "gpt_tied_plan", "balance": "parameters", "schedule": "1f1b"},
+        {**mesh, "model": "gpt_embed_plan", "balance": [3, 4], "schedule": "zb_h1"},
+        {"pipeline_parallel_size": 1, "tensor_parallel_size": 4, **resume},
+        {"pipeline_parallel_size": 2, "data_parallel_size": 2, "chunks": 2, **resume},  # the same batches
+        {**mesh, "balance": [4, 4], "precision": "bf16-mixed"},
+    ]  # fmt: skip
+    results = _job(tmp_path, 4, runs)
     reference, optimizer = _one_device(with_optimizer=True)
     assert min(reference.norms) > CLIP  # clipping acts on every step
     expected = reference.state_dict()
     after_fit = reference(next(iter(llama_data()))[0]).detach()
     pl.Trainer(devices=1, **trainer_kwargs(STEPS)).validate(reference, llama_data(steps=1), verbose=False)
-    for ranks in results:
+    for ranks in results[:2]:
         # validate after fit, the same trainer, from the full (run 0) and sharded (run 1) checkpoints saved at
         # the end of training: the plan is applied again (torch refuses a marked module) and the weights
         # alone are read (fit's optimizers hold the parameters the plan has since replaced)
@@ -88,6 +109,7 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
             assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5
         for record in ranks:  # every rank: the same total norm, the whole trained model after fit
             assert max(abs(a - b) / b for a, b in zip(record["norms"], reference.norms)) <= 1e-5
+            assert max(abs(a - b) / b for a, b in zip(record["hook_norms"], reference.norms)) <= 1e-5
             assert max_diff(record["state"], expected) <= 1e-5
             assert (record["after_fit"] - after_fit).abs().max() <= 1e-5  # the plan is off after fit
     # saved at the end of training, the stages parallelized: whole tensors, model and Adam state
@@ -100,6 +122,109 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     format_utils.dcp_to_torch_save(tmp_path / "run1.ckpt", tmp_path / "sharded.pt")
     sharded = torch.load(tmp_path / "sharded.pt", weights_only=False)["model"]
     assert max_diff(sharded, expected) <= 1e-5
+    _check_stage_only(results[2])
+    _check_tied(results[3], results[4], results[5])
+    _check_resumed(results[6], results[7], tmp_path / "run1.ckpt")
+    _check_bf16(results[8], reference)
+
+
+def _check_stage_only(ranks: list[dict]) -> None:
+    """Built on the meta device, each rank holds only its stage's layers (the others stay meta), trained
+    as one device trains the module initialized as the stages would (:func:`initialize`)."""
+    pl.seed_everything(0, verbose=False)
+    model = Llama()
+    initialize(model.layers, seed=0)
+    pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(STEPS)).fit(model, llama_data())
+    layers = {
+        0: {"layers.0.", "layers.1.", "layers.2.", "layers.3."},
+        1: {"layers.5.", "layers.6.", "layers.7."},
+    }
+    for record in ranks:
+        real = {k: v for k, v in record["state"].items() if not v.is_meta}
+        assert {k[: len("layers.0.")] for k in real} == layers[record["stage"]]
+        assert record["dtensor_parameters"] > 0
+        assert max_diff(real, {k: v for k, v in model.state_dict().items() if k in real}) <= 1e-5
+        assert max(abs(a - b) / b for a, b in zip(record["hook_norms"], model.norms)) <= 1e-5
+    for rank in (0, 1):
+        assert max(abs(a - b) for a, b in zip(ranks[rank]["losses"], model.losses)) <= 1e-5
+
+
+def _check_tied(plain: list[dict], parallel: list[dict], embed_only: list[dict]) -> None:
+    """The GPT's head tied to its embedding across the two stages trains as on one device, the plan
+    leaving both plain, sharding both (the head colwise, the embedding rowwise: the weight's vocabulary
+    dimension) or the embedding alone (zb_h1: the copies placed differently); the tied weight counts once
+    in the clipped norm and in ``grad_norm(self)``; every rank holds the logged epoch loss."""
+    pl.seed_everything(0, verbose=False)
+    model = TensorParallelGPT()
+    pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(STEPS)).fit(
+        model, gpt_data(vocab=TP_VOCAB)
+    )
+    assert min(model.norms) > CLIP
+    for ranks in (plain, parallel, embed_only):
+        for rank in (0, 1):
+            losses = _step_losses(ranks[rank]["losses"])
+            assert max(abs(a - b) for a, b in zip(losses, model.losses)) <= 1e-5
+        for record in ranks:
+            tied = {0: "embed.tok.weight", 1: "head.weight"}[record["stage"]]  # this stage's name of it
+            sharded = ranks is parallel or (ranks is embed_only and record["stage"] == 0)
+            assert (tied in record["dtensor_names"]) == sharded
+            assert any(".mlp.0.weight" in name for name in record["dtensor_names"])
+            assert max(abs(a - b) / b for a, b in zip(record["norms"], model.norms)) <= 1e-5
+            assert max(abs(a - b) / b for a, b in zip(record["hook_norms"], model.norms)) <= 1e-5
+            assert max_diff(record["state"], model.state_dict()) <= 1e-5
+            assert torch.equal(record["state"]["embed.tok.weight"], record["state"]["head.weight"])
+            logged = record["metrics"]["train_loss"]  # the epoch's mean, shared with every stage and rank
+            assert abs(logged - sum(model.losses) / STEPS) <= 1e-5
+
+
+class _LoadOptimizerState(pl.Callback):
+    """Give the optimizer the state a sharded checkpoint holds (``load_sharded``'s ``optimizer_states``)."""
+
+    def __init__(self, states: list) -> None:
+        self.states = states
+
+    def on_fit_start(self, trainer, pl_module):
+        set_sharded_optimizer_states(pl_module, trainer.optimizers, self.states)
+
+
+def _check_resumed(k1_t4: list[dict], k2_d2: list[dict], path) -> None:
+    """The sharded checkpoint written under K = 2 × T = 2 (DTensor shards through DCP) at the end of epoch 0,
+    resumed under K = 1 × T = 4 and K = 2 × D = 2 × T = 1 (both replicas on the same batches) and loaded into
+    the unpartitioned module (one process), trains epoch 1 as one device trains both epochs."""
+    both = _one_device(order=list(range(8 * STEPS)) * 2, samples=8 * STEPS, steps=2 * STEPS)
+    for ranks in (k1_t4, k2_d2):
+        losses = [record["losses"] for record in ranks if record["losses"]]
+        assert losses and all(len(step) == STEPS for step in losses)
+        assert max(abs(a - b) for step in losses for a, b in zip(step, both.losses[STEPS:])) <= 1e-5
+        for record in ranks:  # K = 1: grad_norm(self) over the stage's DTensors whole
+            for key in ("norms", "hook_norms"):
+                assert max(abs(a - b) / b for a, b in zip(record[key], both.norms[STEPS:])) <= 1e-5
+            assert max_diff(record["state"], both.state_dict()) <= 1e-5
+    plain = Llama()
+    plain.load_state_dict(load_sharded(path, plain, [])["state_dict"])
+    states = load_sharded(path, plain, [torch.optim.Adam(plain.parameters())])["optimizer_states"]
+    trainer = pl.Trainer(
+        devices=1, gradient_clip_val=CLIP, callbacks=[_LoadOptimizerState(states)], **trainer_kwargs(STEPS)
+    )
+    trainer.fit(plain, llama_data())
+    assert max(abs(a - b) for a, b in zip(plain.losses, both.losses[STEPS:])) <= 1e-5
+    assert max_diff(plain.state_dict(), both.state_dict()) <= 1e-5
+
+
+def _check_bf16(ranks: list[dict], fp32) -> None:
+    """bf16-mixed (CPU autocast) runs under K = 2 × T = 2: its losses are one device's bf16-mixed losses,
+    loosely (bf16 rounds the parallel matmuls' partial sums apart), and nearer them than to fp32's."""
+    pl.seed_everything(0, verbose=False)
+    model = Llama()
+    trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, precision="bf16-mixed", **trainer_kwargs(STEPS))
+    trainer.fit(model, llama_data())
+    for rank in (0, 1):
+        losses = ranks[rank]["losses"]
+        assert len(losses) == STEPS
+        assert max(abs(a - b) for a, b in zip(losses, model.losses)) <= 5e-3
+    for record in ranks:
+        assert max_diff(record["state"], model.state_dict()) <= 5e-2
+        assert all(v.dtype == torch.float32 for v in record["state"].values())  # the weights stay fp32
 
 
 @pytest.mark.slow

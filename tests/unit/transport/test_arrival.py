@@ -63,3 +63,13 @@ def test_a_rank_whose_connection_broke_names_the_rank_that_failed_and_its_error(
         "[lightning_gpipe] stage 1 (rank 0) stopped because another rank of the job failed (stage 0 "
         "(rank 1) failed: KeyError: 'x'; its traceback is printed"
     )
+
+
+def test_an_operation_over_a_rank_set_is_numbered_apart_from_the_same_operation_over_all_ranks(store):
+    """A fit of another layout in the same processes places a rank in other subsets: each set keeps its own
+    count, so the second call over ranks [0, 1] is that set's first (rank 1's key 1), not the job's second."""
+    store.set("gpipe/arrive/share/1/1", "1")
+    arrival.arrive("share", timeout=30.0)
+    store.set("gpipe/arrive/share [0,1]/1/1", "1")
+    arrival.arrive("share", timeout=30.0, ranks=[1, 0])  # returns: rank 1 came to this set's first
+    assert store.check(["gpipe/arrive/share [0,1]/1/0"])
