@@ -7,13 +7,16 @@ Spec keys: out, devices, size (``build_transformer`` sizes), batch (per replica)
 (``gradient_clip_val``), full_batch (the data set is one batch of ``batch`` samples per replica: every
 step is an epoch over the same samples, however many replicas share them), runs (GPipeStrategy kwargs per
 run; a run may carry ``save``: a checkpoint path to write at the end of training, the stages still
-sharded, ``resume``: a path to fit from, ``steps``: the steps in all, for this run, and ``tied``: the model's
-LM head tied to its token embedding, ``build_lazy_layers``), stage_only (the
+sharded, ``resume``: a path to fit from, ``steps``: the steps in all, for this run, ``tied``: the model's
+LM head tied to its token embedding, ``build_lazy_layers``, ``precision``: the Trainer's, and ``hooks``:
+the module records Lightning's ``grad_norm(self)`` total in ``on_before_optimizer_step`` and clips by hand,
+``clip_grad_norm_(self.parameters(), clip)`` in ``configure_gradient_clipping``), stage_only (the
 layers built in ``configure_model`` under ``Trainer.init_module(empty_init=True)``: each rank
 materializes its stage only; no trained state is written).
 
 Each rank writes ``run{k}_rank{r}.pt``: its losses (last stages), the global step, the gradient norm
-before clipping of every step, how many gradient reduce-scatters and split backwards' weight passes it
+before clipping of every step (``hooks``: the hand clip's), ``grad_norm(self)``'s totals (``hooks``),
+how many gradient reduce-scatters and split backwards' weight passes it
 ran, what its stage holds at the end of training (the class names of its blocks, whether its parameters
 are ``DTensor`` shards, their local and whole element counts, the optimizer state's local element count)
 and the class names of the Sequential's modules after fit; rank 0 also writes the whole trained state
@@ -28,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
+from pytorch_lightning.utilities import grad_norm  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
@@ -86,6 +90,24 @@ class Holdings(pl.Callback):
         }
 
 
+class HookedNet(LazyNet):
+    """:class:`LazyNet` whose gradient hooks use the whole model (issue 40): ``grad_norm(self)``'s total in
+    ``on_before_optimizer_step`` (``hook_norms``), and a hand ``clip_grad_norm_(self.parameters(), c)`` in
+    ``configure_gradient_clipping`` in place of Lightning's (its total norms in ``clip_norms``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.hook_norms: list[float] = []
+        self.clip_norms: list[float] = []
+
+    def on_before_optimizer_step(self, optimizer):
+        self.hook_norms.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        norm = torch.nn.utils.clip_grad_norm_(self.parameters(), gradient_clip_val)
+        self.clip_norms.append(float(norm))
+
+
 class SaveAtTrainEnd(pl.Callback):
     """``trainer.save_checkpoint(path)`` at the end of training, while the stages are still sharded."""
 
@@ -100,10 +122,11 @@ for k, run in enumerate(spec["runs"]):
     run = dict(run)
     save, resume, steps = run.pop("save", None), run.pop("resume", None), run.pop("steps", spec["steps"])
     size = {**spec["size"], "tied": run.pop("tied", False)}
+    net, precision = HookedNet if run.pop("hooks", False) else LazyNet, run.pop("precision", "32-true")
     pl.seed_everything(spec.get("seed", 0), verbose=False)
     holdings = Holdings()
     callbacks = [holdings, *([SaveAtTrainEnd(save)] if save else [])]
-    kwargs = {**trainer_kwargs(steps), "gradient_clip_val": spec.get("clip")}
+    kwargs = {**trainer_kwargs(steps), "gradient_clip_val": spec.get("clip"), "precision": precision}
     if spec.get("full_batch"):  # every step one whole epoch: the same samples at any data-parallel size
         kwargs["max_epochs"] = steps
     trainer = pl.Trainer(
@@ -111,9 +134,9 @@ for k, run in enumerate(spec["runs"]):
     )
     if spec.get("stage_only"):  # built on the meta device: each rank materializes its stage only
         with trainer.init_module(empty_init=True):
-            model = LazyNet("transformer", lr=spec.get("lr", 0.01), size=size)
+            model = net("transformer", lr=spec.get("lr", 0.01), size=size)
     else:
-        model = LazyNet("transformer", lr=spec.get("lr", 0.01), deferred=False, size=size)
+        model = net("transformer", lr=spec.get("lr", 0.01), deferred=False, size=size)
     # the one-device batches, each split over the D replicas (Lightning's DistributedSampler)
     replicas = trainer.strategy.layout.replicas
     batches = replicas if spec.get("full_batch") else steps * replicas
@@ -122,7 +145,8 @@ for k, run in enumerate(spec["runs"]):
     record = {
         "losses": model.losses,
         "global_step": trainer.global_step,
-        "norms": holdings.norms,
+        "norms": getattr(model, "clip_norms", holdings.norms),
+        "hook_norms": getattr(model, "hook_norms", None),
         **holdings.seen,
     }
     record["reduce_scatters"], reduce_scatters[0] = reduce_scatters[0], 0

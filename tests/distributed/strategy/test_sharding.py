@@ -41,16 +41,23 @@ class GradNorms(pl.Callback):
 
 
 def one_device(
-    order: list[int], batch: int, steps: int = STEPS, ckpt_path: str | None = None, tied: bool = False
+    order: list[int],
+    batch: int,
+    steps: int = STEPS,
+    ckpt_path: str | None = None,
+    tied: bool = False,
+    precision: str = "32-true",
 ) -> LazyNet:
     """The reference: the same module (seed 0; ``tied``: its LM head tied to its token embedding) on one
-    device, Adam, clipped at ``CLIP``, the worker's samples in ``order``, ``batch`` a step; its gradient norms
-    before clipping in ``model.norms``."""
+    device, Adam, clipped at ``CLIP``, the worker's samples in ``order``, ``batch`` a step, in ``precision``;
+    its gradient norms before clipping in ``model.norms``."""
     pl.seed_everything(0, verbose=False)
     model = LazyNet("transformer", lr=LR, deferred=False, size={**SIZE, "tied": tied})
     norms = GradNorms()
     model.norms = norms.norms
-    trainer = pl.Trainer(devices=1, gradient_clip_val=CLIP, callbacks=[norms], **trainer_kwargs(steps))
+    trainer = pl.Trainer(
+        devices=1, gradient_clip_val=CLIP, callbacks=[norms], precision=precision, **trainer_kwargs(steps)
+    )
     x, y = make_lazy_data("transformer", batch, len(order) // batch, SIZE).dataset.tensors
     data = DataLoader(TensorDataset(x[order], y[order]), batch_size=batch)
     trainer.fit(model, data, ckpt_path=ckpt_path)
@@ -90,16 +97,23 @@ def test_pipeline_times_fsdp_matches_single_device(tmp_path):
     """K=2 stages × D=2 FSDP replicas (4 processes): gpipe, 1f1b, interleaved_1f1b and zb_h1 (every backward
     split into input and weight gradients, the gradients reduce-scattered after the step's last weight
     pass), and 1f1b with the LM head tied to the token embedding across the two stages (GPT-2's tie: each
-    stage's copy sharded on its own, the tied gradients summed shard by shard), each 4 steps of Adam with
-    gradient clipping by the global norm, equal one device on the concatenated batch (≤ 1e-5 on the losses
-    and the trained weights). Each rank holds half its stage's parameters and optimizer state, as DTensor
+    stage's copy sharded on its own, the tied gradients summed shard by shard), 1f1b with the gradient hooks
+    on the whole model (issue 40: Lightning's ``grad_norm(self)`` in ``on_before_optimizer_step`` and a hand
+    ``clip_grad_norm_(self.parameters(), c)`` in ``configure_gradient_clipping``, the parameters whole copies
+    of the shards, the clip written back into the sharded gradients) and gpipe under ``balance="memory"``,
+    each 4 steps of Adam with gradient clipping by the global norm, equal one device on the concatenated
+    batch (≤ 1e-5 on the losses, the norms and the trained weights); ``bf16-mixed`` within 5e-3 of one
+    device's bf16-mixed losses. Each rank holds half its stage's parameters and optimizer state, as DTensor
     shards; each block's gradients are reduce-scattered once a step, not once per micro-batch; and after
     fit the Sequential is whole and unwrapped again."""
     mesh = {"chunks": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2, "data_parallel": "fsdp"}
-    schedules = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "1f1b"]
-    extra = [{}, {}, {}, {"checkpoint": "never"}, {"tied": True}]  # zb_h1 splits unrecomputed backwards only
-    runs = fsdp_job(tmp_path, 4, [{**mesh, "schedule": s, **e} for s, e in zip(schedules, extra)], batch=4)
-    references = {tied: one_device(replicas_order(2, 4, STEPS), batch=8, tied=tied) for tied in (False, True)}
+    schedules = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "1f1b", "1f1b", "gpipe"]
+    # zb_h1 splits unrecomputed backwards only
+    extra = [{}, {}, {}, {"checkpoint": "never"}, {"tied": True}, {"hooks": True}, {"balance": "memory"}]
+    runs = [{**mesh, "schedule": s, **e} for s, e in zip(schedules, extra)]
+    runs = fsdp_job(tmp_path, 4, [*runs, {**mesh, "precision": "bf16-mixed"}], batch=4)
+    order = replicas_order(2, 4, STEPS)
+    references = {tied: one_device(order, batch=8, tied=tied) for tied in (False, True)}
     for schedule, e, ranks in zip(schedules, extra, runs):
         reference, what = references[bool(e.get("tied"))], (schedule, e)
         # ranks 0 and 2 run the last stage of replicas 0 and 1 (the layout's formula)
@@ -109,6 +123,10 @@ def test_pipeline_times_fsdp_matches_single_device(tmp_path):
         assert max_diff(ranks[0]["state"], reference.state_dict()) <= 1e-5, what
         assert min(reference.norms) > CLIP  # every step clipped, by the whole model's norm on every rank
         assert all(max(abs(a - b) for a, b in zip(r["norms"], reference.norms)) <= 1e-5 for r in ranks), what
+        if e.get("hooks"):  # grad_norm(self) and a hand clip_grad_norm_(self.parameters()): the whole model
+            for r in ranks:
+                assert len(r["hook_norms"]) == len(r["norms"]) == STEPS
+                assert max(abs(a - b) for a, b in zip(r["hook_norms"], reference.norms)) <= 1e-5
         for rank in ranks:
             assert all(rank["dtensor"]) and rank["classes"][0].startswith("FSDP"), what
             assert rank["local"] * 2 == rank["whole"], what  # every dimension 0 here is even
@@ -120,9 +138,22 @@ def test_pipeline_times_fsdp_matches_single_device(tmp_path):
         split = STEPS * mesh["chunks"] if schedule == "zb_h1" else 0
         assert [rank["weight_passes"] for rank in ranks] == [split, 0, split, 0], what
         assert not any(type(t).__name__ == "DTensor" for t in ranks[0]["state"].values()), what
+    _check_bf16(runs[-1], order)
     tied = references[True].state_dict()
     assert tied["layers.0.tokens.weight"].data_ptr() == tied["layers.6.weight"].data_ptr()  # tied reference
     assert not torch.equal(tied["layers.0.tokens.weight"], references[False].state_dict()["layers.6.weight"])
+
+
+def _check_bf16(ranks: list[dict], order: list[int]) -> None:
+    """``bf16-mixed`` (CPU autocast) under K=2 × D=2 FSDP: the losses within 5e-3 of one device's
+    ``bf16-mixed`` run (bf16 rounds the replicas' and the whole batch's sums apart), the weights fp32 and
+    within 5e-2."""
+    reference = one_device(order, batch=8, precision="bf16-mixed")
+    losses = step_losses([ranks[0]["losses"], ranks[2]["losses"]])
+    assert len(losses) == STEPS
+    assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 5e-3
+    assert max_diff(ranks[0]["state"], reference.state_dict()) <= 5e-2
+    assert all(v.dtype == torch.float32 for v in ranks[0]["state"].values())
 
 
 class LoadOptimizerState(pl.Callback):
