@@ -9,7 +9,8 @@ alone), the module of that run; "build":
 the Trainer's; "resume_from": the index of an earlier run whose checkpoint this run fits on from, with
 "trainer": Trainer overrides such as max_steps). Every rank writes ``run{k}_rank{r}.pt``: the losses,
 total gradient norms and ``grad_norm(self)`` totals its module recorded (the last stage's losses and norms
-are the step's), the DTensor parameters its stage held as training started, its mesh coordinate,
+are the step's), the DTensor parameters its stage held as training started, its mesh coordinate, the
+balance used,
 ``trainer.callback_metrics`` after fit, the trained ``state_dict`` after fit (the whole model's; a
 stage-only build's: its stage's) and the whole model's output on the first batch after fit
 (``after_fit``: plain layers, run in this process; not for a stage-only build).
@@ -94,6 +95,7 @@ for k, run in enumerate(spec["runs"]):
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "coordinate": model.device_mesh.get_coordinate(),
         "stage": trainer.strategy.stage_index,
+        "balance": trainer.strategy.balance_used,
         "state": {n: t.detach().clone() for n, t in model.state_dict().items()},
     }
     if build != "meta":  # the whole model, plain, on this process (stage-only: each rank holds its stage)

@@ -71,8 +71,8 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     stages, the plan leaving them plain (``balance="time"``), parallelizing both (``"parameters"``, 1f1b) or
     the embedding alone (zb_h1);
     the sharded checkpoint of the 1f1b run resumed under K = 1 × T = 4 and K = 2 × D = 2 × T = 1 (and, in
-    this process, into the unpartitioned module); bf16-mixed. Every rank's ``grad_norm(self)`` in
-    ``on_before_optimizer_step`` is the whole model's (issue 40)."""
+    this process, into the unpartitioned module); bf16-mixed; ``balance="memory"`` (1f1b). Every rank's
+    ``grad_norm(self)`` in ``on_before_optimizer_step`` is the whole model's (issue 40)."""
     mesh = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
     resume = {
         "resume_from": 1,
@@ -89,6 +89,7 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
         {"pipeline_parallel_size": 1, "tensor_parallel_size": 4, **resume},
         {"pipeline_parallel_size": 2, "data_parallel_size": 2, "chunks": 2, **resume},  # the same batches
         {**mesh, "balance": [4, 4], "precision": "bf16-mixed"},
+        {**mesh, "balance": "memory", "schedule": "1f1b"},  # profiled on rank 0 before the plan
     ]  # fmt: skip
     results = _job(tmp_path, 4, runs)
     reference, optimizer = _one_device(with_optimizer=True)
@@ -96,6 +97,19 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     expected = reference.state_dict()
     after_fit = reference(next(iter(llama_data()))[0]).detach()
     pl.Trainer(devices=1, **trainer_kwargs(STEPS)).validate(reference, llama_data(steps=1), verbose=False)
+    for ranks in results[9:]:  # balance="memory": whichever balance it chose, one device's training
+        assert (
+            all(record["balance"] == ranks[0]["balance"] for record in ranks)
+            and sum(ranks[0]["balance"]) == 8
+        )
+        for rank in (0, 1):
+            losses = _step_losses(ranks[rank]["losses"])
+            assert len(losses) == STEPS
+            assert max(abs(a - b) for a, b in zip(losses, reference.losses)) <= 1e-5
+        for record in ranks:
+            for key in ("norms", "hook_norms"):
+                assert max(abs(a - b) / b for a, b in zip(record[key], reference.norms)) <= 1e-5
+            assert max_diff(record["state"], expected) <= 1e-5
     for ranks in results[:2]:
         # validate after fit, the same trainer, from the full (run 0) and sharded (run 1) checkpoints saved at
         # the end of training: the plan is applied again (torch refuses a marked module) and the weights
