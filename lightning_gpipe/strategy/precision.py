@@ -5,14 +5,22 @@ stage found an inf and skipped its step while another stepped, the stages would 
 their scales would diverge. :class:`PipelineGradScaler` all-reduces the found-inf flag (max)
 over every rank right after unscaling, so all stages and replicas skip together or step
 together, and ``update()`` moves every rank's scale identically.
+
+Under a tensor-parallel plan an optimizer holds ``DTensor`` gradients beside plain ones (the
+parameters the plan leaves alone), which ``torch.amp.GradScaler`` unscales in one foreach call per
+device and dtype, refused by ``DTensor`` ("got mixed torch.Tensor and DTensor"); the scaler here
+unscales plain gradients and each device mesh's ``DTensor`` gradients in calls of their own (issue 42,
+item 4).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_gpipe._compat import scaler_device, scaler_optimizer_state, scaler_scale
@@ -38,6 +46,25 @@ class PipelineGradScaler(torch.amp.GradScaler):
         new = cls(scaler_device(scaler), group=group, enabled=scaler.is_enabled())
         new.load_state_dict(scaler.state_dict())
         return new
+
+    def _unscale_grads_(
+        self, optimizer: Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """``GradScaler``'s unscaling, once for the plain gradients and once for each device mesh's
+        ``DTensor`` gradients (one foreach call may not mix them); per device, the largest found-inf."""
+        kinds: dict[Any, list[torch.Tensor]] = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                grad = p.grad
+                kinds.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(p)
+        if len(kinds) < 2:
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        found: dict[torch.device, torch.Tensor] = {}
+        for params in kinds.values():
+            part = cast(Optimizer, SimpleNamespace(param_groups=[{"params": params}]))
+            for device, flag in super()._unscale_grads_(part, inv_scale, found_inf, allow_fp16).items():
+                found[device] = torch.maximum(found[device], flag) if device in found else flag
+        return found
 
     def unscale_(self, optimizer: Optimizer) -> None:
         super().unscale_(optimizer)
