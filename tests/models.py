@@ -777,6 +777,21 @@ class LazyNet(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+class OddStepNet(LazyNet):
+    """:class:`LazyNet` whose ``training_step`` returns ``None`` at global step ``none_at`` (Lightning refuses
+    it on more than one process) or its loss times NaN at global step ``nan_at``."""
+
+    def __init__(self, *args, none_at: int | None = None, nan_at: int | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.none_at, self.nan_at = none_at, nan_at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step == self.none_at:
+            return None
+        return loss * float("nan") if self.trainer.global_step == self.nan_at else loss
+
+
 def make_lazy_data(kind: str, batch: int, steps: int, size: dict | None = None, seed: int = 1):
     """Data for :class:`LazyNet`: ``make_data("mlp")``, or random token ids (inputs, next tokens)."""
     if kind not in ("transformer", "llama"):

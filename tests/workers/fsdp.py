@@ -10,7 +10,9 @@ run; a run may carry ``save``: a checkpoint path to write at the end of training
 sharded, ``resume``: a path to fit from, ``steps``: the steps in all, for this run, ``tied``: the model's
 LM head tied to its token embedding, ``build_lazy_layers``, ``precision``: the Trainer's, and ``hooks``:
 the module records Lightning's ``grad_norm(self)`` total in ``on_before_optimizer_step`` and clips by hand,
-``clip_grad_norm_(self.parameters(), clip)`` in ``configure_gradient_clipping``), stage_only (the
+``clip_grad_norm_(self.parameters(), clip)`` in ``configure_gradient_clipping``, ``none_at`` and ``nan_at``:
+``training_step`` returns ``None``, or its loss times NaN, at that global step; a fit that raises is
+recorded as ``caught``), stage_only (the
 layers built in ``configure_model`` under ``Trainer.init_module(empty_init=True)``: each rank
 materializes its stage only; no trained state is written).
 
@@ -23,6 +25,7 @@ and the class names of the Sequential's modules after fit; rank 0 also writes th
 (the Sequential is whole again after fit).
 """
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -36,7 +39,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 import lightning_gpipe  # noqa: E402
 from lightning_gpipe.engine.backward_split import Split  # noqa: E402
-from tests.models import LazyNet, make_lazy_data, trainer_kwargs  # noqa: E402
+from tests.models import LazyNet, OddStepNet, make_lazy_data, trainer_kwargs  # noqa: E402
 
 torch.set_num_threads(1)
 spec = json.loads(Path(sys.argv[1]).read_text())
@@ -123,6 +126,9 @@ for k, run in enumerate(spec["runs"]):
     save, resume, steps = run.pop("save", None), run.pop("resume", None), run.pop("steps", spec["steps"])
     size = {**spec["size"], "tied": run.pop("tied", False)}
     net, precision = HookedNet if run.pop("hooks", False) else LazyNet, run.pop("precision", "32-true")
+    odd = {key: run.pop(key) for key in ("none_at", "nan_at") if key in run}
+    if odd:
+        net = functools.partial(OddStepNet, **odd)
     pl.seed_everything(spec.get("seed", 0), verbose=False)
     holdings = Holdings()
     callbacks = [holdings, *([SaveAtTrainEnd(save)] if save else [])]
@@ -141,8 +147,15 @@ for k, run in enumerate(spec["runs"]):
     replicas = trainer.strategy.layout.replicas
     batches = replicas if spec.get("full_batch") else steps * replicas
     data = make_lazy_data("transformer", spec["batch"], batches, spec["size"])
-    trainer.fit(model, data, ckpt_path=resume)
+    caught = None
+    try:
+        trainer.fit(model, data, ckpt_path=resume)
+    except Exception as err:  # noqa: BLE001 - a run expected to fail (none_at): recorded, the next run follows
+        if not odd:
+            raise
+        caught = f"{type(err).__name__}: {err}"
     record = {
+        "caught": caught,
         "losses": model.losses,
         "global_step": trainer.global_step,
         "norms": getattr(model, "clip_norms", holdings.norms),

@@ -2,6 +2,7 @@
 hard timeouts)."""
 
 import json
+import math
 
 import pytest
 import pytorch_lightning as pl
@@ -12,7 +13,7 @@ from lightning_gpipe.state.safe_reader import SafeReader
 from lightning_gpipe.state.sharded import load_sharded, set_sharded_optimizer_states
 from tests._harness import check, run_ranks
 from tests.conftest import max_diff
-from tests.models import LazyNet, make_lazy_data, trainer_kwargs
+from tests.models import LazyNet, OddStepNet, make_lazy_data, trainer_kwargs
 
 SIZE = {"vocab_size": 32, "num_layers": 4, "d_model": 32, "num_heads": 2, "d_ff": 64, "seq_len": 16}
 LR, CLIP, STEPS = 0.001, 0.1, 4
@@ -47,12 +48,14 @@ def one_device(
     ckpt_path: str | None = None,
     tied: bool = False,
     precision: str = "32-true",
+    nan_at: int | None = None,
 ) -> LazyNet:
     """The reference: the same module (seed 0; ``tied``: its LM head tied to its token embedding) on one
-    device, Adam, clipped at ``CLIP``, the worker's samples in ``order``, ``batch`` a step, in ``precision``;
-    its gradient norms before clipping in ``model.norms``."""
+    device, Adam, clipped at ``CLIP``, the worker's samples in ``order``, ``batch`` a step, in ``precision``
+    (``nan_at``: the loss times NaN at that step, :class:`OddStepNet`); its gradient norms before clipping in
+    ``model.norms``."""
     pl.seed_everything(0, verbose=False)
-    model = LazyNet("transformer", lr=LR, deferred=False, size={**SIZE, "tied": tied})
+    model = OddStepNet("transformer", lr=LR, deferred=False, size={**SIZE, "tied": tied}, nan_at=nan_at)
     norms = GradNorms()
     model.norms = norms.norms
     trainer = pl.Trainer(
@@ -103,15 +106,18 @@ def test_pipeline_times_fsdp_matches_single_device(tmp_path):
     of the shards, the clip written back into the sharded gradients) and gpipe under ``balance="memory"``,
     each 4 steps of Adam with gradient clipping by the global norm, equal one device on the concatenated
     batch (≤ 1e-5 on the losses, the norms and the trained weights); ``bf16-mixed`` within 5e-3 of one
-    device's bf16-mixed losses. Each rank holds half its stage's parameters and optimizer state, as DTensor
-    shards; each block's gradients are reduce-scattered once a step, not once per micro-batch; and after
-    fit the Sequential is whole and unwrapped again."""
+    device's bf16-mixed losses, after a fit whose step 1 had a NaN loss (NaN on every rank, as on one device)
+    and one whose ``training_step`` returned ``None`` (refused on every rank after the same step). Each rank
+    holds half its stage's parameters and optimizer state, as DTensor shards; each block's gradients are
+    reduce-scattered once a step, not once per micro-batch; and after fit the Sequential is whole and
+    unwrapped again."""
     mesh = {"chunks": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2, "data_parallel": "fsdp"}
     schedules = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "1f1b", "1f1b", "gpipe"]
     # zb_h1 splits unrecomputed backwards only
     extra = [{}, {}, {}, {"checkpoint": "never"}, {"tied": True}, {"hooks": True}, {"balance": "memory"}]
     runs = [{**mesh, "schedule": s, **e} for s, e in zip(schedules, extra)]
-    runs = fsdp_job(tmp_path, 4, [*runs, {**mesh, "precision": "bf16-mixed"}], batch=4)
+    odd = [{**mesh, "schedule": "1f1b", "nan_at": 1}, {**mesh, "none_at": 1}]  # then bf16, same processes
+    runs = fsdp_job(tmp_path, 4, [*runs, *odd, {**mesh, "precision": "bf16-mixed"}], batch=4)
     order = replicas_order(2, 4, STEPS)
     references = {tied: one_device(order, batch=8, tied=tied) for tied in (False, True)}
     for schedule, e, ranks in zip(schedules, extra, runs):
@@ -138,10 +144,33 @@ def test_pipeline_times_fsdp_matches_single_device(tmp_path):
         split = STEPS * mesh["chunks"] if schedule == "zb_h1" else 0
         assert [rank["weight_passes"] for rank in ranks] == [split, 0, split, 0], what
         assert not any(type(t).__name__ == "DTensor" for t in ranks[0]["state"].values()), what
+    _check_odd_steps(runs[-3], runs[-2], order)
     _check_bf16(runs[-1], order)
     tied = references[True].state_dict()
     assert tied["layers.0.tokens.weight"].data_ptr() == tied["layers.6.weight"].data_ptr()  # tied reference
     assert not torch.equal(tied["layers.0.tokens.weight"], references[False].state_dict()["layers.6.weight"])
+
+
+def _check_odd_steps(nan: list[dict], none: list[dict], order: list[int]) -> None:
+    """Under K=2 × D=2 FSDP a step whose loss is NaN (1f1b, step 1) goes as on one device on every rank: the
+    norm NaN from it on, every weight NaN after fit; a ``training_step`` returning ``None`` (step 1) stops
+    every rank with Lightning's refusal (it refuses ``None`` on more than one process) after the same step,
+    and the next fit in those processes trains as one device (``_check_bf16``)."""
+    reference = one_device(order, batch=8, nan_at=1)
+    assert all(math.isnan(n) for n in reference.norms[1:]) and not math.isnan(reference.norms[0])
+    assert all(v.isnan().all() for v in reference.state_dict().values())
+    for record in nan:
+        assert record["caught"] is None and record["global_step"] == STEPS
+        assert abs(record["norms"][0] - reference.norms[0]) <= 1e-5
+        assert all(math.isnan(n) for n in record["norms"][1:]) and len(record["norms"]) == STEPS
+    assert all(v.isnan().all() for v in nan[0]["state"].values())
+    losses = step_losses([nan[0]["losses"], nan[2]["losses"]], 2)
+    # recorded before the NaN: step 1's loss is finite, the later steps' NaN (the weights are)
+    assert max(abs(a - b) for a, b in zip(losses[:2], reference.losses[:2])) <= 1e-5
+    assert all(math.isnan(x) for x in losses[2:] + reference.losses[2:]) and len(losses) == STEPS
+    for record in none:
+        assert record["caught"].startswith("RuntimeError: Skipping the `training_step` by returning None")
+        assert record["global_step"] == 1
 
 
 def _check_bf16(ranks: list[dict], order: list[int]) -> None:
