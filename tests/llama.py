@@ -167,6 +167,21 @@ class Llama(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
 
 
+class OddStepLlama(Llama):
+    """:class:`Llama` whose ``training_step`` returns ``None`` at global step ``none_at`` (Lightning refuses
+    it on more than one process) or its loss times NaN at global step ``nan_at``."""
+
+    def __init__(self, none_at: int | None = None, nan_at: int | None = None) -> None:
+        super().__init__()
+        self.none_at, self.nan_at = none_at, nan_at
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_step == self.none_at:
+            return None
+        return loss * float("nan") if self.trainer.global_step == self.nan_at else loss
+
+
 class ShardedLogits(Llama):
     """The head colwise too, its logits left a ``Shard(-1)`` DTensor: the last stage's output is a DTensor,
     and the loss is taken over the sharded logits under ``loss_parallel``, its backward too (as

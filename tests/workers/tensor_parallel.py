@@ -4,7 +4,8 @@ Usage: python tests/workers/tensor_parallel.py SPEC.json, started once per rank 
 Spec keys: devices, out, steps, clip (gradient_clip_val), runs (GPipeStrategy kwargs per run, and: "model":
 "llama" (default), "sharded_logits", "gpt" (tests.gpt.TensorParallelGPT under ``plan=PLAN``, its tied
 embedding and head plain), "gpt_tied_plan" (those two parallelized too) or "gpt_embed_plan" (the embedding
-alone), the module of that run; "build":
+alone), "llama_nan" and "llama_none" (``training_step``'s loss times NaN, or ``None``, at global step 1;
+a refused fit is recorded as ``caught`` with its ``global_step``), the module of that run; "build":
 "meta" builds it under ``Trainer.init_module(empty_init=True)`` (stage-only materialization); "precision":
 the Trainer's; "resume_from": the index of an earlier run whose checkpoint this run fits on from, with
 "trainer": Trainer overrides such as max_steps). Every rank writes ``run{k}_rank{r}.pt``: the losses,
@@ -31,7 +32,7 @@ import torch
 
 import lightning_gpipe
 from tests.gpt import PLAN, TP_VOCAB, TensorParallelGPT, gpt_data
-from tests.llama import Llama, ShardedLogits, llama_data
+from tests.llama import Llama, OddStepLlama, ShardedLogits, llama_data
 from tests.models import trainer_kwargs
 
 torch.set_num_threads(1)
@@ -55,6 +56,8 @@ MODELS = {
     "gpt": TensorParallelGPT,
     "gpt_tied_plan": lambda: TensorParallelGPT(tied_plan="both"),
     "gpt_embed_plan": lambda: TensorParallelGPT(tied_plan="embed"),
+    "llama_nan": lambda: OddStepLlama(nan_at=1),
+    "llama_none": lambda: OddStepLlama(none_at=1),
 }
 
 
@@ -83,7 +86,14 @@ for k, run in enumerate(spec["runs"]):
     with trainer.init_module(empty_init=True) if build == "meta" else contextlib.nullcontext():
         model = make()
     ckpt = str(out / f"run{resume_from}.ckpt") if resume_from is not None else None
-    trainer.fit(model, data(name), ckpt_path=ckpt)
+    try:
+        trainer.fit(model, data(name), ckpt_path=ckpt)
+    except Exception as err:  # noqa: BLE001 - llama_none's fit is refused: recorded, the next run follows
+        if name != "llama_none":
+            raise
+        caught = {"caught": f"{type(err).__name__}: {err}", "global_step": trainer.global_step}
+        torch.save(caught, out / f"run{k}_rank{trainer.global_rank}.pt")
+        continue
     record = {
         "losses": model.losses,
         "norms": model.norms,

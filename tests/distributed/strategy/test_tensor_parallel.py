@@ -3,6 +3,7 @@ stage (``parallelize_stage``), trained with Adam and global-norm clipping, equal
 one device: losses, total gradient norms and weights after 4 steps, fp32, within 1e-5."""
 
 import json
+import math
 
 import pytest
 import pytorch_lightning as pl
@@ -15,7 +16,7 @@ from lightning_gpipe.state.sharded import load_sharded, set_sharded_optimizer_st
 from tests._harness import check, run_ranks
 from tests.conftest import max_diff
 from tests.gpt import TP_VOCAB, TensorParallelGPT, gpt_data
-from tests.llama import Llama, llama_data
+from tests.llama import Llama, OddStepLlama, llama_data
 from tests.models import trainer_kwargs
 
 CLIP, STEPS = 0.05, 4
@@ -71,7 +72,9 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     stages, the plan leaving them plain (``balance="time"``), parallelizing both (``"parameters"``, 1f1b) or
     the embedding alone (zb_h1);
     the sharded checkpoint of the 1f1b run resumed under K = 1 × T = 4 and K = 2 × D = 2 × T = 1 (and, in
-    this process, into the unpartitioned module); bf16-mixed; ``balance="memory"`` (1f1b). Every rank's
+    this process, into the unpartitioned module); bf16-mixed; a NaN loss at step 1 (NaN on every rank, as
+    on one device); a ``training_step`` returning ``None`` (refused on every rank after the same step), then
+    ``balance="memory"`` (1f1b) in the same processes. Every rank's
     ``grad_norm(self)`` in ``on_before_optimizer_step`` is the whole model's (issue 40)."""
     mesh = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2, "chunks": 2}
     resume = {
@@ -89,6 +92,8 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
         {"pipeline_parallel_size": 1, "tensor_parallel_size": 4, **resume},
         {"pipeline_parallel_size": 2, "data_parallel_size": 2, "chunks": 2, **resume},  # the same batches
         {**mesh, "balance": [4, 4], "precision": "bf16-mixed"},
+        {**mesh, "balance": [4, 4], "model": "llama_nan"},
+        {**mesh, "balance": [4, 4], "model": "llama_none"},  # refused: the next fit in the same processes
         {**mesh, "balance": "memory", "schedule": "1f1b"},  # profiled on rank 0 before the plan
     ]  # fmt: skip
     results = _job(tmp_path, 4, runs)
@@ -97,7 +102,8 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     expected = reference.state_dict()
     after_fit = reference(next(iter(llama_data()))[0]).detach()
     pl.Trainer(devices=1, **trainer_kwargs(STEPS)).validate(reference, llama_data(steps=1), verbose=False)
-    for ranks in results[9:]:  # balance="memory": whichever balance it chose, one device's training
+    _check_odd_steps(results[9], results[10])
+    for ranks in results[11:]:  # balance="memory": whichever balance it chose, one device's training
         assert (
             all(record["balance"] == ranks[0]["balance"] for record in ranks)
             and sum(ranks[0]["balance"]) == 8
@@ -140,6 +146,28 @@ def test_pipeline_by_tensor_parallel_matches_one_device(tmp_path):
     _check_tied(results[3], results[4], results[5])
     _check_resumed(results[6], results[7], tmp_path / "run1.ckpt")
     _check_bf16(results[8], reference)
+
+
+def _check_odd_steps(nan: list[dict], none: list[dict]) -> None:
+    """A NaN loss at step 1 goes as on one device on every rank (the norm NaN from it on, every weight NaN
+    after fit); a ``training_step`` returning ``None`` at step 1 is refused on every rank after the same
+    step (Lightning refuses ``None`` on more than one process)."""
+    pl.seed_everything(0, verbose=False)
+    model = OddStepLlama(nan_at=1)
+    pl.Trainer(devices=1, gradient_clip_val=CLIP, **trainer_kwargs(STEPS)).fit(model, llama_data())
+    assert all(math.isnan(n) for n in model.norms[1:]) and not math.isnan(model.norms[0])
+    assert all(v.isnan().all() for v in model.state_dict().values())
+    for record in nan:
+        assert len(record["norms"]) == STEPS and abs(record["norms"][0] - model.norms[0]) <= 1e-5
+        assert all(math.isnan(n) for n in record["norms"][1:])
+        assert all(v.isnan().all() for v in record["state"].values())
+    for rank in (0, 1):  # recorded before the NaN: step 1's loss finite, the later steps' NaN
+        losses = nan[rank]["losses"]
+        assert max(abs(a - b) for a, b in zip(losses[:2], model.losses[:2])) <= 1e-5
+        assert all(math.isnan(x) for x in losses[2:]) and len(losses) == STEPS
+    for record in none:
+        assert record["caught"].startswith("RuntimeError: Skipping the `training_step` by returning None")
+        assert record["global_step"] == 1
 
 
 def _check_stage_only(ranks: list[dict]) -> None:
