@@ -23,6 +23,10 @@ statistics with M > 1 would need every stage to stop at every BatchNorm, which i
   Sequential holds a BatchNorm (any mode: its layers' modes live on other stages and may change
   between steps, while every stage must split alike). No warning: the argument is the choice.
 
+In both modes :func:`refuse_sync_batch_norm` makes a ``SyncBatchNorm`` in training mode whose process
+group is every rank (its default) raise at its forward: it would gather statistics from the ranks of
+the other stages, which run other layers (a hang or a mismatch on GPUs; issue 40).
+
 Evaluation steps, and models without BatchNorm (``GroupNorm``, ``LayerNorm``), split as before.
 """
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
@@ -42,8 +47,11 @@ __all__ = [
     "batch_norms",
     "check_batch_norm",
     "keep_two_samples",
+    "refusals",
+    "refuse_sync_batch_norm",
     "refuse_training_batch_norm",
     "refusal_message",
+    "sync_refusal_message",
 ]
 
 BATCH_NORM_MODES = ("batch", "micro_batch")
@@ -79,6 +87,60 @@ def keep_two_samples(stage: PipelineStage, names: list[str]) -> None:
     """
     if names:
         stage.executor.min_micro_batch = 2
+
+
+def refusals(stage: PipelineStage, prefix: str, chunks: int, mode: str) -> list[RemovableHandle]:
+    """The forward pre-hooks ``GPipeStrategy(batch_norm=mode)`` puts on the BatchNorm layers of ``stage``:
+    :func:`refuse_sync_batch_norm` always, then :func:`refuse_training_batch_norm` under ``"batch"``;
+    their handles, which the strategy removes when it puts the user's Sequential back."""
+    handles = refuse_sync_batch_norm(stage, prefix)
+    if mode == "batch":
+        handles += refuse_training_batch_norm(stage, prefix, chunks)
+    return handles
+
+
+def refuse_sync_batch_norm(stage: PipelineStage, prefix: str) -> list[RemovableHandle]:
+    """Make each ``nn.SyncBatchNorm`` of ``stage`` raise at a forward in training mode while its process
+    group is every rank of an initialized job of 2 or more (``process_group=None``, as
+    ``convert_sync_batchnorm`` leaves it); return the hooks' handles.
+
+    Such a layer all-gathers its statistics over every rank at each forward, while the other stages'
+    ranks run other layers: a hang until the collective timeout, or statistics mixed across layers
+    when each stage holds one (GPUs; on CPU it raises that it needs a GPU). In eval mode it does not
+    synchronize and runs as a BatchNorm.
+
+    Raises (at that forward):
+        PipelineUsageError: naming the layer, its stage and the fixes.
+    """
+    handles = []
+    for name, module in stage.named_modules():
+        if isinstance(module, nn.SyncBatchNorm):
+            refuse = _sync_refusal(stage, prefix + name)
+            handles.append(module.register_forward_pre_hook(refuse))
+    return handles
+
+
+def _sync_refusal(stage: PipelineStage, name: str) -> Any:
+    """The forward pre-hook of SyncBatchNorm ``name``: raises where :func:`refuse_sync_batch_norm` says."""
+
+    def refuse(module: nn.Module, args: Any) -> None:
+        every_rank = module.process_group is None and dist.is_initialized() and dist.get_world_size() > 1
+        if module.training and every_rank:
+            raise PipelineUsageError(sync_refusal_message(name, stage.topology.stage))
+
+    return refuse
+
+
+def sync_refusal_message(name: str, stage: int) -> str:
+    """The error a training-mode ``SyncBatchNorm`` ``name`` (on ``stage``) meets in a pipeline."""
+    return (
+        f"SyncBatchNorm layer {name!r} (stage {stage}) runs in training mode: it would gather batch "
+        "statistics from every rank, but the ranks of the other stages run other layers (a hang or "
+        "wrong statistics). Use nn.BatchNorm1d/2d/3d in its place (do not call "
+        "nn.SyncBatchNorm.convert_sync_batchnorm; for the whole batch's running statistics use "
+        "GPipeStrategy(deferred_batch_norm=True) with batch_norm='micro_batch'), or put it in eval "
+        "mode (frozen)"
+    )
 
 
 def refuse_training_batch_norm(stage: PipelineStage, prefix: str, chunks: int) -> list[RemovableHandle]:

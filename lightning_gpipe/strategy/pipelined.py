@@ -117,7 +117,7 @@ class Pipelined:
         self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
         self._plain_names: list[str] | None = None  # taken at install, while the model's ties hold
         self._prefix = ""  # what the model's keys of the pipelined part start with
-        self._hooks: list[Any] = []  # the stage's BatchNorm refusals (batch_norm="batch"), off at uninstall
+        self._hooks: list[Any] = []  # the stage's BatchNorm refusals (batch_norm.refusals), off at uninstall
 
     @property
     def running(self) -> PipelineStage:
@@ -287,11 +287,11 @@ class Pipelined:
         partition.recompile(self._uncompiled)
         self.installed, self.stage, self._uncompiled = None, None, []
 
-    def refuse_training_batch_norm(self, chunks: int) -> None:
-        """Make the stage's BatchNorm layers refuse training under M > 1 micro-batches, named as in the
-        user's module (:func:`.batch_norm.refuse_training_batch_norm`); undone at :meth:`uninstall`."""
+    def refuse_batch_norm(self, chunks: int, mode: str) -> None:
+        """Make the stage's BatchNorm layers refuse what ``batch_norm=mode`` refuses, named as in the
+        user's module (:func:`.batch_norm.refusals`); undone at :meth:`uninstall`."""
         prefix = f"{self.name}." if self.name else ""
-        self._hooks = batch_norm.refuse_training_batch_norm(self.running, prefix, chunks)
+        self._hooks = batch_norm.refusals(self.running, prefix, chunks, mode)
 
     def refuse_uncalled(self, out: Any) -> None:
         """Raise if a training step returned a loss without calling the pipelined Sequential.
@@ -431,8 +431,9 @@ def partition_model(
     )  # fmt: skip
     if spec.batch_norm == "micro_batch":  # GPipe's per-micro-batch statistics, never of one sample
         batch_norm.keep_two_samples(stage, norms)
-    else:  # as on one device: a training BatchNorm under M > 1 raises at its first forward
-        pipelined.refuse_training_batch_norm(spec.chunks)
+    # "batch": a training BatchNorm under M > 1 raises at its first forward; so does a training
+    # SyncBatchNorm synchronizing over every rank, in either mode
+    pipelined.refuse_batch_norm(spec.chunks, spec.batch_norm)
     timeline = None
     if spec.timeline:
         timeline = stage.timeline = Timeline(

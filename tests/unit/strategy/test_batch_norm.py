@@ -19,6 +19,7 @@ from lightning_gpipe.strategy.batch_norm import (
     batch_norms,
     check_batch_norm,
     keep_two_samples,
+    refusals,
     refuse_training_batch_norm,
 )
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, partition_model
@@ -41,8 +42,7 @@ def _stage(seq: nn.Sequential, chunks: int, batch_norm: str = "micro_batch") -> 
     )
     if check_batch_norm(batch_norm) == "micro_batch":
         keep_two_samples(stage, batch_norms(seq))
-    else:
-        refuse_training_batch_norm(stage, "layers.", chunks)
+    refusals(stage, "layers.", chunks, batch_norm)
     return stage
 
 
@@ -191,6 +191,66 @@ def test_evaluation_is_never_refused_and_the_hooks_come_off():
 def test_a_bad_batch_norm_value_is_named(value):
     with pytest.raises(ValueError, match=rf"batch_norm={value!r} is not one of 'batch' .* or 'micro_batch'"):
         check_batch_norm(value)
+
+
+# -- SyncBatchNorm (either mode) ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """An initialized job of 2 ranks, as ``torch.distributed`` reports it to a SyncBatchNorm."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+
+
+@pytest.mark.parametrize("batch_norm", ["batch", "micro_batch"])
+def test_a_training_sync_batch_norm_over_every_rank_is_refused_in_either_mode(two_ranks, batch_norm):
+    """A SyncBatchNorm (process group None: every rank) in training mode would all-gather statistics
+    from the other stages' ranks, which run other layers: refused at its forward, even with chunks=1,
+    naming the layer and the fix, before it ran (running statistics untouched)."""
+    seq = _mlp(nn.SyncBatchNorm(32))
+    stage = _stage(seq, 1, batch_norm)
+    with pytest.raises(PipelineUsageError) as info:
+        _train_step(stage, torch.randn(8, 16))
+    message = str(info.value)
+    assert message.startswith("SyncBatchNorm layer 'layers.1' (stage 0) runs in training mode")
+    for fix in ("nn.BatchNorm1d/2d/3d", "convert_sync_batchnorm", "deferred_batch_norm=True", "eval mode"):
+        assert fix in message, fix
+    assert seq[1].num_batches_tracked.item() == 0
+
+
+def test_a_sync_batch_norm_under_several_micro_batches_is_named_as_sync_first(two_ranks):
+    """Under ``"batch"`` and chunks 4 the SyncBatchNorm's own refusal comes first: its fix is not chunks=1."""
+    stage = _stage(_mlp(nn.SyncBatchNorm(32)), 4, "batch")
+    with pytest.raises(PipelineUsageError, match=r"^SyncBatchNorm layer 'layers\.1'"):
+        _train_step(stage, torch.randn(8, 16))
+
+
+def test_a_frozen_sync_batch_norm_trains_as_one_device(two_ranks):
+    """In eval mode a SyncBatchNorm does not synchronize: not refused, and the step equals one device's."""
+    seq = _mlp(nn.SyncBatchNorm(32))
+    seq[1].eval()
+    reference = copy.deepcopy(seq)
+    stage = _stage(seq, 4, "batch")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_train_step(stage, x), _per_part(reference, x, [8]))
+    _assert_as_one_device(seq, reference)
+
+
+def test_a_sync_batch_norm_outside_a_job_or_with_its_own_group_is_not_refused(monkeypatch):
+    """Without an initialized job a SyncBatchNorm is a BatchNorm (chunks=1: as one device); with a
+    process group of its own (the user's choice of ranks) it is left to the user."""
+    seq = _mlp(nn.SyncBatchNorm(32))
+    reference = copy.deepcopy(seq)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(_train_step(_stage(seq, 1, "batch"), x), _per_part(reference, x, [8]))
+    _assert_as_one_device(seq, reference)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    own = _mlp(nn.SyncBatchNorm(32, process_group=object()))  # type: ignore[arg-type]
+    calls = []
+    monkeypatch.setattr(own[1], "forward", lambda input: calls.append(input.shape) or input)
+    _train_step(_stage(own, 1, "micro_batch"), torch.randn(8, 16))
+    assert calls == [torch.Size([8, 32])]
 
 
 # -- batch_norm="micro_batch" (GPipe's semantics) ----------------------------------------------------
