@@ -32,7 +32,7 @@ from lightning_gpipe.engine.recompute import check_mode
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
 from lightning_gpipe.errors import check_count
 from lightning_gpipe.partition import cut as partition
-from lightning_gpipe.partition import plan, tied
+from lightning_gpipe.partition import lazy, plan, tied
 from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.partition.compiling import stage_compiler
 from lightning_gpipe.partition.plan import check_plan
@@ -134,7 +134,8 @@ class Pipelined:
         self, model: nn.Module, spec: StageSpec, stages: int
     ) -> tuple[str, nn.Sequential, list[int]]:
         """Raise before any process starts if the model cannot be cut into ``stages`` stages as ``spec`` says
-        (:func:`.partition.check_model`) or cannot run its schedule (:func:`.microstep.check_model`).
+        (:func:`.partition.check_model`), cannot run its schedule (:func:`.microstep.check_model`) or
+        holds lazy layers not yet called (:func:`.partition.lazy.check_initialized`).
 
         A ``torch.compile``-d Sequential is replaced by the Sequential itself first
         (:func:`.partition.uncompile`); each stage is compiled with the user's settings instead.
@@ -143,6 +144,7 @@ class Pipelined:
         the model's named parts are cut instead (:func:`lightning_gpipe.partition.plan.check_model`).
         """
         microstep.check_model(model, spec.schedule)
+        lazy.check_initialized(model)  # a lazy layer's parameters have no shape yet
         v = spec.virtual_stages
         check_virtual_stages(spec.schedule, v, stages)  # interleaving needs two or more stages
         undone, user_compile = partition.uncompile(model)
