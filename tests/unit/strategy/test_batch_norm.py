@@ -193,6 +193,21 @@ def test_a_bad_batch_norm_value_is_named(value):
         check_batch_norm(value)
 
 
+def test_instance_norm_is_not_refused_and_trains_as_one_device_but_its_running_statistics():
+    """InstanceNorm (a ``_NormBase``, not a ``_BatchNorm``) normalizes each sample by itself: chunks 4 is
+    not refused and outputs and gradients equal one device's; with ``track_running_stats`` its running
+    mean gets 4 momentum updates, not one, so it differs (docs/models.md#batchnorm says so)."""
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
+    seq = nn.Sequential(nn.Conv1d(3, 4, 3), norm, nn.Flatten(), nn.Linear(24, 1))
+    reference = copy.deepcopy(seq)
+    x = torch.randn(8, 3, 8, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(_train_step(_stage(seq, 4, "batch"), x), _per_part(reference, x, [8]))
+    for p, q in zip(seq.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert not torch.allclose(seq[1].running_mean, reference[1].running_mean)
+
+
 # -- SyncBatchNorm (either mode) ---------------------------------------------------------------------
 
 
