@@ -124,11 +124,15 @@ def _sync_refusal(stage: PipelineStage, name: str) -> Any:
     """The forward pre-hook of SyncBatchNorm ``name``: raises where :func:`refuse_sync_batch_norm` says."""
 
     def refuse(module: nn.Module, args: Any) -> None:
-        every_rank = module.process_group is None and dist.is_initialized() and dist.get_world_size() > 1
-        if module.training and every_rank:
+        if module.training and module.process_group is None and _several_ranks():
             raise PipelineUsageError(sync_refusal_message(name, stage.topology.stage))
 
     return refuse
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one of 2 or more ranks of an initialized job."""
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def sync_refusal_message(name: str, stage: int) -> str:
