@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_gpipe._compat import BatchNormBase
+from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.errors import PipelineUsageError
 
@@ -177,14 +178,21 @@ def _refusal(stage: PipelineStage, name: str, chunks: int) -> Any:
     def refuse(module: nn.Module, args: Any) -> None:
         m = stage.training_micro_batches
         if module.training and m > 1:
-            raise PipelineUsageError(refusal_message(name, stage.topology.stage, m, chunks))
+            deferred = isinstance(module, DeferredBatchNorm)
+            raise PipelineUsageError(refusal_message(name, stage.topology.stage, m, chunks, deferred))
 
     return refuse
 
 
-def refusal_message(name: str, stage: int, m: int, chunks: int) -> str:
+def refusal_message(name: str, stage: int, m: int, chunks: int, deferred: bool = False) -> str:
     """The error a training-mode BatchNorm ``name`` (on ``stage``) meets under ``m`` > 1 micro-batches of
-    a step (``chunks``: asked for) with ``batch_norm="batch"``."""
+    a step (``chunks``: asked for) with ``batch_norm="batch"``; ``deferred``: the layer is the
+    :class:`~lightning_gpipe.engine.batchnorm.DeferredBatchNorm` of ``deferred_batch_norm=True``, which
+    code freezing ``nn.BatchNorm2d`` layers by ``isinstance`` misses (said at the end)."""
+    missed = (
+        ". Under deferred_batch_norm=True it is a DeferredBatchNorm, not an nn.BatchNorm1d/2d/3d: to freeze "
+        "it test isinstance(m, nn.modules.batchnorm._BatchNorm)"
+    )
     return (
         f"BatchNorm layer {name!r} (stage {stage}) runs in training mode on a step split into {m} "
         f"micro-batches (chunks={chunks}): each micro-batch would be normalized by its own mean and "
@@ -193,5 +201,5 @@ def refusal_message(name: str, stage: int, m: int, chunks: int) -> str:
         "LayerNorm in place of BatchNorm (they do not depend on the split), or "
         "GPipeStrategy(batch_norm='micro_batch') to accept GPipe's per-micro-batch statistics (then "
         "also deferred_batch_norm=True for the whole batch's running statistics). BatchNorm layers in "
-        "eval mode (frozen) train under any chunks"
+        "eval mode (frozen) train under any chunks" + (missed if deferred else "")
     )

@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from lightning_gpipe.engine.batchnorm import convert_deferred_batch_norm
 from lightning_gpipe.engine.microbatch import sizes
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.errors import PipelineUsageError
@@ -113,6 +114,24 @@ def test_a_training_batch_norm_under_several_micro_batches_is_refused_at_its_fir
     assert "deferred_batch_norm=True" in message and "eval mode (frozen)" in message
     assert seq[1].num_batches_tracked.item() == 0 and seq[1].running_mean.abs().sum() == 0
     assert all(p.grad is None for p in seq.parameters())
+
+
+def test_a_deferred_batch_norm_missed_by_an_isinstance_freeze_is_named_as_such():
+    """Under deferred_batch_norm=True the stage's BatchNorm1d is a DeferredBatchNorm: a freeze by
+    ``isinstance(m, nn.BatchNorm1d)`` misses it, and the refusal says so and how to test for it; a plain
+    BatchNorm's refusal does not."""
+    seq = convert_deferred_batch_norm(_mlp(nn.BatchNorm1d(32)))
+    for m in seq.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.eval()
+    with pytest.raises(PipelineUsageError) as info:
+        _train_step(_stage(seq, 2, "batch"), torch.randn(8, 16))
+    assert str(info.value).endswith(
+        "train under any chunks. Under deferred_batch_norm=True it is a DeferredBatchNorm, not an "
+        "nn.BatchNorm1d/2d/3d: to freeze it test isinstance(m, nn.modules.batchnorm._BatchNorm)"
+    )
+    with pytest.raises(PipelineUsageError, match=r"train under any chunks$"):
+        _train_step(_stage(_mlp(nn.BatchNorm1d(32)), 2, "batch"), torch.randn(8, 16))
 
 
 def test_the_refusal_names_a_batch_norm_nested_in_a_block():
