@@ -10,6 +10,7 @@ from torch import nn
 
 __all__ = [
     "check_count",
+    "check_flag",
     "CheckpointError",
     "CollectiveTimeout",
     "LayerProfilingError",
@@ -89,4 +90,16 @@ def check_count(name: str, value: object) -> int:
         raise TypeError(f"{name} must be an integer >= 1 ({name}: {value!r})")
     if value < 1:
         raise ValueError(f"{name} must be an integer >= 1 ({name}: {value!r})")
+    return value
+
+
+def check_flag(name: str, value: object) -> bool:
+    """Return ``value`` if it is ``True`` or ``False`` (a switch such as ``deferred_batch_norm``): a string
+    such as ``"False"`` from a config would otherwise turn the switch on.
+
+    Raises:
+        ValueError: any other value, named.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False ({name}: {value!r})")
     return value

@@ -26,6 +26,7 @@ from lightning_gpipe.balance import balance_by_memory, balance_by_parameters, ba
 from lightning_gpipe.engine.microbatch import as_tensors, split
 from lightning_gpipe.partition.plan_chain import PlanChain
 from lightning_gpipe.partition.plan_forward import chain_input
+from lightning_gpipe.strategy.batch_norm import batch_norms
 from lightning_gpipe.strategy.metrics import restore_logging, silence_logging
 
 __all__ = ["BALANCERS", "check_balance_spec", "choose_balance", "log_choice", "sample_micro_batch"]
@@ -181,7 +182,9 @@ def sample_micro_batch(
     ``training_step`` on the training data; ``validate``/``test``/``predict``: that loop's step
     on its data) up to the Sequential's call. A plan's chain (:class:`~lightning_gpipe.partition.
     plan_chain.PlanChain`) is never called itself: its input is captured at the call of the module whose
-    forward is the chain (the plan's root), as the stage would take it.
+    forward is the chain (the plan's root), as the stage would take it. When the Sequential holds a
+    BatchNorm the micro-batch keeps 2 samples or more (the layers are profiled in training mode, where
+    ``BatchNorm1d`` raises on one sample, even for a BatchNorm the user froze; issue 40).
 
     Raises:
         ValueError: ``training_step`` did not call the Sequential (or the plan's root) and there is no
@@ -217,5 +220,7 @@ def sample_micro_batch(
             )
         sample = captured[0]
     tensors, is_tuple = as_tensors(sample, "the sample input for balancing")
+    if batch_norms(seq):  # profiled in training mode, where a BatchNorm1d refuses a single sample
+        chunks = min(chunks, max(1, len(tensors[0]) // 2))
     first = split([t.to(device) for t in tensors], chunks)[0]
     return first if is_tuple else first[0]

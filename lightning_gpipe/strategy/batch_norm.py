@@ -23,6 +23,10 @@ statistics with M > 1 would need every stage to stop at every BatchNorm, which i
   Sequential holds a BatchNorm (any mode: its layers' modes live on other stages and may change
   between steps, while every stage must split alike). No warning: the argument is the choice.
 
+In both modes :func:`refuse_sync_batch_norm` makes a ``SyncBatchNorm`` in training mode whose process
+group is every rank (its default) raise at its forward: it would gather statistics from the ranks of
+the other stages, which run other layers (a hang or a mismatch on GPUs; issue 40).
+
 Evaluation steps, and models without BatchNorm (``GroupNorm``, ``LayerNorm``), split as before.
 """
 
@@ -30,10 +34,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_gpipe._compat import BatchNormBase
+from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.errors import PipelineUsageError
 
@@ -42,8 +48,11 @@ __all__ = [
     "batch_norms",
     "check_batch_norm",
     "keep_two_samples",
+    "refusals",
+    "refuse_sync_batch_norm",
     "refuse_training_batch_norm",
     "refusal_message",
+    "sync_refusal_message",
 ]
 
 BATCH_NORM_MODES = ("batch", "micro_batch")
@@ -81,6 +90,64 @@ def keep_two_samples(stage: PipelineStage, names: list[str]) -> None:
         stage.executor.min_micro_batch = 2
 
 
+def refusals(stage: PipelineStage, prefix: str, chunks: int, mode: str) -> list[RemovableHandle]:
+    """The forward pre-hooks ``GPipeStrategy(batch_norm=mode)`` puts on the BatchNorm layers of ``stage``:
+    :func:`refuse_sync_batch_norm` always, then :func:`refuse_training_batch_norm` under ``"batch"``;
+    their handles, which the strategy removes when it puts the user's Sequential back."""
+    handles = refuse_sync_batch_norm(stage, prefix)
+    if mode == "batch":
+        handles += refuse_training_batch_norm(stage, prefix, chunks)
+    return handles
+
+
+def refuse_sync_batch_norm(stage: PipelineStage, prefix: str) -> list[RemovableHandle]:
+    """Make each ``nn.SyncBatchNorm`` of ``stage`` raise at a forward in training mode while its process
+    group is every rank of an initialized job of 2 or more (``process_group=None``, as
+    ``convert_sync_batchnorm`` leaves it); return the hooks' handles.
+
+    Such a layer all-gathers its statistics over every rank at each forward, while the other stages'
+    ranks run other layers: a hang until the collective timeout, or statistics mixed across layers
+    when each stage holds one (GPUs; on CPU it raises that it needs a GPU). In eval mode it does not
+    synchronize and runs as a BatchNorm.
+
+    Raises (at that forward):
+        PipelineUsageError: naming the layer, its stage and the fixes.
+    """
+    handles = []
+    for name, module in stage.named_modules():
+        if isinstance(module, nn.SyncBatchNorm):
+            refuse = _sync_refusal(stage, prefix + name)
+            handles.append(module.register_forward_pre_hook(refuse))
+    return handles
+
+
+def _sync_refusal(stage: PipelineStage, name: str) -> Any:
+    """The forward pre-hook of SyncBatchNorm ``name``: raises where :func:`refuse_sync_batch_norm` says."""
+
+    def refuse(module: nn.Module, args: Any) -> None:
+        if module.training and module.process_group is None and _several_ranks():
+            raise PipelineUsageError(sync_refusal_message(name, stage.topology.stage))
+
+    return refuse
+
+
+def _several_ranks() -> bool:
+    """Whether this process is one of 2 or more ranks of an initialized job."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def sync_refusal_message(name: str, stage: int) -> str:
+    """The error a training-mode ``SyncBatchNorm`` ``name`` (on ``stage``) meets in a pipeline."""
+    return (
+        f"SyncBatchNorm layer {name!r} (stage {stage}) runs in training mode: it would gather batch "
+        "statistics from every rank, but the ranks of the other stages run other layers (a hang or "
+        "wrong statistics). Use nn.BatchNorm1d/2d/3d in its place (do not call "
+        "nn.SyncBatchNorm.convert_sync_batchnorm; for the whole batch's running statistics use "
+        "GPipeStrategy(deferred_batch_norm=True) with batch_norm='micro_batch'), or put it in eval "
+        "mode (frozen)"
+    )
+
+
 def refuse_training_batch_norm(stage: PipelineStage, prefix: str, chunks: int) -> list[RemovableHandle]:
     """Make each BatchNorm of ``stage`` raise at a forward in training mode inside a training step
     split into more than one micro-batch (``batch_norm="batch"``); return the hooks' handles, which
@@ -111,14 +178,21 @@ def _refusal(stage: PipelineStage, name: str, chunks: int) -> Any:
     def refuse(module: nn.Module, args: Any) -> None:
         m = stage.training_micro_batches
         if module.training and m > 1:
-            raise PipelineUsageError(refusal_message(name, stage.topology.stage, m, chunks))
+            deferred = isinstance(module, DeferredBatchNorm)
+            raise PipelineUsageError(refusal_message(name, stage.topology.stage, m, chunks, deferred))
 
     return refuse
 
 
-def refusal_message(name: str, stage: int, m: int, chunks: int) -> str:
+def refusal_message(name: str, stage: int, m: int, chunks: int, deferred: bool = False) -> str:
     """The error a training-mode BatchNorm ``name`` (on ``stage``) meets under ``m`` > 1 micro-batches of
-    a step (``chunks``: asked for) with ``batch_norm="batch"``."""
+    a step (``chunks``: asked for) with ``batch_norm="batch"``; ``deferred``: the layer is the
+    :class:`~lightning_gpipe.engine.batchnorm.DeferredBatchNorm` of ``deferred_batch_norm=True``, which
+    code freezing ``nn.BatchNorm2d`` layers by ``isinstance`` misses (said at the end)."""
+    missed = (
+        ". Under deferred_batch_norm=True it is a DeferredBatchNorm, not an nn.BatchNorm1d/2d/3d: to freeze "
+        "it test isinstance(m, nn.modules.batchnorm._BatchNorm)"
+    )
     return (
         f"BatchNorm layer {name!r} (stage {stage}) runs in training mode on a step split into {m} "
         f"micro-batches (chunks={chunks}): each micro-batch would be normalized by its own mean and "
@@ -127,5 +201,5 @@ def refusal_message(name: str, stage: int, m: int, chunks: int) -> str:
         "LayerNorm in place of BatchNorm (they do not depend on the split), or "
         "GPipeStrategy(batch_norm='micro_batch') to accept GPipe's per-micro-batch statistics (then "
         "also deferred_batch_norm=True for the whole batch's running statistics). BatchNorm layers in "
-        "eval mode (frozen) train under any chunks"
+        "eval mode (frozen) train under any chunks" + (missed if deferred else "")
     )

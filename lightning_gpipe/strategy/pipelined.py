@@ -32,7 +32,7 @@ from lightning_gpipe.engine.recompute import check_mode
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
 from lightning_gpipe.errors import check_count
 from lightning_gpipe.partition import cut as partition
-from lightning_gpipe.partition import plan, tied
+from lightning_gpipe.partition import lazy, plan, tied
 from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.partition.compiling import stage_compiler
 from lightning_gpipe.partition.plan import check_plan
@@ -117,7 +117,7 @@ class Pipelined:
         self._user_compile: Any = None  # compiles a stage like the user's torch.compile of the Sequential
         self._plain_names: list[str] | None = None  # taken at install, while the model's ties hold
         self._prefix = ""  # what the model's keys of the pipelined part start with
-        self._hooks: list[Any] = []  # the stage's BatchNorm refusals (batch_norm="batch"), off at uninstall
+        self._hooks: list[Any] = []  # the stage's BatchNorm refusals (batch_norm.refusals), off at uninstall
 
     @property
     def running(self) -> PipelineStage:
@@ -134,7 +134,8 @@ class Pipelined:
         self, model: nn.Module, spec: StageSpec, stages: int
     ) -> tuple[str, nn.Sequential, list[int]]:
         """Raise before any process starts if the model cannot be cut into ``stages`` stages as ``spec`` says
-        (:func:`.partition.check_model`) or cannot run its schedule (:func:`.microstep.check_model`).
+        (:func:`.partition.check_model`), cannot run its schedule (:func:`.microstep.check_model`) or
+        holds lazy layers not yet called (:func:`.partition.lazy.check_initialized`).
 
         A ``torch.compile``-d Sequential is replaced by the Sequential itself first
         (:func:`.partition.uncompile`); each stage is compiled with the user's settings instead.
@@ -143,6 +144,7 @@ class Pipelined:
         the model's named parts are cut instead (:func:`lightning_gpipe.partition.plan.check_model`).
         """
         microstep.check_model(model, spec.schedule)
+        lazy.check_initialized(model)  # a lazy layer's parameters have no shape yet
         v = spec.virtual_stages
         check_virtual_stages(spec.schedule, v, stages)  # interleaving needs two or more stages
         undone, user_compile = partition.uncompile(model)
@@ -287,11 +289,11 @@ class Pipelined:
         partition.recompile(self._uncompiled)
         self.installed, self.stage, self._uncompiled = None, None, []
 
-    def refuse_training_batch_norm(self, chunks: int) -> None:
-        """Make the stage's BatchNorm layers refuse training under M > 1 micro-batches, named as in the
-        user's module (:func:`.batch_norm.refuse_training_batch_norm`); undone at :meth:`uninstall`."""
+    def refuse_batch_norm(self, chunks: int, mode: str) -> None:
+        """Make the stage's BatchNorm layers refuse what ``batch_norm=mode`` refuses, named as in the
+        user's module (:func:`.batch_norm.refusals`); undone at :meth:`uninstall`."""
         prefix = f"{self.name}." if self.name else ""
-        self._hooks = batch_norm.refuse_training_batch_norm(self.running, prefix, chunks)
+        self._hooks = batch_norm.refusals(self.running, prefix, chunks, mode)
 
     def refuse_uncalled(self, out: Any) -> None:
         """Raise if a training step returned a loss without calling the pipelined Sequential.
@@ -431,8 +433,9 @@ def partition_model(
     )  # fmt: skip
     if spec.batch_norm == "micro_batch":  # GPipe's per-micro-batch statistics, never of one sample
         batch_norm.keep_two_samples(stage, norms)
-    else:  # as on one device: a training BatchNorm under M > 1 raises at its first forward
-        pipelined.refuse_training_batch_norm(spec.chunks)
+    # "batch": a training BatchNorm under M > 1 raises at its first forward; so does a training
+    # SyncBatchNorm synchronizing over every rank, in either mode
+    pipelined.refuse_batch_norm(spec.chunks, spec.batch_norm)
     timeline = None
     if spec.timeline:
         timeline = stage.timeline = Timeline(

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_gpipe import _lightning, state
+from lightning_gpipe import _lightning, errors, state
 from lightning_gpipe.engine.rng import share_rng_state
 from lightning_gpipe.partition.compiling import check_compile
 from lightning_gpipe.state import loading, materialize
@@ -101,7 +101,7 @@ class _GPipeStrategyLogic(_Base):
         self.checkpoint_format, self.module_name = state.check_format(checkpoint_format), module_name
         self.gradient_clip_norm_type, self.compile = float(gradient_clip_norm_type), check_compile(compile)
         self.optimizer_state_factor, self.data_parallel = float(optimizer_state_factor), sizes[3]
-        self.deferred_batch_norm = bool(deferred_batch_norm)
+        self.deferred_batch_norm = errors.check_flag("deferred_batch_norm", deferred_batch_norm)
         self.signal_grace = signals.check_grace(signal_grace)
         self.collective_timeout = arrival.check_collective_timeout(collective_timeout)
         self.weights_only = loading.check_weights_only(weights_only)

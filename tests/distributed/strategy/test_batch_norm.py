@@ -1,7 +1,7 @@
 """BatchNorm under the default chunks with ``batch_norm="micro_batch"`` (issue 40, kind E; CPU, Gloo, hard
 timeouts): batches of 12 on 2 stages run as 6 micro-batches of 2, never of one sample, each normalized by
 its own statistics. The default ``"batch"`` (refused at the first forward) is checked in process:
-tests/unit/strategy/test_batch_norm.py."""
+tests/unit/strategy/test_batch_norm.py; here only that its refusal on one stage ends every rank."""
 
 import pytest
 
@@ -22,3 +22,23 @@ def test_default_chunks_keep_two_samples_per_micro_batch_under_gpipe_and_1f1b(ki
     for name in ("batchnorm_gpipe", "batchnorm_1f1b"):
         for record in kinds_job[name]:
             assert max_diff(record["state"], reference["state"]) <= 1e-9, name
+
+
+@pytest.mark.timeout(120)
+def test_the_refusal_on_the_last_stage_stops_the_first_promptly_naming_the_layer(tmp_path):
+    """batch_norm="batch" (the default), chunks=2, 1F1B, balance [1, 5]: the BatchNorm ``layers.1`` is on
+    stage 1 only, while stage 0 waits for its gradients; stage 1's PipelineUsageError ends the job (no
+    hang until a collective timeout) and stage 0's error names stage 1's refusal."""
+    import json
+
+    from tests._harness import run_script
+
+    spec = {"kind": "bn", "devices": 2, "out": str(tmp_path), "steps": 1}
+    spec["runs"] = [{"chunks": 2, "balance": [1, 5], "schedule": "1f1b"}]
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    rc, out = run_script("tests/workers/train.py", str(tmp_path / "spec.json"), timeout=90)
+    assert rc != 0
+    refusal = "BatchNorm layer 'layers.1' (stage 1) runs in training mode on a step split into 2"
+    assert f"PipelineUsageError: {refusal}" in out
+    stopped = "stage 0 (rank 1) stopped because another rank of the job failed (stage 1 (rank 0) failed: "
+    assert f"{stopped}PipelineUsageError: {refusal}" in out

@@ -99,7 +99,8 @@ def step_losses(losses_by_replica: list[list[float]], calls: int = 1) -> list[fl
 def test_pipeline_times_fsdp_matches_single_device(tmp_path):
     """K=2 stages × D=2 FSDP replicas (4 processes): gpipe, 1f1b, interleaved_1f1b and zb_h1 (every backward
     split into input and weight gradients, the gradients reduce-scattered after the step's last weight
-    pass), and 1f1b with the LM head tied to the token embedding across the two stages (GPT-2's tie: each
+    pass), and 1f1b, zb_h1 (checkpoint="except_last": the last micro-batch's backward split) and
+    interleaved_1f1b with the LM head tied to the token embedding across the two stages (GPT-2's tie: each
     stage's copy sharded on its own, the tied gradients summed shard by shard), 1f1b with the gradient hooks
     on the whole model (issue 40: Lightning's ``grad_norm(self)`` in ``on_before_optimizer_step`` and a hand
     ``clip_grad_norm_(self.parameters(), c)`` in ``configure_gradient_clipping``, the parameters whole copies
@@ -112,9 +113,20 @@ def test_pipeline_times_fsdp_matches_single_device(tmp_path):
     reduce-scattered once a step, not once per micro-batch; and after fit the Sequential is whole and
     unwrapped again."""
     mesh = {"chunks": 2, "pipeline_parallel_size": 2, "data_parallel_size": 2, "data_parallel": "fsdp"}
-    schedules = ["gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "1f1b", "1f1b", "gpipe"]
+    schedules = [
+        "gpipe",
+        "1f1b",
+        "interleaved_1f1b",
+        "zb_h1",
+        "1f1b",
+        "1f1b",
+        "gpipe",
+        "zb_h1",
+        "interleaved_1f1b",
+    ]
+    never, last, tied = {"checkpoint": "never"}, {"checkpoint": "except_last"}, {"tied": True}
     # zb_h1 splits unrecomputed backwards only
-    extra = [{}, {}, {}, {"checkpoint": "never"}, {"tied": True}, {"hooks": True}, {"balance": "memory"}]
+    extra = [{}, {}, {}, never, tied, {"hooks": True}, {"balance": "memory"}, {**last, **tied}, tied]
     runs = [{**mesh, "schedule": s, **e} for s, e in zip(schedules, extra)]
     odd = [{**mesh, "schedule": "1f1b", "nan_at": 1}, {**mesh, "none_at": 1}]  # then bf16, same processes
     runs = fsdp_job(tmp_path, 4, [*runs, *odd, {**mesh, "precision": "bf16-mixed"}], batch=4)
@@ -140,8 +152,10 @@ def test_pipeline_times_fsdp_matches_single_device(tmp_path):
             blocks = sum(name.startswith("FSDP") for name in rank["classes"])
             assert rank["reduce_scatters"] == STEPS * blocks, what  # once a step, not per micro-batch
             assert rank["after"][0] == "Sequential" and not any("FSDP" in name for name in rank["after"])
-        # zb_h1 splits the last stage's backwards (its input needs a gradient), one a micro-batch; others none
-        split = STEPS * mesh["chunks"] if schedule == "zb_h1" else 0
+        # zb_h1 splits the last stage's backwards (its input needs a gradient) of unrecomputed micro-batches:
+        # each one (never), the last one (except_last); others none
+        unrecomputed = {"never": mesh["chunks"], "except_last": 1}.get(e.get("checkpoint", ""), 0)
+        split = STEPS * unrecomputed if schedule == "zb_h1" else 0
         assert [rank["weight_passes"] for rank in ranks] == [split, 0, split, 0], what
         assert not any(type(t).__name__ == "DTensor" for t in ranks[0]["state"].values()), what
     _check_odd_steps(runs[-3], runs[-2], order)

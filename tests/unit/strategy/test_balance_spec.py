@@ -74,3 +74,26 @@ def test_a_step_that_never_calls_the_plans_root_is_told_how_to_give_a_sample(mon
         ValueError, match=r"training_step did not call self\(\.\.\.\), whose forward is the plan's"
     ):
         balance_spec.sample_micro_batch(model, chain, "time", 4, CPU, lambda batch: batch)
+
+
+class _BatchNormNet(pl.LightningModule):
+    def __init__(self, norm: torch.nn.Module) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.Sequential(
+            torch.nn.Linear(16, 32), norm, torch.nn.Tanh(), torch.nn.Linear(32, 1)
+        )
+        self.example_input_array = torch.randn(8, 16)
+
+
+@pytest.mark.parametrize(("norm", "samples"), [(torch.nn.BatchNorm1d(32), 2), (torch.nn.LayerNorm(32), 1)])
+def test_a_batch_norm_model_is_profiled_on_two_samples_or_more(norm, samples):
+    """chunks 8 on a batch of 8: a model with BatchNorm (here frozen, which trains on micro-batches of one
+    sample) is profiled on the first of 4 micro-batches (2 samples, the profile runs in training mode, where
+    BatchNorm1d raises on one), and balance="time" on it runs; other models on the first of 8 (1 sample)."""
+    model = _BatchNormNet(norm)
+    model.layers[1].eval()
+    sample = balance_spec.sample_micro_batch(model, model.layers, "time", 8, CPU, lambda batch: batch)
+    torch.testing.assert_close(sample, model.example_input_array[:samples])
+    assert len(balance_spec.balance_by_time(model.layers, sample, 2)) == 2
+    assert not model.layers[1].training  # the user's mode is back

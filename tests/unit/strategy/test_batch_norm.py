@@ -12,6 +12,7 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from lightning_gpipe.engine.batchnorm import convert_deferred_batch_norm
 from lightning_gpipe.engine.microbatch import sizes
 from lightning_gpipe.engine.stage import PipelineStage
 from lightning_gpipe.errors import PipelineUsageError
@@ -19,6 +20,7 @@ from lightning_gpipe.strategy.batch_norm import (
     batch_norms,
     check_batch_norm,
     keep_two_samples,
+    refusals,
     refuse_training_batch_norm,
 )
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, partition_model
@@ -41,8 +43,7 @@ def _stage(seq: nn.Sequential, chunks: int, batch_norm: str = "micro_batch") -> 
     )
     if check_batch_norm(batch_norm) == "micro_batch":
         keep_two_samples(stage, batch_norms(seq))
-    else:
-        refuse_training_batch_norm(stage, "layers.", chunks)
+    refusals(stage, "layers.", chunks, batch_norm)
     return stage
 
 
@@ -113,6 +114,24 @@ def test_a_training_batch_norm_under_several_micro_batches_is_refused_at_its_fir
     assert "deferred_batch_norm=True" in message and "eval mode (frozen)" in message
     assert seq[1].num_batches_tracked.item() == 0 and seq[1].running_mean.abs().sum() == 0
     assert all(p.grad is None for p in seq.parameters())
+
+
+def test_a_deferred_batch_norm_missed_by_an_isinstance_freeze_is_named_as_such():
+    """Under deferred_batch_norm=True the stage's BatchNorm1d is a DeferredBatchNorm: a freeze by
+    ``isinstance(m, nn.BatchNorm1d)`` misses it, and the refusal says so and how to test for it; a plain
+    BatchNorm's refusal does not."""
+    seq = convert_deferred_batch_norm(_mlp(nn.BatchNorm1d(32)))
+    for m in seq.modules():
+        if isinstance(m, nn.BatchNorm1d):
+            m.eval()
+    with pytest.raises(PipelineUsageError) as info:
+        _train_step(_stage(seq, 2, "batch"), torch.randn(8, 16))
+    assert str(info.value).endswith(
+        "train under any chunks. Under deferred_batch_norm=True it is a DeferredBatchNorm, not an "
+        "nn.BatchNorm1d/2d/3d: to freeze it test isinstance(m, nn.modules.batchnorm._BatchNorm)"
+    )
+    with pytest.raises(PipelineUsageError, match=r"train under any chunks$"):
+        _train_step(_stage(_mlp(nn.BatchNorm1d(32)), 2, "batch"), torch.randn(8, 16))
 
 
 def test_the_refusal_names_a_batch_norm_nested_in_a_block():
@@ -191,6 +210,81 @@ def test_evaluation_is_never_refused_and_the_hooks_come_off():
 def test_a_bad_batch_norm_value_is_named(value):
     with pytest.raises(ValueError, match=rf"batch_norm={value!r} is not one of 'batch' .* or 'micro_batch'"):
         check_batch_norm(value)
+
+
+def test_instance_norm_is_not_refused_and_trains_as_one_device_but_its_running_statistics():
+    """InstanceNorm (a ``_NormBase``, not a ``_BatchNorm``) normalizes each sample by itself: chunks 4 is
+    not refused and outputs and gradients equal one device's; with ``track_running_stats`` its running
+    mean gets 4 momentum updates, not one, so it differs (docs/models.md#batchnorm says so)."""
+    torch.manual_seed(0)
+    norm = nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
+    seq = nn.Sequential(nn.Conv1d(3, 4, 3), norm, nn.Flatten(), nn.Linear(24, 1))
+    reference = copy.deepcopy(seq)
+    x = torch.randn(8, 3, 8, generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(_train_step(_stage(seq, 4, "batch"), x), _per_part(reference, x, [8]))
+    for p, q in zip(seq.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert not torch.allclose(seq[1].running_mean, reference[1].running_mean)
+
+
+# -- SyncBatchNorm (either mode) ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_ranks(monkeypatch):
+    """An initialized job of 2 ranks, as ``torch.distributed`` reports it to a SyncBatchNorm."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+
+
+@pytest.mark.parametrize("batch_norm", ["batch", "micro_batch"])
+def test_a_training_sync_batch_norm_over_every_rank_is_refused_in_either_mode(two_ranks, batch_norm):
+    """A SyncBatchNorm (process group None: every rank) in training mode would all-gather statistics
+    from the other stages' ranks, which run other layers: refused at its forward, even with chunks=1,
+    naming the layer and the fix, before it ran (running statistics untouched)."""
+    seq = _mlp(nn.SyncBatchNorm(32))
+    stage = _stage(seq, 1, batch_norm)
+    with pytest.raises(PipelineUsageError) as info:
+        _train_step(stage, torch.randn(8, 16))
+    message = str(info.value)
+    assert message.startswith("SyncBatchNorm layer 'layers.1' (stage 0) runs in training mode")
+    for fix in ("nn.BatchNorm1d/2d/3d", "convert_sync_batchnorm", "deferred_batch_norm=True", "eval mode"):
+        assert fix in message, fix
+    assert seq[1].num_batches_tracked.item() == 0
+
+
+def test_a_sync_batch_norm_under_several_micro_batches_is_named_as_sync_first(two_ranks):
+    """Under ``"batch"`` and chunks 4 the SyncBatchNorm's own refusal comes first: its fix is not chunks=1."""
+    stage = _stage(_mlp(nn.SyncBatchNorm(32)), 4, "batch")
+    with pytest.raises(PipelineUsageError, match=r"^SyncBatchNorm layer 'layers\.1'"):
+        _train_step(stage, torch.randn(8, 16))
+
+
+def test_a_frozen_sync_batch_norm_trains_as_one_device(two_ranks):
+    """In eval mode a SyncBatchNorm does not synchronize: not refused, and the step equals one device's."""
+    seq = _mlp(nn.SyncBatchNorm(32))
+    seq[1].eval()
+    reference = copy.deepcopy(seq)
+    stage = _stage(seq, 4, "batch")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(_train_step(stage, x), _per_part(reference, x, [8]))
+    _assert_as_one_device(seq, reference)
+
+
+def test_a_sync_batch_norm_outside_a_job_or_with_its_own_group_is_not_refused(monkeypatch):
+    """Without an initialized job a SyncBatchNorm is a BatchNorm (chunks=1: as one device); with a
+    process group of its own (the user's choice of ranks) it is left to the user."""
+    seq = _mlp(nn.SyncBatchNorm(32))
+    reference = copy.deepcopy(seq)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(_train_step(_stage(seq, 1, "batch"), x), _per_part(reference, x, [8]))
+    _assert_as_one_device(seq, reference)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    own = _mlp(nn.SyncBatchNorm(32, process_group=object()))  # type: ignore[arg-type]
+    calls = []
+    monkeypatch.setattr(own[1], "forward", lambda input: calls.append(input.shape) or input)
+    _train_step(_stage(own, 1, "micro_batch"), torch.randn(8, 16))
+    assert calls == [torch.Size([8, 32])]
 
 
 # -- batch_norm="micro_batch" (GPipe's semantics) ----------------------------------------------------

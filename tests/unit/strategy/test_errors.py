@@ -70,6 +70,11 @@ def test_registered_strategy_name():
         ),
         ({"signal_grace": "30"}, r"signal_grace must be a number of seconds > 0 \(signal_grace: '30'\)"),
         ({"batch_norm": "micro"}, r"batch_norm='micro' is not one of 'batch' .* or 'micro_batch'"),
+        (
+            {"deferred_batch_norm": "False"},
+            r"deferred_batch_norm must be True or False \(deferred_batch_norm: 'False'\)",
+        ),
+        ({"deferred_batch_norm": 1}, r"deferred_batch_norm must be True or False \(deferred_batch_norm: 1\)"),
     ],
 )
 def test_bad_strategy_arguments_raise_at_construction(kwargs, message):
