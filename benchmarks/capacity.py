@@ -36,6 +36,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,25 +132,36 @@ def _trial(spec: dict[str, Any]) -> None:
             chunks=spec["chunks"], checkpoint=spec["checkpoint"], balance="parameters"
         )
         trainer = pl.Trainer(strategy=strategy, devices=spec["stages"], callbacks=[meter], **common)
-    Path("/proc/self/clear_refs").write_text("5")
+    fit_and_record(
+        trainer, LM(), data, device, spec["out"],
+        lambda: {"params": getattr(meter, "params", None), "step_s": meter.times},
+    )  # fmt: skip
+
+
+def fit_and_record(
+    trainer: Any, module: Any, data: Any, device: str, out: str, extra: Callable[[], dict[str, Any]]
+) -> None:
+    """Fit ``module`` on ``data`` with ``trainer`` and write this rank's record to ``out/rank{r}.json``:
+    its peak memory from just before ``fit`` (CUDA: the allocator's peak; CPU: the peak resident set above
+    the one then), the out-of-memory error if any, and ``extra()``, read after ``fit``.
+
+    Raises:
+        SystemExit: (code 3) ``fit`` ran out of memory; the record is written first.
+    """
+    import torch  # in the trial's process only, as above
+
+    Path("/proc/self/clear_refs").write_text("5")  # the peak resident set starts again from here
     baseline = _rss_bytes()
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     error = None
     try:
-        trainer.fit(LM(), data)
+        trainer.fit(module, data)
     except torch.OutOfMemoryError as err:
         error = f"out of memory: {str(err).splitlines()[0]}"
-    record = {
-        "rank": trainer.global_rank,
-        "peak_bytes": (
-            torch.cuda.max_memory_allocated() if device == "cuda" else _peak_rss_bytes() - baseline
-        ),
-        "params": getattr(meter, "params", None),
-        "step_s": meter.times,
-        "error": error,
-    }
-    Path(spec["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+    peak = torch.cuda.max_memory_allocated() if device == "cuda" else _peak_rss_bytes() - baseline
+    record = {"rank": trainer.global_rank, "peak_bytes": peak, "error": error, **extra()}
+    Path(out, f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
     if error is not None:
         raise SystemExit(3)
 

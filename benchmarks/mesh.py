@@ -45,7 +45,6 @@ import argparse
 import csv
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -54,7 +53,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.capacity import MIB, ROOT
+from benchmarks.capacity import MIB, ROOT, fit_and_record
 
 SIZES: dict[str, dict[str, int]] = {
     "cpu": {"vocab": 256, "dim": 512, "heads": 8, "hidden": 1408, "depth": 16, "seq_len": 32, "batch": 16},
@@ -214,37 +213,7 @@ def _trial(spec: dict[str, Any]) -> None:
         strategy, devices = ModelParallelStrategy(data_parallel_size=d, tensor_parallel_size=t), d * t
     meter = Meter()
     trainer = pl.Trainer(strategy=strategy, devices=devices, callbacks=[meter], **common)
-    Path("/proc/self/clear_refs").write_text("5")
-    baseline = _rss_bytes()
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    error = None
-    try:
-        trainer.fit(LM(), data)
-    except torch.OutOfMemoryError as err:
-        error = f"out of memory: {str(err).splitlines()[0]}"
-    record = {
-        "rank": trainer.global_rank,
-        "peak_bytes": torch.cuda.max_memory_allocated() if device == "cuda" else _peak_rss_bytes() - baseline,
-        "step_s": meter.times,
-        "error": error,
-        **meter.held,
-    }
-    Path(spec["out"], f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
-    if error is not None:
-        raise SystemExit(3)
-
-
-def _rss_bytes() -> int:
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
-def _peak_rss_bytes() -> int:
-    match = re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text())
-    assert match is not None
-    return int(match.group(1)) * 1024
+    fit_and_record(trainer, LM(), data, device, spec["out"], lambda: {"step_s": meter.times, **meter.held})
 
 
 # -- the driver --------------------------------------------------------------------------------------
