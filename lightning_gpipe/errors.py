@@ -11,6 +11,7 @@ from torch import nn
 __all__ = [
     "check_count",
     "check_flag",
+    "listed",
     "CheckpointError",
     "CollectiveTimeout",
     "LayerProfilingError",
@@ -103,3 +104,9 @@ def check_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False ({name}: {value!r})")
     return value
+
+
+def listed(names: list[str], limit: int = 5) -> str:
+    """The first ``limit`` of ``names`` for an error message, joined by commas, with ``", ..."`` after them
+    when there are more."""
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")

@@ -20,7 +20,7 @@ from lightning_gpipe._compat import (
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.batchnorm import defer_batch_norms, restore_batch_norms
 from lightning_gpipe.engine.skip import routes
-from lightning_gpipe.errors import PartitionError
+from lightning_gpipe.errors import PartitionError, listed
 from lightning_gpipe.partition.tied import tied_buffers
 from lightning_gpipe.transport.layout import layer_parts
 
@@ -127,7 +127,7 @@ def check_all_parameters_inside(module: nn.Module, name: str, sequential: nn.Seq
     inside = {id(p) for p in sequential.parameters()}
     outside = [n for n, p in module.named_parameters() if id(p) not in inside]
     if outside:
-        shown = ", ".join(outside[:5]) + (", ..." if len(outside) > 5 else "")
+        shown = listed(outside)
         raise PartitionError(
             f"parameters outside the pipelined nn.Sequential {name!r}: {shown}; "
             "every parameter must live inside it (move those layers into the Sequential)"

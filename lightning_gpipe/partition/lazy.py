@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from lightning_gpipe.errors import PartitionError
+from lightning_gpipe.errors import PartitionError, listed
 
 __all__ = ["check_initialized"]
 
@@ -26,7 +26,7 @@ def check_initialized(model: nn.Module) -> None:
     named = [*model.named_parameters(), *model.named_buffers()]
     lazy = [name for name, t in named if is_lazy(t)]
     if lazy:
-        shown = ", ".join(lazy[:5]) + (", ..." if len(lazy) > 5 else "")
+        shown = listed(lazy)
         raise PartitionError(
             f"{type(model).__name__} holds lazy layers not yet called ({shown}: uninitialized, no shape): "
             "the gpipe strategy cuts and places the layers by their parameters before any forward. Call "

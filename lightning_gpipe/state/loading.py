@@ -31,7 +31,7 @@ from torch import Tensor
 
 from lightning_gpipe._compat import checkpoint_offset
 from lightning_gpipe._lightning import load_module_state, migrate_checkpoint
-from lightning_gpipe.errors import CheckpointError
+from lightning_gpipe.errors import CheckpointError, listed
 from lightning_gpipe.state.dtensors import read_shard_into, shard_like
 from lightning_gpipe.state.optimizer import NAMES_KEY
 from lightning_gpipe.state.unpickler import refusal
@@ -237,7 +237,7 @@ def copy_into(
     """
     missing = [k for k in target if k not in source]
     if missing:
-        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        shown = listed(missing)
         raise CheckpointError(f"the checkpoint lacks {len(missing)} tensors of this stage: {shown}")
     with torch.no_grad():
         for key, tensor in target.items():

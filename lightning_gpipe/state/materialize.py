@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from lightning_gpipe import _lightning
 from lightning_gpipe._compat import children
+from lightning_gpipe.errors import listed
 from lightning_gpipe.partition.cut import cut, key_prefix
 from lightning_gpipe.state.loading import CHECKPOINT_SOURCE, LazyCheckpoint, copy_into
 from lightning_gpipe.transport.layout import layer_stages
@@ -315,7 +316,7 @@ def check_nothing_meta(model: nn.Module) -> None:
     """
     left = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
     if left:
-        shown = ", ".join(left[:5]) + (", ..." if len(left) > 5 else "")
+        shown = listed(left)
         raise ValueError(
             f"{len(left)} tensors outside the pipelined nn.Sequential are on the meta device ({shown}); only "
             "the Sequential's layers are materialized per stage: create the rest outside "

@@ -233,8 +233,8 @@ def test_tensor_parallel_without_a_plan_is_refused_before_spawn():
 
 
 class OneArgumentPlan(Llama):
-    def parallelize_stage(self, stage):  # the mesh forgotten
-        pass
+    def parallelize_stage(self, stage):
+        """A plan hook with the mesh argument forgotten (refused before any process starts)."""
 
 
 def test_a_parallelize_stage_that_cannot_take_stage_and_mesh_is_refused_before_spawn():
