@@ -14,8 +14,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests import norms
+
 pl = importlib.import_module(os.environ.get("GPIPE_TEST_LIGHTNING", "pytorch_lightning"))
-grad_norm = importlib.import_module(pl.__name__ + ".utilities").grad_norm
 
 VOCAB, LENGTH, DIM, HEADS, DEPTH = 17, 8, 16, 2, 4
 PLAN = ["embed", "blocks", "norm", "head"]
@@ -127,12 +128,7 @@ class TensorParallelGPT(GPT):
                 parallelize_module(layer, tp_mesh, ColwiseParallel(output_layouts=Replicate()))
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        self.hook_norms.append(float(grad_norm(self, norm_type=2)["grad_2.0_norm_total"]))
-        if self.trainer.world_size == 1:  # Lightning clips after this hook
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            self.norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+        norms.before_optimizer_step(self)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        norm = getattr(self.trainer.strategy, "last_grad_norm", None)
-        if norm is not None:
-            self.norms.append(float(norm))
+        norms.after_batch(self)
