@@ -249,7 +249,9 @@ class PipelineStage(nn.Sequential):
         raise PipelineUsageError(
             f"layer {idx} of the pipelined nn.Sequential lives on another stage: this process runs stage "
             f"{self.topology.stage}, which holds layers {', '.join(self._modules)}; access a layer only "
-            "where it lives, or outside fit (the Sequential is whole again afterwards). A term over its "
+            "where it lives, or outside fit (the Sequential is whole again afterwards). To set a mode or "
+            "freeze layers (m.eval(), m.requires_grad_(False)), loop over self.layers or self.modules(): "
+            "each stage sees its own layers. A term over its "
             "weights or outputs belongs in its forward, declared with lightning_gpipe.aux_loss; in "
             "on_after_backward and on_before_optimizer_step, self.named_parameters() is the whole model's"
         )

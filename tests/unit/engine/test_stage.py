@@ -33,6 +33,24 @@ def test_indexing_a_stage_uses_the_whole_sequentials_indices():
         stage[1:]
 
 
+def test_a_layer_on_another_stage_points_a_freeze_to_a_loop_over_the_stage():
+    seq = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 8), nn.BatchNorm1d(8))
+    stage = PipelineStage(
+        list(seq.named_children())[2:],
+        StageTopology(1, 2, 0, None),
+        1,
+        "never",
+        P2P(torch.device("cpu")),
+        list(seq._modules),
+    )
+    with pytest.raises(PipelineUsageError, match=r"freeze layers .*loop over self.layers"):
+        stage[1].eval()  # one-device code freezing the BatchNorm of stage 0, run on stage 1
+    for m in stage:  # the loop the message names freezes this stage's BatchNorm, and only it
+        if isinstance(m, nn.BatchNorm1d):
+            m.eval()
+    assert [m.training for m in seq] == [True, True, True, False]
+
+
 def test_indexing_a_stage_of_a_sequential_with_named_layers():
     seq = nn.Sequential(OrderedDict([("inp", nn.Linear(4, 8)), ("act", nn.Tanh()), ("out", nn.Linear(8, 1))]))
     stage = PipelineStage(
