@@ -5,7 +5,8 @@ bubble share, the cost model's error, and the largest model that fits a memory b
 ``-m`` sweeps over any of them) runs, one after another, each in fresh processes
 (:mod:`benchmarks.worker`):
 
-- ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under Lightning, ``timeline=True``, with the
+- ``ours``: :class:`~lightning_gpipe.GPipeStrategy` under Lightning, ``timeline=True`` (but in
+  ``alternate`` runs, where it runs as users run it: the peer records no timeline), with the
   config's ``schedule`` and ``virtual_stages``;
 - ``bare``: the same stages driven by a plain PyTorch loop (Lightning overhead = ours vs bare);
   fill-drain only, skipped under another schedule;

@@ -240,7 +240,7 @@ def run_ours(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         checkpoint=spec["checkpoint"],
         schedule=spec.get("schedule", "gpipe"),
         virtual_stages=spec.get("virtual_stages", 1),
-        timeline=True,
+        timeline=turns is None,  # in turns with the peer, as users run it (the peer records none)
         timeline_dir=spec["out"],
     )
     trainer = pl.Trainer(

@@ -27,7 +27,7 @@ from lightning_gpipe.state import loading, materialize
 from lightning_gpipe.strategy import callbacks, checkpoints, launcher, metrics, microstep, pipelined
 
 from lightning_gpipe.strategy import optimizer_setup, precision, process_group, signals, steps  # isort: skip
-from lightning_gpipe.strategy import gradients, tensor_parallel, whole_model  # isort: skip
+from lightning_gpipe.strategy import gradients, heap, tensor_parallel, whole_model  # isort: skip
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, adopt, namespace_of, register_names
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, check_arguments, partition_model
 from lightning_gpipe.tools.timeline import Timeline
@@ -232,6 +232,7 @@ class _GPipeStrategyLogic(_Base):
         self._sigterm = signals.defer_sigterm_check(trainer, self.root_device)  # signals stop at a step
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            heap.keep_freed_memory(self.root_device)  # a CPU stage re-faults no freed memory per micro-batch
         self.setup_precision_plugin()
         precision.install(self.precision_plugin, self._clip_grad_by_norm)
         if trainer.state.fn == TrainerFn.FITTING:
