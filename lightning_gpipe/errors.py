@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 __all__ = [
+    "check_choice",
     "check_count",
     "check_flag",
     "listed",
@@ -103,6 +104,19 @@ def check_flag(name: str, value: object) -> bool:
     """
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False ({name}: {value!r})")
+    return value
+
+
+def check_choice(name: str, value: object, choices: dict[str, str]) -> str:
+    """Return ``value`` if it is one of ``choices`` (a string argument such as ``batch_norm``), whose
+    values say what each choice does, for the message.
+
+    Raises:
+        ValueError: any other value, named, with every choice and what it does.
+    """
+    if not isinstance(value, str) or value not in choices:
+        listed_choices = " or ".join(f"{choice!r} ({what})" for choice, what in choices.items())
+        raise ValueError(f"{name}={value!r} is not one of {listed_choices}")
     return value
 
 

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_gpipe._lightning import distributed_is_initialized, optimizer_to_device
+from lightning_gpipe.errors import check_choice
 from lightning_gpipe.partition.cut import PLACEHOLDER, key_prefix
 from lightning_gpipe.partition.tied import Tied, alias_tied_state
 from lightning_gpipe.state.dtensors import full_tensors, shard_like
@@ -38,20 +39,17 @@ __all__ = [
     "user_state_dict",
 ]
 
-FORMATS = ("full", "sharded")
+_FORMATS = {"full": "one Lightning checkpoint file", "sharded": "one shard per stage, written in parallel"}
+FORMATS = tuple(_FORMATS)
 
 
 def check_format(checkpoint_format: str) -> str:
     """Return ``checkpoint_format`` if it is one of :data:`FORMATS`.
 
     Raises:
-        ValueError: any other value.
+        ValueError: any other value, named, with the two choices.
     """
-    if checkpoint_format not in FORMATS:
-        raise ValueError(
-            f"checkpoint_format must be 'full' or 'sharded' (checkpoint_format: {checkpoint_format!r})"
-        )
-    return checkpoint_format
+    return check_choice("checkpoint_format", checkpoint_format, _FORMATS)
 
 
 def broadcast_from_first_replica(stage: nn.Module, layout: Layout, rank: int, group: Any) -> None:

@@ -41,7 +41,7 @@ from torch.utils.hooks import RemovableHandle
 from lightning_gpipe._compat import BatchNormBase
 from lightning_gpipe.engine.batchnorm import DeferredBatchNorm
 from lightning_gpipe.engine.stage import PipelineStage
-from lightning_gpipe.errors import PipelineUsageError
+from lightning_gpipe.errors import PipelineUsageError, check_choice
 
 __all__ = [
     "BATCH_NORM_MODES",
@@ -55,7 +55,13 @@ __all__ = [
     "sync_refusal_message",
 ]
 
-BATCH_NORM_MODES = ("batch", "micro_batch")
+_MODES = {
+    "batch": (
+        "training BatchNorm as on one device: refused when a step is split into more than one micro-batch"
+    ),
+    "micro_batch": "each micro-batch normalized by its own statistics, as GPipe defines it",
+}
+BATCH_NORM_MODES = tuple(_MODES)
 
 
 def check_batch_norm(value: object) -> str:
@@ -64,13 +70,7 @@ def check_batch_norm(value: object) -> str:
     Raises:
         ValueError: any other value, named, with the two choices.
     """
-    if not isinstance(value, str) or value not in BATCH_NORM_MODES:
-        raise ValueError(
-            f"batch_norm={value!r} is not one of 'batch' (training BatchNorm as on one device: refused "
-            "when a step is split into more than one micro-batch) or 'micro_batch' (each micro-batch "
-            "normalized by its own statistics, as GPipe defines it)"
-        )
-    return value
+    return check_choice("batch_norm", value, _MODES)
 
 
 def batch_norms(seq: nn.Module) -> list[str]:

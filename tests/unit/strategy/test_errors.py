@@ -294,3 +294,8 @@ def test_iterating_the_pipelined_sequential_in_a_step_raises_the_one_call_error(
         for _layer in stage:
             pass
     stage.end_step()
+
+
+def test_checkpoint_format_names_the_value_and_both_choices():
+    with pytest.raises(ValueError, match=r"checkpoint_format='zip' is not one of 'full' \(.*\) or 'sharded'"):
+        GPipeStrategy(checkpoint_format="zip")

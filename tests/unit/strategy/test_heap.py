@@ -31,13 +31,19 @@ print(json.dumps({"plain": plain, "kept": kept, "after": faults()}))
 """
 
 
+_GLIBC = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc",
+    reason="heap.py sets glibc's malloc only; other C libraries' allocators are left as they are",
+)
+
+
 def _run(device: str, env: dict[str, str] | None = None) -> dict:
     command = [sys.executable, "-c", _SCRIPT, device]
     out = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, check=True)
     return json.loads(out.stdout.splitlines()[-1])
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
+@_GLIBC
 def test_freed_blocks_are_reused_without_page_faults():
     pages = (64 << 20) // 4096
     result = _run("cpu")
@@ -46,7 +52,7 @@ def test_freed_blocks_are_reused_without_page_faults():
     assert result["after"] < pages // 50  # now it comes back from the heap, its pages still there
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
+@_GLIBC
 def test_the_users_malloc_settings_and_other_devices_are_left_alone():
     env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "131072"}
     assert _run("cpu", env)["kept"] is False
