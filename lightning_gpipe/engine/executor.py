@@ -186,8 +186,8 @@ class ColumnExecutor:
             # (the last virtual stage); the last stage's other forwards run ahead of the calls
             gated = action.virtual_stage == (v - 1 if top.is_last else 0)
             return action.i < run.called or not gated
-        if action.kind == "W":
-            return True  # its B ran before it in the column
+        if action.kind == "W":  # its B ran before it; one past drain_start waits for the drain
+            return run.pos < run.plan.drain_start or run.step_loss
         if run.whole:
             return run.step_loss
         return action.i in run.losses or action not in run.plan.needs_loss

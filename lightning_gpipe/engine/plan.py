@@ -86,6 +86,11 @@ class ColumnPlan:
             takes them, where that differs from the order sent
             (:func:`taking_order`; empty when not training or where
             every peer takes them as sent).
+        drain_start: index of the first action run in the step's drain (Lightning's ``backward``)
+            rather than with the calls: on the last stage under one call per micro-batch, the
+            weight passes after its last message, so that the step outcome it sends after its last
+            call does not wait for them (the stages before wait for the outcome, not for them);
+            ``len(column)`` elsewhere.
         input_first: the column's last backward that sends a gradient and has no ``W`` of its own,
             which sends it before it computes its weight gradients
             (:mod:`lightning_gpipe.engine.backward_split`); ``None``: none.
@@ -99,6 +104,7 @@ class ColumnPlan:
     sends: dict[Action, tuple[Transfer, ...]]
     needs_loss: frozenset[Action]
     order: dict[int, tuple[Key, ...]]
+    drain_start: int
     input_first: Action | None = None
     deferred: frozenset[tuple[int, int]] = frozenset()
 
@@ -121,6 +127,10 @@ class ColumnPlan:
         order = taking_order(grid, top, v) if train and v > 1 else {}
         sends = {a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in actions}
         deferred = frozenset((a.i, a.virtual_stage) for a in actions if a.kind == "W")
+        drain_start = len(column)
+        if train and not whole and top.is_last:  # the trailing weight passes wait for the drain
+            while isinstance(column[drain_start - 1], Action) and column[drain_start - 1].kind == "W":
+                drain_start -= 1
         return cls(
             column=tuple(column),
             fill_end=1 + max(k for k, a in enumerate(column) if a.kind == "F"),
@@ -137,6 +147,7 @@ class ColumnPlan:
                 None,
             ),
             deferred=deferred,
+            drain_start=drain_start,
         )
 
 
@@ -172,7 +183,7 @@ class StepRun:
         default_factory=set
     )  # (micro-batch, virtual stage) forwarded here
     losses: set[int] = field(default_factory=set)  # one call per micro-batch: losses backpropagated
-    step_loss: bool = False  # one call per step: Lightning's backward has come
+    step_loss: bool = False  # Lightning's backward has come (the drain: ColumnPlan.drain_start)
     pos: int = 0  # the cursor: index of the next action in column
     states: list[ForwardState] = field(default_factory=list)  # recomputed micro-batches' module states
     # (micro-batch, virtual stage) -> ("weights", its backward's second pass) or, where its B sent

@@ -398,8 +398,9 @@ class PipelineStage(nn.Sequential):
 
     def backward(self) -> None:
         """Lightning's ``backward``: with one call per step, run this stage's backward phase (in
-        reverse micro-batch order under fill-drain); a no-op where no forward needs one (one call per
-        micro-batch: the backwards ran with the calls). Waits for every send posted."""
+        reverse micro-batch order under fill-drain); with one call per micro-batch, the weight passes
+        the last stage held for it (:attr:`~lightning_gpipe.engine.plan.ColumnPlan.drain_start`; the
+        backwards ran with the calls). Waits for every send posted."""
         run = self._run if self._micro is None else None
         if run is None:
             self.p2p.flush()
@@ -429,14 +430,16 @@ class PipelineStage(nn.Sequential):
         self._advance(run)
 
     def end_micro_steps(self) -> None:
-        """Close a step run with :meth:`start_micro_steps`: its column must have run to the end.
+        """Close a step run with :meth:`start_micro_steps`: its column must have run to the end, or
+        to the weight passes held for :meth:`backward`.
 
         Raises:
             PipelineUsageError: the column stopped early (a call of the step did not call the
                 Sequential, or a loss never came back), naming the action it waits at.
         """
-        run, self._run, self._micro = self._run, None, None
-        if run is not None and not run.done:
+        run, self._micro = self._run, None
+        self._run = run if run is not None and run.pos == run.plan.drain_start < len(run.column) else None
+        if run is not None and not run.done and self._run is None:
             waiting = run.column[run.pos]
             raise PipelineUsageError(
                 f"stage {self.topology.stage} stopped at {waiting} of its column with {run.called} of "

@@ -20,6 +20,8 @@ strategy therefore runs the user's ``training_step`` once per micro-batch, as
 - the gradients made during the calls are set aside and added to the parameters' gradients in
   Lightning's ``backward`` (which comes after Lightning's ``zero_grad``), so hooks, clipping,
   the optimizer step and gradient accumulation see them where they see a one-device backward's;
+  the last stage's weight passes after its last message (``schedule="zb_h1"``'s last ``W``) run
+  there too, into the set-aside gradients, so that the step outcome leaves without waiting for them;
 - ``training_step`` returns ``sum_i w_i · loss_i`` (``w_i``: the weights above, summing to 1), the
   full batch's loss for a mean loss, as a tensor with no graph, so that Lightning's own
   ``backward`` adds nothing; a dict output's other entries are the calls' combined
@@ -142,7 +144,7 @@ class MicroSteps:
     """Runs a training step as one user ``training_step`` call per micro-batch (see the module docstring).
 
     One instance per strategy: :meth:`training_step` in the strategy's ``training_step``,
-    :meth:`deposit` in its ``backward``.
+    :meth:`finish` and :meth:`deposit` in its ``backward``.
     """
 
     def __init__(self) -> None:
@@ -253,6 +255,21 @@ class MicroSteps:
             return loss_out
         extras = combine_outputs(kept, weights, parts)
         return {**extras, "loss": loss_out}
+
+    def finish(self, drain: Callable[[], None]) -> None:
+        """Run ``drain`` (the stage's :meth:`~lightning_gpipe.engine.stage.PipelineStage.backward`: the
+        weight passes the last stage held for it) with the step's own gradients in the parameters'
+        ``.grad``, so that what it computes joins the gradients the calls made."""
+        made = self._made
+        aside = [(p, p.grad) for p, _ in made]
+        for p, g in made:
+            p.grad = g
+        try:
+            drain()
+        finally:
+            self._made = [(p, p.grad) for p, _ in made]
+            for p, g in aside:
+                p.grad = g
 
     def deposit(self, scale: float = 1.0) -> None:
         """Add the gradients made during the step's calls, times ``scale`` (the step outcome's

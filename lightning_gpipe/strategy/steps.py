@@ -113,8 +113,10 @@ def drain(
     ``timeline`` ends the step (``None``: no recording).
     """
     stage = pipelined.running
-    stage.backward()
-    if micro_steps is not None:
+    if micro_steps is None:
+        stage.backward()
+    else:
+        micro_steps.finish(stage.backward)  # the weight passes the last stage held for the drain
         check_aux_with_num_items(stage.executor.declared_aux, stage.step_gradient_scale)
         micro_steps.deposit(stage.step_gradient_scale)  # the gradients the step's micro-batch calls made
     if not accumulating(module):  # once per optimizer step, before clipping and the step

@@ -77,6 +77,7 @@ for (name, schedule, checkpoint), m in itertools.product(
             (nn.functional.mse_loss(out_, yi) * len(yi) / len(y)).backward()
             stage.loss_backpropagated(i)
     stage.end_micro_steps()
+    stage.backward()  # Lightning's backward: the weight passes the last stage held
     recorded[f"{name}:{m}"] = {"stage": stage.topology.stage, "actions": recorder.actions}
 (out / f"rank{rank}.json").write_text(json.dumps(recorded))
 dist.barrier()

@@ -7,6 +7,7 @@ stage order. Sends never block, so this order completes any fill-drain step.
 
 import threading
 from collections import Counter
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -132,13 +133,17 @@ def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
     assert stages[2].received_skips == [("b", 1)] * 3 and stages[1].received_skips == [("a", 0)] * 3
 
 
-def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", outcome=False):
+def _micro_step(
+    seq, balance, chunks, x, y, schedule, checkpoint="except_last", outcome=False, recorder=Recorder,
+    seen=None,
+):  # fmt: skip
     """One training step of ``seq`` with one call per micro-batch, each stage in its own thread.
 
     The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
     the batch, right after its call, as :mod:`lightning_gpipe.strategy.microstep` does; with ``outcome``,
-    the stages then share the step outcome as the strategy has them do. Returns the stages
-    and, per stage, the messages received per source rank over the step.
+    the stages then share the step outcome as the strategy has them do, and (with ``seen``, a dict)
+    record there, per stage, the spans ``recorder`` had seen when the outcome was shared. Returns
+    the stages and, per stage, the messages received per source rank over the step.
     """
     k, network = len(balance), BlockingNetwork()
     parts = sizes(x.shape[0], chunks)
@@ -149,7 +154,7 @@ def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", 
         stage = build_stage(
             seq, balance, Layout(k, k), rank, chunks, checkpoint, torch.device("cpu"), schedule=schedule
         )
-        stage.p2p, stage.timeline = ThreadP2P(network, rank), Recorder(stage)
+        stage.p2p, stage.timeline = ThreadP2P(network, rank), recorder(stage)
         stages.append(stage)
     counts, errors = {}, []
 
@@ -166,6 +171,9 @@ def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", 
             stage.end_micro_steps()
             if outcome:
                 assert stage.share_outcome(loss, None, training=True) is not None
+                if seen is not None:
+                    seen[stage.topology.stage] = list(stage.timeline.actions)
+            stage.backward()  # Lightning's backward: the weight passes the last stage held
             counts[stage.topology.stage] = stage.p2p.phase()
         except BaseException as err:  # noqa: BLE001 - reported by the test
             errors.append(err)
@@ -178,6 +186,42 @@ def _micro_step(seq, balance, chunks, x, y, schedule, checkpoint="except_last", 
     assert not errors, errors
     assert len(counts) == k, "a stage never finished its column"
     return stages, counts
+
+
+class _Spans(Recorder):
+    """A :class:`Recorder` that also keeps the weight passes: ``F3``, ``B3`` (an input gradient or a
+    whole backward), ``W3``."""
+
+    @contextmanager
+    def span(self, kind, i, u=0):
+        if kind in ("forward", "backward", "weights"):
+            self.actions.append(f"{kind[0].upper()}{i}")
+        yield
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_the_last_stage_shares_the_outcome_before_its_trailing_weight_passes(k):
+    """zb_h1, M = 4: the last stage's weight passes after its last message wait for Lightning's
+    backward, so the step outcome it sends leaves before them (the stages before it wait for the
+    outcome, not for them); every other stage has run its whole column when it shares the outcome;
+    the gradients equal one device's."""
+    seq, m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)]), 4
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    expected, seen = _reference_grads(seq, x, y), {}
+    stages, _ = _micro_step(
+        seq, uniform_balance(3, k), m, x, y, zb_h1, "never", outcome=True, recorder=_Spans, seen=seen
+    )
+    for stage in stages:
+        j, done = stage.topology.stage, stage.timeline.actions
+        if j < k - 1:
+            assert seen[j] == done, j
+            continue
+        column = [str(a) for a in stage_actions(zb_h1(k, m), j)]
+        trailing = column[1 + max(n for n, a in enumerate(column) if not a.startswith("W")) :]
+        assert trailing and done == column
+        assert seen[j] + trailing == done
+    for p, g in zip(seq.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
 
 
 def _reference_grads(seq, x, y):

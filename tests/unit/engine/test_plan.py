@@ -18,6 +18,7 @@ from lightning_gpipe.schedule import (
     sends,
     stage_actions,
     with_posts,
+    zb_h1,
 )
 from lightning_gpipe.transport.layout import Layout, StageTopology
 from lightning_gpipe.transport.p2p import P2P
@@ -85,3 +86,23 @@ def test_a_stage_plans_once_per_step_shape_and_each_run_consumes_its_own_order()
     assert stage.executor._new_run(True, 5, whole=False).order == second.order
     assert stage.executor._new_run(True, 4, whole=False).plan is not first.plan  # another M: another plan
     assert stage.executor._new_run(False, 5, whole=False).plan is not first.plan  # evaluation: forwards only
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_the_last_stage_leaves_the_weight_passes_after_its_last_message_to_the_drain(stages):
+    """One call per micro-batch: the last stage's ``drain_start`` is where its trailing ``W``s begin;
+    every other stage, a step of one call (``whole``), evaluation and a column without ``W`` run
+    to the end with the calls."""
+    for grid in (zb_h1(stages, 2 * stages), one_f_one_b(stages, 4)):
+        for stage in range(stages):
+            top = _topology(stage, stages)
+            plan = ColumnPlan.of(grid, top, 1, train=True)
+            kinds = [a.kind for a in plan.column if isinstance(a, Action)]
+            if stage == stages - 1 and "W" in kinds:
+                assert plan.column[plan.drain_start - 1].kind != "W"
+                assert {a.kind for a in plan.column[plan.drain_start :]} == {"W"}
+                assert len(plan.column) - plan.drain_start == stages  # ZB-H1: W_{M-K} .. W_{M-1}
+            else:
+                assert plan.drain_start == len(plan.column)
+            for other in (ColumnPlan.of(grid, top, 1, True, whole=True), ColumnPlan.of(grid, top, 1, False)):
+                assert other.drain_start == len(other.column)

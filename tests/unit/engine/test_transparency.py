@@ -5,7 +5,8 @@ K stages built with :func:`~lightning_gpipe.partition.build.build_stage` (one pe
 strategy drives them: one call per step under ``"gpipe"`` (``run_step``, ``share_outcome``,
 ``backward``), one call per micro-batch under the other schedules (``start_micro_steps``, each call,
 the last stage backpropagating ``(n_i / N) · loss_i`` and calling ``loss_backpropagated``,
-``end_micro_steps``, as :mod:`lightning_gpipe.strategy.microstep` does). Each step's loss (on every
+``end_micro_steps``, ``share_outcome``, ``backward``, as :mod:`lightning_gpipe.strategy.microstep`
+does). Each step's loss (on every
 stage: the last stage's outcome) and every parameter's gradient equal those of a deep copy of the
 model run on the whole batch on one device; two SGD steps apply the same update to both. The
 Lightning glue around this (the strategy, logging, checkpoints, the processes) stays in
@@ -90,6 +91,7 @@ def _train_step(stages, batch, y, loss_fn, schedule, chunks):
                     calls.append(loss_i.detach())
             stage.end_micro_steps()
             shared = stage.share_outcome(sum(calls) if top.is_last else None, None, training=True)
+            stage.backward()  # Lightning's backward: the weight passes the last stage held
         losses[top.stage] = shared.detach()
 
     in_threads(stages, body, turn=stages[0].p2p.network.turn)

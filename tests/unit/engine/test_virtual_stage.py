@@ -72,6 +72,7 @@ def _micro_step(seq, k, v, chunks, x, y, checkpoint):
                 (nn.functional.mse_loss(out, yi) * len(yi) / len(y)).backward()
                 stage.loss_backpropagated(i)
         stage.end_micro_steps()
+        stage.backward()  # Lightning's backward: the weight passes the last stage held
         counts[stage.topology.stage] = stage.p2p.phase()
 
     _in_threads(stages, body)
@@ -141,6 +142,7 @@ def test_timeline_spans_carry_the_virtual_stage_and_give_each_stages_bubble(k, v
                 (nn.functional.mse_loss(out, yi) * len(yi) / len(y)).backward()
                 stage.loss_backpropagated(i)
         stage.end_micro_steps()
+        stage.backward()
         stage.timeline.end_step()
 
     _in_threads(stages, body)

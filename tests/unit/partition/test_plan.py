@@ -77,6 +77,7 @@ def _step(stages, calls, ids, schedule, chunks=4):
                     total.append(loss_i.detach())
             stage.end_micro_steps()
             shared = stage.share_outcome(sum(total) if last else None, None, training=True)
+            stage.backward()  # Lightning's backward: the weight passes the last stage held
         losses[stage.topology.stage] = shared.detach()
 
     in_threads(stages, body, turn=stages[0].p2p.network.turn)
@@ -334,6 +335,7 @@ def test_dict_plan_passes_the_mask_to_every_stage(schedule):
                     total.append(loss_i.detach())
             stage.end_micro_steps()
             shared = stage.share_outcome(sum(total) if j == 1 else None, None, training=True)
+            stage.backward()
         losses[j] = shared.detach()
 
     in_threads(stages, body, turn=network.turn)

@@ -67,6 +67,7 @@ def _micro_steps(stage: PipelineStage, x: torch.Tensor, parts: list[int]) -> tor
         stage.loss_backpropagated(i)
         outs.append(out.detach())
     stage.end_micro_steps()
+    stage.backward()
     return torch.cat(outs)
 
 

@@ -210,7 +210,7 @@ def test_token_count_loss_and_step_outputs_equal_one_device_on_every_stage(sched
         out = steps.training_step(_user_step(stage, module), stage, module, Backward(), chunks, batch, 0)
         assert (out is StageDone) == (not stage.topology.is_last)
         shared[stage.topology.stage] = stage.share_outcome(out, None, training=True)
-        stage.backward()
+        steps.finish(stage.backward)  # as lightning_gpipe.strategy.steps.drain
         steps.deposit(stage.step_gradient_scale)
 
     in_threads(stages, body, turn=network.turn)
