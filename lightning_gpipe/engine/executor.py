@@ -186,7 +186,7 @@ class ColumnExecutor:
             # (the last virtual stage); the last stage's other forwards run ahead of the calls
             gated = action.virtual_stage == (v - 1 if top.is_last else 0)
             return action.i < run.called or not gated
-        if action.kind == "W":  # its B ran before it; one past drain_start waits for the drain
+        if action.kind == "W":  # its B ran before it; from drain_start on it waits for the drain
             return run.pos < run.plan.drain_start or run.step_loss
         if run.whole:
             return run.step_loss
