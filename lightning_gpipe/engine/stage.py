@@ -438,8 +438,9 @@ class PipelineStage(nn.Sequential):
                 Sequential, or a loss never came back), naming the action it waits at.
         """
         run, self._micro = self._run, None
-        self._run = run if run is not None and run.pos == run.plan.drain_start < len(run.column) else None
-        if run is not None and not run.done and self._run is None:
+        held = run is not None and not run.done and run.pos == run.plan.drain_start
+        self._run = run if held else None
+        if run is not None and not run.done and not held:
             waiting = run.column[run.pos]
             raise PipelineUsageError(
                 f"stage {self.topology.stage} stopped at {waiting} of its column with {run.called} of "

@@ -53,7 +53,8 @@ call that does not call the pipelined Sequential while others do.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -183,9 +184,6 @@ class MicroSteps:
         trainer = _lightning.attached_trainer(module)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         params = list(module.parameters())
-        aside = [(p, p.grad) for p in params]  # gradients of earlier steps (accumulation)
-        for p in params:
-            p.grad = None
         kept: list[dict[str, Any] | None] = []  # each call's dict output less its loss (step_outputs)
         items: list[float | None] = []  # each call's num_items
         losses: list[Tensor] = []
@@ -193,45 +191,40 @@ class MicroSteps:
         stage.start_micro_steps(len(micro), [n / sum(parts) for n in parts])
         metrics = step_metrics.isolate(module, stage)
         log = _LogRecorder(module, [h.metric for h in metrics])
-        try:
-            with log:
-                for i, part in enumerate(micro):
-                    log.micro_batch = i
-                    out = stage.run_step(step, True, part, *rest, **kwargs)
-                    if not stage.ran_forward:
-                        if i == 0:  # a step without the pipeline: the strategy decides as under "gpipe"
-                            uncalled = (out,)
-                            break
-                        raise PipelineUsageError(
-                            "training_step did not call the pipelined nn.Sequential "
-                            f"for micro-batch {i} but did "
-                            "for micro-batch 0; under a per-micro-batch schedule every call must call it once"
-                        )
-                    if not stage.topology.is_last:
-                        continue
-                    loss = out.get("loss") if isinstance(out, Mapping) else out
-                    if not isinstance(loss, Tensor):
-                        raise PipelineUsageError(
-                            f"training_step returned no loss for micro-batch {i} "
-                            f"(got {type(out).__name__}); every process must backpropagate a "
-                            "loss in every step (Lightning refuses None on more than one process, "
-                            "under any strategy): to skip a batch, return a zero loss that keeps "
-                            "the graph, e.g. `loss * 0` or `out.sum() * 0`, as under DDP"
-                        )
-                    check_loss_graph(loss, stage.output_leaves(), module)  # before any backward of it
-                    losses.append(_kept(loss))
-                    kept.append(without_loss(out))
-                    items.append(num_items_of(out, i))
-                    weight = _weight(parts, items, len(micro)) / accumulate
-                    if weight:  # 0: a call with num_items 0, whose mean loss is NaN, adds nothing
-                        _backward(loss * weight, precision_plugin, module)
-                    stage.loss_backpropagated(i)
-                    del out, loss  # nothing of a call outlives its backward but its loss value
+        with self._own_gradients(params, [None] * len(params)), log:  # earlier steps' set aside
+            for i, part in enumerate(micro):
+                log.micro_batch = i
+                out = stage.run_step(step, True, part, *rest, **kwargs)
+                if not stage.ran_forward:
+                    if i == 0:  # a step without the pipeline: the strategy decides as under "gpipe"
+                        uncalled = (out,)
+                        break
+                    raise PipelineUsageError(
+                        "training_step did not call the pipelined nn.Sequential "
+                        f"for micro-batch {i} but did "
+                        "for micro-batch 0; under a per-micro-batch schedule every call must call it once"
+                    )
+                if not stage.topology.is_last:
+                    continue
+                loss = out.get("loss") if isinstance(out, Mapping) else out
+                if not isinstance(loss, Tensor):
+                    raise PipelineUsageError(
+                        f"training_step returned no loss for micro-batch {i} "
+                        f"(got {type(out).__name__}); every process must backpropagate a "
+                        "loss in every step (Lightning refuses None on more than one process, "
+                        "under any strategy): to skip a batch, return a zero loss that keeps "
+                        "the graph, e.g. `loss * 0` or `out.sum() * 0`, as under DDP"
+                    )
+                check_loss_graph(loss, stage.output_leaves(), module)  # before any backward of it
+                losses.append(_kept(loss))
+                kept.append(without_loss(out))
+                items.append(num_items_of(out, i))
+                weight = _weight(parts, items, len(micro)) / accumulate
+                if weight:  # 0: a call with num_items 0, whose mean loss is NaN, adds nothing
+                    _backward(loss * weight, precision_plugin, module)
+                stage.loss_backpropagated(i)
+                del out, loss  # nothing of a call outlives its backward but its loss value
             stage.end_micro_steps()
-        finally:
-            self._made = [(p, p.grad) for p in params]
-            for p, g in aside:
-                p.grad = g
         step_metrics.rejoin(metrics)  # the metrics' step values: the batch's
         if uncalled is not None:
             log.replay(parts)
@@ -260,14 +253,21 @@ class MicroSteps:
         """Run ``drain`` (the stage's :meth:`~lightning_gpipe.engine.stage.PipelineStage.backward`: the
         weight passes the last stage held for it) with the step's own gradients in the parameters'
         ``.grad``, so that what it computes joins the gradients the calls made."""
-        made = self._made
-        aside = [(p, p.grad) for p, _ in made]
-        for p, g in made:
+        with self._own_gradients([p for p, _ in self._made], [g for _, g in self._made]):
+            drain()
+
+    @contextmanager
+    def _own_gradients(self, params: list[Tensor], grads: list[Tensor | None]) -> Iterator[None]:
+        """Within: the ``params``' ``.grad`` are the step's own ``grads``, the gradients they held
+        before set aside (accumulated by earlier steps); after: the step's own kept for
+        :meth:`deposit`, those set aside back."""
+        aside = [(p, p.grad) for p in params]
+        for p, g in zip(params, grads):
             p.grad = g
         try:
-            drain()
+            yield
         finally:
-            self._made = [(p, p.grad) for p, _ in made]
+            self._made = [(p, p.grad) for p in params]
             for p, g in aside:
                 p.grad = g
 
