@@ -45,7 +45,7 @@ class _GPipeStrategyLogic(_Base):
 
     The logic, with no Lightning base: ``GPipeStrategy`` adds one; :mod:`._namespace`, the other namespace's.
 
-    Args (the README's "GPipeStrategy arguments" says more):
+    Args (the README's "Arguments" and the docs pages it links say more):
         chunks: micro-batches M per mini-batch (≥ 1); ``None``: 4·K (K stages); ≤ N (see batch_norm).
         balance: layers per stage (``[3, 2]``), ``None`` (even) or a balancer's name (:mod:`.balance_spec`).
         checkpoint: re-materialization per micro-batch: ``"always"``, ``"except_last"`` or ``"never"``.
