@@ -160,6 +160,7 @@ class ColumnExecutor:
                 "(GPipeStrategy(schedule=...) does that)"
             )
         run = StepRun(train, chunks, plan, whole)
+        self._post_outcome(run)
         # sends wait for their turn where a peer takes them out of order (consumed: copied per run)
         run.order = {peer: list(keys) for peer, keys in plan.order.items()}
         run.outbox = {peer: {} for peer in run.order}
@@ -197,6 +198,7 @@ class ColumnExecutor:
         while not run.done and self._ready(run.column[run.pos], run):
             self._execute(run.column[run.pos], run)
             run.pos += 1
+            self._post_outcome(run)
             if run.pos == run.fill_end:  # no forward follows: what the fill left unchanged needs no copy
                 for state in run.states:
                     state.prune()
@@ -212,6 +214,11 @@ class ColumnExecutor:
             run.aux = {}
         if run.done or run.whole:
             self.p2p.flush()
+
+    def _post_outcome(self, run: StepRun) -> None:
+        """Post the step outcome's receive where the cursor reaches :attr:`.ColumnPlan.outcome_post`."""
+        if run.pos == run.plan.outcome_post:
+            self.p2p.post(self._rank(self.topology.stages - 1))
 
     def _submodules(self, u: int) -> list[list[Any]]:
         """Virtual stage ``u``'s modules by name (listed once: the stage's layers do not change)."""
@@ -355,7 +362,7 @@ class ColumnExecutor:
         i, u = action.i, action.virtual_stage
         key = (i, u)
         y_grad = [t for t in run.outputs[key] if t.requires_grad]
-        dy = list(self._leaf_grads(run, i)) if action in run.plan.needs_loss else []
+        dy = list(run.take_leaf_grads(i)) if action in run.plan.needs_loss else []
         for t in run.plan.receives[action]:  # every one a message, empty where no gradient flows
             with self._span("recv", i, u):
                 _, grads = self.p2p.recv(self._rank(t.peer))
@@ -418,28 +425,6 @@ class ColumnExecutor:
         of micro-batch ``i`` on virtual stage ``u``."""
         with self._span(span, i, u), errors():
             run()
-
-    def _leaf_grads(self, run: StepRun, i: int) -> tuple[Tensor, ...]:
-        """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's
-        leaves: a joined leaf's split as it was joined, a replicated leaf's to the call's first
-        micro-batch (zeros to the others)."""
-        if i not in run.leaf_grads:
-            call = next(c for c in run.calls if i in c.covered)
-            run.calls.remove(call)  # the leaves are not needed again: their gradients are split here
-            per: dict[int, list[Tensor]] = {k: [] for k in call.covered}
-            for leaf, sizes, whole in zip(call.leaves, call.sizes, call.whole):
-                if not leaf.requires_grad:
-                    continue
-                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                parts = (
-                    (grad, *(torch.zeros_like(grad) for _ in call.covered[1:]))
-                    if whole
-                    else grad.split(sizes)
-                )
-                for k, part in zip(call.covered, parts):
-                    per[k].append(part)
-            run.leaf_grads.update({k: tuple(v) for k, v in per.items()})
-        return run.leaf_grads.pop(i)
 
 
 def _as_inputs(meta: Meta, received: list[Tensor], train: bool) -> tuple[Tensor, ...]:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_gpipe import schedule
@@ -91,6 +92,13 @@ class ColumnPlan:
             weight passes after its last message, so that the step outcome it sends after its last
             call does not wait for them (the stages before wait for the outcome, not for them);
             ``len(column)`` elsewhere.
+        outcome_post: under one call per micro-batch, on the stages before the last, the cursor
+            position (index after the column's last action that takes a message from the last
+            stage; 0 where none does) at which the step outcome's receive is posted
+            (:meth:`~lightning_gpipe.engine.stage.PipelineStage.share_outcome` takes it): the last
+            stage sends the outcome right after its last call, and a receive posted only when the
+            stage has run its column would leave it waiting for the transport's round trip (on Gloo
+            the bytes leave once the receive is posted); ``None``: taken when needed.
         input_first: the column's last backward that sends a gradient and has no ``W`` of its own,
             which sends it before it computes its weight gradients
             (:mod:`lightning_gpipe.engine.backward_split`); ``None``: none.
@@ -105,6 +113,7 @@ class ColumnPlan:
     needs_loss: frozenset[Action]
     order: dict[int, tuple[Key, ...]]
     drain_start: int
+    outcome_post: int | None = None
     input_first: Action | None = None
     deferred: frozenset[tuple[int, int]] = frozenset()
 
@@ -126,6 +135,16 @@ class ColumnPlan:
         schedule.validate(grid, {top.stage: column}, top.skips)
         order = taking_order(grid, top, v) if train and v > 1 else {}
         sends = {a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in actions}
+        receives = {a: tuple(schedule.receives(a, top.stage, top.stages, top.skips, v)) for a in actions}
+        outcome_post = None
+        if train and not whole and not top.is_last:  # after the last message from the last stage
+            last = top.stages - 1
+            takes = [
+                k
+                for k, a in enumerate(column)
+                if isinstance(a, Action) and any(t.peer == last for t in receives[a])
+            ]
+            outcome_post = takes[-1] + 1 if takes else 0
         deferred = frozenset((a.i, a.virtual_stage) for a in actions if a.kind == "W")
         drain_start = len(column)
         if train and not whole and top.is_last:  # the trailing weight passes wait for the drain
@@ -134,7 +153,7 @@ class ColumnPlan:
         return cls(
             column=tuple(column),
             fill_end=1 + max(k for k, a in enumerate(column) if a.kind == "F"),
-            receives={a: tuple(schedule.receives(a, top.stage, top.stages, top.skips, v)) for a in actions},
+            receives=receives,
             sends=sends,
             needs_loss=frozenset(a for a in actions if schedule.needs_loss(a, top.stage, top.stages, v)),
             order={peer: tuple(keys) for peer, keys in order.items()},
@@ -148,6 +167,7 @@ class ColumnPlan:
             ),
             deferred=deferred,
             drain_start=drain_start,
+            outcome_post=outcome_post,
         )
 
 
@@ -225,3 +245,25 @@ class StepRun:
             isinstance(a, Action) and a.kind == "B" and a.virtual_stage == virtual_stage
             for a in self.plan.column[self.pos + 1 :]
         )
+
+    def take_leaf_grads(self, i: int) -> tuple[Tensor, ...]:
+        """Last stage: the gradients the user's loss left on micro-batch ``i``'s part of its call's
+        leaves: a joined leaf's split as it was joined, a replicated leaf's to the call's first
+        micro-batch (zeros to the others)."""
+        if i not in self.leaf_grads:
+            call = next(c for c in self.calls if i in c.covered)
+            self.calls.remove(call)  # the leaves are not needed again: their gradients are split here
+            per: dict[int, list[Tensor]] = {k: [] for k in call.covered}
+            for leaf, sizes, whole in zip(call.leaves, call.sizes, call.whole):
+                if not leaf.requires_grad:
+                    continue
+                grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                parts = (
+                    (grad, *(torch.zeros_like(grad) for _ in call.covered[1:]))
+                    if whole
+                    else grad.split(sizes)
+                )
+                for k, part in zip(call.covered, parts):
+                    per[k].append(part)
+            self.leaf_grads.update({k: tuple(v) for k, v in per.items()})
+        return self.leaf_grads.pop(i)

@@ -135,14 +135,15 @@ def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
 
 def _micro_step(
     seq, balance, chunks, x, y, schedule, checkpoint="except_last", outcome=False, recorder=Recorder,
-    seen=None,
+    seen=None, posted=None,
 ):  # fmt: skip
     """One training step of ``seq`` with one call per micro-batch, each stage in its own thread.
 
     The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
     the batch, right after its call, as :mod:`lightning_gpipe.strategy.microstep` does; with ``outcome``,
     the stages then share the step outcome as the strategy has them do, and (with ``seen``, a dict)
-    record there, per stage, the spans ``recorder`` had seen when the outcome was shared. Returns
+    record there, per stage, the spans ``recorder`` had seen when the outcome was shared (with
+    ``posted``, a dict: the receives posted and not taken then, per source rank, and after). Returns
     the stages and, per stage, the messages received per source rank over the step.
     """
     k, network = len(balance), BlockingNetwork()
@@ -170,7 +171,10 @@ def _micro_step(
                     stage.loss_backpropagated(i)
             stage.end_micro_steps()
             if outcome:
+                before = +stage.p2p.posted
                 assert stage.share_outcome(loss, None, training=True) is not None
+                if posted is not None:
+                    posted[stage.topology.stage] = (before, +stage.p2p.posted)
                 if seen is not None:
                     seen[stage.topology.stage] = list(stage.timeline.actions)
             stage.backward()  # Lightning's backward: the weight passes the last stage held
@@ -220,6 +224,27 @@ def test_the_last_stage_shares_the_outcome_before_its_trailing_weight_passes(k):
         trailing = column[1 + max(n for n, a in enumerate(column) if not a.startswith("W")) :]
         assert trailing and done == column
         assert seen[j] + trailing == done
+    for p, g in zip(seq.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", [zb_h1, one_f_one_b])
+@pytest.mark.parametrize("k", [2, 3])
+def test_the_stages_before_the_last_post_the_outcome_before_they_share_it(schedule, k):
+    """One call per micro-batch, M = 4: when a stage before the last comes to share the step
+    outcome, the outcome's receive from the last stage is the one receive it has posted (on Gloo
+    its bytes then leave as the last stage sends them, not after a round trip); sharing takes it;
+    the gradients equal one device's."""
+    seq = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    expected, posted = _reference_grads(seq, x, y), {}
+    stages, _ = _micro_step(
+        seq, uniform_balance(3, k), 4, x, y, schedule, "never", outcome=True, posted=posted
+    )
+    last = stages[-1].topology.ranks[-1]
+    for stage in stages[:-1]:
+        assert posted[stage.topology.stage] == (Counter({last: 1}), Counter()), stage.topology.stage
+    assert posted[k - 1] == (Counter(), Counter())
     for p, g in zip(seq.parameters(), expected):
         torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
 

@@ -88,6 +88,41 @@ def test_a_stage_plans_once_per_step_shape_and_each_run_consumes_its_own_order()
     assert stage.executor._new_run(False, 5, whole=False).plan is not first.plan  # evaluation: forwards only
 
 
+@pytest.mark.parametrize(
+    "grid,v,skips", [*CASES, (zb_h1(2, 4), 1, ()), (zb_h1(4, 8), 1, (Route("s", 0, 3),))]
+)
+def test_the_outcome_is_posted_after_the_last_message_from_the_last_stage(grid, v, skips):
+    """One call per micro-batch: a stage before the last posts the step outcome's receive at the
+    cursor position after its column's last action that takes a message from the last stage (the
+    column's start where none does), so every message the column takes from the last stage comes
+    before the outcome; the last stage, a step of one call and evaluation post none."""
+    stages = len(grid[0])
+    for stage in range(stages):
+        top = _topology(stage, stages, skips)
+        plan = ColumnPlan.of(grid, top, v, train=True)
+        for other in (ColumnPlan.of(grid, top, v, True, whole=True), ColumnPlan.of(grid, top, v, False)):
+            assert other.outcome_post is None
+        if stage == stages - 1:
+            assert plan.outcome_post is None
+            continue
+
+        def from_last(step, stage=stage):
+            taken = receives(step, stage, stages, list(skips), v) if isinstance(step, Action) else ()
+            return any(t.peer == stages - 1 for t in taken)
+
+        assert plan.outcome_post is not None
+        assert not any(from_last(step) for step in plan.column[plan.outcome_post :])
+        assert all(
+            step.transfer.peer != stages - 1
+            for step in plan.column[plan.outcome_post :]
+            if not isinstance(step, Action)
+        )
+        if plan.outcome_post:
+            assert from_last(plan.column[plan.outcome_post - 1])
+        else:
+            assert not any(from_last(step) for step in plan.column)
+
+
 @pytest.mark.parametrize("stages", [2, 3, 4])
 def test_the_last_stage_leaves_the_weight_passes_after_its_last_message_to_the_drain(stages):
     """One call per micro-batch: the last stage's ``drain_start`` is where its trailing ``W``s begin;
