@@ -55,7 +55,7 @@ from lightning_gpipe.strategy.microstep import split_batch
 from lightning_gpipe.tools.meter import TensorMemoryMeter, peak_rss_bytes
 from lightning_gpipe.tools.timeline import Timeline, gather, step_stats
 from lightning_gpipe.tools.trace import plot_gantt, write_chrome_trace
-from lightning_gpipe.transport.layout import Layout, StageTopology
+from lightning_gpipe.transport.layout import Layout
 from lightning_gpipe.transport.p2p import P2P
 
 # -- measurement helpers ---------------------------------------------------------------------------
@@ -395,28 +395,27 @@ def _probe_gloo(other: int, first: bool, repeats: int = 50) -> float:
 
 def _bare_micro_steps(stage: PipelineStage, loss: Any, x: Tensor, y: Tensor, chunks: int) -> None:
     """One step of one call per micro-batch: each call's loss, weighted by its share of the batch,
-    backpropagated right after it (the last stage), as :mod:`lightning_gpipe.strategy.microstep` does."""
+    backpropagated right after it (the last stage), then the step outcome shared, as
+    :mod:`lightning_gpipe.strategy.microstep` and the strategy's ``training_step`` do."""
     micro, parts = split_batch((x, y), chunks)
     total = sum(parts)
     stage.start_micro_steps(len(micro))
+    last = None
     for i, (xi, yi) in enumerate(micro):
         out = stage.run_step(stage, True, xi)
         if stage.topology.is_last:
-            (loss(out, yi) * (parts[i] / total)).backward()
+            last = loss(out, yi) * (parts[i] / total)
+            last.backward()
             stage.loss_backpropagated(i)
     stage.end_micro_steps()
+    stage.share_outcome(last, None, training=True)
 
 
 def run_bare(spec: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     rank, world = _init_process_group()
     layout = Layout(world, world)
     stage_index = layout.stage_of(rank)
-    topology = StageTopology(
-        stage=stage_index,
-        stages=world,
-        prev_rank=layout.rank(0, stage_index - 1) if stage_index > 0 else None,
-        next_rank=layout.rank(0, stage_index + 1) if stage_index < world - 1 else None,
-    )
+    topology = layout.topology(rank)
     model_cfg = spec["model"]
     p2p = P2P(torch.device("cpu"))
     stage = PipelineStage(

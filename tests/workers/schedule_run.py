@@ -71,12 +71,15 @@ for (name, schedule, checkpoint), m in itertools.product(
     stage.timeline = recorder = Recorder()
     parts = sizes(len(x), m)
     stage.start_micro_steps(len(parts))
+    loss = None
     for i, (xi, yi) in enumerate(zip(x.split(parts), y.split(parts))):
         out_ = stage.run_step(stage, True, xi)
         if stage.topology.is_last:
-            (nn.functional.mse_loss(out_, yi) * len(yi) / len(y)).backward()
+            loss = nn.functional.mse_loss(out_, yi) * len(yi) / len(y)
+            loss.backward()
             stage.loss_backpropagated(i)
     stage.end_micro_steps()
+    assert stage.share_outcome(loss, None, training=True) is not None  # as the strategy has them do
     stage.backward()  # Lightning's backward: the weight passes the last stage held
     recorded[f"{name}:{m}"] = {"stage": stage.topology.stage, "actions": recorder.actions}
 (out / f"rank{rank}.json").write_text(json.dumps(recorded))
