@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node
 from torch.nn.modules import module as _module
 
 __all__ = ["Split", "splits"]
@@ -76,6 +76,7 @@ def splits(modules: Sequence[nn.Module], recomputed: bool, compiled: bool = Fals
 
 
 _REENTRANT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)'s node
+_LEAF = "AccumulateGrad"  # a leaf tensor's node (its ``.variable``: the leaf)
 
 
 class _Group:
@@ -117,6 +118,7 @@ class Split:
         roots = {t.grad_fn for t in outputs}
         parents: dict[Node, list[Node]] = {}
         seen: set[Node] = set(roots)  # type: ignore[arg-type]
+        leaves: dict[int, Node] = {}  # id of a leaf tensor -> its AccumulateGrad node in this graph
         stack: list[Node] = list(seen)
         while stack:
             node = stack.pop()
@@ -129,8 +131,11 @@ class Split:
                 if child not in seen:
                     seen.add(child)
                     stack.append(child)
+                    if type(child).__name__ == _LEAF:  # as get_gradient_edge finds it, without its view
+                        leaves[id(child.variable)] = child  # type: ignore[attr-defined]
         chain: set[Node] = set()  # nodes from which an input can be reached
-        stack = [n for n in (get_gradient_edge(x).node for x in inputs) if n in seen]
+        starts = (x.grad_fn if x.grad_fn is not None else leaves.get(id(x)) for x in inputs)
+        stack = [n for n in starts if n in seen]
         while stack:
             node = stack.pop()
             if node not in chain:
@@ -142,7 +147,7 @@ class Split:
             if not p.requires_grad or id(p) in done:
                 continue
             done.add(id(p))
-            start = get_gradient_edge(p).node
+            start = p.grad_fn if p.grad_fn is not None else leaves.get(id(p))
             if start not in seen:
                 continue  # not used by this micro-batch
             frontier: set[Node] = set()

@@ -415,9 +415,8 @@ class PipelineStage(nn.Sequential):
         ``weights``: each one's share of the batch, which its aux losses take (default: equal).
 
         Between them the strategy backpropagates each micro-batch's loss (last stage) and calls
-        :meth:`loss_backpropagated`; :meth:`end_micro_steps` closes the step, then
-        :meth:`share_outcome` (whose receive the stages before the last have posted) and
-        :meth:`backward` follow on every stage, as after one call per step.
+        :meth:`loss_backpropagated`; :meth:`end_micro_steps` closes the step, then every stage
+        runs :meth:`share_outcome` (its receive posted during the step) and :meth:`backward`.
         """
         self._micro, self._run, self.step_gradient_scale = chunks, None, 1.0
         self.micro_weights = weights if weights is not None else [1.0 / chunks] * chunks

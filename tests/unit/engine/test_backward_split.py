@@ -229,3 +229,33 @@ def test_a_reentrant_checkpoint_inside_a_layer_is_not_split():
     y = checkpoint(layer, torch.tanh(x), use_reentrant=True)
     assert input_first.Split.of([y * 2], [x], list(layer.parameters())) is None
     assert input_first.Split.of([layer(torch.tanh(x))], [x], list(layer.parameters())) is not None
+
+
+def test_a_non_leaf_input_and_a_parameter_the_micro_batch_does_not_use():
+    """The walk finds the inputs and the parameters where the graph holds them: an input computed from
+    another tensor (its node, not a leaf's) gets the single backward's gradient; a parameter of a layer
+    this micro-batch skipped is left out (no gradient), the others equal one backward's bit for bit."""
+
+    def run(split):
+        torch.manual_seed(3)
+        used, skipped = nn.Linear(4, 4), nn.Linear(4, 4)
+        source = torch.randn(3, 4, requires_grad=True)
+        x = source * 2  # a non-leaf stage input
+        y = torch.tanh(used(x))
+        dy = torch.randn_like(y)
+        params = [*skipped.parameters(), *used.parameters()]
+        if split:
+            two = input_first.Split.of([y], [x], params)
+            assert two is not None
+            (dx,) = two.inputs([dy])
+            two.weights()
+        else:
+            (dx,) = torch.autograd.grad(y, x, dy, retain_graph=True)
+            y.backward(dy)
+        return dx, [p.grad for p in params]
+
+    (dx, grads), (ref_dx, ref_grads) = run(True), run(False)
+    assert torch.equal(dx, ref_dx)
+    assert grads[:2] == [None, None] and ref_grads[:2] == [None, None]
+    for a, b in zip(grads[2:], ref_grads[2:]):
+        assert torch.equal(a, b)
