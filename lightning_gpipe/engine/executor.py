@@ -160,7 +160,6 @@ class ColumnExecutor:
                 "(GPipeStrategy(schedule=...) does that)"
             )
         run = StepRun(train, chunks, plan, whole)
-        self._post_outcome(run)
         # sends wait for their turn where a peer takes them out of order (consumed: copied per run)
         run.order = {peer: list(keys) for peer, keys in plan.order.items()}
         run.outbox = {peer: {} for peer in run.order}
@@ -181,7 +180,7 @@ class ColumnExecutor:
         """Whether ``action`` can run now: what it needs from the user's code has come."""
         top, v = self.topology, self.virtual_stages
         if isinstance(action, Post):  # one call per step: a backward's message only once it has a loss
-            return action.action.kind == "F" or not run.whole or run.step_loss
+            return action.action is None or action.action.kind == "F" or not run.whole or run.step_loss
         if action.kind == "F":
             # a call gives micro-batch i: its input (virtual stage 0) or, on the last stage, its output
             # (the last virtual stage); the last stage's other forwards run ahead of the calls
@@ -198,7 +197,6 @@ class ColumnExecutor:
         while not run.done and self._ready(run.column[run.pos], run):
             self._execute(run.column[run.pos], run)
             run.pos += 1
-            self._post_outcome(run)
             if run.pos == run.fill_end:  # no forward follows: what the fill left unchanged needs no copy
                 for state in run.states:
                     state.prune()
@@ -214,11 +212,6 @@ class ColumnExecutor:
             run.aux = {}
         if run.done or run.whole:
             self.p2p.flush()
-
-    def _post_outcome(self, run: StepRun) -> None:
-        """Post the step outcome's receive where the cursor reaches :attr:`.ColumnPlan.outcome_post`."""
-        if run.pos == run.plan.outcome_post:
-            self.p2p.post(self._rank(self.topology.stages - 1))
 
     def _submodules(self, u: int) -> list[list[Any]]:
         """Virtual stage ``u``'s modules by name (listed once: the stage's layers do not change)."""

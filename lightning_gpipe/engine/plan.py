@@ -78,7 +78,9 @@ class ColumnPlan:
     Attributes:
         column: the stage's actions in order (only the forwards when not training), with the
             receives of their messages posted ahead (:class:`~lightning_gpipe.schedule.Post`,
-            :func:`~lightning_gpipe.schedule.with_posts`).
+            :func:`~lightning_gpipe.schedule.with_posts`) and, under one call per micro-batch on the
+            stages before the last, the step outcome's once the column has taken its last message
+            from the last stage (the outcome leaves right after the last stage's last call).
         fill_end: index after the column's last forward.
         receives: per action, the messages it takes, in order (:func:`~lightning_gpipe.schedule.receives`).
         sends: per action, the messages it sends, in order (:func:`~lightning_gpipe.schedule.sends`).
@@ -92,13 +94,6 @@ class ColumnPlan:
             weight passes after its last message, so that the step outcome it sends after its last
             call does not wait for them (the stages before wait for the outcome, not for them);
             ``len(column)`` elsewhere.
-        outcome_post: under one call per micro-batch, on the stages before the last, the cursor
-            position (index after the column's last action that takes a message from the last
-            stage; 0 where none does) at which the step outcome's receive is posted
-            (:meth:`~lightning_gpipe.engine.stage.PipelineStage.share_outcome` takes it): the last
-            stage sends the outcome right after its last call, and a receive posted only when the
-            stage has run its column would leave it waiting for the transport's round trip (on Gloo
-            the bytes leave once the receive is posted); ``None``: taken when needed.
         input_first: the column's last backward that sends a gradient and has no ``W`` of its own,
             which sends it before it computes its weight gradients
             (:mod:`lightning_gpipe.engine.backward_split`); ``None``: none.
@@ -113,7 +108,6 @@ class ColumnPlan:
     needs_loss: frozenset[Action]
     order: dict[int, tuple[Key, ...]]
     drain_start: int
-    outcome_post: int | None = None
     input_first: Action | None = None
     deferred: frozenset[tuple[int, int]] = frozenset()
 
@@ -131,20 +125,13 @@ class ColumnPlan:
         """
         top, v = topology, virtual_stages
         actions = [a for a in schedule.stage_actions(grid, top.stage) if train or a.kind == "F"]
-        column = schedule.with_posts(actions, top.stage, top.stages, top.skips, v, hold_backwards=whole)
+        # one call per micro-batch: the step outcome's receive is posted ahead too (Post with no action)
+        outcome = top.stages - 1 if train and not whole and not top.is_last else None
+        column = schedule.with_posts(actions, top.stage, top.stages, top.skips, v, whole, outcome)
         schedule.validate(grid, {top.stage: column}, top.skips)
         order = taking_order(grid, top, v) if train and v > 1 else {}
         sends = {a: tuple(schedule.sends(a, top.stage, top.stages, top.skips, v)) for a in actions}
         receives = {a: tuple(schedule.receives(a, top.stage, top.stages, top.skips, v)) for a in actions}
-        outcome_post = None
-        if train and not whole and not top.is_last:  # after the last message from the last stage
-            last = top.stages - 1
-            takes = [
-                k
-                for k, a in enumerate(column)
-                if isinstance(a, Action) and any(t.peer == last for t in receives[a])
-            ]
-            outcome_post = takes[-1] + 1 if takes else 0
         deferred = frozenset((a.i, a.virtual_stage) for a in actions if a.kind == "W")
         drain_start = len(column)
         if train and not whole and top.is_last:  # the trailing weight passes wait for the drain
@@ -167,7 +154,6 @@ class ColumnPlan:
             ),
             deferred=deferred,
             drain_start=drain_start,
-            outcome_post=outcome_post,
         )
 
 

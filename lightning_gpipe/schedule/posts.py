@@ -29,19 +29,23 @@ POSTED_AHEAD = 2
 @dataclass(frozen=True)
 class Post:
     """Post the receive of the message ``action`` takes over ``transfer`` (printed ``R`` then the
-    action and the peer, like ``RB2<1``).
+    action and the peer, like ``RB2<1``), or of the step outcome (``action`` ``None``, printed ``RO<1``).
+
+    The step outcome is the message the last stage sends each other stage after its last call of
+    a step of one call per micro-batch (its loss, metrics, stop decision, generator state); the stage
+    takes it after its column (:meth:`~lightning_gpipe.engine.stage.PipelineStage.share_outcome`).
 
     Attributes:
-        action: the action of the same column that takes the message.
+        action: the action of the same column that takes the message; ``None``: the step outcome.
         transfer: the message, as :func:`~lightning_gpipe.schedule.receives` names it for ``action``.
     """
 
-    action: Action
+    action: Action | None
     transfer: Transfer
     kind: ClassVar[str] = "R"
 
     def __str__(self) -> str:
-        return f"R{self.action}<{self.transfer.peer}"
+        return f"R{self.action if self.action is not None else 'O'}<{self.transfer.peer}"
 
 
 Step = Action | Post
@@ -60,6 +64,7 @@ def with_posts(
     skips: Iterable[SkipRoute] = (),
     virtual_stages: int = 1,
     hold_backwards: bool = False,
+    outcome: int | None = None,
 ) -> list[Step]:
     """``column`` (stage ``stage``'s actions, in order) with the receives of its messages posted
     ahead.
@@ -70,24 +75,32 @@ def with_posts(
     ``hold_backwards`` the messages of backwards are posted no earlier than the column's first
     backward
     (``schedule="gpipe"``: its backwards run only once the user's step has returned a loss, and a
-    step without one takes none of them).
+    step without one takes none of them). With ``outcome`` (the last stage's index), the step
+    outcome's receive is posted once the column has taken its last message from that stage (at the
+    column's start, after the posts there, where it takes none), so the outcome travels while the
+    stage runs the rest of its column.
     """
     skips = list(skips)
-    taken = _taken(column, stage, stages, skips, virtual_stages)
+    taken = [(a, t) for a in column for t in receives(a, stage, stages, skips, virtual_stages)]
     first_backward = next((k for k, a in enumerate(column) if a.kind != "F"), len(column))
-    queues: dict[int, deque[tuple[int, Post]]] = defaultdict(deque)  # per peer: (place in taken, post)
-    for n, p in enumerate(taken):
-        queues[p.transfer.peer].append((n, p))
+    # per peer: (place in taken, the action taking it, its post)
+    queues: dict[int, deque[tuple[int, Action, Post]]] = defaultdict(deque)
+    for n, (a, t) in enumerate(taken):
+        queues[t.peer].append((n, a, Post(a, t)))
     done, posted, out = Counter[int](), Counter[int](), list[Step]()  # per peer: taken, posted so far
+    from_outcome = {a for a, t in taken if t.peer == outcome}  # the actions taking its messages
+    last_take = max((n for n, a in enumerate(column) if a in from_outcome), default=-1)
     for k in range(len(column) + 1):
         ready = []
         for peer, queue in queues.items():
             while queue and posted[peer] <= done[peer] + POSTED_AHEAD:
-                if hold_backwards and queue[0][1].action.kind != "F" and k < first_backward:
+                if hold_backwards and queue[0][1].kind != "F" and k < first_backward:
                     break
                 ready.append(queue.popleft())
                 posted[peer] += 1
-        out += [p for _, p in sorted(ready, key=lambda x: x[0])]
+        out += [p for _, _, p in sorted(ready, key=lambda x: x[0])]
+        if outcome is not None and k == last_take + 1:
+            out.append(Post(None, Transfer(outcome)))
         if k < len(column):
             done.update(t.peer for t in receives(column[k], stage, stages, skips, virtual_stages))
             out.append(column[k])
@@ -101,7 +114,8 @@ def validate(
     and that each stage's column with posts in ``columns`` runs its grid column's actions (or only
     its forwards) in order, each message posted exactly once, in the order the column takes them,
     before the action that takes it, with never more than :data:`POSTED_AHEAD` + 1 from one peer
-    posted and not taken.
+    posted and not taken; a step outcome's post (at most one) once every message from its stage has
+    been taken.
 
     Raises:
         ValueError: naming the stage and the first violated rule, with the column printed.
@@ -119,7 +133,13 @@ def validate(
         for p in _taken(actions, stage, k, skips, v):
             expected[p.transfer.peer].append(p)
         queue = defaultdict[int, deque[Post]](deque)
+        outcome_posted = False
         for item in column:
+            if isinstance(item, Post) and item.action is None:  # the step outcome: after every message
+                if expected[item.transfer.peer] or queue[item.transfer.peer] or outcome_posted:
+                    raise ValueError(f"{shown}\nposts {item} before the column took that stage's messages")
+                outcome_posted = True
+                continue
             if isinstance(item, Post):
                 mine = expected[item.transfer.peer]
                 if not mine or item != mine.popleft():

@@ -102,6 +102,41 @@ def _broken(column, what):
     return column
 
 
+@pytest.mark.parametrize("name,k,m,v,skips", GRIDS)
+def test_the_outcome_is_posted_once_after_the_last_message_from_the_last_stage(name, k, m, v, skips):
+    """With ``outcome``, a stage before the last posts the step outcome once, right after the last
+    action that takes a message from the last stage (at the column's start, after the posts there,
+    where none does): no action taking one of its messages and no post of them after it."""
+    grid = SCHEDULES[name](k, m, v) if v > 1 else SCHEDULES[name](k, m)
+    for j in range(k - 1):
+        column = with_posts(stage_actions(grid, j), j, k, skips, v, outcome=k - 1)
+        validate(grid, {j: column}, skips)
+        at = [n for n, p in enumerate(column) if isinstance(p, Post) and p.action is None]
+        assert len(at) == 1 and column[at[0]].transfer.peer == k - 1
+        before, after = column[: at[0]], column[at[0] + 1 :]
+        actions = [a for a in before if isinstance(a, Action)]
+        takes = [
+            a
+            for a in column
+            if isinstance(a, Action) and any(t.peer == k - 1 for t in receives(a, j, k, skips, v))
+        ]
+        assert actions == (actions[: actions.index(takes[-1]) + 1] if takes else [])
+        assert not any(isinstance(p, Post) and p.transfer.peer == k - 1 for p in after)
+        assert not [a for a in after if a in takes]
+
+
+def test_validate_refuses_an_outcome_posted_before_the_last_message_of_its_stage_or_twice():
+    grid = SCHEDULES["zb_h1"](2, 4)
+    column = with_posts(stage_actions(grid, 0), 0, 2, outcome=1)
+    validate(grid, {0: column})
+    outcome = next(p for p in column if isinstance(p, Post) and p.action is None)
+    early = [p for p in column if p != outcome]
+    early.insert(len(early) - 3, outcome)
+    for broken in (early, [*column, outcome]):
+        with pytest.raises(ValueError, match="before the column took that stage's messages"):
+            validate(grid, {0: broken})
+
+
 @pytest.mark.parametrize(
     "what,message",
     [
