@@ -75,7 +75,8 @@ class FakeP2P:
         return self.network.queues[(src, self.rank)].popleft()
 
     def flush(self):
-        pass
+        """Nothing to wait for: a fake send completes as it is posted (receives may stay posted, as
+        the step outcome's does across the column's flush)."""
 
     def settle(self):
         pass

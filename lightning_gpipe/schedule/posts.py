@@ -137,7 +137,7 @@ def validate(
         for item in column:
             if isinstance(item, Post) and item.action is None:  # the step outcome: after every message
                 if expected[item.transfer.peer] or queue[item.transfer.peer] or outcome_posted:
-                    raise ValueError(f"{shown}\nposts {item} before the column took that stage's messages")
+                    raise ValueError(f"{shown}\nposts {item} twice or before it took that stage's messages")
                 outcome_posted = True
                 continue
             if isinstance(item, Post):

@@ -133,7 +133,7 @@ def test_validate_refuses_an_outcome_posted_before_the_last_message_of_its_stage
     early = [p for p in column if p != outcome]
     early.insert(len(early) - 3, outcome)
     for broken in (early, [*column, outcome]):
-        with pytest.raises(ValueError, match="before the column took that stage's messages"):
+        with pytest.raises(ValueError, match="twice or before it took that stage's messages"):
             validate(grid, {0: broken})
 
 
