@@ -4,7 +4,8 @@
 (:class:`FakeNetwork`), every message encoded and decoded with the real header codec; sends never
 block, so stages driven one after another in a valid order complete a fill-drain step.
 :class:`ThreadP2P` runs over a :class:`BlockingNetwork` whose receives wait, for stages run in
-threads (as processes would). :class:`Recorder` stands in for the timeline.
+threads (as processes would). :class:`Recorder` stands in for the timeline. :func:`micro_step`
+drives one stage through a training step as the strategy does under a per-micro-batch schedule.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import queue
 import threading
 from collections import Counter, defaultdict, deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from lightning_gpipe.schedule import POSTED_AHEAD
+from lightning_gpipe.strategy.microstep import split_batch
 from lightning_gpipe.transport.wire import decode_header, decode_message, encode_message
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "TurnNetwork",
     "TurnP2P",
     "in_threads",
+    "micro_step",
 ]
 
 
@@ -189,3 +192,40 @@ def in_threads(stages, body, timeout: float = 60, turn: threading.Lock | None = 
     if errors:
         raise errors[0]
     assert len(finished) == len(stages), "a stage never finished its column"
+
+
+def micro_step(stage, batch, training_step, chunks=None, around_outcome=None):
+    """One training step of ``stage`` with one ``training_step`` call per micro-batch, as
+    :class:`lightning_gpipe.strategy.microstep.MicroSteps` and the strategy's ``backward`` drive it.
+
+    ``batch`` is split as the strategy splits it (:func:`~lightning_gpipe.strategy.microstep.split_batch`
+    into ``chunks`` parts, default the stage's); the stage starts the step with each micro-batch's share
+    of the batch ``w_i = n_i / N``; each part goes to ``training_step(part)`` (under
+    :meth:`~lightning_gpipe.engine.stage.PipelineStage.run_step`), which calls the stage and, on the
+    last stage, returns the part's loss; the last stage backpropagates ``w_i · loss_i`` and calls
+    ``loss_backpropagated(i)``. Then ``end_micro_steps``, every stage's ``share_outcome`` of
+    ``sum_i w_i · loss_i`` (inside ``around_outcome(stage)``, a context manager, where given: what a
+    test checks as the outcome is shared) and Lightning's ``backward`` (the weight passes the last
+    stage held).
+
+    Returns:
+        What ``share_outcome`` returned: on the last stage the step's loss (no graph), on the others
+        the outcome's loss (a scalar that requires grad).
+    """
+    micro, parts = split_batch(batch, chunks or stage.chunks, stage.executor.min_micro_batch)
+    weights = [n / sum(parts) for n in parts]
+    stage.start_micro_steps(len(micro), weights)
+    loss = None
+    for i, part in enumerate(micro):
+        out = stage.run_step(training_step, True, part)
+        if stage.topology.is_last:
+            weighted = out * weights[i]
+            weighted.backward()
+            stage.loss_backpropagated(i)
+            loss = weighted.detach() if loss is None else loss + weighted.detach()
+    stage.end_micro_steps()
+    with around_outcome(stage) if around_outcome is not None else nullcontext():
+        shared = stage.share_outcome(loss, None, training=True)
+    assert shared is not None, f"stage {stage.topology.stage} shared no loss"
+    stage.backward()
+    return shared

@@ -5,7 +5,6 @@ every stage's forward phase in stage order, the loss, every stage's backward pha
 stage order. Sends never block, so this order completes any fill-drain step.
 """
 
-import threading
 from collections import Counter
 from contextlib import contextmanager
 
@@ -15,7 +14,6 @@ from torch import nn
 
 from lightning_gpipe import StageError
 from lightning_gpipe.balance import uniform_balance
-from lightning_gpipe.engine.microbatch import sizes
 from lightning_gpipe.engine.skip import Pop, Stash
 from lightning_gpipe.engine.stage import PipelineUsageError, StageDone
 from lightning_gpipe.partition.build import build_stage
@@ -28,7 +26,16 @@ from lightning_gpipe.schedule import (
     zb_h1,
 )
 from lightning_gpipe.transport.layout import Layout
-from tests.fakes import BlockingNetwork, FakeNetwork, FakeP2P, Recorder, ThreadP2P, recorded
+from tests.fakes import (
+    BlockingNetwork,
+    FakeNetwork,
+    FakeP2P,
+    Recorder,
+    ThreadP2P,
+    in_threads,
+    micro_step,
+    recorded,
+)
 from tests.models import build_layers, pytree_input
 
 # -- the executor over a fake transport ----------------------------------------------------------
@@ -134,21 +141,17 @@ def test_executor_matches_the_unpartitioned_model_with_skips_across_stages():
 
 
 def _micro_step(
-    seq, balance, chunks, x, y, schedule, checkpoint="except_last", outcome=False, recorder=Recorder,
-    seen=None, posted=None,
-):  # fmt: skip
+    seq, balance, chunks, x, y, schedule, checkpoint="except_last", recorder=Recorder, seen=None, posted=None
+):
     """One training step of ``seq`` with one call per micro-batch, each stage in its own thread.
 
-    The last stage backpropagates each micro-batch's mean squared error, weighted by its share of
-    the batch, right after its call, as :mod:`lightning_gpipe.strategy.microstep` does; with ``outcome``,
-    the stages then share the step outcome as the strategy has them do, and (with ``seen``, a dict)
-    record there, per stage, the spans ``recorder`` had seen when the outcome was shared (with
-    ``posted``, a dict: the receives posted and not taken then, per source rank, and after). Returns
-    the stages and, per stage, the messages received per source rank over the step.
+    Each stage runs :func:`~tests.fakes.micro_step` (the last one's loss each micro-batch's mean
+    squared error), as the strategy drives it; with ``seen``, a dict, it records there, per stage,
+    the spans ``recorder`` had seen when the outcome was shared (with ``posted``, a dict: the
+    receives posted and not taken then, per source rank, and after). Returns the stages and, per
+    stage, the messages received per source rank over the step.
     """
     k, network = len(balance), BlockingNetwork()
-    parts = sizes(x.shape[0], chunks)
-    xs, ys = x.split(parts), y.split(parts)
     stages = []
     for j in range(k):
         rank = Layout(k, k).rank(0, j)
@@ -157,39 +160,28 @@ def _micro_step(
         )
         stage.p2p, stage.timeline = ThreadP2P(network, rank), recorder(stage)
         stages.append(stage)
-    counts, errors = {}, []
+    counts = {}
 
-    def run(stage):
-        try:
-            stage.start_micro_steps(len(parts))
-            loss = None
-            for i, (xi, yi) in enumerate(zip(xs, ys)):
-                out = stage.run_step(stage, True, xi)
-                if stage.topology.is_last:
-                    loss = nn.functional.mse_loss(out, yi) * len(yi) / len(y)
-                    loss.backward()
-                    stage.loss_backpropagated(i)
-            stage.end_micro_steps()
-            if outcome:
-                before = +stage.p2p.posted
-                assert stage.share_outcome(loss, None, training=True) is not None
-                if posted is not None:
-                    posted[stage.topology.stage] = (before, +stage.p2p.posted)
-                if seen is not None:
-                    seen[stage.topology.stage] = list(stage.timeline.actions)
-            stage.backward()  # Lightning's backward: the weight passes the last stage held
-            counts[stage.topology.stage] = stage.p2p.phase()
-        except BaseException as err:  # noqa: BLE001 - reported by the test
-            errors.append(err)
+    @contextmanager
+    def watched(stage):
+        before = +stage.p2p.posted
+        yield
+        if posted is not None:
+            posted[stage.topology.stage] = (before, +stage.p2p.posted)
+        if seen is not None:
+            seen[stage.topology.stage] = list(stage.timeline.actions)
 
-    threads = [threading.Thread(target=run, args=(stage,)) for stage in stages]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    assert len(counts) == k, "a stage never finished its column"
+    def body(stage):
+        micro_step(stage, (x, y), lambda b: nn.functional.mse_loss(stage(b[0]), b[1]), around_outcome=watched)
+        counts[stage.topology.stage] = stage.p2p.phase()
+
+    in_threads(stages, body)
     return stages, counts
+
+
+def _outcome(topology):
+    """The step outcome's one message from the last stage, on a stage before it."""
+    return Counter() if topology.is_last else Counter({topology.ranks[-1]: 1})
 
 
 class _Spans(Recorder):
@@ -212,9 +204,7 @@ def test_the_last_stage_shares_the_outcome_before_its_trailing_weight_passes(k):
     seq, m = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)]), 4
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     expected, seen = _reference_grads(seq, x, y), {}
-    stages, _ = _micro_step(
-        seq, uniform_balance(3, k), m, x, y, zb_h1, "never", outcome=True, recorder=_Spans, seen=seen
-    )
+    stages, _ = _micro_step(seq, uniform_balance(3, k), m, x, y, zb_h1, "never", recorder=_Spans, seen=seen)
     for stage in stages:
         j, done = stage.topology.stage, stage.timeline.actions
         if j < k - 1:
@@ -238,9 +228,7 @@ def test_the_stages_before_the_last_post_the_outcome_before_they_share_it(schedu
     seq = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
     x, y = torch.randn(8, 4), torch.randn(8, 4)
     expected, posted = _reference_grads(seq, x, y), {}
-    stages, _ = _micro_step(
-        seq, uniform_balance(3, k), 4, x, y, schedule, "never", outcome=True, posted=posted
-    )
+    stages, _ = _micro_step(seq, uniform_balance(3, k), 4, x, y, schedule, "never", posted=posted)
     last = stages[-1].topology.ranks[-1]
     for stage in stages[:-1]:
         assert posted[stage.topology.stage] == (Counter({last: 1}), Counter()), stage.topology.stage
@@ -261,7 +249,8 @@ def _reference_grads(seq, x, y):
 @pytest.mark.parametrize("m", [1, 3, 4, 8])
 def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, m):
     """Batch 10 (not divisible by 3, 4 or 8): the recorded actions are one_f_one_b's columns, every
-    message received is one the column names, and the gradients equal the unpartitioned model's."""
+    message received is one the column names or the step outcome, and the gradients equal the
+    unpartitioned model's."""
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(10, 4), torch.randn(10, 4)
@@ -273,7 +262,7 @@ def test_executor_runs_exactly_the_1f1b_column_with_one_call_per_micro_batch(k, 
         top, j = stage.topology, stage.topology.stage
         column = stage_actions(grid, j)
         assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
-        assert counts[j] == _by_rank(top, _received(column, j, k, top.skips))
+        assert counts[j] == _by_rank(top, _received(column, j, k, top.skips)) + _outcome(top)
         assert stage.timeline.peak_held == min(k - j, m), f"stage {j} held too many micro-batches"
     for p, g in zip(seq.parameters(), expected):
         assert torch.allclose(p.grad, g, atol=1e-6)
@@ -318,13 +307,11 @@ def test_the_step_outcome_is_received_after_the_column_one_call_per_micro_batch(
     torch.manual_seed(0)
     seq = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)))
     x, y = torch.randn(10, 4), torch.randn(10, 4)
-    stages, counts = _micro_step(seq, uniform_balance(3, k), 4, x, y, schedule, "never", outcome=True)
+    stages, counts = _micro_step(seq, uniform_balance(3, k), 4, x, y, schedule, "never")
     for stage in stages:
         top, j = stage.topology, stage.topology.stage
         expected = _by_rank(top, _received(stage_actions(schedule(k, 4), j), j, k, top.skips))
-        if not top.is_last:
-            expected[top.ranks[-1]] += 1
-        assert counts[j] == expected
+        assert counts[j] == expected + _outcome(top)
 
 
 @pytest.mark.parametrize(
@@ -356,7 +343,7 @@ def test_one_call_per_micro_batch_with_skips_across_stages(schedule, checkpoint)
         top, j = stage.topology, stage.topology.stage
         column = stage_actions(schedule(3, 4), j)
         assert stage.timeline.actions == recorded(column, j)
-        assert counts[j] == _by_rank(top, _received(column, j, 3, skips))
+        assert counts[j] == _by_rank(top, _received(column, j, 3, skips)) + _outcome(top)
     assert stages[2].received_skips == [("b", 1)] * 4 and stages[1].received_skips == [("a", 0)] * 4
 
 
