@@ -3,22 +3,19 @@ micro-batch, and give the unpartitioned model's gradients; evaluation runs the f
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch import nn
 
 from lightning_gpipe.balance import uniform_balance
-from lightning_gpipe.engine.microbatch import sizes
 from lightning_gpipe.engine.stage import StageDone
 from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import format_grid, in_send_order, interleaved_1f1b, stage_actions
 from lightning_gpipe.tools.timeline import Timeline, step_stats
 from lightning_gpipe.tools.trace import chrome_trace
 from lightning_gpipe.transport.layout import Layout
-from tests.fakes import BlockingNetwork, Recorder, ThreadP2P
-from tests.unit.engine.test_executor import _by_rank, _received, _reference_grads
+from tests.fakes import BlockingNetwork, Recorder, ThreadP2P, in_threads, micro_step
+from tests.unit.engine.test_executor import _by_rank, _outcome, _received, _reference_grads
 
 
 def _net(blocks: int) -> nn.Sequential:
@@ -38,44 +35,17 @@ def _stages(seq, k, v, chunks, checkpoint, network):
     return stages
 
 
-def _in_threads(stages, body):
-    """``body(stage)`` for every stage, each in its own thread (as processes would); errors re-raised."""
-    errors = []
-
-    def run(stage):
-        try:
-            body(stage)
-        except BaseException as err:  # noqa: BLE001 - reported by the test
-            errors.append(err)
-
-    threads = [threading.Thread(target=run, args=(stage,)) for stage in stages]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-
-
 def _micro_step(seq, k, v, chunks, x, y, checkpoint):
-    """One training step with one call per micro-batch, as lightning_gpipe.strategy.microstep runs it: the
-    last stage backpropagates each micro-batch's mean squared error weighted by its share of the batch."""
+    """One training step with one call per micro-batch, as the strategy drives it
+    (:func:`~tests.fakes.micro_step`: the last stage's loss each micro-batch's mean squared error)."""
     stages = _stages(seq, k, v, chunks, checkpoint, BlockingNetwork())
-    parts = sizes(x.shape[0], chunks)
-    xs, ys = x.split(parts), y.split(parts)
     counts = {}
 
     def body(stage):
-        stage.start_micro_steps(len(parts))
-        for i, (xi, yi) in enumerate(zip(xs, ys)):
-            out = stage.run_step(stage, True, xi)
-            if stage.topology.is_last:
-                (nn.functional.mse_loss(out, yi) * len(yi) / len(y)).backward()
-                stage.loss_backpropagated(i)
-        stage.end_micro_steps()
-        stage.backward()  # Lightning's backward: the weight passes the last stage held
+        micro_step(stage, (x, y), lambda b: nn.functional.mse_loss(stage(b[0]), b[1]))
         counts[stage.topology.stage] = stage.p2p.phase()
 
-    _in_threads(stages, body)
+    in_threads(stages, body)
     return stages, counts
 
 
@@ -98,7 +68,8 @@ def test_interleaved_columns_run_as_printed_and_give_the_plain_gradients(k, v, m
         assert stage.virtual_stages == v
         column = stage_actions(grid, j)
         assert stage.timeline.actions == [str(a) for a in column], f"stage {j}\n{format_grid(grid)}"
-        assert counts[j] == _by_rank(top, _received(column, j, k, top.skips, virtual_stages=v))
+        received = _by_rank(top, _received(column, j, k, top.skips, virtual_stages=v))
+        assert counts[j] == received + _outcome(top)
     for p, g in zip(seq.parameters(), expected):
         torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=0)
 
@@ -114,7 +85,7 @@ def test_evaluation_runs_every_virtual_stage_forward(k, v, m):
         with torch.no_grad():
             outputs[stage.topology.stage] = stage.run_step(stage, False, x)
 
-    _in_threads(stages, body)
+    in_threads(stages, body)
     assert all(outputs[j] is StageDone for j in range(k - 1))
     with torch.no_grad():
         torch.testing.assert_close(outputs[k - 1], seq(x), atol=1e-6, rtol=0)
@@ -128,24 +99,16 @@ def test_timeline_spans_carry_the_virtual_stage_and_give_each_stages_bubble(k, v
     seq = _net(k * v)
     x, y = torch.randn(10, 4), torch.randn(10, 4)
     stages = _stages(seq, k, v, m, "except_last", BlockingNetwork())
-    parts = sizes(10, m)
     for stage in stages:
         j = stage.topology.stage
         stage.timeline = Timeline(j, k, k - 1 - j, virtual_stages=v, schedule="interleaved_1f1b")
 
     def body(stage):
         stage.timeline.begin_step(0)
-        stage.start_micro_steps(len(parts))
-        for i, (xi, yi) in enumerate(zip(x.split(parts), y.split(parts))):
-            out = stage.run_step(stage, True, xi)
-            if stage.topology.is_last:
-                (nn.functional.mse_loss(out, yi) * len(yi) / len(y)).backward()
-                stage.loss_backpropagated(i)
-        stage.end_micro_steps()
-        stage.backward()
+        micro_step(stage, (x, y), lambda b: nn.functional.mse_loss(stage(b[0]), b[1]))
         stage.timeline.end_step()
 
-    _in_threads(stages, body)
+    in_threads(stages, body)
     grid = interleaved_1f1b(k, m, v)
     records = [stage.timeline.record() for stage in stages]
     for j, record in enumerate(records):
