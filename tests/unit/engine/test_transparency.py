@@ -6,7 +6,7 @@ strategy drives them: one call per step under ``"gpipe"`` (``run_step``, ``share
 ``backward``), one call per micro-batch under the other schedules (``start_micro_steps``, each call,
 the last stage backpropagating ``(n_i / N) · loss_i`` and calling ``loss_backpropagated``,
 ``end_micro_steps``, ``share_outcome``, ``backward``, as :mod:`lightning_gpipe.strategy.microstep`
-does). Each step's loss (on every
+does: :func:`tests.fakes.micro_step`). Each step's loss (on every
 stage: the last stage's outcome) and every parameter's gradient equal those of a deep copy of the
 model run on the whole batch on one device; two SGD steps apply the same update to both. The
 Lightning glue around this (the strategy, logging, checkpoints, the processes) stays in
@@ -29,9 +29,8 @@ from lightning_gpipe.engine.microbatch import sizes
 from lightning_gpipe.engine.stage import StageDone
 from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import SCHEDULES, check_virtual_stages, stage_actions
-from lightning_gpipe.strategy.microstep import split_batch
 from lightning_gpipe.transport.layout import Layout
-from tests.fakes import Recorder, TurnNetwork, TurnP2P, in_threads, recorded
+from tests.fakes import Recorder, TurnNetwork, TurnP2P, in_threads, micro_step, recorded
 from tests.models import build_layers, pytree_input
 
 TIGHT = {"atol": 1e-6, "rtol": 1e-5}
@@ -79,19 +78,7 @@ def _train_step(stages, batch, y, loss_fn, schedule, chunks):
                 loss.backward()
             stage.backward()
         else:
-            micro, parts = split_batch((batch, y), chunks)
-            stage.start_micro_steps(len(parts), [n / sum(parts) for n in parts])  # as microstep does
-            calls = []
-            for i, (xi, yi) in enumerate(micro):
-                out = stage.run_step(stage, True, xi)
-                if top.is_last:
-                    loss_i = loss_fn(out, yi) * (parts[i] / sum(parts))
-                    loss_i.backward()
-                    stage.loss_backpropagated(i)
-                    calls.append(loss_i.detach())
-            stage.end_micro_steps()
-            shared = stage.share_outcome(sum(calls) if top.is_last else None, None, training=True)
-            stage.backward()  # Lightning's backward: the weight passes the last stage held
+            shared = micro_step(stage, (batch, y), lambda b: loss_fn(stage(b[0]), b[1]), chunks)
         losses[top.stage] = shared.detach()
 
     in_threads(stages, body, turn=stages[0].p2p.network.turn)
