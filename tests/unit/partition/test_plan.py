@@ -22,10 +22,9 @@ from lightning_gpipe.partition.plan_forward import PlanForward
 from lightning_gpipe.schedule import SCHEDULES
 from lightning_gpipe.state.full import merged_optimizer_state
 from lightning_gpipe.state.materialize import check_nothing_meta, materialize_stage
-from lightning_gpipe.strategy.microstep import split_batch
 from lightning_gpipe.strategy.pipelined import Pipelined
 from lightning_gpipe.transport.layout import Layout
-from tests.fakes import Recorder, TurnNetwork, TurnP2P, in_threads
+from tests.fakes import Recorder, TurnNetwork, TurnP2P, in_threads, micro_step
 from tests.gpt import GPT, PLAN, VOCAB, gpt_data
 
 TIGHT = {"atol": 1e-5, "rtol": 0}
@@ -65,19 +64,7 @@ def _step(stages, calls, ids, schedule, chunks=4):
                 loss.backward()
             stage.backward()
         else:
-            micro, parts = split_batch((ids, ids), chunks)
-            stage.start_micro_steps(len(parts))
-            total = []
-            for i, (xi, yi) in enumerate(micro):
-                out = stage.run_step(call, True, xi)
-                if last:
-                    loss_i = _loss(out, yi) * (parts[i] / sum(parts))
-                    loss_i.backward()
-                    stage.loss_backpropagated(i)
-                    total.append(loss_i.detach())
-            stage.end_micro_steps()
-            shared = stage.share_outcome(sum(total) if last else None, None, training=True)
-            stage.backward()  # Lightning's backward: the weight passes the last stage held
+            shared = micro_step(stage, (ids, ids), lambda b: _loss(call(b[0]), b[1]), chunks)
         losses[stage.topology.stage] = shared.detach()
 
     in_threads(stages, body, turn=stages[0].p2p.network.turn)
@@ -324,18 +311,9 @@ def test_dict_plan_passes_the_mask_to_every_stage(schedule):
                 loss.backward()
             stage.backward()
         else:
-            stage.start_micro_steps(2)
-            total = []
-            for i, (xi, mi, yi) in enumerate(zip(x.chunk(2), mask.chunk(2), y.chunk(2))):
-                out = stage.run_step(copies[j], True, xi, mask=mi)
-                if j == 1:
-                    loss_i = F.mse_loss(out, yi) / 2
-                    loss_i.backward()
-                    stage.loss_backpropagated(i)
-                    total.append(loss_i.detach())
-            stage.end_micro_steps()
-            shared = stage.share_outcome(sum(total) if j == 1 else None, None, training=True)
-            stage.backward()
+            shared = micro_step(
+                stage, (x, mask, y), lambda b: F.mse_loss(copies[j](b[0], mask=b[1]), b[2]), 2
+            )
         losses[j] = shared.detach()
 
     in_threads(stages, body, turn=network.turn)
