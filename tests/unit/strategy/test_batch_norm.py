@@ -26,6 +26,7 @@ from lightning_gpipe.strategy.batch_norm import (
 from lightning_gpipe.strategy.pipelined import Pipelined, StageSpec, partition_model
 from lightning_gpipe.transport.layout import Layout, StageTopology
 from lightning_gpipe.transport.p2p import P2P
+from tests.fakes import micro_step
 
 CPU = torch.device("cpu")
 
@@ -57,17 +58,17 @@ def _train_step(stage: PipelineStage, x: torch.Tensor) -> torch.Tensor:
     return out.detach()
 
 
-def _micro_steps(stage: PipelineStage, x: torch.Tensor, parts: list[int]) -> torch.Tensor:
-    """One ``"1f1b"`` training step: a call per micro-batch, each loss (weighted n_i / N) backpropagated."""
-    stage.start_micro_steps(len(parts), [n / sum(parts) for n in parts])
+def _micro_steps(stage: PipelineStage, x: torch.Tensor) -> torch.Tensor:
+    """One ``"1f1b"`` training step (:func:`tests.fakes.micro_step`): a call per micro-batch of the
+    stage's chunks, each loss (weighted n_i / N) backpropagated; returns the calls' outputs, joined."""
     outs = []
-    for i, part in enumerate(x.split(parts)):
-        out = stage.run_step(stage, True, part)
-        (out.pow(2).mean() * parts[i] / sum(parts)).backward()
-        stage.loss_backpropagated(i)
+
+    def training_step(part: torch.Tensor) -> torch.Tensor:
+        out = stage(part)
         outs.append(out.detach())
-    stage.end_micro_steps()
-    stage.backward()
+        return out.pow(2).mean()
+
+    micro_step(stage, x, training_step)
     return torch.cat(outs)
 
 
@@ -106,7 +107,7 @@ def test_a_training_batch_norm_under_several_micro_batches_is_refused_at_its_fir
         if schedule == "gpipe":
             _train_step(stage, x)
         else:
-            _micro_steps(stage, x, [2] * 4)
+            _micro_steps(stage, x)
     message = str(info.value)
     head = "BatchNorm layer 'layers.1' (stage 0) runs in training mode on a step split into 4 micro-batches"
     assert message.startswith(head)
@@ -158,7 +159,7 @@ def test_frozen_batch_norm_trains_as_one_device_under_several_micro_batches(sche
     seq[1].eval()
     reference[1].eval()
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(3))
-    out = _train_step(stage, x) if schedule == "gpipe" else _micro_steps(stage, x, [1] * 4)
+    out = _train_step(stage, x) if schedule == "gpipe" else _micro_steps(stage, x)
     expected = reference(x)
     expected.pow(2).mean().backward()
     torch.testing.assert_close(out, expected.detach())
