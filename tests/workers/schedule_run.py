@@ -4,9 +4,9 @@ Usage: python tests/workers/schedule_run.py OUT M [M ...] (torchrun-style env: R
 Every rank runs its stage of a small MLP (K = WORLD_SIZE stages) through one training step for
 each M under fill-drain (one call per step, as under ``schedule="gpipe"``), under 1F1B and under
 ZB-H1 with ``checkpoint="never"`` (one call per micro-batch, each micro-batch's loss backpropagated
-right after its call, as under ``schedule="1f1b"``), with a recorder in place of the timeline, and
-writes ``OUT/rank<r>.json``: for each ``"<schedule>:<M>"``, the stage index and the ``F``/``B``/``W``
-actions the stage executed, in order (``W i``: a weight-gradient pass,
+right after its call, as under ``schedule="1f1b"``: :func:`tests.fakes.micro_step`), with a recorder
+in place of the timeline, and writes ``OUT/rank<r>.json``: for each ``"<schedule>:<M>"``, the stage
+index and the ``F``/``B``/``W`` actions the stage executed, in order (``W i``: a weight-gradient pass,
 :mod:`lightning_gpipe.engine.backward_split`).
 """
 
@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_gpipe.balance import uniform_balance
-from lightning_gpipe.engine.microbatch import sizes
 from lightning_gpipe.partition.build import build_stage
 from lightning_gpipe.schedule import one_f_one_b, zb_h1
 from lightning_gpipe.transport.layout import Layout
+from tests.fakes import micro_step
 
 
 class Recorder:
@@ -69,18 +69,7 @@ for (name, schedule, checkpoint), m in itertools.product(
         schedule=schedule,
     )  # fmt: skip
     stage.timeline = recorder = Recorder()
-    parts = sizes(len(x), m)
-    stage.start_micro_steps(len(parts))
-    loss = None
-    for i, (xi, yi) in enumerate(zip(x.split(parts), y.split(parts))):
-        out_ = stage.run_step(stage, True, xi)
-        if stage.topology.is_last:
-            loss = nn.functional.mse_loss(out_, yi) * len(yi) / len(y)
-            loss.backward()
-            stage.loss_backpropagated(i)
-    stage.end_micro_steps()
-    assert stage.share_outcome(loss, None, training=True) is not None  # as the strategy has them do
-    stage.backward()  # Lightning's backward: the weight passes the last stage held
+    micro_step(stage, (x, y), lambda b, stage=stage: nn.functional.mse_loss(stage(b[0]), b[1]))
     recorded[f"{name}:{m}"] = {"stage": stage.topology.stage, "actions": recorder.actions}
 (out / f"rank{rank}.json").write_text(json.dumps(recorded))
 dist.barrier()
