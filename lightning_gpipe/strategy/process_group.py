@@ -17,7 +17,7 @@ from lightning_gpipe._lightning import (
     sync_ddp,
 )
 from lightning_gpipe.partition import tied
-from lightning_gpipe.transport import arrival, groups, liveness, rendezvous
+from lightning_gpipe.transport import arrival, failure, groups, liveness, rendezvous
 from lightning_gpipe.transport.layout import Layout
 
 __all__ = ["connect", "disconnect", "reduce"]
@@ -57,6 +57,7 @@ def connect(
         rendezvous.reconnect(backend, rank, world, **kwargs)
     else:
         rendezvous.check_started()
+        failure.point_at_reports()  # wrapped in init's "[rank R]" prefix, as the hook rendezvous restores
         hook = sys.excepthook
         init_dist_connection(cluster_environment, backend, **kwargs)
         rendezvous.join(hook)

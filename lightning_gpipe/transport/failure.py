@@ -9,6 +9,10 @@ process group, which breaks the connections its peers wait on, so they fail with
 (and so on down the pipeline) instead of waiting for the ``torch.distributed`` timeout. A peer
 that fails only because a connection broke says so in its message, naming the rank that is gone
 when one died or lost its connection (:mod:`lightning_gpipe.transport.liveness`).
+
+The error's traceback is printed once: the report marks the exception it printed, and the
+process' uncaught-exception hook (:func:`point_at_reports`) prints one line naming the rank
+for that exception instead of its traceback again.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -31,6 +35,11 @@ from lightning_gpipe.transport.p2p import close_lanes
 log = logging.getLogger(__name__)
 
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+
+# the attribute report_and_abort sets on an exception whose traceback it printed: the rank's "where"
+REPORTED = "gpipe_reported"
+
+_hook: dict[str, Callable[..., Any]] = {}  # "previous": the uncaught-exception hook point_at_reports wraps
 
 
 @contextmanager
@@ -101,6 +110,7 @@ def report_and_abort(exception: BaseException, where: str) -> None:
             file=sys.stderr,
             flush=True,
         )
+        _mark_reported(exception, where)
         liveness.leave(f"{where} failed: {_said(exception)}")
         abort_process_group()
         return
@@ -128,6 +138,43 @@ def report_and_abort(exception: BaseException, where: str) -> None:
     if peer is not None:
         reason += f"; this rank was waiting for a message from {liveness.describe(peer)}"
     _prefix_message(exception, f"[lightning_gpipe] {where} stopped because {reason}. Connection error: ")
+
+
+def _mark_reported(exception: BaseException, where: str) -> None:
+    """Mark ``exception`` as printed by the report of ``where`` (:func:`excepthook`)."""
+    try:
+        setattr(exception, REPORTED, where)
+    except (AttributeError, TypeError):  # an exception type that takes no attributes: printed again
+        pass
+
+
+def point_at_reports() -> None:
+    """Make :func:`excepthook` this process' uncaught-exception hook, wrapping the one in place (once per
+    process). Call it before ``init_process_group``, which wraps the hook in place in its ``[rank R]``
+    prefix."""
+    if "previous" not in _hook:
+        _hook["previous"] = sys.excepthook
+        sys.excepthook = excepthook
+
+
+def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    """Print an uncaught exception as the hook it wraps does (:func:`point_at_reports`), except one whose
+    traceback :func:`report_and_abort` printed already: for that one, one line naming the rank and the
+    error's type, pointing at the report above.
+
+    Args:
+        kind, value, tb: as for :func:`sys.excepthook`.
+    """
+    where = getattr(value, REPORTED, None)
+    if isinstance(where, str):
+        print(
+            f"[lightning_gpipe] {where} exits on the {kind.__name__} reported above (its traceback "
+            f'follows "[lightning_gpipe] {where} failed")',
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    _hook.get("previous", sys.__excepthook__)(kind, value, tb)
 
 
 def _said(exception: BaseException, limit: int = 600) -> str:

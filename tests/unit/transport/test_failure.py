@@ -1,0 +1,72 @@
+"""A failure's traceback is printed once: by the report, and a one-line pointer where the exception ends
+the process (the uncaught-exception hook, wrapped by ``init_process_group`` as in a job)."""
+
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from lightning_gpipe.transport import failure, liveness
+
+
+@pytest.fixture
+def hooks(monkeypatch):
+    """This process' hook replaced by a recorder of what it is given; ``point_at_reports`` not yet run."""
+    seen = []
+    monkeypatch.setattr(sys, "excepthook", lambda kind, value, tb: seen.append(value))
+    monkeypatch.setattr(failure, "_hook", {})
+    monkeypatch.setattr(failure, "abort_process_group", lambda: None)
+    monkeypatch.setattr(liveness, "leave", lambda why: None)
+    return seen
+
+
+def _raised(exception: BaseException) -> BaseException:
+    try:
+        raise exception
+    except BaseException as err:  # noqa: BLE001
+        return err
+
+
+def _uncaught(exception: BaseException) -> None:
+    sys.excepthook(type(exception), exception, exception.__traceback__)
+
+
+def test_an_exception_the_report_printed_ends_the_process_with_one_line_naming_the_rank(hooks, capsys):
+    failure.point_at_reports()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # wraps the hook: "[rank0]"
+    try:
+        own = _raised(ValueError("bad batch"))
+        failure.report_and_abort(own, "stage 1 (rank 0)")
+        report = capsys.readouterr().err
+        assert report.startswith("[lightning_gpipe] stage 1 (rank 0) failed: ValueError: bad batch\n")
+        assert report.count("Traceback (most recent call last)") == 1
+        _uncaught(own)
+        assert capsys.readouterr().err == (
+            "[rank0]: [lightning_gpipe] stage 1 (rank 0) exits on the ValueError reported above "
+            '(its traceback follows "[lightning_gpipe] stage 1 (rank 0) failed")\n'
+        )
+        assert hooks == []
+        other = _raised(KeyError("x"))  # not reported: the hook wrapped prints it, as before
+        _uncaught(other)
+        assert hooks == [other]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_peers_consequence_is_not_marked_and_prints_in_full(hooks, monkeypatch):
+    monkeypatch.setattr(failure, "_other_ranks", lambda: [])
+    failure.point_at_reports()
+    broken = _raised(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    failure.report_and_abort(broken, "stage 0 (rank 1)")
+    assert not hasattr(broken, failure.REPORTED)
+    _uncaught(broken)
+    assert hooks == [broken]
+
+
+def test_the_hook_wraps_once_per_process(hooks):
+    failure.point_at_reports()
+    failure.point_at_reports()  # a later job of the process: the first wrap stays, nothing wrapped twice
+    assert sys.excepthook is failure.excepthook
+    other = _raised(KeyError("x"))
+    _uncaught(other)
+    assert hooks == [other]
