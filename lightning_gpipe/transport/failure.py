@@ -22,6 +22,7 @@ import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch.distributed as dist
@@ -104,7 +105,7 @@ def report_and_abort(exception: BaseException, where: str) -> None:
     """
     if not is_peer_loss(exception):
         # the tag first, then the traceback: the other ranks may end this process before it exits
-        trace = "".join(traceback.format_exception(exception))
+        trace = _whole_traceback(exception)
         print(
             f"[lightning_gpipe] {where} failed: {type(exception).__name__}: {exception}\n{trace}",
             file=sys.stderr,
@@ -138,6 +139,23 @@ def report_and_abort(exception: BaseException, where: str) -> None:
     if peer is not None:
         reason += f"; this rank was waiting for a message from {liveness.describe(peer)}"
     _prefix_message(exception, f"[lightning_gpipe] {where} stopped because {reason}. Connection error: ")
+
+
+def _whole_traceback(exception: BaseException) -> str:
+    """``exception``'s traceback as the interpreter prints it uncaught: its own frames preceded by the
+    frames that called the first of them, while that one still runs (the caller of ``trainer.fit``:
+    the pointer :func:`excepthook` prints in its place repeats none of them)."""
+    lines = traceback.format_exception(exception)
+    tb = exception.__traceback__
+    frame: FrameType | None = sys._getframe(1)
+    while tb is not None and frame is not None and frame is not tb.tb_frame:
+        frame = frame.f_back
+    if tb is None or frame is None or frame.f_back is None:
+        return "".join(lines)  # the frame that caught it has returned: its callers are not known
+    outer = traceback.StackSummary.extract(traceback.walk_stack(frame.f_back))
+    outer.reverse()
+    own = max(i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)"))
+    return "".join(lines[: own + 1] + outer.format() + lines[own + 1 :])
 
 
 def _mark_reported(exception: BaseException, where: str) -> None:

@@ -70,3 +70,33 @@ def test_the_hook_wraps_once_per_process(hooks):
     other = _raised(KeyError("x"))
     _uncaught(other)
     assert hooks == [other]
+
+
+def _step():
+    raise ValueError("bad batch")
+
+
+def _handled():  # as Lightning's _call_and_handle_interrupt: the report runs inside the except
+    try:
+        _step()
+    except ValueError as err:
+        failure.report_and_abort(err, "stage 0 (rank 1)")
+        raise
+
+
+def _fit():  # as trainer.fit: a caller of the frame that caught the error
+    _handled()
+
+
+def test_the_report_prints_the_callers_of_the_frame_that_caught_the_error_as_the_interpreter_would(
+    hooks, capsys
+):
+    """The pointer stands in for the uncaught traceback, so the report holds its frames from the top (the
+    script's line that called ``fit``), not only those from the frame that caught the error."""
+    with pytest.raises(ValueError, match="bad batch"):
+        _fit()
+    report = capsys.readouterr().err
+    assert report.count("Traceback (most recent call last)") == 1
+    here = report.index("in test_the_report_prints_the_callers")
+    assert here < report.index("in _fit") < report.index("in _handled") < report.index("in _step"), report
+    assert report.rstrip().endswith("ValueError: bad batch")
