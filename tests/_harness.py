@@ -7,6 +7,7 @@ the test fails with the job's output.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -44,3 +45,15 @@ def check(result: tuple[int, str]) -> str:
     rc, out = result
     assert rc == 0, f"job failed with exit code {rc}:\n{out[-6000:]}"
     return out
+
+
+def traceback_ends(out: str) -> list[str]:
+    """The exception line that ends each ``Traceback (most recent call last):`` block of ``out`` (one
+    block per exception of a chain), without torch's ``[rankR]:`` prefix or the module of the
+    exception's type (``StageError: ...``): how many times each error's traceback was printed."""
+    lines = [re.sub(r"^\[rank\d+\]: ?", "", line) for line in out.splitlines()]
+    ends = []
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback (most recent call last)"):
+            ends += [later for later in lines[i + 1 :] if later and not later[0].isspace()][:1]
+    return [re.sub(r"^(?:\w+\.)+(?=\w+: )", "", end) for end in ends]

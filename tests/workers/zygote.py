@@ -20,7 +20,6 @@ import os
 import runpy
 import sys
 import threading
-import traceback
 
 import pytorch_lightning  # noqa: F401, I001
 import torch  # noqa: F401  (the point: imported once, before any fork)
@@ -53,8 +52,8 @@ def _child(proc: dict) -> int:
         else:
             print(stop.code, file=sys.stderr)
             code = 1
-    except BaseException:  # noqa: BLE001 - reported as the interpreter would
-        traceback.print_exc()
+    except BaseException:  # noqa: BLE001 - reported as the interpreter would: through sys.excepthook
+        sys.excepthook(*sys.exc_info())
         code = 1
     try:
         threading._shutdown()  # type: ignore[attr-defined] - as the interpreter's exit: threads, then exit hooks

@@ -349,7 +349,7 @@ def test_accumulation_scheduler_and_loop_limits_match_one_device(gpipe_job):
 def test_several_optimizers_fail_with_a_clear_error(tmp_path):
     import json
 
-    from tests._harness import run_script
+    from tests._harness import run_script, traceback_ends
 
     spec = {"kind": "mlp", "devices": 2, "runs": [{}], "out": str(tmp_path), "net": {"two_optimizers": True}}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -360,6 +360,11 @@ def test_several_optimizers_fail_with_a_clear_error(tmp_path):
     # every rank the same error, none torch's or Lightning's own
     assert "[lightning_gpipe] stage 0 (rank 1) failed: " + said in out, out[-3000:]
     assert "[lightning_gpipe] stage 1 (rank 0) failed: " + said in out, out[-3000:]
+    # each rank's traceback once (its report: 2 in all); where the error ends its process, one line naming it
+    ends = traceback_ends(out)
+    assert sum(end.startswith(said) for end in ends) == 2, ends
+    for stage, rank in ((0, 1), (1, 0)):
+        assert f"[lightning_gpipe] stage {stage} (rank {rank}) exits on the ValueError reported above" in out
 
 
 # about 20 s; clipping by value is elementwise within a stage, and the clipping hook runs in the

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests._harness import run_ranks, run_script
+from tests._harness import run_ranks, run_script, traceback_ends
 
 BOUND_S = 60.0
 
@@ -57,6 +57,12 @@ def test_rank_failure_exits_all_ranks(tmp_path, where, layer, stage, rank):
     # it ends the ranks it started at once and they print nothing)
     if rank != 0:
         assert out.index(f"injected failure in {where}") < out.index("stopped because another rank")
+    # the error's traceback once (the report: the original error, then the StageError naming it), and
+    # where the error ends the failing rank's process, one line naming the rank
+    ends = traceback_ends(out)
+    for error in (f"RuntimeError: injected failure in {where} call 11", f"StageError: stage {stage} ("):
+        assert sum(end.startswith(error) for end in ends) == 1, ends
+    assert f"[lightning_gpipe] stage {stage} (rank {rank}) exits on the StageError reported above" in out
 
 
 # about 50 s; a rank's failure ending every rank is checked by test_rank_failure_exits_all_ranks
