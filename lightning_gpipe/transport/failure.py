@@ -176,23 +176,27 @@ def point_at_reports() -> None:
 
 
 def excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-    """Print an uncaught exception as the hook it wraps does (:func:`point_at_reports`), except one whose
+    """Hand an uncaught exception to the hook it wraps (:func:`point_at_reports`), except one whose
     traceback :func:`report_and_abort` printed already: for that one, one line naming the rank and the
-    error's type, pointing at the report above.
+    error's type, pointing at the report above, in place of the interpreter's own print; a hook the user
+    installed gets it too (a crash logger records the error that ended the process).
 
     Args:
         kind, value, tb: as for :func:`sys.excepthook`.
     """
+    previous = _hook.get("previous", sys.__excepthook__)
     where = getattr(value, REPORTED, None)
-    if isinstance(where, str):
-        print(
-            f"[lightning_gpipe] {where} exits on the {kind.__name__} reported above (its traceback "
-            f'follows "[lightning_gpipe] {where} failed")',
-            file=sys.stderr,
-            flush=True,
-        )
+    if not isinstance(where, str):
+        previous(kind, value, tb)
         return
-    _hook.get("previous", sys.__excepthook__)(kind, value, tb)
+    print(
+        f"[lightning_gpipe] {where} exits on the {kind.__name__} reported above (its traceback "
+        f'follows "[lightning_gpipe] {where} failed")',
+        file=sys.stderr,
+        flush=True,
+    )
+    if previous is not sys.__excepthook__:
+        previous(kind, value, tb)
 
 
 def _said(exception: BaseException, limit: int = 600) -> str:

@@ -45,12 +45,30 @@ def test_an_exception_the_report_printed_ends_the_process_with_one_line_naming_t
             "[rank0]: [lightning_gpipe] stage 1 (rank 0) exits on the ValueError reported above "
             '(its traceback follows "[lightning_gpipe] stage 1 (rank 0) failed")\n'
         )
-        assert hooks == []
+        assert hooks == [own]  # the user's hook still sees the error that ends the process
         other = _raised(KeyError("x"))  # not reported: the hook wrapped prints it, as before
         _uncaught(other)
-        assert hooks == [other]
+        assert hooks == [own, other]
     finally:
         dist.destroy_process_group()
+
+
+def test_under_the_interpreters_own_hook_a_reported_exception_prints_only_the_pointer(
+    hooks, capsys, monkeypatch
+):
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
+    failure.point_at_reports()
+    own = _raised(ValueError("bad batch"))
+    failure.report_and_abort(own, "stage 0 (rank 1)")
+    capsys.readouterr()
+    _uncaught(own)
+    assert capsys.readouterr().err == (
+        "[lightning_gpipe] stage 0 (rank 1) exits on the ValueError reported above "
+        '(its traceback follows "[lightning_gpipe] stage 0 (rank 1) failed")\n'
+    )
+    other = _raised(KeyError("x"))
+    _uncaught(other)
+    assert capsys.readouterr().err.count("Traceback (most recent call last)") == 1
 
 
 def test_a_peers_consequence_is_not_marked_and_prints_in_full(hooks, monkeypatch):
