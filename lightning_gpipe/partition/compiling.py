@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_gpipe._compat import OptimizedModule, children, compile_like, compiled_module
+
 
 def check_compile(compile: Any) -> bool | dict[str, Any]:
     """Validate ``GPipeStrategy(compile=...)``: a bool or a dict of ``torch.compile`` arguments.
@@ -27,8 +29,49 @@ def stage_compiler(
     compile: bool | dict[str, Any], user_compile: Callable[[nn.Module], nn.Module] | None
 ) -> Callable[[nn.Module], nn.Module] | None:
     """How each stage's layers are compiled: ``compile=`` (``torch.compile`` with those arguments), else
-    like the user's compiled Sequential (:func:`.cut.uncompile`), else ``None`` (not compiled)."""
+    like the user's compiled Sequential (:func:`uncompile`), else ``None`` (not compiled)."""
     if compile:
         kwargs = compile if isinstance(compile, dict) else {}
         return lambda module: torch.compile(module, **kwargs)  # type: ignore[return-value]
     return user_compile
+
+
+def compiled_sequentials(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:
+    """Every ``torch.compile``-d ``nn.Sequential`` inside ``module``: ``(parent, attribute, compiled)``.
+
+    ``model.net = torch.compile(model.net)`` puts an ``OptimizedModule`` in the model whose
+    ``forward`` runs the original Sequential's code: the pipeline must cut and replace that
+    Sequential (see :func:`uncompile`) and compile each stage instead.
+    """
+    found: list[tuple[nn.Module, str, Any]] = []
+    for parent in module.modules():
+        for attr, child in children(parent).items():
+            if isinstance(child, OptimizedModule) and isinstance(compiled_module(child), nn.Sequential):
+                found.append((parent, attr, child))
+    return found
+
+
+def uncompile(
+    module: nn.Module,
+) -> tuple[list[tuple[nn.Module, str, Any]], Callable[[nn.Module], nn.Module] | None]:
+    """Put each compiled ``nn.Sequential`` of ``module`` back in place of its ``OptimizedModule``.
+
+    Returns:
+        ``(undone, compile)``: what was replaced, to put back with :func:`recompile`, and a
+        function that compiles a module with the same ``torch.compile`` settings (backend, mode,
+        dynamic, fullgraph, options: the user's own compile context), or ``None`` when nothing was
+        compiled.
+    """
+    undone = compiled_sequentials(module)
+    for parent, attr, compiled in undone:
+        children(parent)[attr] = compiled_module(compiled)
+    if not undone:
+        return [], None
+    first = undone[0][2]
+    return undone, lambda m: compile_like(first, m)
+
+
+def recompile(undone: list[tuple[nn.Module, str, Any]]) -> None:
+    """Undo :func:`uncompile`: the user's ``OptimizedModule`` wrappers back in place (after fit)."""
+    for parent, attr, compiled in undone:
+        children(parent)[attr] = compiled

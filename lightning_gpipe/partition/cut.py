@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_gpipe._compat import (
-    OptimizedModule,
-    children,
-    compile_like,
-    compiled_module,
-    register_state_dict_hook,
-)
+from lightning_gpipe._compat import children, register_state_dict_hook
 from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.batchnorm import defer_batch_norms, restore_batch_norms
 from lightning_gpipe.engine.skip import routes
@@ -113,11 +107,11 @@ def check_cut(model: Any, name: str, seq: Any, balance: Any, stages: int, v: int
         )
     parts = stages * v
     if isinstance(balance, list):
-        check_stages(len(seq), len(balance))
+        check_stages(len(seq), len(balance) if v == 1 else stages)  # v > 1: check_balance names the parts
         balance = check_balance(balance, len(seq), parts, v, getattr(seq, "described", None))
         check_tied_parameters(seq, balance, stages)
     else:
-        check_stages(len(seq), parts)
+        check_stages(len(seq), stages, v)
         balance = uniform_balance(len(seq), parts)
     return name, seq, balance
 
@@ -138,13 +132,28 @@ def _sequential_names(module: nn.Module) -> str:
     return ", ".join(repr(n) for n, m in module.named_modules() if isinstance(m, nn.Sequential) and n)
 
 
-def check_stages(num_layers: int, stages: int) -> None:
+def check_stages(num_layers: int, stages: int, virtual_stages: int = 1) -> None:
+    """Raise unless ``num_layers`` layers fill ``stages × virtual_stages`` parts of one layer or more.
+
+    Raises:
+        PartitionError: more stages than layers (the fix: fewer processes), or, with virtual stages,
+            more parts than layers (the fix: the virtual stages that fit, or one part per stage).
+    """
     if stages < 1:
         raise PartitionError(f"stages must be an integer >= 1 (stages: {stages!r})")
     if stages > num_layers:
         raise PartitionError(
             f"more pipeline stages than layers (stages: {stages}, layers: {num_layers}); "
             "use fewer processes (devices × num_nodes / data-parallel size) or a deeper nn.Sequential"
+        )
+    parts = stages * virtual_stages
+    if parts > num_layers:
+        fits = num_layers // stages
+        fix = f"virtual_stages={fits}" if fits >= 2 else "schedule='1f1b' (one part per stage)"
+        raise PartitionError(
+            f"more parts than layers: schedule='interleaved_1f1b' cuts the nn.Sequential into stages × "
+            f"virtual stages = {stages} × {virtual_stages} = {parts} parts of one layer or more, and it has "
+            f"{num_layers} layers; use {fix}, or a deeper nn.Sequential"
         )
 
 
@@ -281,47 +290,6 @@ def check_tied_parameters(
             "forward (e.g. BatchNorm running statistics) cannot stay equal on the others, so keep the layers "
             "sharing it on one stage (choose a balance that does) or give each its own buffer"
         )
-
-
-def compiled_sequentials(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:
-    """Every ``torch.compile``-d ``nn.Sequential`` inside ``module``: ``(parent, attribute, compiled)``.
-
-    ``model.net = torch.compile(model.net)`` puts an ``OptimizedModule`` in the model whose
-    ``forward`` runs the original Sequential's code: the pipeline must cut and replace that
-    Sequential (see :func:`uncompile`) and compile each stage instead.
-    """
-    found: list[tuple[nn.Module, str, Any]] = []
-    for parent in module.modules():
-        for attr, child in children(parent).items():
-            if isinstance(child, OptimizedModule) and isinstance(compiled_module(child), nn.Sequential):
-                found.append((parent, attr, child))
-    return found
-
-
-def uncompile(
-    module: nn.Module,
-) -> tuple[list[tuple[nn.Module, str, Any]], Callable[[nn.Module], nn.Module] | None]:
-    """Put each compiled ``nn.Sequential`` of ``module`` back in place of its ``OptimizedModule``.
-
-    Returns:
-        ``(undone, compile)``: what was replaced, to put back with :func:`recompile`, and a
-        function that compiles a module with the same ``torch.compile`` settings (backend, mode,
-        dynamic, fullgraph, options: the user's own compile context), or ``None`` when nothing was
-        compiled.
-    """
-    undone = compiled_sequentials(module)
-    for parent, attr, compiled in undone:
-        children(parent)[attr] = compiled_module(compiled)
-    if not undone:
-        return [], None
-    first = undone[0][2]
-    return undone, lambda m: compile_like(first, m)
-
-
-def recompile(undone: list[tuple[nn.Module, str, Any]]) -> None:
-    """Undo :func:`uncompile`: the user's ``OptimizedModule`` wrappers back in place (after fit)."""
-    for parent, attr, compiled in undone:
-        children(parent)[attr] = compiled
 
 
 def placement(sequential: nn.Sequential, balance: Sequence[int], ranks: Sequence[int]) -> str:

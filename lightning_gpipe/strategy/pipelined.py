@@ -31,10 +31,9 @@ from lightning_gpipe._lightning import distributed_is_initialized
 from lightning_gpipe.engine.recompute import check_mode
 from lightning_gpipe.engine.stage import PipelineStage, PipelineUsageError
 from lightning_gpipe.errors import check_count
+from lightning_gpipe.partition import compiling, lazy, plan, tied
 from lightning_gpipe.partition import cut as partition
-from lightning_gpipe.partition import lazy, plan, tied
 from lightning_gpipe.partition.build import build_stage
-from lightning_gpipe.partition.compiling import stage_compiler
 from lightning_gpipe.partition.plan import check_plan
 from lightning_gpipe.partition.plan_chain import PlanChain, Step
 from lightning_gpipe.partition.plan_forward import PlanForward
@@ -138,7 +137,7 @@ class Pipelined:
         holds lazy layers not yet called (:func:`.partition.lazy.check_initialized`).
 
         A ``torch.compile``-d Sequential is replaced by the Sequential itself first
-        (:func:`.partition.uncompile`); each stage is compiled with the user's settings instead.
+        (:func:`.compiling.uncompile`); each stage is compiled with the user's settings instead.
         With ``virtual_stages`` v > 1 it is cut into ``stages × v`` parts, and a skip connection
         between two parts is refused (:func:`.partition.check_skips_within_parts`). With ``spec.plan``
         the model's named parts are cut instead (:func:`lightning_gpipe.partition.plan.check_model`).
@@ -147,7 +146,7 @@ class Pipelined:
         lazy.check_initialized(model)  # a lazy layer's parameters have no shape yet
         v = spec.virtual_stages
         check_virtual_stages(spec.schedule, v, stages)  # interleaving needs two or more stages
-        undone, user_compile = partition.uncompile(model)
+        undone, user_compile = compiling.uncompile(model)
         if undone:
             self._uncompiled += undone
             self._user_compile = user_compile
@@ -215,7 +214,7 @@ class Pipelined:
             self.installed = plan.install(seq, stage, PlanForward(seq, stage), deferred_batch_norm)
         else:
             self.installed = partition.install(model, name, stage, deferred_batch_norm=deferred_batch_norm)
-        stage_compile = stage_compiler(compile, self._user_compile)
+        stage_compile = compiling.stage_compiler(compile, self._user_compile)
         if stage_compile is not None:
             stage.compile(stage_compile)
         self.stage, self.index, self.stages = stage, layout.stage_of(rank), layout.stages
@@ -286,7 +285,7 @@ class Pipelined:
             plan.uninstall(self.installed, full)
         else:
             partition.uninstall(self.installed, full)
-        partition.recompile(self._uncompiled)
+        compiling.recompile(self._uncompiled)
         self.installed, self.stage, self._uncompiled = None, None, []
 
     def refuse_batch_norm(self, chunks: int, mode: str) -> None:

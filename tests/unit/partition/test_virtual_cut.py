@@ -84,8 +84,14 @@ def test_check_model_balances_over_stages_times_virtual_stages():
         PartitionError, match=r"balance has 2 entries but the pipeline has 4 parts \(2 stages × 2"
     ):
         check_model(model, None, [4, 4], 2, 2)
-    with pytest.raises(PartitionError, match=r"more pipeline stages than layers \(stages: 10, layers: 8\)"):
+    with pytest.raises(PartitionError, match=r"5 × 2 = 10 parts .*8 layers; use schedule='1f1b'"):
         check_model(model, None, None, 5, 2)
+    with pytest.raises(PartitionError, match=r"more pipeline stages than layers \(stages: 9, layers: 8\)"):
+        check_model(model, None, None, 9, 2)
+    with pytest.raises(PartitionError, match=r"2 × 5 = 10 parts .*8 layers; use virtual_stages=4,"):
+        check_model(model, None, None, 2, 5)
+    with pytest.raises(PartitionError, match=r"balance has 5 entries but the pipeline has 4 parts"):
+        check_model(model, None, [1, 1, 2, 2, 2], 2, 2)
     assert check_balance_spec([2, 2, 2, 2], 2, 2) == [2, 2, 2, 2]
     with pytest.raises(
         ValueError, match=r"balance has 2 entries but the pipeline has 2 stages × 2 virtual stages"

@@ -7,7 +7,7 @@ from tests.models import Net
 
 
 def test_uncompile_finds_the_users_compiled_sequential_and_its_settings():
-    from lightning_gpipe.partition.cut import compiled_sequentials, uncompile
+    from lightning_gpipe.partition.compiling import compiled_sequentials, uncompile
 
     model = Net("mlp", compile_layers={"backend": "aot_eager", "dynamic": False})
     compiled = model.layers

@@ -184,6 +184,19 @@ def test_more_stages_than_layers_raise_before_spawn():
     assert "more pipeline stages than layers (stages: 6, layers: 5)" in message
 
 
+@pytest.mark.parametrize(
+    ("v", "fix"), [(3, "virtual_stages=2"), (None, "schedule='1f1b' (one part per stage)")]
+)
+def test_more_parts_than_layers_name_the_virtual_stages_that_fit_before_spawn(v, fix):
+    """Interleaving cuts K·v parts: the message counts the parts, not the processes, and names the fix."""
+    mlp = Net("mlp")  # 5 layers
+    mlp.layers = mlp.layers[:3] if v is None else mlp.layers  # 3 layers: 2 × 2 parts do not fit
+    message = _fit_before_spawn(mlp, schedule="interleaved_1f1b", virtual_stages=v)
+    parts = "2 × 2 = 4 parts" if v is None else "2 × 3 = 6 parts"
+    assert f"stages × virtual stages = {parts} of one layer or more, and it has" in message
+    assert f"; use {fix}, or a deeper nn.Sequential" in message
+
+
 def test_balance_sum_mismatch_raises_before_spawn():
     message = _fit_before_spawn(Net("mlp"), balance=[2, 2])
     assert (
