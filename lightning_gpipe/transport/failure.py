@@ -104,10 +104,11 @@ def report_and_abort(exception: BaseException, where: str) -> None:
         where: e.g. ``"stage 1 (rank 1)"``.
     """
     if not is_peer_loss(exception):
-        # the tag first, then the traceback: the other ranks may end this process before it exits
-        trace = _whole_traceback(exception)
+        # the tag first, then the traceback: the other ranks may end this process before it exits;
+        # a SystemExit (sys.exit(3) in a callback) has none to show, as Python prints none
+        trace = "" if isinstance(exception, SystemExit) else "\n" + _whole_traceback(exception)
         print(
-            f"[lightning_gpipe] {where} failed: {type(exception).__name__}: {exception}\n{trace}",
+            f"[lightning_gpipe] {where} failed: {type(exception).__name__}: {exception}{trace}",
             file=sys.stderr,
             flush=True,
         )

@@ -118,3 +118,15 @@ def test_the_report_prints_the_callers_of_the_frame_that_caught_the_error_as_the
     here = report.index("in test_the_report_prints_the_callers")
     assert here < report.index("in _fit") < report.index("in _handled") < report.index("in _step"), report
     assert report.rstrip().endswith("ValueError: bad batch")
+
+
+def test_a_system_exit_is_reported_in_one_line_without_a_traceback(hooks, capsys, monkeypatch):
+    """``sys.exit(3)`` in a callback: the rank still leaves naming why, but prints no traceback, as Python
+    prints none for it; any other error keeps its traceback."""
+    left = []
+    monkeypatch.setattr(liveness, "leave", left.append)
+    failure.report_and_abort(_raised(SystemExit(3)), "stage 1 (rank 0)")
+    assert capsys.readouterr().err == "[lightning_gpipe] stage 1 (rank 0) failed: SystemExit: 3\n"
+    assert left == ["stage 1 (rank 0) failed: SystemExit: 3"]
+    failure.report_and_abort(_raised(ValueError("bad")), "stage 1 (rank 0)")
+    assert capsys.readouterr().err.count("Traceback (most recent call last)") == 1
