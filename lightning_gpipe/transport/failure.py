@@ -128,7 +128,7 @@ def report_and_abort(exception: BaseException, where: str) -> None:
         reason = f"another rank of the job failed ({note})"
     elif failed:
         reason = (
-            f"another rank of the job failed ({'; '.join(failed)}; its traceback is printed, tagged "
+            f"another rank of the job failed ({'; '.join(failed)}; its report is printed, tagged "
             "[lightning_gpipe], in that rank's output)"
         )
     else:

@@ -61,7 +61,7 @@ def test_a_rank_whose_connection_broke_names_the_rank_that_failed_and_its_error(
     assert time.monotonic() - start < 1.0  # no wait for heartbeats: the rank said why it left
     assert str(broken).startswith(
         "[lightning_gpipe] stage 1 (rank 0) stopped because another rank of the job failed (stage 0 "
-        "(rank 1) failed: KeyError: 'x'; its traceback is printed"
+        "(rank 1) failed: KeyError: 'x'; its report is printed"
     )
 
 
