@@ -21,7 +21,7 @@ import logging
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from types import FrameType
 from typing import Any
 
@@ -161,10 +161,8 @@ def _whole_traceback(exception: BaseException) -> str:
 
 def _mark_reported(exception: BaseException, where: str) -> None:
     """Mark ``exception`` as printed by the report of ``where`` (:func:`excepthook`)."""
-    try:
+    with suppress(AttributeError, TypeError):  # an exception type that takes no attributes: printed again
         setattr(exception, REPORTED, where)
-    except (AttributeError, TypeError):  # an exception type that takes no attributes: printed again
-        pass
 
 
 def point_at_reports() -> None:
