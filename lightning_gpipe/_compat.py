@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 from torch._C._autograd import _enable_record_function
+from torch._C._autograd import _profiler_enabled as profiler_enabled
 from torch._dynamo.eval_frame import OptimizedModule
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors
 from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors
@@ -45,6 +46,7 @@ __all__ = [
     "flatten_dense_tensors",
     "own_buffers",
     "own_parameters",
+    "profiler_enabled",
     "register_state_dict_hook",
     "scaler_device",
     "scaler_optimizer_state",

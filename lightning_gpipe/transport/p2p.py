@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_gpipe._compat import unrecorded
-from lightning_gpipe.transport import prefetch
+from lightning_gpipe.transport import ops, prefetch
 from lightning_gpipe.transport.structure import Structure
 from lightning_gpipe.transport.wire import HEADER_SLOTS, Meta, decode_header, decode_message, encode_message
 
@@ -154,7 +153,7 @@ class P2P:
         posted: list[tuple[dist.Work, Tensor]] = []
         try:
             for t, tag in laid:
-                posted.append((_post(t, dst, group, tag), t))
+                posted.append((ops.isend(t, dst, group, tag), t))
         finally:  # what was posted is waited for, even where a later post failed
             if posted and self.background:
                 self._waiter.put(posted)  # the waiter holds the tensors until the sends complete
@@ -172,8 +171,8 @@ class P2P:
         """
         if self.packed:
             queue, rooms = self._posted[src], self._rooms_from[src]
-            room = rooms.room(rooms.count + len(queue))
-            queue.append(prefetch.post(src, self._group(src, self._me()), room, self.device))
+            group = self._group(src, self._me())
+            queue.append(prefetch.post(src, group, rooms, rooms.count + len(queue), self.device))
 
     def recv(self, src: int) -> tuple[Meta, list[Tensor]]:
         """Receive one message from ``src``: the oldest posted (:meth:`post`), or one posted now.
@@ -200,14 +199,13 @@ class P2P:
 
     def _recv_now(self, src: int, group: Any) -> tuple[Meta, list[Tensor]]:
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=self.device)
-        _wait(dist.irecv(header, src, group=group))
+        ops.irecv(header, src, group).wait()
         meta = decode_header(header)
         tensors = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype, _ in meta.specs]
         if meta.blob:
             tensors.append(torch.empty(meta.blob, dtype=torch.uint8, device=self.device))
-        works = [dist.irecv(t, src, group=group) for t in tensors]
-        for w in works:
-            _wait(w)
+        for work in [ops.irecv(t, src, group) for t in tensors]:
+            work.wait()
         return decode_message(meta, tensors)
 
     def posted(self, src: int) -> int:
@@ -353,20 +351,6 @@ class _SendWaiter(_InOrder):
     def _handle(self, posted: list[tuple[dist.Work, Tensor]]) -> None:  # type: ignore[override]
         for work, _ in posted:
             work.wait()
-
-
-def _post(t: Tensor, dst: int, group: Any = None, tag: int = 0) -> dist.Work:
-    """``dist.isend(t, dst, group, tag)`` (``dst`` a global rank), with no profiler event
-    (:func:`lightning_gpipe._compat.unrecorded`)."""
-    with unrecorded():  # the send may complete after the profiler's next cycle began
-        work = dist.isend(t, dst, group=group, tag=tag)
-    assert work is not None
-    return work
-
-
-def _wait(work: dist.Work | None) -> None:
-    assert work is not None
-    work.wait()
 
 
 _BUSY: set[_InOrder] = set()  # send waiters with sends in hand

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gpipe.schedule import POSTED_AHEAD
-from lightning_gpipe.transport.wire import HEADER_SLOTS, Meta, decode_header, decode_message
+from lightning_gpipe.transport import ops
+from lightning_gpipe.transport.wire import HEADER_SLOTS, Meta, decode_header_bytes, decode_message
 
 __all__ = [
     "FIRST_ROOM",
@@ -72,6 +73,9 @@ class Rooms:
         self.count = 0  # messages sent (taken) so far
         # the rooms of messages count .. count + POSTED_AHEAD
         self._rooms: deque[int] = deque([FIRST_ROOM] * (POSTED_AHEAD + 1), maxlen=POSTED_AHEAD + 1)
+        # receiver: the shape, dtype and bytes of the last message taken whose payload was one tensor
+        # at least as large as its room (None after one of several tensors)
+        self.single: tuple[tuple[int, ...], torch.dtype, int] | None = None
 
     def room(self, m: int) -> int:
         """Message ``m``'s room in bytes.
@@ -117,7 +121,8 @@ def pack(tensors: Sequence[Tensor], room: int) -> tuple[Tensor, list[Tensor], in
 
     ``total`` is the payload's size in bytes, each tensor padded to 16 (:func:`payload_bytes`).
     Within ``room``, ``payload`` holds every tensor's bytes and ``overflow`` is empty: a single
-    tensor travels as it is (its own memory, no copy), several are copied into one uint8 buffer.
+    tensor travels as it is (its own memory and dtype, no copy: Gloo sends bytes), several are
+    copied into one uint8 buffer.
     Larger, ``payload`` is a 16-byte placeholder that takes the receive posted for it, and the
     tensors travel as ``overflow``, each a message of its own; both sides then keep ``max(room,
     total)`` for later payloads. Empty (``total`` 0), the placeholder travels alone.
@@ -129,13 +134,18 @@ def pack(tensors: Sequence[Tensor], room: int) -> tuple[Tensor, list[Tensor], in
     if total == 0:
         return _PLACEHOLDER, [], 0
     if len(tensors) == 1:
-        return tensors[0].reshape(-1).view(torch.uint8), [], total
+        return tensors[0], [], total
     buffer = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
     offset = 0
     for t, n in zip(tensors, sizes):
-        buffer[offset : offset + n] = t.reshape(-1).view(torch.uint8)
+        buffer[offset : offset + n] = _bytes(t)
         offset += _padded(n)
     return buffer, [], total
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """Contiguous ``t``'s memory as a flat uint8 tensor."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def unpack(buffer: Tensor, meta: Meta, copy: bool = False) -> list[Tensor]:
@@ -177,6 +187,7 @@ def parts(message: Sequence[Tensor], rooms: Rooms) -> list[tuple[Tensor, int]]:
     rooms.record(total)
     rest = [(t, OVERFLOW_TAG) for t in overflow]
     if room <= FRAMED_ROOM:  # one frame: copying a small payload costs less than a second transfer
+        payload = _bytes(payload)
         frame = torch.empty(HEADER_BYTES + payload.numel(), dtype=torch.uint8, device=header.device)
         frame[:HEADER_BYTES] = header.view(torch.uint8)
         frame[HEADER_BYTES:] = payload
@@ -195,17 +206,28 @@ class Posted:
     payload: Tensor
 
 
-def post(src: int, group: Any, room: int, device: torch.device) -> Posted:
-    """Post the receives of one message from global rank ``src`` on ``group`` whose room is ``room``
-    bytes: one frame's within :data:`FRAMED_ROOM`, else the header's and then the payload's."""
+def post(src: int, group: Any, rooms: Rooms, m: int, device: torch.device) -> Posted:
+    """Post the receives of message ``m`` from global rank ``src`` on ``group``, whose rooms are
+    ``rooms``: one frame's within :data:`FRAMED_ROOM`, else the header's and then the payload's.
+
+    Where the last message taken from ``src`` was one tensor that fills message ``m``'s room, the
+    payload is received into a tensor of its shape and dtype (:attr:`Rooms.single`), which
+    :func:`take` hands on as it is when the message is alike (the steady state: every micro-batch's
+    activation, every gradient).
+    """
+    room = rooms.room(m)
     if room <= FRAMED_ROOM:
         frame = torch.empty(HEADER_BYTES + room, dtype=torch.uint8, device=device)
-        work = _irecv(frame, src, group, PAYLOAD_TAG)
+        work = ops.irecv(frame, src, group, PAYLOAD_TAG)
         return Posted(None, frame[:HEADER_BYTES].view(torch.int64), work, frame[HEADER_BYTES:])
     header = torch.empty(HEADER_SLOTS, dtype=torch.int64, device=device)
-    payload = torch.empty(room, dtype=torch.uint8, device=device)
-    header_work = _irecv(header, src, group, HEADER_TAG)
-    return Posted(header_work, header, _irecv(payload, src, group, PAYLOAD_TAG), payload)
+    single = rooms.single
+    if single is not None and single[2] == room:
+        payload = torch.empty(single[0], dtype=single[1], device=device)
+    else:
+        payload = torch.empty(room, dtype=torch.uint8, device=device)
+    header_work = ops.irecv(header, src, group, HEADER_TAG)
+    return Posted(header_work, header, ops.irecv(payload, src, group, PAYLOAD_TAG), payload)
 
 
 def take(posted: Posted, rooms: Rooms, src: int, group: Any) -> tuple[Meta, list[Tensor]]:
@@ -218,20 +240,22 @@ def take(posted: Posted, rooms: Rooms, src: int, group: Any) -> tuple[Meta, list
     posted.payload_work.wait()  # a frame, or sent after the header on the same connection
     if posted.header_work is not None:
         posted.header_work.wait()
-    meta = decode_header(posted.header)
-    total, room = payload_bytes(meta), posted.payload.numel()
+    meta = decode_header_bytes(posted.header.numpy().tobytes())
+    payload, specs = posted.payload, meta.specs
+    total, room = payload_bytes(meta), payload.nbytes
     rooms.record(total)
+    single = len(specs) == 1 and not meta.blob
+    if not single:
+        rooms.single = None
+    elif total >= room:  # a shorter one leaves the steady state's shape in place
+        rooms.single = (specs[0][0], specs[0][1], total)
     if total > room:
-        device = posted.payload.device
+        device = payload.device
         tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in _specs(meta)]
-        for work in [_irecv(t, src, group, OVERFLOW_TAG) for t in tensors]:
+        for work in [ops.irecv(t, src, group, OVERFLOW_TAG) for t in tensors]:
             work.wait()
         return decode_message(meta, tensors)
+    if single and payload.shape == specs[0][0] and payload.dtype == specs[0][1]:
+        return meta, [payload]  # received as it was sent
     # a buffer sized for a larger earlier message is not held by a smaller one's tensors
-    return decode_message(meta, unpack(posted.payload, meta, copy=room - total > room // 8))
-
-
-def _irecv(t: Tensor, src: int, group: Any, tag: int) -> dist.Work:
-    work = dist.irecv(t, src, group=group, tag=tag)
-    assert work is not None
-    return work
+    return decode_message(meta, unpack(_bytes(payload), meta, copy=room - total > room // 8))

@@ -29,6 +29,7 @@ __all__ = [
     "Meta",
     "can_travel",
     "decode_header",
+    "decode_header_bytes",
     "decode_message",
     "decode_structure",
     "encode_header",
@@ -138,10 +139,10 @@ class Meta:
 
 def decode_header(header: Tensor) -> Meta:
     """Inverse of :func:`encode_header` (kept per header, as the headers are: :data:`_METAS`)."""
-    return _meta(header.cpu().numpy().tobytes())
+    return decode_header_bytes(header.cpu().numpy().tobytes())
 
 
-def _meta(raw: bytes) -> Meta:
+def decode_header_bytes(raw: bytes) -> Meta:
     """The :class:`Meta` of a header's bytes (native int64 slots), decoded once per header."""
     meta = _METAS.get(raw)
     if meta is None:

@@ -358,6 +358,13 @@ def test_TreeSpec():
     )
 
 
+def test_profiler_enabled():
+    assert not _compat.profiler_enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert _compat.profiler_enabled()
+    assert not _compat.profiler_enabled()
+
+
 def test_unrecorded():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         with _compat.unrecorded():

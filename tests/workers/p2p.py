@@ -100,7 +100,7 @@ elif mode == "lanes":
     p2p = P2P(torch.device("cpu"), lanes=lanes)
     names = {id(lanes.upward): "upward", id(lanes.downward): "downward", id(None): "default"}
     used: dict[str, list[str]] = {"posts": [], "receives": []}
-    post, irecv = comm._post, dist.irecv
+    post, irecv = comm.ops.isend, comm.ops.irecv
 
     def spy_post(t, dst, group=None, tag=0):
         used["posts"].append(names[id(group)])
@@ -108,9 +108,9 @@ elif mode == "lanes":
 
     def spy_irecv(t, src, group=None, tag=0):
         used["receives"].append(names[id(group)])
-        return irecv(t, src, group=group, tag=tag)
+        return irecv(t, src, group, tag)
 
-    comm._post, comm.dist.irecv = spy_post, spy_irecv
+    comm.ops.isend, comm.ops.irecv = spy_post, spy_irecv
     partner = rank ^ 1
     mine = [[torch.full((64, 32), float(10 * rank + k))] for k in range(3)]
     for m in mine:

@@ -56,8 +56,8 @@ def test_a_message_is_its_header_then_each_tensor_received_on_demand_on_cuda(mon
     when the stage asks, in order, whatever their sizes, dtypes and shapes; posting ahead does
     nothing."""
     wire = _Wire()
-    monkeypatch.setattr(comm, "_post", lambda t, dst, group=None, tag=0: wire.isend(t, dst))
-    monkeypatch.setattr(comm.dist, "irecv", wire.irecv)
+    monkeypatch.setattr(comm.ops, "isend", lambda t, dst, group=None, tag=0: wire.isend(t, dst))
+    monkeypatch.setattr(comm.ops, "irecv", wire.irecv)
     monkeypatch.setattr(comm.dist, "get_rank", lambda: 0)
     p2p = _unpacked(background=False)
     p2p.post(1)
@@ -159,7 +159,7 @@ def test_a_failed_post_is_raised_by_the_send_and_flush_still_waits_for_the_earli
             raise RuntimeError("peer gone")
         return header
 
-    monkeypatch.setattr(comm, "_post", post)
+    monkeypatch.setattr(comm.ops, "isend", post)
     with pytest.raises(RuntimeError, match="peer gone"):
         p2p.send([torch.randn(2, 2)], 1)  # posted in the calling thread
     assert p2p.sends_in_flight() == 1 + (fails == 1)
@@ -176,7 +176,7 @@ def test_a_message_that_cannot_travel_is_refused_by_the_send_itself(monkeypatch)
     waiting for the process group's timeout."""
     p2p, posted = _unpacked(), []
     monkeypatch.setattr(comm.dist, "get_rank", lambda: 0)
-    monkeypatch.setattr(comm, "_post", lambda t, dst, group, tag=0: posted.append(t.clone()) or _done())
+    monkeypatch.setattr(comm.ops, "isend", lambda t, dst, group, tag=0: posted.append(t.clone()) or _done())
     with pytest.raises(ValueError, match="cannot send a tensor of dtype torch.uint16"):
         p2p.send([torch.zeros(2, dtype=torch.uint16)], 1)
     p2p.send([torch.ones(3)], 1)

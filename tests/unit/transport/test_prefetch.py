@@ -65,10 +65,10 @@ def test_a_payload_of_one_dtype_arrives_as_tensors_on_its_buffer_unless_copied()
 )
 def test_one_tensor_travels_as_it_is_without_a_copy_when_it_is_contiguous(x):
     payload, overflow, total, meta, buffer = _packed_round_trip([x])
-    assert not overflow and payload.dtype == torch.uint8
+    assert not overflow and payload.dtype == x.dtype and payload.shape == x.shape  # Gloo sends bytes
     assert total == -(-x.numel() * x.element_size() // 16) * 16
     if x.is_contiguous():
-        assert payload.data_ptr() == x.data_ptr() and payload.numel() == x.numel() * x.element_size()
+        assert payload.data_ptr() == x.data_ptr()
     (received,) = unpack(buffer, meta)
     assert received.dtype == x.dtype and torch.equal(received, x)
 
@@ -159,8 +159,8 @@ class _Done:
 
 def _pair(monkeypatch) -> tuple[_Wire, P2P, P2P]:
     wire = _Wire()
-    monkeypatch.setattr(comm, "_post", wire.post)
-    monkeypatch.setattr(prefetch.dist, "irecv", wire.irecv)
+    monkeypatch.setattr(comm.ops, "isend", wire.post)
+    monkeypatch.setattr(prefetch.ops, "irecv", wire.irecv)
     sender, receiver = P2P(torch.device("cpu")), P2P(torch.device("cpu"))
     monkeypatch.setattr(sender, "_me", lambda: 0)
     monkeypatch.setattr(receiver, "_me", lambda: 1)
@@ -211,6 +211,42 @@ def test_a_frame_that_fills_its_room_is_taken_in_place_after_its_header(monkeypa
     assert wire.taken() == {prefetch.HEADER_TAG: 0, prefetch.PAYLOAD_TAG: 1, prefetch.OVERFLOW_TAG: 0}
 
 
+def test_a_message_like_the_last_one_taken_is_received_into_a_tensor_of_its_shape(monkeypatch):
+    """Where the last message from a source was one tensor filling the next one's room, its payload
+    is received into a tensor of that shape and dtype, handed on as it is when the message is alike;
+    one that differs (shorter, another dtype, several tensors) still arrives whole."""
+    wire, sender, receiver = _pair(monkeypatch)
+    big = prefetch.FRAMED_ROOM // 4 * 8  # floats: rooms past FRAMED_ROOM, header and payload apart
+    messages = [
+        [torch.randn(8, big // 8)],
+        [torch.randn(8, big // 8)],
+        [torch.randn(8, big // 8)],
+        [torch.randn(8, big // 8)],  # received into a float tensor of its shape
+        [torch.randn(5, big // 8)],  # shorter
+        [torch.randn(8, big // 8)],
+        [torch.arange(big, dtype=torch.int32).reshape(8, big // 8)],  # another dtype, the same bytes
+        [torch.randn(8, big // 8)],
+        [torch.randn(8, big // 8)],
+        [torch.randn(4, big // 8), torch.randn(3)],  # several tensors
+        [torch.randn(8, big // 8)],
+    ]
+    unpacked = []
+    monkeypatch.setattr(prefetch, "unpack", lambda *a, **k: unpacked.append(len(got)) or unpack(*a, **k))
+    for m in messages:
+        sender.send(m, 1)
+    got: list[list[Tensor]] = []
+    for _ in messages:
+        receiver.post(0)
+        got.append(receiver.recv(0)[1])
+    for tensors, m in zip(got, messages):
+        assert len(tensors) == len(m)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(tensors, m))
+    # made over their buffers: the shorter one, each change of dtype, the several tensors and the one after
+    assert unpacked == [4, 6, 7, 9, 10]
+    sizes = [n for tag, n in wire.posted if tag == prefetch.PAYLOAD_TAG]
+    assert sizes[3:] == [4 * big] * (len(messages) - 3)  # past the first rooms: a shorter message fits
+
+
 def test_a_failed_receive_drops_the_receives_still_posted_from_that_source(monkeypatch):
     wire, _, receiver = _pair(monkeypatch)
     receiver.post(3)
@@ -238,7 +274,7 @@ def test_a_failed_frame_post_is_raised_by_the_send_and_leaves_only_the_earlier_s
         tags.append(tag)
         raise RuntimeError("peer gone")
 
-    monkeypatch.setattr(comm, "_post", post)
+    monkeypatch.setattr(comm.ops, "isend", post)
     with pytest.raises(RuntimeError, match="peer gone"):
         p2p.send([torch.randn(2, 2)], 1)
     assert tags == [prefetch.PAYLOAD_TAG]  # one frame, no header apart
