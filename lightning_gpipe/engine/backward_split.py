@@ -63,16 +63,22 @@ from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node
 from torch.nn.modules import module as _module
 
-__all__ = ["Split", "splits"]
+__all__ = ["Split", "every_module", "splits"]
 
 
 def splits(modules: Sequence[nn.Module], recomputed: bool, compiled: bool = False) -> bool:
-    """Whether the backward of a micro-batch that ran through ``modules`` may be split: its forward
-    is not recomputed, the modules are not run as one compiled graph (``compiled``), and no module
-    carries a backward hook (nor is one registered for every module)."""
+    """Whether the backward of a micro-batch that ran through ``modules`` (every one, submodules
+    included: :func:`every_module`) may be split: its forward is not recomputed, the modules are not
+    run as one compiled graph (``compiled``), and no module carries a backward hook (nor is one
+    registered for every module)."""
     if recomputed or compiled or _module._global_backward_hooks or _module._global_backward_pre_hooks:
         return False
-    return not any(m._backward_hooks or m._backward_pre_hooks for layer in modules for m in layer.modules())
+    return not any(m._backward_hooks or m._backward_pre_hooks for m in modules)
+
+
+def every_module(layers: Sequence[nn.Module]) -> list[nn.Module]:
+    """``layers`` and all their submodules, in order (what :func:`splits` looks at)."""
+    return [m for layer in layers for m in layer.modules()]
 
 
 _REENTRANT = "CheckpointFunctionBackward"  # torch.utils.checkpoint(use_reentrant=True)'s node

@@ -366,14 +366,14 @@ class ColumnExecutor:
         sends = run.plan.sends[action]
         sent = [run.inputs[key] if t.skip is None else (run.skips_in[key][t.skip],) for t in sends]
         sources = [[x for x in xs if x.requires_grad] for xs in sent]  # per send, what its gradients are of
-        layers = self._virtual_modules(u)
         errors = partial(self._naming_errors, "backward", i, run.inputs[key])
         deferred = key in run.plan.deferred  # this column runs W i: B i is the input gradient only
         split_here = self.split_backward and (deferred or action == run.plan.input_first)
         wanted = split_here and bool(y_grad) and any(sources)
         if wanted:
             recomputed = recompute.recomputes(self.checkpoint_mode, i, run.chunks)
-            wanted = input_first.splits(layers, recomputed, compiled=self.compiled is not None)
+            modules, params = self._split_scope(run, u)
+            wanted = input_first.splits(modules, recomputed, compiled=self.compiled is not None)
         split = None
         if y_grad and deferred and not any(sources):  # nothing to send: the whole backward at W i
             run.weights[key] = ("backward", partial(torch.autograd.backward, y_grad, dy))
@@ -381,7 +381,6 @@ class ColumnExecutor:
             self._weigh(run, i)
             with self._span("backward", i, u), errors():
                 if wanted:  # the input gradients leave before the weight gradients are computed
-                    params = [p for layer in layers for p in layer.parameters()]
                     split = input_first.Split.of(y_grad, [x for xs in sources for x in xs], params)
                 if split is not None:
                     flat = list(split.inputs(dy))
@@ -400,6 +399,15 @@ class ColumnExecutor:
             self._weights("weights", split.weights, i, u, errors)
         run.inputs[key] = run.outputs[key] = ()  # free this micro-batch
         run.skips_in[key] = run.skips_out[key] = {}
+
+    def _split_scope(self, run: StepRun, u: int) -> tuple[list[nn.Module], list[Tensor]]:
+        """Virtual stage ``u``'s modules (submodules included) and parameters, listed once a step."""
+        scope = run.split_scopes.get(u)
+        if scope is None:
+            layers = self._virtual_modules(u)
+            scope = input_first.every_module(layers), [p for layer in layers for p in layer.parameters()]
+            run.split_scopes[u] = scope
+        return scope
 
     def _weights_one(self, action: Action, run: StepRun) -> None:
         """``W i`` (``schedule="zb_h1"``): the weight gradients of micro-batch ``i``, whose ``B i``

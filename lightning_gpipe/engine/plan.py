@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_gpipe import schedule
 from lightning_gpipe.engine.microbatch import Structure
@@ -210,6 +210,9 @@ class StepRun:
     # in the order the peer takes them (taking_order); sends wait in outbox until their turn (release)
     order: dict[int, list[tuple[str, int, int, str | None]]] = field(default_factory=dict)
     outbox: dict[int, dict[tuple[str, int, int, str | None], Any]] = field(default_factory=dict)
+    # per virtual stage: its modules (submodules included) and parameters, listed at the step's first
+    # backward that may be split (lightning_gpipe.engine.backward_split)
+    split_scopes: dict[int, tuple[list[nn.Module], list[Tensor]]] = field(default_factory=dict)
 
     @property
     def column(self) -> tuple[Step, ...]:

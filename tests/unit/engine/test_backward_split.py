@@ -58,14 +58,15 @@ def test_two_passes_give_the_single_backward_gradients_bit_for_bit():
 
 
 def test_a_recomputed_forward_a_compiled_stage_or_a_backward_hook_keeps_one_backward():
-    layers = [nn.Sequential(nn.Linear(2, 2), nn.Tanh()), nn.Linear(2, 2)]
+    layers = input_first.every_module([nn.Sequential(nn.Linear(2, 2), nn.Tanh()), nn.Linear(2, 2)])
+    assert len(layers) == 4  # the Sequential, its two layers and the last Linear
     assert input_first.splits(layers, recomputed=False)
     assert not input_first.splits(layers, recomputed=True)
     assert not input_first.splits(layers, recomputed=False, compiled=True)  # one node: both gradients at once
-    handle = layers[0][1].register_full_backward_hook(lambda *args: None)  # on a module inside a layer
+    handle = layers[2].register_full_backward_hook(lambda *args: None)  # on a module inside a layer
     assert not input_first.splits(layers, recomputed=False)
     handle.remove()
-    handle = layers[1].register_full_backward_pre_hook(lambda *args: None)
+    handle = layers[3].register_full_backward_pre_hook(lambda *args: None)
     assert not input_first.splits(layers, recomputed=False)
     handle.remove()
     handle = nn.modules.module.register_module_full_backward_hook(lambda *args: None)  # every module
