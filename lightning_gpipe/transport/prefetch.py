@@ -73,8 +73,9 @@ class Rooms:
         self.count = 0  # messages sent (taken) so far
         # the rooms of messages count .. count + POSTED_AHEAD
         self._rooms: deque[int] = deque([FIRST_ROOM] * (POSTED_AHEAD + 1), maxlen=POSTED_AHEAD + 1)
-        # receiver: the shape, dtype and bytes of the last message taken whose payload was one tensor
-        # at least as large as its room (None after one of several tensors)
+        # receiver: the shape, dtype and bytes (unpadded) of the last message taken whose payload was
+        # one tensor at least as large as its room (None after one of several tensors); post receives
+        # into a tensor of that shape only where its bytes are the room's, exactly
         self.single: tuple[tuple[int, ...], torch.dtype, int] | None = None
 
     def room(self, m: int) -> int:
@@ -248,7 +249,8 @@ def take(posted: Posted, rooms: Rooms, src: int, group: Any) -> tuple[Meta, list
     if not single:
         rooms.single = None
     elif total >= room:  # a shorter one leaves the steady state's shape in place
-        rooms.single = (specs[0][0], specs[0][1], total)
+        shape, dtype, _ = specs[0]
+        rooms.single = (shape, dtype, math.prod(shape) * dtype.itemsize)  # its bytes, unpadded
     if total > room:
         device = payload.device
         tensors = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in _specs(meta)]

@@ -247,6 +247,31 @@ def test_a_message_like_the_last_one_taken_is_received_into_a_tensor_of_its_shap
     assert sizes[3:] == [4 * big] * (len(messages) - 3)  # past the first rooms: a shorter message fits
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda k: torch.full((prefetch.FRAMED_ROOM // 4 + 1,), float(k)),  # 4 bytes past a multiple of 16
+        lambda k: torch.full((prefetch.FRAMED_ROOM // 8 + 1,), float(k), dtype=torch.float64),
+        lambda k: torch.arange(prefetch.FRAMED_ROOM + 3) % (k + 2) == 0,  # bool, 3 bytes past
+    ],
+)
+def test_a_payload_whose_bytes_are_not_a_multiple_of_16_arrives_repeatedly(monkeypatch, make):
+    """The room counts a payload padded to 16 bytes: a tensor whose own bytes fall short of its
+    room is not received into a tensor of its shape, and each repeat arrives whole (none waits
+    for an overflow the sender never sends)."""
+    wire, sender, receiver = _pair(monkeypatch)
+    messages = [[make(k)] for k in range(8)] + [[make(8), torch.arange(3)], [make(9)]]
+    for m in messages:
+        sender.send(m, 1)
+    for m in messages:
+        receiver.post(0)
+        tensors = receiver.recv(0)[1]
+        assert len(tensors) == len(m) and all(
+            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(tensors, m)
+        )
+    assert wire.taken() == {tag: len(sent) for tag, sent in wire.sent.items()}
+
+
 def test_a_failed_receive_drops_the_receives_still_posted_from_that_source(monkeypatch):
     wire, _, receiver = _pair(monkeypatch)
     receiver.post(3)
