@@ -429,8 +429,9 @@ class ColumnExecutor:
 
 
 def _as_inputs(meta: Meta, received: list[Tensor], train: bool) -> tuple[Tensor, ...]:
-    """Received activations: floating tensors the sender tracks gradients for get ``requires_grad``."""
+    """Received activations: floating and complex tensors the sender tracks gradients for get
+    ``requires_grad``."""
     return tuple(
-        t.requires_grad_(train and rg and t.is_floating_point())
+        t.requires_grad_(train and rg and (t.is_floating_point() or t.is_complex()))
         for t, (_, _, rg) in zip(received, meta.specs)
     )

@@ -206,6 +206,34 @@ def test_tuple_boundaries_with_long_ids_and_bool_mask(k, schedule, checkpoint):
     assert not torch.equal(seq[2].emb.weight, embedding)
 
 
+class _ToComplex(nn.Module):
+    """(N, 2d) real to (N, d) complex."""
+
+    def forward(self, h):
+        return torch.complex(h[:, ::2], h[:, 1::2])
+
+
+class _FromComplex(nn.Module):
+    def forward(self, z):
+        return (z * z.conj()).real + z.real
+
+
+@pytest.mark.parametrize(("k", "schedule"), [*CASES, (2, "interleaved_1f1b")])
+def test_complex_activations_between_stages(k, schedule):
+    """A complex activation crosses a boundary (and carries its gradient back): every gradient
+    equals one device's."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(
+        nn.Linear(6, 16), _ToComplex(), _FromComplex(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)
+    )
+    balance = {2: [2, 4], 3: [2, 2, 2]}[k] if schedule != "interleaved_1f1b" else [2, 1, 2, 1]
+    v = 2 if schedule == "interleaved_1f1b" else 1
+    stages = _stages(seq, k, 4, "never", schedule, v, balance)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(10, 6, generator=g), torch.randn(10, 3, generator=g)) for _ in range(2)]
+    _check_steps(seq, stages, batches, F.mse_loss, schedule, 4)
+
+
 def _pytree_loss(out, y):
     """Uses the per-sample output and the replicated tables handed back; checks the constants."""
     assert out["scale"] == 0.5 and out["note"] is None and out["y"].shape == y.shape
