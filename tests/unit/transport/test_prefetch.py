@@ -167,6 +167,18 @@ def _pair(monkeypatch) -> tuple[_Wire, P2P, P2P]:
     return wire, sender, receiver
 
 
+def _send_and_take(sender: P2P, receiver: P2P, messages: list[list[Tensor]], got: list[list[Tensor]]) -> None:
+    """``sender`` sends every message to rank 1; ``receiver`` posts and takes them one at a time into
+    ``got`` (appended as each arrives), each equal to what was sent, dtypes included."""
+    for m in messages:
+        sender.send(m, 1)
+    for m in messages:
+        receiver.post(0)
+        got.append(receiver.recv(0)[1])
+        assert len(got[-1]) == len(m)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got[-1], m))
+
+
 def test_receives_posted_ahead_take_messages_whose_size_grows_and_shrinks(monkeypatch):
     """Receives posted up to POSTED_AHEAD messages ahead, each payload's into the room both sides
     derive from the messages before (:class:`prefetch.Rooms`), take every message in order: none is
@@ -232,15 +244,8 @@ def test_a_message_like_the_last_one_taken_is_received_into_a_tensor_of_its_shap
     ]
     unpacked = []
     monkeypatch.setattr(prefetch, "unpack", lambda *a, **k: unpacked.append(len(got)) or unpack(*a, **k))
-    for m in messages:
-        sender.send(m, 1)
     got: list[list[Tensor]] = []
-    for _ in messages:
-        receiver.post(0)
-        got.append(receiver.recv(0)[1])
-    for tensors, m in zip(got, messages):
-        assert len(tensors) == len(m)
-        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(tensors, m))
+    _send_and_take(sender, receiver, messages, got)
     # made over their buffers: the shorter one, each change of dtype, the several tensors and the one after
     assert unpacked == [4, 6, 7, 9, 10]
     sizes = [n for tag, n in wire.posted if tag == prefetch.PAYLOAD_TAG]
@@ -261,14 +266,7 @@ def test_a_payload_whose_bytes_are_not_a_multiple_of_16_arrives_repeatedly(monke
     for an overflow the sender never sends)."""
     wire, sender, receiver = _pair(monkeypatch)
     messages = [[make(k)] for k in range(8)] + [[make(8), torch.arange(3)], [make(9)]]
-    for m in messages:
-        sender.send(m, 1)
-    for m in messages:
-        receiver.post(0)
-        tensors = receiver.recv(0)[1]
-        assert len(tensors) == len(m) and all(
-            a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(tensors, m)
-        )
+    _send_and_take(sender, receiver, messages, [])
     assert wire.taken() == {tag: len(sent) for tag, sent in wire.sent.items()}
 
 
