@@ -44,6 +44,8 @@ from lightning_gpipe.transport.wire import Meta
 
 __all__ = ["ColumnExecutor"]
 
+_NO_SPAN = nullcontext()  # reusable: what a span is without a timeline
+
 
 class ColumnExecutor:
     """Runs one stage's schedule column over a :class:`~lightning_gpipe.engine.plan.StepRun`.
@@ -106,7 +108,7 @@ class ColumnExecutor:
     def _span(self, kind: str, i: int, u: int = 0) -> Any:
         """Record ``kind`` (forward, recompute, backward, send, recv) of micro-batch ``i`` on virtual
         stage ``u`` on the timeline."""
-        return self.timeline.span(kind, i, u) if self.timeline is not None else nullcontext()
+        return self.timeline.span(kind, i, u) if self.timeline is not None else _NO_SPAN
 
     def local_forward(self, input: Any, store: MicroBatchStore | None = None, virtual_stage: int = 0) -> Any:
         """Virtual stage ``virtual_stage``'s layers (all of this stage's without virtual stages) applied

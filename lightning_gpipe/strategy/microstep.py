@@ -52,6 +52,7 @@ call that does not call the pipelined Sequential while others do.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -335,6 +336,12 @@ def _kept(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, Tensor) else value
 
 
+@functools.cache
+def _log_signature(log: Callable[..., Any]) -> inspect.Signature:
+    """The signature of a ``LightningModule.log`` (per function: a step's recorder binds each call)."""
+    return inspect.signature(log)
+
+
 class _LogRecorder:
     """Within: the module's ``log`` records ``(micro-batch, value, options)`` per name; :meth:`replay`
     then logs each name once with its combined value."""
@@ -351,7 +358,7 @@ class _LogRecorder:
     def __init__(self, module: Any, metrics: Sequence[Any] = ()) -> None:
         self.module = module
         self.metrics = list(metrics)  # a value one of their forwards returned is logged as their batch value
-        self.signature = inspect.signature(type(module).log)
+        self.signature = _log_signature(type(module).log)
         self.records: dict[str, list[tuple[int, Any, dict[str, Any]]]] = {}
         self.micro_batch = 0
         self._prior: Any = _MISSING
