@@ -1,4 +1,11 @@
-"""How each stage is compiled: ``GPipeStrategy(compile=...)`` or the user's own ``torch.compile``."""
+"""How each stage is compiled: ``GPipeStrategy(compile=...)`` or the user's own ``torch.compile``.
+
+A ``torch.compile``-d ``nn.Sequential`` is an ``OptimizedModule`` whose ``_orig_mod`` child is the
+Sequential, so the model names its parameters ``layers._orig_mod.0.weight``. During ``fit`` an
+:class:`Uncompiled` stands in for the wrapper: the Sequential (then the stage in its place) stays its
+``_orig_mod`` child, so every name the strategy writes or reads (checkpoints, optimizer states, the
+whole model's parameters) is the one the model has on one device, with no translation.
+"""
 
 from __future__ import annotations
 
@@ -51,10 +58,38 @@ def compiled_sequentials(module: nn.Module) -> list[tuple[nn.Module, str, Any]]:
     return found
 
 
+class Uncompiled(nn.Module):
+    """The user's ``torch.compile`` wrapper of a module, during ``fit``, without the compiling: its
+    ``_orig_mod`` child is the module (or the stage in its place), called as it is.
+
+    Like ``OptimizedModule`` it passes ``len()`` and the attributes it lacks on to ``_orig_mod``.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._orig_mod(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._orig_mod)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = self.__dict__.get("_modules", {}).get("_orig_mod")  # absent while a copy is built
+            if inner is None:
+                raise
+            return getattr(inner, name)
+
+
 def uncompile(
     module: nn.Module,
 ) -> tuple[list[tuple[nn.Module, str, Any]], Callable[[nn.Module], nn.Module] | None]:
-    """Put each compiled ``nn.Sequential`` of ``module`` back in place of its ``OptimizedModule``.
+    """Put an :class:`Uncompiled` holding each compiled ``nn.Sequential`` of ``module`` in place of its
+    ``OptimizedModule`` (the Sequential is then at ``<name>._orig_mod``, as the model names it).
 
     Returns:
         ``(undone, compile)``: what was replaced, to put back with :func:`recompile`, and a
@@ -64,7 +99,7 @@ def uncompile(
     """
     undone = compiled_sequentials(module)
     for parent, attr, compiled in undone:
-        children(parent)[attr] = compiled_module(compiled)
+        children(parent)[attr] = Uncompiled(compiled_module(compiled))
     if not undone:
         return [], None
     first = undone[0][2]

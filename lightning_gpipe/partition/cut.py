@@ -15,6 +15,7 @@ from lightning_gpipe.balance import uniform_balance
 from lightning_gpipe.engine.batchnorm import defer_batch_norms, restore_batch_norms
 from lightning_gpipe.engine.skip import routes
 from lightning_gpipe.errors import PartitionError, listed
+from lightning_gpipe.partition.compiling import Uncompiled
 from lightning_gpipe.partition.tied import tied_buffers
 from lightning_gpipe.transport.layout import layer_parts
 
@@ -24,8 +25,9 @@ def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[
 
     Args:
         module: the LightningModule (or any module).
-        module_name: dotted attribute path of the Sequential (e.g. ``"model.layers"``); ``None``
-            picks the only ``nn.Sequential`` that holds every parameter of ``module``.
+        module_name: dotted attribute path of the Sequential (e.g. ``"model.layers"``; of a
+            ``torch.compile``-d one, its wrapper's or ``"model.layers._orig_mod"``); ``None`` picks
+            the only ``nn.Sequential`` that holds every parameter of ``module``.
 
     Returns:
         ``(name, sequential)``.
@@ -42,6 +44,8 @@ def find_sequential(module: nn.Module, module_name: str | None = None) -> tuple[
                 f"module_name={module_name!r} does not name a submodule of {type(module).__name__}; "
                 f"its nn.Sequential submodules are: {_sequential_names(module) or 'none'}"
             ) from err
+        if isinstance(found, Uncompiled):  # the user's compiled Sequential: named as the model names it
+            module_name, found = f"{module_name}._orig_mod", found._orig_mod
         if not isinstance(found, nn.Sequential):
             raise PartitionError(
                 f"module_name={module_name!r} names a {type(found).__name__}, not an nn.Sequential; "
