@@ -229,3 +229,19 @@ def micro_step(stage, batch, training_step, chunks=None, around_outcome=None):
     assert shared is not None, f"stage {stage.topology.stage} shared no loss"
     stage.backward()
     return shared
+
+
+class FakeSend:
+    """A send's work that completes when ``done`` is set (raising ``error``, if set)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.waited = False
+
+    def wait(self) -> bool:
+        self.waited = True
+        completed = self.done.wait(10)
+        if self.error is not None:
+            raise self.error
+        return completed

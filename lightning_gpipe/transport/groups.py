@@ -28,7 +28,8 @@ from torch import Tensor
 from lightning_gpipe.transport.arrival import arrive
 from lightning_gpipe.transport.layout import Layout
 from lightning_gpipe.transport.mesh import device_mesh
-from lightning_gpipe.transport.p2p import Lanes, close_lanes, join_sends
+from lightning_gpipe.transport.p2p import Lanes, close_lanes
+from lightning_gpipe.transport.send_waiter import join_sends
 
 __all__ = [
     "initialized",

@@ -15,7 +15,6 @@ one process group per direction.
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
@@ -26,10 +25,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_gpipe.transport import ops, prefetch
+from lightning_gpipe.transport.send_waiter import SendWaiter
 from lightning_gpipe.transport.structure import Structure
 from lightning_gpipe.transport.wire import HEADER_SLOTS, Meta, decode_header, decode_message, encode_message
 
-__all__ = ["LINGER_S", "Lanes", "P2P", "close_lanes", "join_sends", "waited_on"]
+__all__ = ["Lanes", "P2P", "close_lanes", "waited_on"]
 
 
 class Lanes:
@@ -103,9 +103,8 @@ class P2P:
     columns take (:func:`~lightning_gpipe.schedule.with_posts`, checked by
     :func:`~lightning_gpipe.schedule.validate`). On CUDA :meth:`post` does nothing.
 
-    The send waiter's thread outlives a phase: it waits up to :data:`LINGER_S` seconds for the next
-    send before it ends, so a step starts no thread (a thread's start costs the stage's thread a
-    scheduling round, on the critical path of a busy machine).
+    The send waiter's thread (:class:`~lightning_gpipe.transport.send_waiter.SendWaiter`) outlives a
+    phase: it lingers for the next send before it ends, so a step starts no thread.
 
     Args:
         device: where received tensors are allocated (the stage's device).
@@ -124,7 +123,7 @@ class P2P:
         self._rank: int | None = None  # this process's global rank, once a message needs it
         self.background = device.type == "cpu" if background is None else background
         self._pending: list[tuple[dist.Work, object]] = []
-        self._waiter = _SendWaiter()  # background: waits for the sends posted, in order
+        self._waiter = SendWaiter()  # background: waits for the sends posted, in order
         self.packed = device.type == "cpu"  # Gloo: transport.prefetch's layout, receives posted ahead
         self._rooms_to: dict[int, prefetch.Rooms] = defaultdict(prefetch.Rooms)  # per destination
         self._rooms_from: dict[int, prefetch.Rooms] = defaultdict(prefetch.Rooms)  # per source
@@ -250,130 +249,6 @@ class P2P:
         """Sends posted whose tensors are still held (not yet known to have completed): with
         background transport, messages; otherwise the transport's sends."""
         return len(self._pending) + self._waiter.held
-
-
-LINGER_S = 5.0
-"""Seconds the idle send waiter's thread (:class:`_InOrder`) waits for more sends before it ends."""
-
-
-class _InOrder:
-    """Handles the items :meth:`put` gives it in a daemon thread, one at a time, in order; idle,
-    the thread lingers :data:`LINGER_S` seconds for more before it ends; with items in hand it
-    counts in :func:`join_sends`.
-
-    :meth:`close` waits until every item put so far is handled and raises the first handling
-    error, if any (the items after it are then dropped unhandled).
-    """
-
-    name = "gpipe-background"
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._items: deque[tuple[Any, ...]] = deque()
-        self._error: BaseException | None = None
-
-    def put(self, *item: Any) -> None:
-        with self._cond:
-            self._items.append(item)
-            try:
-                self._wake()
-            except BaseException:
-                self._items.pop()
-                raise
-
-    def _handle(self, *item: Any) -> None:
-        raise NotImplementedError
-
-    def _wake(self) -> None:
-        """Under ``self._cond``: an item arrived; start the thread if none runs, count it busy."""
-        if self._thread is None:  # a failed start raises here, leaving nothing half-started
-            thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            thread.start()  # it waits for this lock: _thread is set before it looks
-            self._thread = thread
-        else:
-            self._cond.notify_all()
-        _busy(self, True)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                if not self._items:
-                    _busy(self, False)
-                    self._cond.notify_all()  # those waiting for the items to be handled
-                    if not self._cond.wait_for(lambda: bool(self._items), timeout=LINGER_S):
-                        self._thread = None
-                        return
-            self._handle_first()
-
-    def _handle_first(self) -> None:
-        """Handle the first item, then drop it (no frame of the lingering thread keeps it: a send's
-        work holds its process group)."""
-        with self._cond:
-            item = self._items[0]
-        if self._error is None:
-            try:
-                self._handle(*item)
-            except BaseException as err:  # noqa: BLE001 - raised by close, in the stage's thread
-                self._error = err
-        with self._cond:
-            self._items.popleft()  # what it held goes now
-
-    def close(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: not self._items)
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
-
-    def raise_error(self) -> None:
-        """Raise the handling error, if any, without waiting (kept: the items after it are still
-        dropped, and :meth:`close` raises it again)."""
-        error = self._error
-        if error is not None:
-            raise error
-
-
-class _SendWaiter(_InOrder):
-    """Waits, in a thread, for the sends of each message :meth:`P2P.send` posts (``put([(work,
-    tensor), …])``), in order, and drops the message's tensors once its sends have completed, so
-    that a stage that sends as it goes (1F1B) frees what it sent as the peer takes it rather than
-    at the step's :meth:`P2P.flush`."""
-
-    name = "gpipe-send-wait"
-
-    @property
-    def held(self) -> int:
-        """Messages put whose tensors are still held."""
-        with self._cond:
-            return len(self._items)
-
-    def _handle(self, posted: list[tuple[dist.Work, Tensor]]) -> None:  # type: ignore[override]
-        for work, _ in posted:
-            work.wait()
-
-
-_BUSY: set[_InOrder] = set()  # send waiters with sends in hand
-_BUSY_CHANGED = threading.Condition()
-
-
-def _busy(worker: _InOrder, busy: bool) -> None:
-    with _BUSY_CHANGED:
-        if busy:
-            _BUSY.add(worker)
-        else:
-            _BUSY.discard(worker)
-            _BUSY_CHANGED.notify_all()
-
-
-def join_sends(timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for the send waits still in hand (:class:`_SendWaiter`).
-
-    Returns:
-        ``True`` when none is left in hand (idle waiter threads hold no transport work).
-    """
-    with _BUSY_CHANGED:
-        return _BUSY_CHANGED.wait_for(lambda: not _BUSY, timeout=timeout)
 
 
 def waited_on(err: BaseException, peer: int) -> None:

@@ -12,6 +12,7 @@ from torch import Tensor
 from lightning_gpipe.transport import p2p as comm
 from lightning_gpipe.transport.p2p import P2P
 from lightning_gpipe.transport.wire import decode_header, decode_message
+from tests.fakes import FakeSend
 
 
 def test_lanes_route_by_direction_within_the_pipeline_only():
@@ -80,76 +81,13 @@ def test_a_message_is_its_header_then_each_tensor_received_on_demand_on_cuda(mon
     p2p.flush()
 
 
-class _Send:
-    """A send's work that completes when ``done`` is set (raising ``error``, if set)."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self.waited = False
-
-    def wait(self) -> bool:
-        self.waited = True
-        completed = self.done.wait(10)
-        if self.error is not None:
-            raise self.error
-        return completed
-
-
-def test_the_send_waiter_drops_buffers_as_sends_complete_and_one_thread_serves_every_phase(monkeypatch):
-    monkeypatch.setattr(comm, "LINGER_S", 30.0)
-    waiter = comm._SendWaiter()
-    threads = []
-    for _ in range(2):  # two phases, each ended by close() (P2P.flush)
-        works = [_Send(), _Send()]
-        for w in works:
-            waiter.put([(w, torch.zeros(1))])
-        threads.append(waiter._thread)
-        assert waiter.held == 2 and not comm.join_sends(0.05)  # busy: sends in hand
-        works[0].done.set()
-        deadline = time.monotonic() + 10
-        while waiter.held != 1 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert waiter.held == 1  # the first buffer went as its send completed
-        works[1].done.set()
-        waiter.close()
-        assert waiter.held == 0 and comm.join_sends(1.0)  # idle: nothing in hand
-    assert threads[0] is threads[1] and threads[0].is_alive()  # no thread started for the second phase
-
-
-def test_an_idle_background_thread_ends_after_lingering(monkeypatch):
-    monkeypatch.setattr(comm, "LINGER_S", 0.05)
-    waiter = comm._SendWaiter()
-    work = _Send()
-    work.done.set()
-    waiter.put([(work, torch.zeros(1))])
-    thread = waiter._thread
-    waiter.close()
-    thread.join(5)
-    assert not thread.is_alive() and waiter._thread is None
-    waiter.put([(work, torch.zeros(1))])  # work after the end starts a thread again
-    waiter.close()
-    assert waiter.held == 0
-
-
-def test_a_thread_that_cannot_start_leaves_nothing_held_and_nothing_to_wait_for(monkeypatch):
-    waiter = comm._SendWaiter()
-    monkeypatch.setattr(
-        threading.Thread, "start", lambda self: (_ for _ in ()).throw(RuntimeError("no thread"))
-    )
-    with pytest.raises(RuntimeError, match="no thread"):
-        waiter.put([(_Send(), torch.zeros(1))])
-    assert waiter.held == 0 and waiter._thread is None and comm.join_sends(0.5)
-    waiter.close()  # returns at once: nothing was put
-
-
 @pytest.mark.parametrize("fails", [0, 1])
 def test_a_failed_post_is_raised_by_the_send_and_flush_still_waits_for_the_earlier_sends(monkeypatch, fails):
     """A post that fails is raised by the send; what was posted before it (the earlier messages, and
     the message's header where its tensor's post failed) is still waited for by the flush."""
     p2p = _unpacked()
     monkeypatch.setattr(comm.dist, "get_rank", lambda: 0)
-    earlier, header = _Send(), _Send()
+    earlier, header = FakeSend(), FakeSend()
     p2p._waiter.put([(earlier, torch.zeros(1))])
     posts = []
 
@@ -192,7 +130,7 @@ def test_a_failed_background_send_is_raised_by_settle_before_the_flush():
     of its column: a send whose wait failed in the waiter thread is raised at the next settle, the
     sends after it are dropped unwaited, and the flush raises it too."""
     p2p = P2P(torch.device("cpu"))
-    failed, later = _Send(), _Send()
+    failed, later = FakeSend(), FakeSend()
     failed.error = RuntimeError("peer gone")
     p2p._waiter.put([(failed, torch.zeros(1))])
     p2p._waiter.put([(later, torch.zeros(1))])
@@ -208,7 +146,7 @@ def test_a_failed_background_send_is_raised_by_settle_before_the_flush():
     p2p.settle()  # the flush took the error: the transport is usable again
 
 
-def _done() -> _Send:
-    work = _Send()
+def _done() -> FakeSend:
+    work = FakeSend()
     work.done.set()
     return work
