@@ -98,8 +98,11 @@ class SendWaiter:
         """Wait until every message put so far is dropped; raise the first wait's error, if any."""
         if self.held:
             marker = threading.Event()
-            with self._lock:  # a thread runs: the messages in hand keep it from ending
-                self._queue.put(marker)
+            with self._lock:  # a thread that runs now takes the marker before it may end
+                if self._thread is not None:
+                    self._queue.put(marker)
+                else:  # it dropped every message and ended since the count was read
+                    marker.set()
             marker.wait()
         error, self._error = self._error, None
         if error is not None:

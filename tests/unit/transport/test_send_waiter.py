@@ -75,3 +75,27 @@ def test_a_message_put_as_the_idle_thread_ends_is_still_waited_for(monkeypatch):
     closing.join(10)
     assert not closing.is_alive() and waiter.held == 0
     assert len(threads) > 10  # the thread ended and started again many times
+
+
+def test_close_returns_when_the_thread_ends_between_its_count_and_its_marker(monkeypatch):
+    """close() reads the messages in hand, then queues its marker: where the thread drops them, idles
+    and ends in between, close finds no thread and returns instead of waiting for a marker no one takes."""
+    monkeypatch.setattr(waiting, "LINGER_S", 0.01)
+    waiter, work = SendWaiter(), FakeSend()
+    waiter.put([(work, torch.zeros(1))])
+    thread = waiter._thread
+    count = type(waiter).held
+    calls = []
+
+    def held(self):  # the count close() reads, then the thread ends before the marker is queued
+        calls.append(1)
+        value = count.fget(self)
+        work.done.set()
+        thread.join(5)
+        return value
+
+    monkeypatch.setattr(SendWaiter, "held", property(held))
+    closing = threading.Thread(target=waiter.close, daemon=True)
+    closing.start()
+    closing.join(10)
+    assert calls and not thread.is_alive() and not closing.is_alive()
