@@ -86,10 +86,13 @@ _LANES: weakref.WeakSet[Lanes] = weakref.WeakSet()
 
 
 def close_lanes() -> None:
-    """Drop every :class:`Lanes`' groups (after the process groups are destroyed: at exit, after a
-    failure)."""
+    """Drop every :class:`Lanes`' groups and every :class:`P2P`'s receives posted ahead (after the
+    process groups are destroyed: at exit, after a failure): a posted receive holds its group's
+    connection open, so a peer whose sends wait for it would wait for good."""
     for lanes in list(_LANES):
         lanes.close()
+    for p2p in list(_P2PS):
+        p2p.drop_posted()
 
 
 class P2P:
@@ -128,6 +131,7 @@ class P2P:
         self._rooms_to: dict[int, prefetch.Rooms] = defaultdict(prefetch.Rooms)  # per destination
         self._rooms_from: dict[int, prefetch.Rooms] = defaultdict(prefetch.Rooms)  # per source
         self._posted: dict[int, deque[prefetch.Posted]] = defaultdict(deque)  # per source, oldest first
+        _P2PS.add(self)
 
     def send(
         self, tensors: Sequence[Tensor], dst: int, *, structure: Structure | None = None, chunks: int = 0
@@ -207,6 +211,10 @@ class P2P:
             work.wait()
         return decode_message(meta, tensors)
 
+    def drop_posted(self) -> None:
+        """Let go of every receive posted ahead and not taken (after a failure: see :func:`close_lanes`)."""
+        self._posted.clear()
+
     def posted(self, src: int) -> int:
         """Messages from ``src`` whose receives are posted and not yet taken."""
         return len(self._posted[src]) if src in self._posted else 0
@@ -249,6 +257,9 @@ class P2P:
         """Sends posted whose tensors are still held (not yet known to have completed): with
         background transport, messages; otherwise the transport's sends."""
         return len(self._pending) + self._waiter.held
+
+
+_P2PS: weakref.WeakSet[P2P] = weakref.WeakSet()
 
 
 def waited_on(err: BaseException, peer: int) -> None:

@@ -4,6 +4,7 @@ waiter, errors handed on."""
 
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -150,3 +151,26 @@ def _done() -> FakeSend:
     work = FakeSend()
     work.done.set()
     return work
+
+
+def test_closing_the_lanes_lets_go_of_every_receive_posted_ahead(monkeypatch):
+    """After a failure (``failure.abort_process_group``) and at exit, the receives a stage posted ahead
+    and never took are dropped with the lanes: each holds its group's connection open, and a peer
+    whose sends wait for that connection to close would wait until it is killed (a last stage failing
+    under ``"gpipe"`` with more of the step's forwards still to come than it posted: 38 s, the
+    launcher's ``signal_grace``, before; about 3 s after)."""
+    p2p = P2P(torch.device("cpu"))
+    monkeypatch.setattr(p2p, "_me", lambda: 0)
+    held = []
+
+    def irecv(t, src, group=None, tag=0):
+        work = FakeSend()
+        held.append(weakref.ref(work))
+        return work
+
+    monkeypatch.setattr(comm.ops, "irecv", irecv)
+    for _ in range(3):
+        p2p.post(1)
+    assert p2p.posted(1) == 3 and all(ref() is not None for ref in held)
+    comm.close_lanes()
+    assert p2p.posted(1) == 0 and all(ref() is None for ref in held)  # nothing holds their works
