@@ -31,6 +31,7 @@ from typing_extensions import override
 
 from lightning_gpipe import _lightning
 from lightning_gpipe._lightning import MultiProcessingLauncher, SubprocessScriptLauncher
+from lightning_gpipe.partition import compiling
 from lightning_gpipe.strategy import process_group
 from lightning_gpipe.strategy._namespace import PYTORCH_LIGHTNING, lightning_class, specialize
 from lightning_gpipe.strategy.observer import ChildObserver
@@ -281,9 +282,14 @@ class _GPipeForkLauncherLogic(_ForkBase):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         model = args[0] if args else None
+        wrappers = []  # the user's torch.compile wrappers: put back here (the forked ranks put back theirs)
         if isinstance(model, lightning_class(pl.LightningModule, self.namespace)) and self.check is not None:
+            wrappers = compiling.compiled_sequentials(model)  # type: ignore[arg-type]
             self.check(model)  # type: ignore[arg-type]
-        return super().launch(function, *args, trainer=trainer, **kwargs)
+        try:
+            return super().launch(function, *args, trainer=trainer, **kwargs)
+        finally:
+            compiling.recompile(wrappers)
 
 
 class GPipeForkLauncher(_GPipeForkLauncherLogic, MultiProcessingLauncher):

@@ -20,6 +20,12 @@ CELLS = [
     "ref = reference.state_dict()\n"
     "diff = max((v - ref[k]).abs().max().item() for k, v in model.state_dict().items())\n"
     "assert diff <= 1e-5, diff\nprint('max parameter difference', diff)",
+    # the user's torch.compile wrapper is back in the kernel's model after fit (the ranks are forks)
+    "compiled = Net('mlp', compile_layers={'backend': 'eager'})\n"
+    "trainer = pl.Trainer(strategy='gpipe_notebook', devices=2, **trainer_kwargs(2))\n"
+    "trainer.fit(compiled, make_data('mlp', 10, 2))\n"
+    "assert type(compiled.layers).__name__ == 'OptimizedModule', type(compiled.layers)\n"
+    "assert all(k.startswith('layers._orig_mod.') for k in compiled.state_dict())",
     # strategy="gpipe" (re-running a script) is refused here with the way out
     "try:\n    pl.Trainer(strategy='gpipe', devices=2, **trainer_kwargs(1))\n"
     "except RuntimeError as err:\n    assert \"strategy='gpipe_notebook'\" in str(err), err\n"
@@ -30,7 +36,8 @@ CELLS = [
 @pytest.mark.timeout(300)
 def test_gpipe_notebook_trains_two_stages_in_a_jupyter_kernel(tmp_path, monkeypatch):
     """A notebook trains Net("mlp") with Trainer(strategy="gpipe_notebook", devices=2); the weights
-    that come back into the kernel equal 5 one-device steps (≤ 1e-5)."""
+    that come back into the kernel equal 5 one-device steps (≤ 1e-5); a compiled Sequential is the
+    user's wrapper again after fit."""
     for key, value in _env().items():
         monkeypatch.setenv(key, value)
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
