@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from lightning_gpipe.errors import StageError
 from lightning_gpipe.transport import liveness
 from lightning_gpipe.transport.arrival import failure_note
-from lightning_gpipe.transport.p2p import close_lanes
+from lightning_gpipe.transport.p2p import release_connections
 
 log = logging.getLogger(__name__)
 
@@ -237,4 +237,4 @@ def abort_process_group() -> None:
         dist.destroy_process_group()
     except Exception as err:  # noqa: BLE001 - best effort while already failing
         log.debug(f"gpipe: could not destroy the process group after a failure: {err}")
-    close_lanes()  # their sockets close once nothing holds their groups
+    release_connections()  # the lanes and posted receives: their sockets close once nothing holds them

@@ -28,7 +28,7 @@ from torch import Tensor
 from lightning_gpipe.transport.arrival import arrive
 from lightning_gpipe.transport.layout import Layout
 from lightning_gpipe.transport.mesh import device_mesh
-from lightning_gpipe.transport.p2p import Lanes, close_lanes
+from lightning_gpipe.transport.p2p import Lanes, release_connections
 from lightning_gpipe.transport.send_waiter import join_sends
 
 __all__ = [
@@ -236,6 +236,6 @@ def close_all(collect: bool = True) -> None:
     _GROUPS.clear()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    close_lanes()
+    release_connections()
     if collect:
         gc.collect()  # groups caught in reference cycles are destroyed (their threads joined) now

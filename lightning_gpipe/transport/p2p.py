@@ -29,7 +29,7 @@ from lightning_gpipe.transport.send_waiter import SendWaiter
 from lightning_gpipe.transport.structure import Structure
 from lightning_gpipe.transport.wire import HEADER_SLOTS, Meta, decode_header, decode_message, encode_message
 
-__all__ = ["Lanes", "P2P", "close_lanes", "waited_on"]
+__all__ = ["Lanes", "P2P", "release_connections", "waited_on"]
 
 
 class Lanes:
@@ -47,7 +47,7 @@ class Lanes:
 
     A Gloo group's sockets close only when nothing holds the group any more (destroying the
     process groups does not close them), so the lanes are the only holder of their groups and
-    :func:`close_lanes` drops them: after a failure, a peer waiting for this rank then sees the
+    :func:`release_connections` drops them: after a failure, a peer waiting for this rank then sees the
     connection close at once.
 
     Args:
@@ -85,7 +85,7 @@ class Lanes:
 _LANES: weakref.WeakSet[Lanes] = weakref.WeakSet()
 
 
-def close_lanes() -> None:
+def release_connections() -> None:
     """Drop every :class:`Lanes`' groups and every :class:`P2P`'s receives posted ahead (after the
     process groups are destroyed: at exit, after a failure): a posted receive holds its group's
     connection open, so a peer whose sends wait for it would wait for good."""
@@ -212,7 +212,7 @@ class P2P:
         return decode_message(meta, tensors)
 
     def drop_posted(self) -> None:
-        """Let go of every receive posted ahead and not taken (after a failure: see :func:`close_lanes`)."""
+        """Let go of every receive posted ahead and not taken (:func:`release_connections`)."""
         self._posted.clear()
 
     def posted(self, src: int) -> int:

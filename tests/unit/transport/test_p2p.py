@@ -172,5 +172,5 @@ def test_closing_the_lanes_lets_go_of_every_receive_posted_ahead(monkeypatch):
     for _ in range(3):
         p2p.post(1)
     assert p2p.posted(1) == 3 and all(ref() is not None for ref in held)
-    comm.close_lanes()
+    comm.release_connections()
     assert p2p.posted(1) == 0 and all(ref() is None for ref in held)  # nothing holds their works
