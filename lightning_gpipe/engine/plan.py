@@ -79,8 +79,8 @@ class ColumnPlan:
         column: the stage's actions in order (only the forwards when not training), with the
             receives of their messages posted ahead (:class:`~lightning_gpipe.schedule.Post`,
             :func:`~lightning_gpipe.schedule.with_posts`) and, under one call per micro-batch on the
-            stages before the last, the step outcome's once the column has taken its last message
-            from the last stage (the outcome leaves right after the last stage's last call).
+            stages before the last, the step outcome's as the last stage's message after its last one
+            taken in the column (the outcome leaves right after the last stage's last call).
         fill_end: index after the column's last forward.
         receives: per action, the messages it takes, in order (:func:`~lightning_gpipe.schedule.receives`).
         sends: per action, the messages it sends, in order (:func:`~lightning_gpipe.schedule.sends`).

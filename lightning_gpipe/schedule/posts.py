@@ -76,31 +76,30 @@ def with_posts(
     backward
     (``schedule="gpipe"``: its backwards run only once the user's step has returned a loss, and a
     step without one takes none of them). With ``outcome`` (the last stage's index), the step
-    outcome's receive is posted once the column has taken its last message from that stage (at the
-    column's start, after the posts there, where it takes none), so the outcome travels while the
-    stage runs the rest of its column.
+    outcome's receive is posted as that stage's message after its last one taken in the column
+    (:data:`POSTED_AHEAD` + 1 messages before the column's end at the earliest; at the column's start
+    where it takes none), so the outcome travels while the stage runs the rest of its column.
     """
     skips = list(skips)
     taken = [(a, t) for a in column for t in receives(a, stage, stages, skips, virtual_stages)]
     first_backward = next((k for k, a in enumerate(column) if a.kind != "F"), len(column))
     # per peer: (place in taken, the action taking it, its post)
-    queues: dict[int, deque[tuple[int, Action, Post]]] = defaultdict(deque)
+    queues: dict[int, deque[tuple[int, Action | None, Post]]] = defaultdict(deque)
     for n, (a, t) in enumerate(taken):
         queues[t.peer].append((n, a, Post(a, t)))
+    if outcome is not None:  # its stage's last message, taken after the column
+        queues[outcome].append((len(taken), None, Post(None, Transfer(outcome))))
     done, posted, out = Counter[int](), Counter[int](), list[Step]()  # per peer: taken, posted so far
-    from_outcome = {a for a, t in taken if t.peer == outcome}  # the actions taking its messages
-    last_take = max((n for n, a in enumerate(column) if a in from_outcome), default=-1)
     for k in range(len(column) + 1):
         ready = []
         for peer, queue in queues.items():
             while queue and posted[peer] <= done[peer] + POSTED_AHEAD:
-                if hold_backwards and queue[0][1].kind != "F" and k < first_backward:
+                action = queue[0][1]
+                if hold_backwards and action is not None and action.kind != "F" and k < first_backward:
                     break
                 ready.append(queue.popleft())
                 posted[peer] += 1
         out += [p for _, _, p in sorted(ready, key=lambda x: x[0])]
-        if outcome is not None and k == last_take + 1:
-            out.append(Post(None, Transfer(outcome)))
         if k < len(column):
             done.update(t.peer for t in receives(column[k], stage, stages, skips, virtual_stages))
             out.append(column[k])
@@ -114,8 +113,8 @@ def validate(
     and that each stage's column with posts in ``columns`` runs its grid column's actions (or only
     its forwards) in order, each message posted exactly once, in the order the column takes them,
     before the action that takes it, with never more than :data:`POSTED_AHEAD` + 1 from one peer
-    posted and not taken; a step outcome's post (at most one) once every message from its stage has
-    been taken.
+    posted and not taken; a step outcome's post (at most one) as its stage's last message, after
+    every other one from that stage is posted (it counts among the receives posted ahead).
 
     Raises:
         ValueError: naming the stage and the first violated rule, with the column printed.
@@ -135,15 +134,15 @@ def validate(
         queue = defaultdict[int, deque[Post]](deque)
         outcome_posted = False
         for item in column:
-            if isinstance(item, Post) and item.action is None:  # the step outcome: after every message
-                if expected[item.transfer.peer] or queue[item.transfer.peer] or outcome_posted:
-                    raise ValueError(f"{shown}\nposts {item} twice or before it took that stage's messages")
+            if isinstance(item, Post) and item.action is None:  # the step outcome: its stage's last message
+                if expected[item.transfer.peer] or outcome_posted:
+                    raise ValueError(f"{shown}\nposts {item} twice or before that stage's other messages")
                 outcome_posted = True
-                continue
-            if isinstance(item, Post):
+            elif isinstance(item, Post):
                 mine = expected[item.transfer.peer]
                 if not mine or item != mine.popleft():
                     raise ValueError(f"{shown}\nposts {item} out of the order its messages are taken")
+            if isinstance(item, Post):
                 queue[item.transfer.peer].append(item)
                 if len(queue[item.transfer.peer]) > POSTED_AHEAD + 1:
                     raise ValueError(f"{shown}\nposts more than {POSTED_AHEAD + 1} receives ahead at {item}")

@@ -103,38 +103,71 @@ def _broken(column, what):
 
 
 @pytest.mark.parametrize("name,k,m,v,skips", GRIDS)
-def test_the_outcome_is_posted_once_after_the_last_message_from_the_last_stage(name, k, m, v, skips):
-    """With ``outcome``, a stage before the last posts the step outcome once, right after the last
-    action that takes a message from the last stage (at the column's start, after the posts there,
-    where none does): no action taking one of its messages and no post of them after it."""
+def test_the_outcome_is_posted_once_as_the_last_stages_message_after_its_last_one_taken(name, k, m, v, skips):
+    """With ``outcome``, a stage before the last posts the step outcome once, as the last stage's
+    message after the last one its column takes: right after that message's post where the receives
+    posted ahead allow it (its post follows every other post from the last stage), else once enough
+    of them are taken; the outcome then counts among the receives posted ahead."""
     grid = SCHEDULES[name](k, m, v) if v > 1 else SCHEDULES[name](k, m)
     for j in range(k - 1):
         column = with_posts(stage_actions(grid, j), j, k, skips, v, outcome=k - 1)
         validate(grid, {j: column}, skips)
         at = [n for n, p in enumerate(column) if isinstance(p, Post) and p.action is None]
         assert len(at) == 1 and column[at[0]].transfer.peer == k - 1
-        before, after = column[: at[0]], column[at[0] + 1 :]
-        actions = [a for a in before if isinstance(a, Action)]
-        takes = [
-            a
-            for a in column
-            if isinstance(a, Action) and any(t.peer == k - 1 for t in receives(a, j, k, skips, v))
-        ]
-        assert actions == (actions[: actions.index(takes[-1]) + 1] if takes else [])
-        assert not any(isinstance(p, Post) and p.transfer.peer == k - 1 for p in after)
-        assert not [a for a in after if a in takes]
+        from_last = [n for n, p in enumerate(column) if isinstance(p, Post) and p.transfer.peer == k - 1]
+        assert from_last[-1] == at[0]  # after every other post from the last stage
+        takes = {  # per action, the messages from the last stage it takes
+            n: sum(t.peer == k - 1 for t in receives(a, j, k, skips, v))
+            for n, a in enumerate(column)
+            if isinstance(a, Action)
+        }
+        after = sum(c for n, c in takes.items() if n > at[0])  # posted, not taken: the outcome's company
+        assert after <= POSTED_AHEAD
+        start = from_last[-2] if len(from_last) > 1 else 0
+        if any(n in takes for n in range(start, at[0])):  # not with the previous post: once the limit let it
+            previous = max(n for n in takes if n < at[0])  # the action it follows
+            assert after + takes[previous] > POSTED_AHEAD
 
 
-def test_validate_refuses_an_outcome_posted_before_the_last_message_of_its_stage_or_twice():
+def test_the_outcome_is_posted_before_the_columns_last_actions_take_their_messages():
+    """Interleaved 1F1B, K = 2, v = 2, M = 8 (notebook section 34): the first stage's column does not
+    end with the outcome's post; the receive travels while it runs its last backwards."""
+    grid = SCHEDULES["interleaved_1f1b"](2, 8, 2)
+    column = with_posts(stage_actions(grid, 0), 0, 2, virtual_stages=2, outcome=1)
+    validate(grid, {0: column})
+    at = next(n for n, p in enumerate(column) if isinstance(p, Post) and p.action is None)
+    later = [a for a in column[at + 1 :] if isinstance(a, Action)]
+    assert [str(a) for a in later[-1:]] == [str(stage_actions(grid, 0)[-1])]
+    assert sum(1 for a in later if receives(a, 0, 2, [], 2)) == POSTED_AHEAD
+
+
+def test_validate_refuses_an_outcome_posted_before_the_other_messages_of_its_stage_or_twice():
     grid = SCHEDULES["zb_h1"](2, 4)
     column = with_posts(stage_actions(grid, 0), 0, 2, outcome=1)
     validate(grid, {0: column})
     outcome = next(p for p in column if isinstance(p, Post) and p.action is None)
+    last_post = max(n for n, p in enumerate(column) if isinstance(p, Post) and p != outcome)
     early = [p for p in column if p != outcome]
-    early.insert(len(early) - 3, outcome)
-    for broken in (early, [*column, outcome]):
-        with pytest.raises(ValueError, match="twice or before it took that stage's messages"):
+    early.insert(last_post - 1, outcome)  # before the last post of a message from stage 1
+    for broken, message in (
+        (early, "out of the order|twice or before that stage's other messages"),
+        ([*column, outcome], "twice or before that stage's other messages"),
+    ):
+        with pytest.raises(ValueError, match=message):
             validate(grid, {0: broken})
+
+
+def test_validate_counts_the_outcome_among_the_receives_posted_ahead():
+    """The outcome posted right after the last stage's last message posted, where that puts more
+    than POSTED_AHEAD + 1 of its receives ahead, is refused."""
+    grid = SCHEDULES["interleaved_1f1b"](2, 8, 2)
+    column = with_posts(stage_actions(grid, 0), 0, 2, virtual_stages=2, outcome=1)
+    outcome = next(p for p in column if isinstance(p, Post) and p.action is None)
+    rest = [p for p in column if p != outcome]
+    last_post = max(n for n, p in enumerate(rest) if isinstance(p, Post) and p.transfer.peer == 1)
+    rest.insert(last_post + 1, outcome)
+    with pytest.raises(ValueError, match="receives ahead"):
+        validate(grid, {0: rest})
 
 
 @pytest.mark.parametrize(
