@@ -76,9 +76,10 @@ def with_posts(
     backward
     (``schedule="gpipe"``: its backwards run only once the user's step has returned a loss, and a
     step without one takes none of them). With ``outcome`` (the last stage's index), the step
-    outcome's receive is posted as that stage's message after its last one taken in the column
-    (:data:`POSTED_AHEAD` + 1 messages before the column's end at the earliest; at the column's start
-    where it takes none), so the outcome travels while the stage runs the rest of its column.
+    outcome's receive is posted as that stage's message after its last one taken in the column, as
+    far ahead as the others (once all but :data:`POSTED_AHEAD` of that stage's messages are taken; at
+    the column's start where it takes none), so the outcome travels while the stage runs the rest
+    of its column.
     """
     skips = list(skips)
     taken = [(a, t) for a in column for t in receives(a, stage, stages, skips, virtual_stages)]
@@ -134,15 +135,15 @@ def validate(
         queue = defaultdict[int, deque[Post]](deque)
         outcome_posted = False
         for item in column:
-            if isinstance(item, Post) and item.action is None:  # the step outcome: its stage's last message
-                if expected[item.transfer.peer] or outcome_posted:
-                    raise ValueError(f"{shown}\nposts {item} twice or before that stage's other messages")
-                outcome_posted = True
-            elif isinstance(item, Post):
-                mine = expected[item.transfer.peer]
-                if not mine or item != mine.popleft():
-                    raise ValueError(f"{shown}\nposts {item} out of the order its messages are taken")
             if isinstance(item, Post):
+                if item.action is None:  # the step outcome: its stage's last message
+                    if expected[item.transfer.peer] or outcome_posted:
+                        raise ValueError(f"{shown}\nposts {item} twice or before that stage's other messages")
+                    outcome_posted = True
+                else:
+                    mine = expected[item.transfer.peer]
+                    if not mine or item != mine.popleft():
+                        raise ValueError(f"{shown}\nposts {item} out of the order its messages are taken")
                 queue[item.transfer.peer].append(item)
                 if len(queue[item.transfer.peer]) > POSTED_AHEAD + 1:
                     raise ValueError(f"{shown}\nposts more than {POSTED_AHEAD + 1} receives ahead at {item}")

@@ -130,7 +130,7 @@ def test_the_outcome_is_posted_once_as_the_last_stages_message_after_its_last_on
 
 
 def test_the_outcome_is_posted_before_the_columns_last_actions_take_their_messages():
-    """Interleaved 1F1B, K = 2, v = 2, M = 8 (notebook section 34): the first stage's column does not
+    """Interleaved 1F1B, K = 2, v = 2, M = 8: the first stage's column does not
     end with the outcome's post; the receive travels while it runs its last backwards."""
     grid = SCHEDULES["interleaved_1f1b"](2, 8, 2)
     column = with_posts(stage_actions(grid, 0), 0, 2, virtual_stages=2, outcome=1)
