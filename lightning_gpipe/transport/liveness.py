@@ -129,9 +129,11 @@ def stop(reason: str | None = "exited") -> None:
 
 def leave(reason: str) -> None:
     """Tell the other ranks that this one leaves on purpose (``reason``), so that they do not count it
-    as gone once it stops beating."""
+    as gone once it stops beating; the first reason stands (a failure's is not overwritten by the
+    ``"exited"`` said at exit, which a rank that learns of the failure later would read instead)."""
     reader = _state.get("reader")
-    if reader is not None:
+    if reader is not None and "left" not in _state:
+        _state["left"] = reason
         try:
             reader.set(f"{_LEFT}{_state['rank']}", reason)
         except Exception:  # noqa: BLE001, S110 - the store is gone; the others learn it themselves

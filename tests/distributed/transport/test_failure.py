@@ -57,6 +57,9 @@ def test_rank_failure_exits_all_ranks(tmp_path, where, layer, stage, rank):
     # it ends the ranks it started at once and they print nothing)
     if rank != 0:
         assert out.index(f"injected failure in {where}") < out.index("stopped because another rank")
+    # and each rank that says so names the error
+    stopped = [line for line in out.splitlines() if "stopped because another rank" in line]
+    assert all(f"injected failure in {where} call 11" in line for line in stopped), stopped
     # the error's traceback once (the report: the original error, then the StageError naming it), and
     # where the error ends the failing rank's process, one line naming the rank
     ends = traceback_ends(out)

@@ -80,6 +80,14 @@ def test_departed_gives_each_leaving_rank_its_reason(store):
     assert liveness.departed([1]) == {}
 
 
+def test_a_ranks_first_reason_for_leaving_stands(store):
+    """A failed rank's reason is what the others read, even once it has exited (said again at exit):
+    a rank that learns of the failure late, through a third rank, names the error."""
+    liveness.leave("stage 2 (rank 0) failed: ValueError: boom")
+    liveness.leave("exited")
+    assert liveness.departed([0]) == {0: "stage 2 (rank 0) failed: ValueError: boom"}
+
+
 def test_departed_without_heartbeat_or_store_says_nothing(store, monkeypatch):
     monkeypatch.setitem(liveness._state, "reader", _GoneStore())
     assert liveness.departed([1]) == {}
