@@ -57,7 +57,7 @@ LINGER_S = 6.0
 
 _KEY = "gpipe/beat/"
 _LEFT = "gpipe/left/"
-_state: dict[str, Any] = {}  # thread, stop event, rank, reader (a store connection of the main thread's)
+_state: dict[str, Any] = {}  # thread, stop event, rank, reader (the main thread's store connection), left
 _EXIT_HOOK: list[bool] = []
 _names: dict[str, Layout | None] = {}  # the job's layout, for messages
 
