@@ -23,7 +23,9 @@ bubble share, the cost model's error, and the largest model that fits a memory b
   block before (each block's first step, after the other's turn, untimed), and
   ``vs_peer_alternating_ci``, that median's 95 % distribution-free interval
   (:func:`median_interval`). Neighbouring blocks are seconds apart, so a drift of the host's speed,
-  which separate runs minutes apart both see differently, cancels in each ratio;
+  which separate runs minutes apart both see differently, cancels in each ratio. With ``repeats`` >
+  1 the blocks of every repeat are pooled (:func:`pool_turns`; each repeat's median in
+  ``vs_peer_alternating_repeats``);
 - ``single``: the plain model in one process with 1 thread (the one-stage baseline), with
   K × ``threads`` threads (the pipeline's total, row ``single_mt``) and with 1 thread on the
   pipeline's M micro-batches, gradients accumulated (row ``single_mb``).
@@ -149,6 +151,7 @@ COLUMNS = [
     "vs_peer_alternating_ci",
     "vs_peer_alternating_cpu_stages",
     "peer_schedule",
+    "vs_peer_alternating_repeats",
 ]
 
 # The one-process baselines: 1 thread, K threads, 1 thread on the pipeline's micro-batches.
@@ -345,6 +348,9 @@ def _row(
         "vs_peer_alternating_blocks": "|".join(f"{b:.3f}" for b in result["block_ratios"])
         if result.get("block_ratios")
         else None,
+        "vs_peer_alternating_repeats": "|".join(f"{b:.3f}" for b in result["repeat_ratios"])
+        if len(result.get("repeat_ratios") or []) > 1
+        else None,
         "vs_peer_alternating_cpu_stages": "|".join(
             f"{_median(r['cpu_block_ratios']):.3f}" for r in stage_results
         )
@@ -488,6 +494,7 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
     boundary = int(profile["boundary_bytes_per_sample"][-1] * micro) if profile and cfg.stages > 1 else 0
     results: dict[str, list[dict[str, Any]]] = {}
     repeat_steps: dict[str, list[float]] = {}  # per run, each repeat's median step (seconds)
+    turns: dict[str, list[list[dict[str, Any]]]] = {}  # alternate: per run, every repeat's per-rank results
     with tempfile.TemporaryDirectory(prefix="gpipe-bench-") as tmp:
         for repeat in range(max(1, cfg.repeats)):  # interleaved: ours, bare, peer, single, ours, ...
             for run in runs:
@@ -499,10 +506,14 @@ def benchmark(cfg: DictConfig) -> list[dict[str, Any]]:
                 files = sorted(out.glob(f"{run}_rank*.json"), key=lambda p: int(p.stem.rsplit("rank", 1)[1]))
                 per_rank = [json.loads(p.read_text()) for p in files]
                 repeat_steps.setdefault(run, []).append(_median_step(per_rank))
+                if any("block_ratios" in r for r in per_rank):
+                    turns.setdefault(run, []).append(per_rank)
                 if run in results and not _faster(per_rank, results[run]):
                     continue
                 results[run] = per_rank
                 _keep_timelines(cfg, run, out)
+    for run, repeats in turns.items():
+        results[run] = pool_turns(results[run], repeats)
     rows = _rows(cfg, results, params, profile, balance)
     _add_paired(rows, repeat_steps)
     _append_csv(Path(str(cfg.csv)), rows)
@@ -543,6 +554,28 @@ def format_memory(rows: list[dict[str, Any]], step_gradient_bytes: list[int]) ->
             f"{r['run']} {_schedule_name(r)} M={r['chunks']}: peak MiB per stage: " + " | ".join(pairs)
         )
     return "\n".join(lines)
+
+
+def pool_turns(kept: list[dict[str, Any]], repeats: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``kept`` (one repeat's per-rank results) with the turns' ratios of every repeat of the run
+    (``alternate``): each stage's ``block_ratios`` and ``cpu_block_ratios`` are those of all
+    ``repeats`` in order, and ``repeat_ratios`` the median block ratio of each repeat.
+
+    Each set of processes starts with its own memory layout, thread placement and host load, which
+    moves a run's ratio by more than its pairs' interval; pooling the pairs of several sets of
+    processes measures the code rather than one start of it. Each pair is still a comparison
+    seconds apart within one set of processes.
+    """
+    pooled = []
+    for result in kept:
+        same = [r for rep in repeats for r in rep if r.get("stage") == result.get("stage")]
+        merged = dict(result)
+        for key in ("block_ratios", "cpu_block_ratios"):
+            if all(key in r for r in same):
+                merged[key] = [x for r in same for x in r[key]]
+        merged["repeat_ratios"] = [_median(r.get("block_ratios")) for r in same]
+        pooled.append(merged)
+    return pooled
 
 
 def _median_step(per_rank: list[dict[str, Any]]) -> float:
@@ -696,8 +729,8 @@ def format_paired(rows: list[dict[str, Any]]) -> str:
     lines += [
         f"{row['run']} / peer{_peer_schedule(row)}, {row['model']} {_schedule_name(row)} "
         f"M={row['chunks']}, alternating: {_fmt(row.get('vs_peer_alternating'), '.3f')} "
-        f"(median over {len(str(row.get('vs_peer_alternating_blocks', '')).split('|'))} blocks, "
-        "its 95 % interval "
+        f"(median over {len(str(row.get('vs_peer_alternating_blocks', '')).split('|'))} blocks"
+        f"{_over_repeats(row)}, its 95 % interval "
         f"{str(row.get('vs_peer_alternating_ci') or '–').replace('|', '–')}; "
         f"per block {str(row.get('vs_peer_alternating_blocks', '')).replace('|', ', ')}; "
         "CPU per step, the peer's over ours, by stage: "
@@ -713,6 +746,15 @@ def format_paired(rows: list[dict[str, Any]]) -> str:
         if row["run"] == "bare" and row.get("latency_s") not in (None, "")
     ]
     return "\n".join(lines)
+
+
+def _over_repeats(row: dict[str, Any]) -> str:
+    """`` of R sets of processes (each one's median: …)`` where a row pools repeats, else nothing."""
+    repeats = str(row.get("vs_peer_alternating_repeats") or "")
+    if not repeats:
+        return ""
+    medians = repeats.replace("|", ", ")
+    return f" of {len(repeats.split('|'))} sets of processes (each one's median: {medians})"
 
 
 def _append_csv(path: Path, rows: list[dict[str, Any]]) -> None:

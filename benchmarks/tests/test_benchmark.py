@@ -19,8 +19,10 @@ from benchmarks.benchmark import (
     benchmark,
     capacity,
     format_memory,
+    format_paired,
     format_table,
     median_interval,
+    pool_turns,
     predict_window,
     report,
 )
@@ -193,6 +195,32 @@ def test_alternate_runs_ours_and_the_peer_in_turns_and_reports_their_ratio(tmp_p
     assert len(blocks) == 3 and all(b > 0 for b in blocks)  # warm-up turn 1; turns 2-4 timed
     assert row["vs_peer_alternating"] == pytest.approx(sorted(blocks)[1], abs=1e-3)  # blocks: 3 decimals
     assert "ours / peer, mlp 1f1b M=8, alternating" in capsys.readouterr().out
+
+
+def test_repeats_of_an_alternating_run_pool_their_turns_per_stage():
+    """Three sets of processes: each stage's block ratios are those of all three, in order, whatever
+    order the ranks' results came in; each repeat's median is kept; the rest is the kept repeat's."""
+
+    def rank(stage, blocks, cpu, step):
+        return {"stage": stage, "block_ratios": blocks, "cpu_block_ratios": cpu, "step_s": [step]}
+
+    repeats = [
+        [rank(1, [0.9, 1.0, 1.1], [1.0], 0.3), rank(0, [2.0], [2.0], 0.3)],
+        [rank(0, [3.0], [3.0], 0.2), rank(1, [0.95, 0.97, 0.99], [1.1], 0.2)],
+        [rank(1, [1.2, 1.3, 1.4], [1.2], 0.4), rank(0, [4.0], [4.0], 0.4)],
+    ]
+    pooled = {r["stage"]: r for r in pool_turns(repeats[1], repeats)}
+    assert pooled[1]["block_ratios"] == [0.9, 1.0, 1.1, 0.95, 0.97, 0.99, 1.2, 1.3, 1.4]
+    assert pooled[1]["cpu_block_ratios"] == [1.0, 1.1, 1.2]
+    assert pooled[1]["repeat_ratios"] == [1.0, 0.97, 1.3]
+    assert pooled[0]["block_ratios"] == [2.0, 3.0, 4.0] and pooled[0]["step_s"] == [0.2]
+    assert repeats[1][1]["block_ratios"] == [0.95, 0.97, 0.99]  # the repeats' own results untouched
+    row = {"run": "ours", "model": "mlp", "schedule": "zb_h1", "chunks": 8, "vs_peer_alternating": 1.0}
+    row["vs_peer_alternating_blocks"] = "|".join(["1.000"] * 9)
+    row["vs_peer_alternating_repeats"] = "1.000|0.970|1.300"
+    assert "median over 9 blocks of 3 sets of processes (each one's median: 1.000, 0.970, 1.300)" in (
+        format_paired([row])
+    )
 
 
 def test_median_interval_is_the_sign_test_interval():
