@@ -559,7 +559,8 @@ def format_memory(rows: list[dict[str, Any]], step_gradient_bytes: list[int]) ->
 def pool_turns(kept: list[dict[str, Any]], repeats: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """``kept`` (one repeat's per-rank results) with the turns' ratios of every repeat of the run
     (``alternate``): each stage's ``block_ratios`` and ``cpu_block_ratios`` are those of all
-    ``repeats`` in order, and ``repeat_ratios`` the median block ratio of each repeat.
+    ``repeats`` in order, and ``repeat_ratios`` the median block ratio of each repeat that timed a
+    block.
 
     Each set of processes starts with its own memory layout, thread placement and host load, which
     moves a run's ratio by more than its pairs' interval; pooling the pairs of several sets of
@@ -573,7 +574,7 @@ def pool_turns(kept: list[dict[str, Any]], repeats: list[list[dict[str, Any]]]) 
         for key in ("block_ratios", "cpu_block_ratios"):
             if all(key in r for r in same):
                 merged[key] = [x for r in same for x in r[key]]
-        merged["repeat_ratios"] = [_median(r.get("block_ratios")) for r in same]
+        merged["repeat_ratios"] = [m for r in same if (m := _median(r.get("block_ratios"))) is not None]
         pooled.append(merged)
     return pooled
 

@@ -215,6 +215,8 @@ def test_repeats_of_an_alternating_run_pool_their_turns_per_stage():
     assert pooled[1]["repeat_ratios"] == [1.0, 0.97, 1.3]
     assert pooled[0]["block_ratios"] == [2.0, 3.0, 4.0] and pooled[0]["step_s"] == [0.2]
     assert repeats[1][1]["block_ratios"] == [0.95, 0.97, 0.99]  # the repeats' own results untouched
+    short = [[rank(1, [], [], 0.1)], [rank(1, [1.5], [1.5], 0.1)]]  # a repeat that timed no block
+    assert pool_turns(short[0], short)[0]["repeat_ratios"] == [1.5]
     row = {"run": "ours", "model": "mlp", "schedule": "zb_h1", "chunks": 8, "vs_peer_alternating": 1.0}
     row["vs_peer_alternating_blocks"] = "|".join(["1.000"] * 9)
     row["vs_peer_alternating_repeats"] = "1.000|0.970|1.300"
