@@ -13,8 +13,9 @@ pipeline send each other 3 messages at once, and rank 0 sends rank 2
 (another pipeline) one; each rank writes to OUT/lanes{rank}.json the group each of its posts and
 receives used ("upward", "downward", "default") and whether what it received is what was sent.
 MODE "lanes_abort": rank 1 waits for a message from rank 0 on their lane; rank 0 aborts its
-process groups as after a failure (failure.abort_process_group) and stays alive 12 s; rank 1
-writes the error its receive raised and how long it took to OUT/error.json.
+process groups as after a failure (failure.abort_process_group) and stays alive until rank 1
+has written the error its receive raised and how long it took to OUT/error.json, 12 s at most (a
+receive that waited for rank 0's exit would take over 12 s).
 """
 
 import json
@@ -135,7 +136,9 @@ elif mode == "lanes_abort":
     if rank == 0:
         time.sleep(1)
         failure.abort_process_group()
-        time.sleep(12)
+        alive_until = time.monotonic() + 12  # alive till rank 1 has its error, 12 s at most
+        while not (out / "error.json").exists() and time.monotonic() < alive_until:
+            time.sleep(0.05)
         sys.exit(0)
     record_error(lambda: p2p.recv(0))
 dist.destroy_process_group()

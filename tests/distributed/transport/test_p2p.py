@@ -57,6 +57,7 @@ def test_each_direction_of_a_pipeline_travels_on_its_own_lane_and_other_pairs_on
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_aborts_after_a_failure_closes_its_lanes_at_once(tmp_path):
-    """Its peer, waiting on their lane, fails within seconds, not when the aborted rank exits 12 s later."""
+    """Its peer, waiting on their lane, fails within seconds, not when the aborted rank exits (12 s later
+    unless the peer has failed by then)."""
     report = _receive_error(tmp_path, "lanes_abort")
     assert report["seconds"] < 8, report
