@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_gpipe.state.materialize import initialize
-from tests._harness import check, run_script
+from tests._harness import check, run_ranks
 from tests.conftest import max_diff
 from tests.gpt import GPT
 from tests.models import build_lazy_layers
@@ -17,13 +17,15 @@ _REFERENCES: dict[str, dict] = {}  # one-device records shared by parametrizatio
 
 @pytest.fixture
 def stage_job(tmp_path):
-    """Run tests/workers/stage_only.py on a spec; return every rank's record."""
+    """Run tests/workers/stage_only.py on a spec, its ``devices`` ranks started together (torchrun-style);
+    return every rank's record."""
 
     def run(name: str, devices: int, timeout: float = 300, **spec):
         spec = dict(spec, name=name, devices=devices, out=str(tmp_path))
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(spec))
-        check(run_script("tests/workers/stage_only.py", str(path), timeout=timeout))
+        for result in run_ranks("tests/workers/stage_only.py", devices, str(path), timeout=timeout):
+            check(result)
         return [torch.load(tmp_path / f"{name}_rank{r}.pt", weights_only=False) for r in range(devices)]
 
     return run

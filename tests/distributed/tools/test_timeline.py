@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests._harness import check, run_script
+from tests._harness import check, run_ranks
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -16,7 +16,8 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_strategy_logs_bubble_and_writes_trace_and_gantt(tmp_path):
     """GPipeStrategy(timeline=True), 2 stages, 4 steps: pipeline/bubble per step in the CSV log, trace,
     PNG."""
-    check(run_script("tests/workers/timeline_fit.py", str(tmp_path), "4", timeout=100))
+    for result in run_ranks("tests/workers/timeline_fit.py", 2, str(tmp_path), "4", timeout=100):
+        check(result)
     (metrics,) = tmp_path.glob("csv/**/metrics.csv")
     rows = [r for r in csv.DictReader(metrics.open()) if r.get("pipeline/bubble")]
     assert sorted(int(r["step"]) for r in rows) == [0, 1, 2, 3]
