@@ -15,8 +15,8 @@ def gpipe_job(tmp_path):
 
     Started by Lightning's launcher instead, the other ranks would begin importing torch and
     Lightning (some 5 s each on 2 cores) only once rank 0 has reached ``fit``. The launcher's own
-    path is run by the tests that call :func:`tests._harness.run_script` (the recipes, the Hugging
-    Face adapters, failures and signals).
+    path is run by the tests that call :func:`tests._harness.run_script` (the recipes, failures and
+    signals).
 
     Returns ``(results, grads)``: per run, rank 0's record (with ``ranks``: every rank's record,
     ``output``: the job's stdout and stderr),

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint import format_utils
 
 from lightning_gpipe.engine import microbatch
 from lightning_gpipe.integrations.transformers import causal_lm, original_state_dict
-from tests._harness import check, run_script
+from tests._harness import check, run_ranks
 from tests.gpt import GPT, PLAN
 from tests.hf_models import (  # noqa: E402
     build_hf,
@@ -43,7 +43,8 @@ TIED = ("layers.0.wte.weight", "layers.4.lm_head.weight")
 def _run(tmp_path, stages, runs):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"devices": stages, "out": str(tmp_path), "runs": runs}))
-    check(run_script("tests/workers/hf_train.py", str(spec), timeout=600))
+    for result in run_ranks("tests/workers/hf_train.py", stages, str(spec), timeout=600):  # torchrun-style
+        check(result)
     return [
         [torch.load(tmp_path / f"run{k}_rank{r}.pt", weights_only=False) for r in range(stages)]
         for k in range(len(runs))
