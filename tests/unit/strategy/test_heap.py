@@ -14,12 +14,8 @@ import torch
 from lightning_gpipe.strategy import heap
 
 _SCRIPT = """
-import importlib.util, json, resource, sys, torch
-
-# heap.py alone, by its path: the package would import Lightning (some 6 s on 2 cores) for nothing
-spec = importlib.util.spec_from_file_location("heap", sys.argv[2])
-heap = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(heap)
+import json, resource, sys, torch
+from lightning_gpipe.strategy import heap
 
 def faults(rounds=4):  # page faults per round of a 64 MiB block allocated, written and freed
     per = []
@@ -42,7 +38,7 @@ _GLIBC = pytest.mark.skipif(
 
 
 def _run(device: str, env: dict[str, str] | None = None) -> dict:
-    command = [sys.executable, "-c", _SCRIPT, device, heap.__file__]
+    command = [sys.executable, "-c", _SCRIPT, device]
     out = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, check=True)
     return json.loads(out.stdout.splitlines()[-1])
 
