@@ -41,6 +41,14 @@ def run_ranks(
     )
 
 
+def run_failing(script: str, nprocs: int, *args: str, timeout: float = 240) -> str:
+    """:func:`run_ranks`, asserting that every rank exits non-zero; returns their outputs joined."""
+    results = run_ranks(script, nprocs, *args, timeout=timeout)
+    out = "\n".join(out for _, out in results)
+    assert all(rc != 0 for rc, _ in results), out[-3000:]
+    return out
+
+
 def check(result: tuple[int, str]) -> str:
     rc, out = result
     assert rc == 0, f"job failed with exit code {rc}:\n{out[-6000:]}"
