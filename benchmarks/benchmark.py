@@ -94,7 +94,7 @@ from lightning_gpipe.tools.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 
-__all__ = ["COLUMNS", "benchmark", "capacity", "main", "report", "worker_spec", "write_spec"]
+__all__ = ["COLUMNS", "benchmark", "capacity", "main", "report", "run_env", "worker_spec", "write_spec"]
 
 COLUMNS = [
     "run",
@@ -152,6 +152,8 @@ COLUMNS = [
     "vs_peer_alternating_cpu_stages",
     "peer_schedule",
     "vs_peer_alternating_repeats",
+    "huge_pages",
+    "huge_page_bytes_stages",
 ]
 
 # The one-process baselines: 1 thread, K threads, 1 thread on the pipeline's micro-batches.
@@ -172,6 +174,15 @@ def _wait_for_quiet(max_wait: float, busy: float = 15.0) -> None:
         time.sleep(2.0)
 
 
+def run_env(spec: dict[str, Any]) -> dict[str, str]:
+    """The environment of one worker job: :func:`~lightning_gpipe.tools.launch.job_env` with
+    ``threads`` and ``THP_MEM_ALLOC_ENABLE`` set by ``huge_pages`` (``"1"``: PyTorch's CPU allocator
+    places each tensor of 2 MiB or more on transparent huge pages, ``madvise(MADV_HUGEPAGE)``; ``"0"``
+    also where the calling shell set it). PyTorch reads the variable once, at a process's first
+    allocation of 2 MiB or more, so it is set before the processes start."""
+    return job_env(spec["threads"], {"THP_MEM_ALLOC_ENABLE": "1" if spec.get("huge_pages") else "0"})
+
+
 def _launch(spec: dict[str, Any], timeout: float) -> None:
     """Run one worker job (:func:`lightning_gpipe.tools.launch.run_job`), killed after ``timeout`` seconds.
 
@@ -186,7 +197,7 @@ def _launch(spec: dict[str, Any], timeout: float) -> None:
     command = [sys.executable, "-m", "benchmarks.worker", str(path)]
     ranks = spec["stages"] if spec["run"] in ("bare", "peer") else None
     try:
-        results = run_job(command, ranks=ranks, env=job_env(spec["threads"]), cwd=ROOT, timeout=timeout)
+        results = run_job(command, ranks=ranks, env=run_env(spec), cwd=ROOT, timeout=timeout)
     except JobTimeout as err:
         raise RuntimeError(
             f"benchmark run {spec['run']!r} killed after {timeout} s:\n{str(err)[-8000:]}"
@@ -341,6 +352,10 @@ def _row(
         "cpus_stages": "|".join(",".join(str(c) for c in r["cpus"]) for r in stage_results)
         if all("cpus" in r for r in stage_results)
         else None,
+        "huge_pages": bool(cfg.get("huge_pages", False)),
+        "huge_page_bytes_stages": "|".join(str(r["huge_page_bytes"]) for r in stage_results)
+        if all(r.get("huge_page_bytes") is not None for r in stage_results)
+        else None,
         "vs_peer_alternating": _median(result.get("block_ratios")),
         "vs_peer_alternating_ci": "|".join(f"{b:.3f}" for b in interval)
         if (interval := median_interval(result.get("block_ratios") or []))
@@ -431,6 +446,7 @@ def worker_spec(
         "batch_size": cfg.batch_size,
         "threads": cfg.threads,
         "pin": bool(cfg.pin),
+        "huge_pages": bool(cfg.huge_pages),
         "alternate": bool(cfg.alternate) and run in ("ours", "bare"),
         "block": cfg.block,
         "warmup": max(1, cfg.warmup),
@@ -460,7 +476,8 @@ def write_spec(cfg: DictConfig) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     spec = worker_spec(cfg, str(cfg.runs[0]), model_cfg, _balance(cfg, model, sample), 0, path.parent)
     path.write_text(json.dumps(spec, indent=1) + "\n")
-    print(f"benchmark: wrote {path} (run it with: python -m benchmarks.worker {path})", flush=True)
+    env = "THP_MEM_ALLOC_ENABLE=1 " if spec["huge_pages"] else ""
+    print(f"benchmark: wrote {path} (run it with: {env}python -m benchmarks.worker {path})", flush=True)
     return path
 
 

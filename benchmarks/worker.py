@@ -92,8 +92,20 @@ def _result(spec: dict[str, Any], watch: Stopwatch, meter: TensorMemoryMeter | N
         "activation_bytes": meter.peak if meter is not None else None,
         "rss_bytes": peak_rss_bytes(),
         "cpus": sorted(os.sched_getaffinity(0)),
+        "huge_page_bytes": huge_page_bytes(),
         **extra,
     }
+
+
+def huge_page_bytes() -> int | None:
+    """Bytes of this process's anonymous memory on transparent huge pages (``AnonHugePages`` of
+    ``/proc/self/smaps_rollup``), or ``None`` where the file is not there (not Linux)."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return None
+    kib = next((line.split()[1] for line in text.splitlines() if line.startswith("AnonHugePages:")), None)
+    return int(kib) * 1024 if kib is not None else None
 
 
 def _timeline_summary(records: list[dict[str, Any]] | None, spec: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from benchmarks.benchmark import (
     pool_turns,
     predict_window,
     report,
+    run_env,
 )
 from benchmarks.worker import Alternation, _timeline_summary, pin_rank
 from benchmarks.workloads import build_model
@@ -76,12 +77,14 @@ def test_sweep_writes_csv_rows_and_bubble_falls_from_m1_to_m8(tmp_path):
 @pytest.mark.timeout(120)
 def test_ours_and_the_peer_report_throughput_memory_bubble_and_their_ratio(tmp_path):
     """ours and peer at M=4 with recompute (the default suite's driver check): the ratio, bubble,
-    memory meter and cost model filled in."""
+    memory meter and cost model filled in; huge_pages=true: each stage's 4 MiB weights lie on
+    transparent huge pages where the kernel offers them."""
     cfg = _compose(
         [
             *TINY,
             "chunks=4",
             "checkpoint=always",
+            "huge_pages=true",
             "runs=[ours,peer]",
             f"csv={tmp_path / 'b.csv'}",
             "timeout=100",
@@ -99,6 +102,11 @@ def test_ours_and_the_peer_report_throughput_memory_bubble_and_their_ratio(tmp_p
     assert len(ours["activation_bytes_stages"].split("|")) == 2
     with (tmp_path / "b.csv").open() as f:
         assert [r["run"] for r in csv.DictReader(f)] == ["ours", "peer"]
+    for run in ("ours", "peer"):
+        huge = [int(b) for b in rows[run]["huge_page_bytes_stages"].split("|")]
+        assert rows[run]["huge_pages"] is True and len(huge) == 2
+        if _transparent_huge_pages() in ("always", "madvise"):
+            assert all(b >= 2 << 20 for b in huge), (run, huge)
 
 
 @pytest.mark.timeout(150)
@@ -195,6 +203,23 @@ def test_alternate_runs_ours_and_the_peer_in_turns_and_reports_their_ratio(tmp_p
     assert len(blocks) == 3 and all(b > 0 for b in blocks)  # warm-up turn 1; turns 2-4 timed
     assert row["vs_peer_alternating"] == pytest.approx(sorted(blocks)[1], abs=1e-3)  # blocks: 3 decimals
     assert "ours / peer, mlp 1f1b M=8, alternating" in capsys.readouterr().out
+
+
+def _transparent_huge_pages() -> str | None:
+    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``), or ``None``."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text.split("[")[1].split("]")[0] if "[" in text else None
+
+
+def test_huge_pages_set_the_allocators_variable_for_every_run_whatever_the_shell_says(monkeypatch):
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    spec = {"threads": 1, "huge_pages": False}
+    assert run_env(spec)["THP_MEM_ALLOC_ENABLE"] == "0"
+    assert run_env({**spec, "huge_pages": True})["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert run_env({**spec, "huge_pages": True})["OMP_NUM_THREADS"] == "1"
 
 
 def test_repeats_of_an_alternating_run_pool_their_turns_per_stage():
