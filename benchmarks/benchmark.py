@@ -445,17 +445,29 @@ def worker_spec(
         "virtual_stages": cfg.virtual_stages,
         "batch_size": cfg.batch_size,
         "threads": cfg.threads,
-        "pin": bool(cfg.pin),
-        "huge_pages": bool(cfg.huge_pages),
-        "alternate": bool(cfg.alternate) and run in ("ours", "bare"),
+        "pin": _flag(cfg, "pin"),
+        "huge_pages": _flag(cfg, "huge_pages"),
+        "alternate": _flag(cfg, "alternate") and run in ("ours", "bare"),
         "block": cfg.block,
         "warmup": max(1, cfg.warmup),
         "timed": cfg.timed,
-        "memory": cfg.memory,
+        "memory": _flag(cfg, "memory"),
         "lr": cfg.lr,
         "boundary_bytes": boundary,
         "out": str(out),
     }
+
+
+def _flag(cfg: DictConfig, key: str) -> bool:
+    """``cfg[key]``, which must be ``true`` or ``false``.
+
+    Raises:
+        ValueError: anything else (``huge_pages=yes`` reaches here as the string ``"yes"``).
+    """
+    value = cfg.get(key)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false ({key}: {value!r})")
+    return value
 
 
 def write_spec(cfg: DictConfig) -> Path:

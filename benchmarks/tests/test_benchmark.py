@@ -222,6 +222,14 @@ def test_huge_pages_set_the_allocators_variable_for_every_run_whatever_the_shell
     assert run_env({**spec, "huge_pages": True})["OMP_NUM_THREADS"] == "1"
 
 
+@pytest.mark.parametrize("key", ["huge_pages", "pin", "alternate", "memory"])
+def test_a_switch_that_is_not_true_or_false_is_refused_before_any_run(tmp_path, key):
+    cfg = _compose([*TINY, f"{key}=yes", "runs=[ours]", f"csv={tmp_path / 'b.csv'}"])
+    with pytest.raises(ValueError, match=f"{key} must be true or false \\({key}: 'yes'\\)"):
+        benchmark(cfg)
+    assert not (tmp_path / "b.csv").exists()
+
+
 def test_repeats_of_an_alternating_run_pool_their_turns_per_stage():
     """Three sets of processes: each stage's block ratios are those of all three, in order, whatever
     order the ranks' results came in; each repeat's median is kept; the rest is the kept repeat's."""
